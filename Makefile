@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install vllm test demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Real vLLM on CPU for the parity and fidelity tests: its own venv, it pins its own world.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): .ci/install-vllm
+	bash .ci/install-vllm $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
@@ -24,4 +34,4 @@ bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
