@@ -1,7 +1,117 @@
-"""`replay trace ...` subcommands (placeholder until this area is built)."""
+"""`replay trace stats|validate|convert`."""
+
+from __future__ import annotations
 
 import argparse
+import sys
+
+import orjson
+
+from replay.trace.convert import convert_trace
+from replay.trace.formats import FORMATS
+from replay.trace.reader import ON_BAD_LINE, read_trace
+from replay.trace.record import TraceError
+from replay.trace.stats import format_stats, trace_stats
+
+MAX_ERRORS_SHOWN = 50
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    pass
+    trace = subparsers.add_parser("trace", help="inspect, validate and convert trace files")
+    commands = trace.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
+
+    stats = commands.add_parser("stats", help="load, lengths and ideal prefix-cache reuse of a trace")
+    stats.add_argument("file")
+    _format_options(stats, "--format")
+    stats.add_argument("--json", action="store_true", help="print one JSON document")
+    stats.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
+    stats.set_defaults(func=run_stats)
+
+    validate = commands.add_parser("validate", help="check every row; exit 1 and list line-numbered errors")
+    validate.add_argument("file")
+    _format_options(validate, "--format")
+    validate.set_defaults(func=run_validate)
+
+    convert = commands.add_parser("convert", help="write (a window of) a trace as jsonl")
+    convert.add_argument("input")
+    convert.add_argument("output", help="jsonl file; gzipped when it ends in .gz")
+    _format_options(convert, "--from")
+    convert.add_argument("--start", type=float, help="window start, trace seconds")
+    convert.add_argument("--duration", type=float, help="window length, trace seconds")
+    convert.add_argument("--max-rows", type=int, help="keep only the first N rows (after the window)")
+    convert.add_argument("--time-scale", type=float, default=1.0, help="divide times by X (2 = twice as fast)")
+    convert.add_argument("--block-size-to", type=int, help="rescale input lengths to blocks of N tokens")
+    convert.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
+    convert.set_defaults(func=run_convert)
+
+
+def _format_options(parser: argparse.ArgumentParser, flag: str) -> None:
+    parser.add_argument(flag, dest="format", choices=list(FORMATS), help="trace format (detected when omitted)")
+    parser.add_argument("--block-size", type=int, help="tokens per hash id block (overrides the format default)")
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def _report_skipped(trace) -> None:
+    for bad in trace.skipped[:MAX_ERRORS_SHOWN]:
+        print(f"skipped: {bad}", file=sys.stderr)
+    if trace.skipped:
+        print(f"skipped {len(trace.skipped)} bad rows", file=sys.stderr)
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(args.file, args.format, args.block_size, args.on_bad_line)
+    except (TraceError, ValueError, OSError, EOFError) as err:
+        return _fail(str(err))
+    _report_skipped(trace)
+    stats = trace_stats(trace)
+    if args.json:
+        print(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(format_stats(stats))
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(args.file, args.format, args.block_size, on_bad_line="skip")
+    except (TraceError, ValueError, OSError, EOFError) as err:
+        return _fail(str(err))
+    if trace.skipped:
+        for bad in trace.skipped[:MAX_ERRORS_SHOWN]:
+            print(bad)
+        hidden = len(trace.skipped) - MAX_ERRORS_SHOWN
+        if hidden > 0:
+            print(f"... and {hidden} more")
+        print(f"INVALID: {trace.path}: {len(trace.skipped)} bad rows, {len(trace.rows)} good ({trace.format})")
+        return 1
+    block = f", block size {trace.block_size}" if trace.block_size else ""
+    print(f"OK: {trace.path}: {len(trace.rows)} rows ({trace.format}{block})")
+    return 0
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(args.input, args.format, args.block_size, args.on_bad_line)
+        _report_skipped(trace)
+        written = convert_trace(
+            trace,
+            args.output,
+            start=args.start,
+            duration=args.duration,
+            max_rows=args.max_rows,
+            time_scale=args.time_scale,
+            block_size_to=args.block_size_to,
+        )
+    except (TraceError, ValueError, OSError, EOFError, RuntimeError) as err:
+        return _fail(str(err))
+    block = f", block size {written.block_size}" if written.rows and any(r.hash_ids for r in written.rows) else ""
+    print(
+        f"wrote {len(written.rows)} of {len(trace.rows)} rows to {args.output} "
+        f"({written.format}{block}, {written.duration_s:.3f} s)"
+    )
+    return 0

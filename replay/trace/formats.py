@@ -1,0 +1,294 @@
+"""One row parser per trace format, and the FORMATS registry that names them.
+
+A parser turns one decoded record (a JSON object, or a CSV row as {column: text}) into a
+TraceRow, raising RowError for the first broken rule. Parsers keep the little state a
+format needs (previous row time for `delay`, the parent chain for bailian sessions, the
+first datetime for azure) and may fix rows up in finish() once the whole file is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable
+
+from replay.trace.fields import RowError, check_blocks, require, to_hash_ids, to_int, to_time
+from replay.trace.record import TraceRow
+
+
+class JsonRows:
+    """mooncake and jsonl (AIPerf mooncake_trace) rows; timestamps in milliseconds.
+
+    Both honour a per-row "block_size" field, which `replay trace convert` writes when the
+    block size is not the default, so that a rescaled file reads right without options.
+    jsonl also accepts `delay` (ms after the previous row of the same session, or of the
+    file when rows have no session; a session's first row counts from 0, as AIPerf starts
+    every session at once), `messages`/`text_input` (+`tools`) instead of input_length,
+    and `session_id`.
+    """
+
+    def __init__(self, block_size: int | None, default_block: int | None, extended: bool):
+        self.block_size = block_size if block_size is not None else default_block
+        self.fixed = block_size is not None
+        self.extended = extended
+        self.rows_seen = 0
+        self.last_time = 0.0
+        self.last_time_by_session: dict[str, float] = {}
+
+    def _block(self, record: dict) -> int | None:
+        value = record.get("block_size")
+        first = self.rows_seen == 0
+        self.rows_seen += 1
+        if value is None or self.fixed:
+            return self.block_size
+        declared = to_int(value, "block_size", minimum=1)
+        if first:
+            self.block_size = declared
+        elif declared != self.block_size:
+            raise RowError("block_size", f"is {declared} but earlier rows use {self.block_size}")
+        return self.block_size
+
+    def parse(self, record: dict, index: int, line: int) -> TraceRow:
+        block_size = self._block(record)
+        session_id = None
+        messages = tools = None
+        if self.extended:
+            session_id = _session(record.get("session_id"))
+            messages, tools = _messages(record)
+            timestamp_s = self._time(record, session_id)
+        else:
+            timestamp_s = to_time(require(record, "timestamp"), "timestamp") / 1000.0
+        if messages is not None and record.get("input_length") is None:
+            input_length = 0  # the prompt is the messages; only a tokenizer can count it
+        else:
+            input_length = to_int(require(record, "input_length"), "input_length")
+        output_length = to_int(require(record, "output_length"), "output_length")
+        hash_ids = None
+        if record.get("hash_ids") is not None:
+            hash_ids = to_hash_ids(record["hash_ids"])
+            if record.get("input_length") is not None:
+                check_blocks(hash_ids, input_length, block_size)
+        return TraceRow(
+            request_id=index,
+            timestamp_s=timestamp_s,
+            input_length=input_length,
+            output_length=output_length,
+            hash_ids=hash_ids,
+            session_id=session_id,
+            messages=messages,
+            tools=tools,
+            line=line,
+        )
+
+    def _time(self, record: dict, session_id: str | None) -> float:
+        if record.get("timestamp") is not None:
+            timestamp_s = to_time(record["timestamp"], "timestamp") / 1000.0
+        else:
+            delay = record.get("delay")
+            delay_s = 0.0 if delay is None else to_time(delay, "delay", minimum=0) / 1000.0
+            if session_id is None:
+                base = self.last_time
+            else:
+                base = self.last_time_by_session.get(session_id, 0.0)
+            timestamp_s = base + delay_s
+        self.last_time = timestamp_s
+        if session_id is not None:
+            self.last_time_by_session[session_id] = timestamp_s
+        return timestamp_s
+
+    def finish(self, rows: list[TraceRow]) -> None:
+        pass
+
+
+def _session(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RowError("session_id", f"expected a string or integer, got {value!r}")
+    return str(value)
+
+
+def _messages(record: dict) -> tuple[list | None, list | None]:
+    messages = record.get("messages")
+    if messages is None and record.get("text_input") is not None:
+        text = record["text_input"]
+        if not isinstance(text, str):
+            raise RowError("text_input", f"expected a string, got {type(text).__name__}")
+        messages = [{"role": "user", "content": text}]
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise RowError("messages", "expected a non-empty list of messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise RowError("messages", f"item {i} is not an object with a string 'role'")
+    tools = record.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RowError("tools", f"expected a list, got {type(tools).__name__}")
+    return messages, tools
+
+
+class BailianRows:
+    """Alibaba Bailian rows: timestamps in seconds, sessions from the parent_chat_id chain.
+
+    A session is the root chat_id of the chain. Parents normally come first, so the root is
+    known when the child is read; finish() resolves the whole chain again so that any order
+    and any depth work, and a chain whose top parent is absent (a cut window) groups under
+    that missing parent id.
+    """
+
+    def __init__(self, block_size: int | None, default_block: int | None):
+        self.block_size = block_size if block_size is not None else default_block
+        self.parent_of: dict[int, int] = {}
+        self.line_of: dict[int, int] = {}
+        self.root_of: dict[int, int] = {}
+        self.chat_of_row: list[tuple[TraceRow, int]] = []
+
+    def parse(self, record: dict, index: int, line: int) -> TraceRow:
+        chat_id = to_int(require(record, "chat_id"), "chat_id")
+        parent = to_int(require(record, "parent_chat_id"), "parent_chat_id", minimum=-1)
+        if chat_id in self.line_of:
+            raise RowError("chat_id", f"duplicate of line {self.line_of[chat_id]}")
+        if parent == chat_id:
+            raise RowError("parent_chat_id", "a chat cannot be its own parent")
+        timestamp_s = to_time(require(record, "timestamp"), "timestamp")
+        input_length = to_int(require(record, "input_length"), "input_length")
+        output_length = to_int(require(record, "output_length"), "output_length")
+        kind = record.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise RowError("type", f"expected a string, got {kind!r}")
+        turn = None if record.get("turn") is None else to_int(record["turn"], "turn")
+        hash_ids = None
+        if record.get("hash_ids") is not None:
+            hash_ids = to_hash_ids(record["hash_ids"])
+            check_blocks(hash_ids, input_length, self.block_size)
+        self.parent_of[chat_id] = parent
+        self.line_of[chat_id] = line
+        row = TraceRow(
+            request_id=index,
+            timestamp_s=timestamp_s,
+            input_length=input_length,
+            output_length=output_length,
+            hash_ids=hash_ids,
+            session_id=str(self._root(chat_id)),
+            turn=turn,
+            line=line,
+        )
+        self.chat_of_row.append((row, chat_id))
+        return row
+
+    def _root(self, chat_id: int) -> int:
+        """Top of the chain among chats read so far (iterative, memoised: chains may be long)."""
+        path = [chat_id]
+        seen = {chat_id}
+        node = chat_id
+        while True:
+            if node in self.root_of:
+                root = self.root_of[node]
+                break
+            parent = self.parent_of.get(node, -1)
+            if parent == -1:
+                root = node
+                break
+            if parent not in self.parent_of:
+                return parent  # the parent is not in the file (yet): group under its id
+            if parent in seen:
+                return min(seen)  # a cycle has no root; pick a stable member
+            seen.add(parent)
+            path.append(parent)
+            node = parent
+        for member in path:  # a chain that reaches a true root never changes again
+            self.root_of[member] = root
+        return root
+
+    def finish(self, rows: list[TraceRow]) -> None:
+        for row, chat_id in self.chat_of_row:
+            row.session_id = str(self._root(chat_id))
+
+
+class AzureRows:
+    """Azure LLM inference CSV: TIMESTAMP is a zone-less datetime with 100 ns digits.
+
+    Times are relative to the first row, computed in integer nanoseconds so that all 7
+    digits survive (datetime itself stops at microseconds).
+    """
+
+    def __init__(self, block_size: int | None, default_block: int | None):
+        self.block_size = block_size if block_size is not None else default_block
+        self.origin: int | None = None
+
+    def parse(self, record: dict, index: int, line: int) -> TraceRow:
+        nanoseconds = parse_datetime(require(record, "TIMESTAMP"), "TIMESTAMP")
+        input_length = to_int(require(record, "ContextTokens"), "ContextTokens")
+        output_length = to_int(require(record, "GeneratedTokens"), "GeneratedTokens")
+        if self.origin is None:
+            self.origin = nanoseconds
+        return TraceRow(
+            request_id=index,
+            timestamp_s=(nanoseconds - self.origin) / 1e9,
+            input_length=input_length,
+            output_length=output_length,
+            line=line,
+        )
+
+    def finish(self, rows: list[TraceRow]) -> None:
+        pass
+
+
+_EPOCH = datetime(1970, 1, 1)
+
+
+def parse_datetime(text: str, key: str) -> int:
+    """Nanoseconds since 1970 of a zone-less 'YYYY-MM-DD HH:MM:SS[.fffffff]'.
+
+    An integer, because a float of seconds since 1970 only resolves about 240 ns.
+    """
+    whole, _, fraction = text.strip().partition(".")
+    try:
+        moment = datetime.fromisoformat(whole)
+    except ValueError:
+        raise RowError(key, f"unparsable datetime {text!r}") from None
+    if moment.tzinfo is not None or (fraction and not fraction.isdigit()):
+        raise RowError(key, f"unparsable datetime {text!r} (expected no time zone)")
+    since = moment - _EPOCH
+    seconds = since.days * 86400 + since.seconds
+    return seconds * 1_000_000_000 + int((fraction + "000000000")[:9])
+
+
+class BurstGptRows:
+    """BurstGPT CSV: Timestamp in seconds; Model and Log Type are not needed to replay."""
+
+    def __init__(self, block_size: int | None, default_block: int | None):
+        self.block_size = block_size if block_size is not None else default_block
+
+    def parse(self, record: dict, index: int, line: int) -> TraceRow:
+        return TraceRow(
+            request_id=index,
+            timestamp_s=to_time(require(record, "Timestamp"), "Timestamp"),
+            input_length=to_int(require(record, "Request tokens"), "Request tokens"),
+            output_length=to_int(require(record, "Response tokens"), "Response tokens"),
+            line=line,
+        )
+
+    def finish(self, rows: list[TraceRow]) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    default_block: int | None
+    csv_columns: tuple[str, ...] | None  # required header columns; None for JSON lines
+    new_parser: Callable[[int | None, int | None], Any]  # (block_size override, default) -> parser
+
+    @property
+    def is_csv(self) -> bool:
+        return self.csv_columns is not None
+
+
+FORMATS: dict[str, Format] = {
+    "mooncake": Format("mooncake", 512, None, lambda b, d: JsonRows(b, d, extended=False)),
+    "bailian": Format("bailian", 16, None, BailianRows),
+    "jsonl": Format("jsonl", 512, None, lambda b, d: JsonRows(b, d, extended=True)),
+    "azure": Format("azure", None, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), AzureRows),
+    "burstgpt": Format("burstgpt", None, ("Timestamp", "Request tokens", "Response tokens"), BurstGptRows),
+}

@@ -1,0 +1,232 @@
+"""`replay trace stats|validate|convert`, through the real command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import shared_path
+from replay.cli import main
+from replay.trace import Trace, read_trace, select_rows
+from replay.trace.convert import rescale_length
+from replay.trace.stats import trace_stats
+from test_trace_read import bailian_rows, mooncake_rows, write_jsonl
+
+MOONCAKE = ("traces", "mooncake_synthetic_trace.jsonl")
+AZURE = ("traces", "azure_conv_2023.csv")
+
+
+def replay_command() -> list[str]:
+    script = Path(sys.executable).parent / "replay"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "replay"]
+
+
+def run_replay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(replay_command() + list(args), capture_output=True, text=True, timeout=60)
+
+
+def stats_json(capsys, *args) -> dict:
+    assert main(["trace", "stats", "--json", *map(str, args)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# --- stats -----------------------------------------------------------------------------------
+
+
+def test_stats_of_the_shared_mooncake_trace():
+    path = shared_path(*MOONCAKE)
+    done = run_replay("trace", "stats", "--json", str(path))
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    assert stats["requests"] == 3993 and stats["skipped"] == 0
+    assert round(stats["duration_s"]) == 1022
+    assert round(stats["ideal_prefix_hit_ratio"], 2) == 0.64
+    assert round(stats["ideal_prefix_hit_ratio_tokens"], 2) == 0.65
+    assert stats["input_length"]["p99"] == 66458 and stats["input_length"]["max"] == 191378
+    assert round(stats["input_length"]["mean"]) == 15325 and round(stats["output_length"]["mean"]) == 149
+    assert stats["mean_rps"] == pytest.approx(3993 / stats["duration_s"])
+    assert 1 <= stats["peak_rps_1s"] < 3993 and stats["distinct_hash_ids"] > 0
+
+
+def test_stats_of_the_shared_azure_trace(capsys):
+    stats = stats_json(capsys, shared_path(*AZURE))
+    assert (stats["requests"], stats["format"]) == (19366, "azure")
+    assert round(stats["duration_s"]) == 3502 and round(stats["mean_rps"], 1) == 5.5
+    assert stats["ideal_prefix_hit_ratio"] is None and stats["distinct_hash_ids"] == 0
+    assert main(["trace", "stats", str(shared_path(*AZURE))]) == 0
+    text = capsys.readouterr().out
+    assert "19,366" in text and "azure" in text
+
+
+def test_stats_of_a_hand_made_trace_and_its_text_form(tmp_path, capsys):
+    # rows 0..2 share block 5 then diverge; row 3 repeats row 1 entirely
+    rows = [
+        {"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [5, 6]},
+        {"timestamp": 100, "input_length": 30, "output_length": 2, "hash_ids": [5, 7, 8]},
+        {"timestamp": 900, "input_length": 10, "output_length": 3, "hash_ids": [5]},
+        {"timestamp": 2500, "input_length": 30, "output_length": 4, "hash_ids": [5, 7, 8]},
+    ]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    stats = stats_json(capsys, path, "--block-size", 12)
+    assert stats["block_size"] == 12 and stats["requests"] == 4
+    assert stats["duration_s"] == 2.5 and stats["mean_rps"] == 4 / 2.5 and stats["peak_rps_1s"] == 3
+    assert stats["distinct_hash_ids"] == 4
+    # hits: 0, 1, 1, 3 of 2+3+1+3 blocks; tokens 0 + 12 + 10 + 30 of 90
+    assert stats["ideal_prefix_hit_ratio"] == pytest.approx(5 / 9)
+    assert stats["ideal_prefix_hit_ratio_tokens"] == pytest.approx(52 / 90)
+    assert stats["input_length"] == {"mean": 22.5, "p50": 20, "p90": 30, "p99": 30, "max": 30}
+    assert main(["trace", "stats", str(path), "--block-size", "12"]) == 0
+    text = capsys.readouterr().out
+    assert "0.5556 (blocks)" in text and "requests    4" in text
+
+
+def test_stats_reports_sessions_and_skipped_rows(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "b.jsonl", bailian_rows() + ["{broken"])
+    assert main(["trace", "stats", "--json", str(path)]) == 1
+    assert "b.jsonl:6: field '(json)'" in capsys.readouterr().err
+    assert main(["trace", "stats", "--json", str(path), "--on-bad-line", "skip"]) == 0
+    captured = capsys.readouterr()
+    assert "b.jsonl:6: field '(json)'" in captured.err  # a skipped row is never silent
+    stats = json.loads(captured.out)
+    assert (stats["requests"], stats["skipped"], stats["sessions"]) == (5, 1, 2)
+    assert stats["turns_per_session"]["max"] == 3
+
+
+# --- validate --------------------------------------------------------------------------------
+
+
+def test_validate_exit_codes_through_the_console_script(tmp_path):
+    good = run_replay("trace", "validate", str(shared_path(*MOONCAKE)))
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert good.stdout.startswith("OK:") and "3993 rows" in good.stdout
+    bad_rows = [{"timestamp": i, "input_length": 600, "output_length": 1, "hash_ids": [1]} for i in range(60)]
+    bad = write_jsonl(tmp_path / "bad.jsonl", mooncake_rows(2) + bad_rows)
+    done = run_replay("trace", "validate", str(bad))
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"{bad}:3: field 'hash_ids': has 1 ids but input_length 600 needs ceil(600/512) = 2"
+    assert lines[49].startswith(f"{bad}:52: field 'hash_ids'")
+    assert lines[50] == "... and 10 more"
+    assert lines[51] == f"INVALID: {bad}: 60 bad rows, 2 good (mooncake)"
+    undetectable = tmp_path / "what.csv"
+    undetectable.write_text("x,y\n")
+    done = run_replay("trace", "validate", str(undetectable))
+    assert done.returncode == 1 and "what.csv:1: field '(format)'" in done.stderr
+
+
+def test_validate_the_shared_azure_trace_and_a_format_override(tmp_path, capsys):
+    assert main(["trace", "validate", str(shared_path(*AZURE))]) == 0
+    assert "19366 rows (azure)" in capsys.readouterr().out
+    path = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(3))
+    assert main(["trace", "validate", str(path), "--format", "bailian"]) == 1
+    assert f"{path}:1: field 'chat_id': missing" in capsys.readouterr().out
+
+
+# --- convert ---------------------------------------------------------------------------------
+
+
+def test_convert_window_and_time_scale(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(8))  # rows every 0.25 s
+    out = tmp_path / "w.jsonl"
+    args = ["trace", "convert", str(source), str(out), "--start", "0.5", "--duration", "1", "--time-scale", "2"]
+    assert main(args) == 0
+    assert "wrote 4 of 8 rows" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["timestamp"] for r in records] == [0, 125, 250, 375]  # (t - 0.5 s) / 2, in ms
+    originals = mooncake_rows(8)[2:6]
+    assert [r["hash_ids"] for r in records] == [o["hash_ids"] for o in originals]
+    assert all("block_size" not in r for r in records)  # 512 is the default: nothing to say
+    assert main(["trace", "convert", str(source), str(tmp_path / "first3.jsonl"), "--max-rows", "3"]) == 0
+    assert len(read_trace(tmp_path / "first3.jsonl").rows) == 3
+    assert main(["trace", "convert", str(source), str(tmp_path / "none.jsonl"), "--start", "60"]) == 0
+    assert "wrote 0 of 8 rows" in capsys.readouterr().out
+    assert (tmp_path / "none.jsonl").read_text() == ""
+
+
+def test_convert_rescale_keeps_the_block_rule_and_the_hit_ratio(tmp_path, capsys):
+    source = shared_path(*MOONCAKE)
+    out = tmp_path / "small.jsonl.gz"
+    assert main(["trace", "convert", str(source), str(out), "--max-rows", "300", "--block-size-to", "32"]) == 0
+    capsys.readouterr()
+    small = read_trace(out)  # no option: the rows say 32
+    assert (small.block_size, len(small.rows), small.format) == (32, 300, "jsonl")
+    original = select_rows(read_trace(source).rows, max_rows=300)
+    for before, after in zip(original, small.rows):
+        assert after.input_length == math.ceil(before.input_length * 32 / 512)
+        assert after.hash_ids == before.hash_ids
+        assert len(after.hash_ids) == math.ceil(after.input_length / 32)
+        assert after.timestamp_s == before.timestamp_s
+    stats = stats_json(capsys, out)
+    before = trace_stats(Trace(str(source), "mooncake", 512, original))
+    assert stats["ideal_prefix_hit_ratio"] == pytest.approx(before["ideal_prefix_hit_ratio"])
+
+
+def test_rescale_length_property():
+    for block_from, block_to in ((512, 32), (16, 512), (512, 512), (100, 7), (7, 100)):
+        for length in range(0, 3000, 7):
+            scaled = rescale_length(length, block_from, block_to)
+            assert -(-scaled // block_to) == -(-length // block_from), (length, block_from, block_to)
+
+
+def test_convert_azure_to_gzipped_jsonl_round_trip(tmp_path, capsys):
+    source = tmp_path / "azure.csv"
+    source.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:16:00.0000001,1,0\n"
+    )
+    out = tmp_path / "azure.jsonl.gz"
+    assert main(["trace", "convert", str(source), str(out)]) == 0
+    assert out.read_bytes()[:2] == b"\x1f\x8b"
+    back = read_trace(out)
+    assert back.format == "mooncake"
+    assert [(r.input_length, r.output_length) for r in back.rows] == [(374, 44), (396, 109), (1, 0)]
+    assert [r.timestamp_s for r in back.rows] == pytest.approx([0.0, 4.314579, 13.3194101], abs=1e-9)
+    assert main(["trace", "convert", str(source), str(tmp_path / "x.jsonl"), "--block-size-to", "32"]) == 1
+    assert "no block size to rescale from" in capsys.readouterr().err
+
+
+def test_convert_bailian_keeps_sessions_and_its_block_size(tmp_path):
+    source = write_jsonl(tmp_path / "b.jsonl", bailian_rows())
+    out = tmp_path / "b-out.jsonl"
+    done = run_replay("trace", "convert", str(source), str(out), "--from", "bailian")
+    assert done.returncode == 0, done.stderr
+    first = json.loads(out.read_text().splitlines()[0])
+    assert first["block_size"] == 16 and first["session_id"] == "10"
+    back = read_trace(out)
+    original = read_trace(source)
+    assert (back.format, back.block_size) == ("jsonl", 16)
+    assert [(r.session_id, r.hash_ids, r.input_length, r.timestamp_s) for r in back.rows] == [
+        (r.session_id, r.hash_ids, r.input_length, r.timestamp_s) for r in original.rows]
+
+
+def test_convert_keeps_messages_and_tools(tmp_path, capsys):
+    messages = [{"role": "user", "content": "hi there"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    records = [
+        {"session_id": "s", "timestamp": 1000, "messages": messages, "tools": tools, "output_length": 9},
+        {"session_id": "s", "delay": 500, "input_length": 3, "output_length": 1},
+    ]
+    source = write_jsonl(tmp_path / "m.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    assert main(["trace", "convert", str(source), str(out)]) == 0
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert written[0] == {"timestamp": 1000, "output_length": 9, "session_id": "s",
+                          "messages": messages, "tools": tools}
+    assert written[1] == {"timestamp": 1500, "input_length": 3, "output_length": 1, "session_id": "s"}
+
+
+def test_convert_refuses_a_bad_input_and_names_the_line(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "bad.jsonl", mooncake_rows(2) + ['{"timestamp": 1}'])
+    out = tmp_path / "out.jsonl"
+    assert main(["trace", "convert", str(source), str(out)]) == 1
+    assert "bad.jsonl:3: field 'input_length': missing" in capsys.readouterr().err
+    assert main(["trace", "convert", str(source), str(out), "--on-bad-line", "skip"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 1 bad rows" in captured.err and "wrote 2 of 2 rows" in captured.out

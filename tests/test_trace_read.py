@@ -1,0 +1,326 @@
+"""Readers for every format, auto-detection, gzip, and the validation rules (file, line, field)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import pytest
+
+from replay.trace import FORMATS, BadLine, TraceError, detect_format, prefix_hits, read_trace
+from replay.trace.formats import parse_datetime
+
+
+def write_jsonl(path, records, gz=False):
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def mooncake_rows(n=5, block=512):
+    rows = []
+    for i in range(n):
+        length = 700 + 300 * i
+        rows.append(
+            {
+                "timestamp": 250 * i,
+                "input_length": length,
+                "output_length": 10 + i,
+                "hash_ids": [0] + [100 * i + k for k in range(1, math.ceil(length / block))],
+            }
+        )
+    return rows
+
+
+# --- formats -------------------------------------------------------------------------------
+
+
+def test_mooncake_rows_times_in_ms_and_line_numbers(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", mooncake_rows())
+    trace = read_trace(path)
+    assert (trace.format, trace.block_size, trace.skipped) == ("mooncake", 512, [])
+    assert [r.timestamp_s for r in trace.rows] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert [r.request_id for r in trace.rows] == [0, 1, 2, 3, 4]
+    assert [r.line for r in trace.rows] == [1, 2, 3, 4, 5]
+    assert trace.rows[1].input_length == 1000 and trace.rows[1].output_length == 11
+    assert trace.rows[1].hash_ids == (0, 101)
+    assert trace.duration_s == 1.0
+
+
+def test_blank_lines_are_not_rows_but_lines_still_count(tmp_path):
+    rows = mooncake_rows(2)
+    path = write_jsonl(tmp_path / "t.jsonl", [rows[0], "", "   ", rows[1]])
+    trace = read_trace(path)
+    assert [(r.request_id, r.line) for r in trace.rows] == [(0, 1), (1, 4)]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(mooncake_rows(1)[0]).encode() + b"\r\n")
+    assert read_trace(path).rows[0].input_length == 700
+    csv_path = tmp_path / "bom.csv"
+    csv_path.write_bytes(b"\xef\xbb\xbfTIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.68,1,2\r\n")
+    assert read_trace(csv_path).rows[0].output_length == 2
+
+
+def test_gzip_is_read_transparently_even_when_misnamed(tmp_path):
+    rows = mooncake_rows(3)
+    for name in ("t.jsonl.gz", "t-really-gzip.jsonl"):
+        trace = read_trace(write_jsonl(tmp_path / name, rows, gz=True))
+        assert len(trace.rows) == 3 and trace.format == "mooncake"
+
+
+def bailian_rows():
+    """Two conversations, one three turns deep, parents before children, interleaved."""
+    def row(chat, parent, t, length, turn):
+        return {
+            "chat_id": chat, "parent_chat_id": parent, "timestamp": t, "input_length": length,
+            "output_length": 7, "type": "text", "turn": turn,
+            "hash_ids": list(range(chat * 1000, chat * 1000 + math.ceil(length / 16))),
+        }
+    return [
+        row(10, -1, 0.0, 40, 1),
+        row(20, -1, 0.5, 16, 1),
+        row(11, 10, 1.25, 90, 2),
+        row(21, 20, 2.0, 33, 2),
+        row(12, 11, 3.5, 170, 3),
+    ]
+
+
+def test_bailian_sessions_are_the_root_of_the_parent_chain(tmp_path):
+    trace = read_trace(write_jsonl(tmp_path / "b.jsonl", bailian_rows()))
+    assert (trace.format, trace.block_size) == ("bailian", 16)
+    assert [r.session_id for r in trace.rows] == ["10", "20", "10", "20", "10"]
+    assert [r.turn for r in trace.rows] == [1, 1, 2, 2, 3]
+    assert [r.timestamp_s for r in trace.rows] == [0.0, 0.5, 1.25, 2.0, 3.5]  # seconds, not ms
+
+
+def test_bailian_children_before_parents_and_deep_chains(tmp_path):
+    depth = 3000
+    records = [
+        {"chat_id": i, "parent_chat_id": i - 1 if i else -1, "timestamp": float(i),
+         "input_length": 16, "output_length": 1, "type": "text", "turn": i + 1, "hash_ids": [i]}
+        for i in range(depth)
+    ]
+    records.reverse()  # every child comes before its parent
+    records.append({"chat_id": 99999, "parent_chat_id": 88888, "timestamp": 1.0,  # parent cut away
+                    "input_length": 0, "output_length": 1, "hash_ids": []})
+    trace = read_trace(write_jsonl(tmp_path / "deep.jsonl", records))
+    assert {r.session_id for r in trace.rows[:depth]} == {"0"}
+    assert trace.rows[-1].session_id == "88888"
+
+
+def test_jsonl_delay_sessions_messages_and_tools(tmp_path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    records = [
+        {"session_id": "a", "input_length": 10, "output_length": 5},  # session start: t=0
+        {"session_id": "b", "delay": 500, "input_length": 20, "output_length": 5},
+        {"session_id": "a", "delay": 1500, "messages": messages, "tools": tools, "output_length": 3},
+        {"session_id": "b", "timestamp": 4000, "text_input": "hello", "output_length": 2},
+        {"session_id": "b", "delay": 250, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]},
+    ]
+    trace = read_trace(write_jsonl(tmp_path / "a.jsonl", records))
+    assert (trace.format, trace.block_size) == ("jsonl", 512)
+    assert [r.timestamp_s for r in trace.rows] == [0.0, 0.5, 1.5, 4.0, 4.25]
+    assert [r.session_id for r in trace.rows] == ["a", "b", "a", "b", "b"]
+    assert trace.rows[2].messages == messages and trace.rows[2].tools == tools
+    assert trace.rows[2].input_length == 0  # only a tokenizer can count a messages prompt
+    assert trace.rows[3].messages == [{"role": "user", "content": "hello"}]
+
+
+def test_jsonl_delay_without_sessions_follows_the_previous_row(tmp_path):
+    records = [{"delay": 100, "input_length": 1, "output_length": 1},
+               {"delay": 200, "input_length": 1, "output_length": 1}]
+    trace = read_trace(write_jsonl(tmp_path / "d.jsonl", records))
+    assert trace.format == "jsonl"
+    assert [r.timestamp_s for r in trace.rows] == [0.1, pytest.approx(0.3)]
+
+
+def test_jsonl_rows_carry_their_block_size(tmp_path):
+    records = [{"timestamp": 0, "input_length": 40, "output_length": 1, "hash_ids": [1, 2], "block_size": 32}]
+    path = write_jsonl(tmp_path / "b32.jsonl", records)
+    assert read_trace(path).block_size == 32
+    with pytest.raises(TraceError, match="ceil\\(40/16\\) = 3"):
+        read_trace(path, block_size=16)  # an explicit override wins, and the rule then applies
+    records.append({"timestamp": 1, "input_length": 40, "output_length": 1, "hash_ids": [1, 2], "block_size": 64})
+    with pytest.raises(TraceError) as err:
+        read_trace(write_jsonl(tmp_path / "mixed.jsonl", records))
+    assert (err.value.bad.line, err.value.bad.field) == (2, "block_size")
+
+
+def test_azure_datetimes_keep_100ns_and_are_relative_to_the_first_row(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:16:00.0000001,1,0\n"
+        "2023-11-17 00:00:00,5,5\n"
+    )
+    trace = read_trace(path)
+    assert (trace.format, trace.block_size) == ("azure", None)
+    assert [r.timestamp_s for r in trace.rows] == [0.0, 4.314579, 13.3194101, 20653.31941]
+    assert [(r.input_length, r.output_length, r.line) for r in trace.rows][:2] == [(374, 44, 2), (396, 109, 3)]
+    assert all(r.hash_ids is None for r in trace.rows)
+
+
+def test_parse_datetime_rejects_zones_and_garbage():
+    assert parse_datetime("1970-01-01 00:00:01.5", "T") == 1_500_000_000
+    assert parse_datetime("2023-11-16 18:15:46.6805901", "T") % 1_000_000_000 == 680_590_100
+    for text in ("2023-11-16T18:15:46+01:00", "yesterday", "2023-11-16 18:15:46.12x"):
+        with pytest.raises(Exception, match="unparsable datetime"):
+            parse_datetime(text, "T")
+
+
+def test_burstgpt(tmp_path):
+    path = tmp_path / "burst.csv"
+    path.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,472,18,490,Conversation log\n"
+        "45.5,GPT-4,1087,0,1087,API log\n"
+    )
+    trace = read_trace(path)
+    assert trace.format == "burstgpt"
+    assert [(r.timestamp_s, r.input_length, r.output_length, r.line) for r in trace.rows] == [
+        (5.0, 472, 18, 2), (45.5, 1087, 0, 3)]
+
+
+def test_detection_from_first_lines(tmp_path):
+    cases = {
+        "mooncake": json.dumps(mooncake_rows(1)[0]),
+        "bailian": json.dumps(bailian_rows()[0]),
+        "jsonl": json.dumps({"session_id": "s", "input_length": 1, "output_length": 1}),
+        "azure": "TIMESTAMP,ContextTokens,GeneratedTokens",
+        "burstgpt": "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type",
+    }
+    assert set(cases) == set(FORMATS)
+    for name, first in cases.items():
+        path = tmp_path / f"{name}.txt"
+        path.write_text(first + "\n")
+        assert detect_format(path) == name
+    unknown = tmp_path / "unknown.csv"
+    unknown.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(TraceError, match="cannot detect the trace format"):
+        read_trace(unknown)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(TraceError, match="empty file"):
+        read_trace(empty)
+    assert read_trace(empty, format="mooncake").rows == []
+
+
+def test_unknown_format_and_option_values():
+    with pytest.raises(ValueError, match="unknown trace format 'nope'"):
+        read_trace("x", format="nope")
+    with pytest.raises(ValueError, match="on_bad_line"):
+        read_trace("x", on_bad_line="ignore")
+
+
+# --- validation rules ------------------------------------------------------------------------
+
+GOOD = {"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}
+
+BAD_ROWS = [
+    ("{not json", "(json)", "unparsable JSON"),
+    ("[1, 2]", "(json)", "expected a JSON object"),
+    ({"input_length": 600, "output_length": 1}, "timestamp", "missing"),
+    ({**GOOD, "timestamp": "noon"}, "timestamp", "unparsable timestamp"),
+    ({**GOOD, "timestamp": True}, "timestamp", "expected a number"),
+    ({"timestamp": 0, "output_length": 1}, "input_length", "missing"),
+    ({**GOOD, "input_length": -5, "hash_ids": []}, "input_length", "must be >= 0"),
+    ({**GOOD, "input_length": 1.5}, "input_length", "expected an integer"),
+    ({**GOOD, "output_length": -1}, "output_length", "must be >= 0"),
+    ({**GOOD, "hash_ids": [1, 2, 3]}, "hash_ids", "has 3 ids but input_length 600 needs ceil(600/512) = 2"),
+    ({**GOOD, "hash_ids": [1, "x"]}, "hash_ids", "item 1 is not an integer"),
+    ({**GOOD, "hash_ids": "1,2"}, "hash_ids", "expected a list"),
+]
+
+
+@pytest.mark.parametrize("bad, field, message", BAD_ROWS, ids=[f"{f}:{m}" for _, f, m in BAD_ROWS])
+def test_each_rule_names_file_line_and_field(tmp_path, bad, field, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(TraceError) as err:
+        read_trace(path, format="mooncake")
+    assert err.value.bad.line == 3 and err.value.bad.field == field and message in err.value.bad.message
+    assert str(err.value).startswith(f"{path}:3: field '{field}': ")
+
+
+def test_jsonl_and_bailian_specific_rules(tmp_path):
+    cases = [
+        ("jsonl", {"delay": -3, "input_length": 1, "output_length": 1}, "delay"),
+        ("jsonl", {"messages": [], "output_length": 1}, "messages"),
+        ("jsonl", {"messages": [{"content": "no role"}], "output_length": 1}, "messages"),
+        ("jsonl", {"messages": [{"role": "user", "content": "x"}], "tools": {}, "output_length": 1}, "tools"),
+        ("jsonl", {"session_id": [1], "input_length": 1, "output_length": 1}, "session_id"),
+        ("bailian", {**bailian_rows()[0], "chat_id": 10}, "chat_id"),  # duplicate of line 1
+        ("bailian", {**bailian_rows()[1], "parent_chat_id": -2}, "parent_chat_id"),
+        ("bailian", {**bailian_rows()[1], "type": 3}, "type"),
+        ("bailian", {**bailian_rows()[1], "hash_ids": [1, 2]}, "hash_ids"),
+    ]
+    for fmt, bad, field in cases:
+        first = bailian_rows()[0] if fmt == "bailian" else {"timestamp": 0, "input_length": 1, "output_length": 1}
+        path = write_jsonl(tmp_path / f"{fmt}.jsonl", [first, bad])
+        with pytest.raises(TraceError) as err:
+            read_trace(path, format=fmt)
+        assert (err.value.bad.line, err.value.bad.field) == (2, field), (fmt, bad)
+
+
+def test_csv_rules_name_the_column(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:47,-1,44\n"
+        "not a date,1,1\n"
+        "2023-11-16 18:15:48,1\n"
+        "2023-11-16 18:15:49,1,many\n"
+    )
+    trace = read_trace(path, on_bad_line="skip")
+    assert [(b.line, b.field) for b in trace.skipped] == [
+        (3, "ContextTokens"), (4, "TIMESTAMP"), (5, "(csv)"), (6, "GeneratedTokens")]
+    assert [r.request_id for r in trace.rows] == [0]
+    missing = tmp_path / "missing.csv"
+    missing.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,1\n")
+    with pytest.raises(TraceError) as err:
+        read_trace(missing, format="azure", on_bad_line="skip")  # no row can be read: always fatal
+    assert (err.value.bad.line, err.value.bad.field) == (1, "GeneratedTokens")
+
+
+def test_skip_mode_keeps_going_and_counts_every_bad_row(tmp_path):
+    records = [GOOD, BAD_ROWS[0][0], GOOD, BAD_ROWS[9][0], BAD_ROWS[6][0], GOOD]
+    path = write_jsonl(tmp_path / "mixed.jsonl", records)
+    with pytest.raises(TraceError):
+        read_trace(path)
+    trace = read_trace(path, on_bad_line="skip")
+    assert [(r.request_id, r.line) for r in trace.rows] == [(0, 1), (2, 3), (5, 6)]
+    assert [(b.line, b.field) for b in trace.skipped] == [(2, "(json)"), (4, "hash_ids"), (5, "input_length")]
+    assert all(isinstance(b, BadLine) and b.path == str(path) for b in trace.skipped)
+
+
+# --- the ideal prefix cache -------------------------------------------------------------------
+
+
+def test_prefix_hits_need_the_whole_chain_not_just_the_id(tmp_path):
+    from replay.trace import TraceRow
+
+    def row(i, ids):
+        return TraceRow(request_id=i, timestamp_s=i, input_length=len(ids) * 4, output_length=1,
+                        hash_ids=tuple(ids))
+
+    rows = [
+        row(0, [1, 2, 3]),
+        row(1, [1, 2, 3, 4]),  # 3 cached
+        row(2, [9, 2, 3]),  # 2 and 3 were seen, but after 1, not after 9
+        row(3, [1, 2, 7]),  # 2
+        row(4, [9, 2, 3, 4]),  # 3 (row 2 put 9,2,3 in the cache)
+        row(5, [1, 2, 3, 4]),  # 4
+        TraceRow(request_id=6, timestamp_s=6, input_length=5, output_length=1),  # no ids: 0
+        row(7, [2, 3]),  # 0: 2 never started a chain
+    ]
+    assert list(prefix_hits(rows)) == [0, 3, 0, 2, 3, 4, 0, 0]
