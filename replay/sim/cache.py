@@ -1,0 +1,78 @@
+"""A block-granular prefix cache that answers cached_tokens the way vLLM v1 does.
+
+vLLM hashes each *full* block of prompt token ids chained to its parent block's hash
+(vllm/v1/core/kv_cache_utils.py hash_block_tokens), so a block only matches when the
+whole prefix before it matches too. A hit never covers the last prompt token:
+vllm/v1/core/kv_cache_manager.py, KVCacheManager.get_computed_blocks sets
+``max_cache_hit_length = request.num_tokens - 1`` ("we must recompute the last token to
+obtain logits"), and the hit is counted in whole blocks. So a 1978-token prompt sent twice
+with block size 32 reports (1977 // 32) * 32 = 1952 cached tokens, as real vLLM on CPU does.
+
+When blocks enter the cache: KVCacheManager.allocate_slots calls cache_blocks() for
+every full block of the tokens it schedules, i.e. at scheduling, before the prefill has
+run; a request scheduled in a later step already hits them. The sim schedules a whole
+prompt at once (no chunked prefill), so all its full prompt blocks are inserted when the
+request leaves the waiting queue.
+
+Eviction (kept simple, stated here): the cache is an LRU of at most ``capacity`` block
+hashes. Blocks a request uses are touched tail-first, so that, as in vLLM (which frees a
+request's blocks in reverse order), the tail of a prefix is evicted before its head.
+Blocks of running requests are not pinned, and output tokens are not cached (their
+blocks could only match a prompt that repeats the generated text).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chain hashes of the full blocks: hash i covers tokens [0, (i+1)*block_size)."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixCache:
+    def __init__(self, block_size: int, capacity: int):
+        self.block_size = block_size
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def cached_tokens(self, token_ids: Sequence[int], hashes: Sequence[int] | None = None) -> int:
+        """Tokens a new request would find cached (whole blocks, never the last token)."""
+        if hashes is None:
+            hashes = block_hashes(token_ids, self.block_size)
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        hit = 0
+        for h in hashes[:max_blocks]:
+            if h not in self._blocks:
+                break
+            hit += 1
+        return hit * self.block_size
+
+    def schedule(self, token_ids: Sequence[int]) -> int:
+        """Look the prompt up, then insert all its full blocks; returns the cached tokens."""
+        hashes = block_hashes(token_ids, self.block_size)
+        cached = self.cached_tokens(token_ids, hashes)
+        if self.capacity <= 0:
+            return cached
+        blocks = self._blocks
+        for h in reversed(hashes[: self.capacity]):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+        return cached
+
+    def clear(self) -> None:
+        self._blocks.clear()

@@ -1,0 +1,152 @@
+"""What the simulated engine decides for a request: when it runs, what it hits, what it says.
+
+The engine owns the prefix cache, the running/waiting bookkeeping (--max-num-seqs, FIFO
+like vLLM's scheduler) and the counters behind /metrics. It knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from gevent.event import Event
+
+from replay.sim.cache import PrefixCache
+from replay.sim.options import SimOptions
+from replay.sim.vocab import OutputVocabulary
+from replay.synth.tokenizer import ServerTokenizer
+
+
+@dataclass
+class Plan:
+    """One scheduled request: its prompt accounting, its output, and its timeline."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    token_ids: list[int]
+    finish_reason: str  # "length" or "stop"
+    started: float  # time.monotonic() when it left the waiting queue
+    ttft_s: float
+    itl_s: list[float]  # gap before token i+1, len(token_ids) - 1 entries
+    drop_at: int | None  # close the stream after this many tokens (fault injection)
+    seed: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def finished_at(self) -> float:
+        return self.started + self.ttft_s + sum(self.itl_s)
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cache_queries: int = 0
+    cache_hits: int = 0
+    success: dict[str, int] = field(default_factory=lambda: {"length": 0, "stop": 0, "abort": 0})
+    errors: dict[int, int] = field(default_factory=dict)
+    dropped: int = 0
+
+
+class Engine:
+    def __init__(self, options: SimOptions, tokenizer: ServerTokenizer | None = None):
+        self.options = options
+        self.tokenizer = tokenizer or ServerTokenizer.load(options.tokenizer, options.chat_template)
+        self.vocab = OutputVocabulary(self.tokenizer)
+        self.cache = PrefixCache(options.block_size, options.cache_blocks)
+        self.counters = Counters()
+        self.rng = random.Random(options.seed)
+        self.running = 0
+        self._waiting: deque[Event] = deque()
+        self._serial = 0
+
+    # -- identity ---------------------------------------------------------------
+    def next_id(self) -> int:
+        self._serial += 1
+        return self._serial
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # -- faults ----------------------------------------------------------------
+    def inject_error(self) -> bool:
+        rate = self.options.error_rate
+        return rate > 0 and self.rng.random() < rate
+
+    def record_error(self, status: int) -> None:
+        self.counters.errors[status] = self.counters.errors.get(status, 0) + 1
+
+    # -- admission: at most max_num_seqs running, the rest wait first-come first-served --
+    def acquire(self) -> None:
+        if self.running < self.options.max_num_seqs and not self._waiting:
+            self.running += 1
+            return
+        ticket = Event()
+        self._waiting.append(ticket)
+        try:
+            ticket.wait()
+        except BaseException:
+            if ticket.is_set():  # the slot was handed over just as we were killed
+                self.release()
+            else:
+                self._waiting.remove(ticket)
+            raise
+
+    def release(self) -> None:
+        if self._waiting:
+            # Hand the slot straight to the oldest waiter: `running` stays the same.
+            self._waiting.popleft().set()
+        else:
+            self.running -= 1
+
+    # -- scheduling ---------------------------------------------------------------
+    def schedule(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool, min_tokens: int = 0,
+                 stream: bool = False) -> Plan:
+        """Called once the request holds a slot: look up and fill the cache, draw the output."""
+        opts = self.options
+        prompt_len = len(prompt_ids)
+        cached = self.cache.schedule(prompt_ids)
+        c = self.counters
+        c.prompt_tokens += prompt_len
+        c.cache_queries += prompt_len
+        c.cache_hits += cached
+
+        seed = self.rng.getrandbits(63)
+        rng = random.Random(seed)
+        n = max_tokens
+        finish = "length"
+        if not ignore_eos and opts.eos_prob > 0 and max_tokens > min_tokens:
+            # Geometric draw of the first EOS after min_tokens (same law as a per-token coin).
+            u = rng.random()
+            extra = 0 if opts.eos_prob >= 1 else int(math.log1p(-u) / math.log1p(-opts.eos_prob))
+            if min_tokens + extra + 1 < max_tokens:
+                n = min_tokens + extra + 1
+                finish = "stop"
+        token_ids = rng.choices(self.vocab.ids, k=n)
+
+        jitter = opts.jitter
+        scale = (lambda: 1.0 + jitter * (2.0 * rng.random() - 1.0)) if jitter else (lambda: 1.0)
+        uncached = prompt_len - cached
+        ttft_ms = opts.ttft_ms + opts.prefill_ms_per_1k * uncached / 1000.0 + opts.stall_ms
+        ttft_s = ttft_ms * scale() / 1000.0
+        itl = opts.itl_ms / 1000.0
+        itl_s = [itl * scale() for _ in range(n - 1)] if jitter else [itl] * (n - 1)
+        drop_at = None
+        if stream and opts.drop_rate > 0 and rng.random() < opts.drop_rate:
+            drop_at = rng.randint(1, n) if n > 1 else 1
+        return Plan(prompt_len, cached, token_ids, finish, time.monotonic(), ttft_s, itl_s, drop_at, seed)
+
+    def finish(self, plan: Plan, emitted: int, completed: bool) -> None:
+        c = self.counters
+        c.generation_tokens += emitted
+        if completed:
+            c.success[plan.finish_reason] += 1
+        else:
+            c.success["abort"] += 1

@@ -1,0 +1,104 @@
+"""Run one generation through the engine and pace its output, whatever the protocol.
+
+A protocol (OpenAI chat, OpenAI completions, TGI) supplies a Frames object that turns
+token ranges into bytes; this module does the waiting: FIFO admission, time to first
+token, one event per token at the inter-token gap, with the tokens that fall due at the
+same instant written together (--itl-ms 0 sends a whole answer in one write, still one
+event per token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import gevent
+
+from replay.sim.engine import Engine, Plan
+from replay.sim.errors import ApiError
+from replay.sim.http import DropConnection, Response, Stream
+
+# A timer may fire a little early; tokens due within this margin go out with the batch.
+EARLY_S = 0.0005
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+
+
+class Frames(Protocol):
+    def first(self, plan: Plan) -> bytes: ...
+    def tokens(self, plan: Plan, start: int, end: int) -> bytes: ...
+    def tail(self, plan: Plan) -> bytes: ...
+    def full(self, plan: Plan) -> bytes: ...
+
+
+def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        gevent.sleep(delay)
+
+
+def respond(engine: Engine, req: GenRequest, frames: Frames) -> Response | Stream:
+    if engine.inject_error():
+        raise ApiError("injected fault (--error-rate)", status=engine.options.error_status)
+    if req.stream:
+        return Stream(_events(engine, req, frames))
+    engine.acquire()
+    plan = None
+    completed = False
+    try:
+        plan = engine.schedule(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens)
+        _sleep_until(plan.finished_at)
+        completed = True
+    finally:
+        if plan is not None:
+            engine.finish(plan, plan.completion_tokens if completed else 0, completed)
+        engine.release()
+    return Response(200, frames.full(plan))
+
+
+def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
+    engine.acquire()
+    plan = None
+    emitted = 0
+    completed = False
+    try:
+        plan = engine.schedule(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens, stream=True)
+        n = plan.completion_tokens
+        drop_at = plan.drop_at
+        itl = plan.itl_s
+        due = plan.started + plan.ttft_s
+        while emitted < n:
+            _sleep_until(due)
+            now = time.monotonic() + EARLY_S
+            end = emitted
+            while end < n and due <= now:
+                if end < n - 1:
+                    due += itl[end]
+                end += 1
+            if end == emitted:
+                continue
+            if drop_at is not None and end >= drop_at:
+                end = drop_at
+            data = frames.tokens(plan, emitted, end)
+            if emitted == 0:
+                data = frames.first(plan) + data
+            emitted = end
+            yield data
+            if drop_at is not None and emitted >= drop_at:
+                engine.counters.dropped += 1
+                raise DropConnection()
+        completed = True
+        yield frames.tail(plan)
+    finally:
+        if plan is not None:
+            engine.finish(plan, emitted, completed)
+        engine.release()

@@ -1,0 +1,46 @@
+"""/metrics in Prometheus text format, with vLLM's names and labels.
+
+vLLM (vllm/v1/metrics/loggers.py) exports prometheus_client counters, which gain the
+`_total` suffix, labelled `{engine="0",model_name="..."}`. vllm:prefix_cache_queries counts
+prompt tokens looked up and vllm:prefix_cache_hits the tokens found (PrefixCacheStats.record
+is called with request.num_tokens and the hit tokens). Counters vLLM does not have are
+prefixed `sim:`.
+"""
+
+from __future__ import annotations
+
+from replay.sim.engine import Engine
+
+
+def render(engine: Engine) -> bytes:
+    c = engine.counters
+    labels = f'engine="0",model_name="{engine.options.model}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for extra, value in samples:
+            lab = labels + ("," + extra if extra else "")
+            lines.append(f"{name}{{{lab}}} {float(value)}")
+
+    metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+           [("", engine.running)])
+    metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+           [("", engine.waiting)])
+    cap = engine.options.cache_blocks
+    metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+           [("", len(engine.cache) / cap if cap else 0.0)])
+    metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+           [("", c.cache_queries)])
+    metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+           [("", c.cache_hits)])
+    metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", [("", c.prompt_tokens)])
+    metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+           [("", c.generation_tokens)])
+    metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
+           [(f'finished_reason="{r}"', n) for r, n in sorted(c.success.items())])
+    metric("sim:request_errors_total", "counter", "Requests answered with an HTTP error, by status.",
+           [(f'status="{s}"', n) for s, n in sorted(c.errors.items())])
+    metric("sim:streams_dropped_total", "counter", "Streams cut mid-way by --drop-rate.", [("", c.dropped)])
+    return ("\n".join(lines) + "\n").encode()

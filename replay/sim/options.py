@@ -1,0 +1,89 @@
+"""The sim's settings, shared by the command line and the in-process API."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class SimOptions:
+    tokenizer: str
+    chat_template: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = "sim"
+    block_size: int = 16
+    cache_blocks: int = 100_000
+    max_model_len: int = 32768
+    ttft_ms: float = 20.0
+    prefill_ms_per_1k: float = 5.0
+    itl_ms: float = 10.0
+    jitter: float = 0.0
+    max_num_seqs: int = 256
+    error_rate: float = 0.0
+    error_status: int = 500
+    stall_ms: float = 0.0
+    drop_rate: float = 0.0
+    eos_prob: float = 0.002
+    seed: int = 0
+
+
+HELP = {
+    "tokenizer": "tokenizer.json or a folder holding it (its tokenizer_config.json supplies the chat template)",
+    "chat_template": "tokenizer_config.json or .jinja file overriding the tokenizer's chat template",
+    "host": "address to bind",
+    "port": "port to bind (0 = pick a free one)",
+    "model": "the served model name; requests naming another model get 404 as from vLLM",
+    "block_size": "prefix-cache block size in tokens",
+    "cache_blocks": "prefix-cache capacity in blocks (LRU beyond it)",
+    "max_model_len": "context length: prompt + max_tokens must fit",
+    "ttft_ms": "base time to first token",
+    "prefill_ms_per_1k": "extra time to first token per 1000 uncached prompt tokens",
+    "itl_ms": "time between output tokens",
+    "jitter": "multiplicative jitter: each delay is scaled by a factor uniform in [1-j, 1+j]",
+    "max_num_seqs": "requests running at once; the rest wait in FIFO order",
+    "error_rate": "fraction of requests answered with --error-status",
+    "error_status": "HTTP status of injected errors",
+    "stall_ms": "extra delay before the first token of every request",
+    "drop_rate": "fraction of streams whose connection is closed mid-way",
+    "eos_prob": "per-token chance of an early stop when the request does not set ignore_eos",
+    "seed": "seed of every random choice (faults, jitter, output tokens and lengths)",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(SimOptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "tokenizer":
+            parser.add_argument(flag, required=True, help=HELP[f.name])
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=f.default, help=f"{HELP[f.name]} (default: {f.default})")
+
+
+def from_namespace(args: argparse.Namespace) -> SimOptions:
+    return SimOptions(**{f.name: getattr(args, f.name) for f in fields(SimOptions)})
+
+
+def validate(options: SimOptions) -> None:
+    """Reject settings the engine cannot honour, before binding a port."""
+    if options.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {options.block_size}")
+    if options.cache_blocks < 0:
+        raise ValueError(f"--cache-blocks must be >= 0, got {options.cache_blocks}")
+    if options.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {options.max_num_seqs}")
+    if options.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {options.max_model_len}")
+    for name in ("error_rate", "drop_rate", "eos_prob"):
+        value = getattr(options, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1], got {value}")
+    if not 0.0 <= options.jitter < 1.0:
+        raise ValueError(f"--jitter must be within [0, 1), got {options.jitter}")
+    for name in ("ttft_ms", "prefill_ms_per_1k", "itl_ms", "stall_ms"):
+        if getattr(options, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if not 100 <= options.error_status <= 599:
+        raise ValueError(f"--error-status must be an HTTP status, got {options.error_status}")

@@ -1,0 +1,107 @@
+"""The sim's HTTP front: routes, error shapes, and starting/stopping the gevent server.
+
+In-process use (tests, benches) needs a gevent-friendly caller (a monkey-patched process
+such as Locust, or geventhttpclient): `server, port = start(options)`; `server.stop()`.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+
+import gevent
+from gevent.event import Event
+from gevent.server import StreamServer
+
+from replay.sim import metrics, openai, tgi
+from replay.sim.engine import Engine
+from replay.sim.errors import ApiError
+from replay.sim.http import Connection, Request, Response, Stream
+from replay.sim.options import SimOptions, validate
+
+Handler = Callable[[Engine, Request], "Response | Stream"]
+
+
+def _health(engine: Engine, request: Request) -> Response:
+    return Response(200, b"", "text/plain")
+
+
+def _metrics(engine: Engine, request: Request) -> Response:
+    return Response(200, metrics.render(engine), "text/plain; version=0.0.4; charset=utf-8")
+
+
+def _reset_prefix_cache(engine: Engine, request: Request) -> Response:
+    # vLLM serves this with VLLM_SERVER_DEV_MODE=1; parity runs use it to start cold.
+    engine.cache.clear()
+    return Response(200, b"", "text/plain")
+
+
+# path -> (method, handler, error style)
+ROUTES: dict[str, tuple[str, Handler, str]] = {
+    "/v1/chat/completions": ("POST", openai.chat_completions, "openai"),
+    "/v1/completions": ("POST", openai.completions, "openai"),
+    "/v1/models": ("GET", openai.models, "openai"),
+    "/health": ("GET", _health, "openai"),
+    "/metrics": ("GET", _metrics, "openai"),
+    "/reset_prefix_cache": ("POST", _reset_prefix_cache, "openai"),
+    "/generate": ("POST", tgi.generate, "tgi"),
+    "/generate_stream": ("POST", tgi.generate_stream, "tgi"),
+}
+
+
+def _detail(status: int, text: str) -> Response:
+    # FastAPI's shape for routing errors, as vLLM answers them.
+    return Response(status, b'{"detail":"%s"}' % text.encode())
+
+
+class App:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def __call__(self, request: Request) -> Response | Stream:
+        route = ROUTES.get(request.path.rstrip("/") or "/")
+        if route is None:
+            return _detail(404, "Not Found")
+        method, handler, style = route
+        if request.method != method and not (method == "GET" and request.method == "HEAD"):
+            return _detail(405, "Method Not Allowed")
+        try:
+            return handler(self.engine, request)
+        except ApiError as exc:
+            self.engine.record_error(exc.status)
+            body = exc.tgi_body() if style == "tgi" else exc.openai_body()
+            return Response(exc.status, body)
+
+    def internal_error(self, exc: BaseException) -> Response:
+        traceback.print_exception(exc, file=sys.stderr)
+        self.engine.record_error(500)
+        return Response(500, ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500).openai_body())
+
+
+def start(options: SimOptions, engine: Engine | None = None) -> tuple[StreamServer, int]:
+    """Bind and start serving in the current gevent hub; returns the server and its port."""
+    validate(options)
+    engine = engine or Engine(options)
+    app = App(engine)
+
+    def handle(sock, address) -> None:
+        Connection(sock, app, app.internal_error).serve()
+
+    server = StreamServer((options.host, options.port), handle, backlog=2048)
+    server.engine = engine  # for tests and benches that inspect the cache or counters
+    server.start()
+    return server, server.server_port
+
+
+def serve(options: SimOptions) -> int:
+    """Run until SIGTERM/SIGINT; prints the one line tests wait for once accepting."""
+    server, port = start(options)
+    stop = Event()
+    gevent.signal_handler(signal.SIGTERM, stop.set)
+    gevent.signal_handler(signal.SIGINT, stop.set)
+    print(f"replay sim listening on http://{options.host}:{port}", flush=True)
+    stop.wait()
+    server.stop(timeout=1)
+    return 0
