@@ -1,7 +1,95 @@
-"""`replay synth ...` subcommands (placeholder until this area is built)."""
+"""`replay prompts check`: synthesize a trace's prompts and count them as the server will."""
+
+from __future__ import annotations
 
 import argparse
+import sys
+
+import orjson
+
+from replay.synth.check import check_prompts, rescale_rows
+from replay.synth.prompts import APIS, PromptError, PromptSynthesizer
+from replay.synth.tokenizer import ServerTokenizer
+from replay.synth.vocab import VocabularyError
+from replay.trace.formats import FORMATS
+from replay.trace.reader import read_trace
+from replay.trace.record import TraceError
+
+MISMATCHES_SHOWN = 20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    pass
+    prompts = subparsers.add_parser("prompts", help="synthesized prompts")
+    commands = prompts.add_subparsers(dest="prompts_command", metavar="SUBCOMMAND", required=True)
+    check = commands.add_parser(
+        "check", help="synthesize each row's prompt and count it with the server's rule; exit 1 unless all exact"
+    )
+    check.add_argument("--trace", required=True, help="trace file")
+    check.add_argument("--format", choices=list(FORMATS), help="trace format (detected when omitted)")
+    check.add_argument("--block-size", type=int, help="tokens per hash id block (overrides the format default)")
+    check.add_argument(
+        "--block-size-to",
+        type=int,
+        help="first rescale lengths to blocks of N tokens, ceil(L*N/B) with the same hash ids (faster; rows "
+        "that become shorter than the chat template cannot be exact)",
+    )
+    check.add_argument("--tokenizer", required=True, help="tokenizer.json or a folder holding it")
+    check.add_argument("--chat-template", help="tokenizer_config.json or .jinja file (overrides the folder's)")
+    check.add_argument("--api", choices=APIS, default="openai-chat")
+    check.add_argument("--token-ids", action="store_true", help="openai-completions prompts as token ids")
+    check.add_argument("--limit", type=int, help="check only the first N rows")
+    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--json", action="store_true", help="print one JSON document")
+    check.add_argument("--verbose", "-v", action="store_true", help="list every mismatching request")
+    check.set_defaults(func=run_check)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_check(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(args.trace, args.format, args.block_size)
+        rows = trace.rows[: args.limit] if args.limit is not None else trace.rows
+        block_size = trace.block_size or 512
+        if args.block_size_to is not None:
+            if args.block_size_to < 1:
+                return _fail(f"--block-size-to must be >= 1, got {args.block_size_to}")
+            if trace.block_size is not None:
+                rows = rescale_rows(rows, trace.block_size, args.block_size_to)
+            block_size = args.block_size_to
+        tokenizer = ServerTokenizer.load(args.tokenizer, args.chat_template)
+        synth = PromptSynthesizer(tokenizer, args.api, block_size, args.seed, token_ids=args.token_ids)
+    except (TraceError, PromptError, VocabularyError, ValueError, OSError) as err:
+        return _fail(str(err))
+    result = check_prompts(synth, rows)
+    if args.json:
+        print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(_format(result, args.verbose))
+    return 0 if result["exact"] == result["requests"] else 1
+
+
+def _format(result: dict, verbose: bool) -> str:
+    lines = [
+        f"tokenizer        {result['tokenizer']}",
+        f"api              {result['api']}{' (token ids)' if result['token_ids'] else ''}",
+        f"block size       {result['block_size']}",
+        f"template tokens  {result['template_overhead_tokens']}",
+        f"requests         {result['requests']}",
+        f"exact            {result['exact']}",
+        f"max abs error    {result['max_abs_error']}",
+        f"warnings         {result['warnings']} (rows shorter than the template)",
+        f"elapsed          {result['elapsed_s']:.2f} s",
+    ]
+    shown = result["mismatches"] if verbose else result["mismatches"][:MISMATCHES_SHOWN]
+    for m in shown:
+        lines.append(
+            f"  request {m['request_id']} (line {m['line']}): input_length {m['input_length']}, "
+            f"server counts {m['server_tokens']} ({m['error']:+d})"
+        )
+    if len(shown) < len(result["mismatches"]):
+        lines.append(f"  ... {len(result['mismatches']) - len(shown)} more (--verbose lists all)")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""Blocks: the token ids and text standing for one hash id, the same on every machine.
+
+A block is drawn from the safe vocabulary by SHAKE-256 keyed on (seed, namespace, key,
+block_size): a standard extendable-output hash, so every process of every worker derives
+the same words without Python's randomised hash() or a version-dependent PRNG. One call
+yields the whole block, which keeps cold synthesis cheap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from operator import itemgetter
+
+from replay.synth.vocab import SafeVocab
+
+HASHED = b"h"  # blocks named by a trace hash id: shared by every row that carries the id
+UNIQUE = b"u"  # blocks of one row only (rows without hash ids, or too few of them)
+TOKEN_ID = "I" if array("I").itemsize == 4 else "L"  # array typecode of token ids
+DRAWS = 1 << 16  # each token is one 16-bit draw, mapped through a table onto the vocabulary
+
+
+@dataclass(slots=True)
+class Block:
+    """One draw per token; the first always picks a lead-capable word, so any block can open a prompt.
+
+    The text is made with the block; the token ids only when first asked for (BlockSource.ids),
+    since most prompts are sent as text.
+    """
+
+    text: str
+    draws: array  # the 16-bit draws behind the words
+    ids: array | None = None
+
+
+def _draws(seed: int, namespace: bytes, key: bytes, block_size: int) -> array:
+    material = b"tracereplay-block-v1|%d|%s|%s|%d" % (seed, namespace, key, block_size)
+    draws = array("H", hashlib.shake_256(material).digest(2 * block_size))
+    if sys.byteorder == "big":
+        draws.byteswap()
+    return draws
+
+
+class BlockSource:
+    """Makes blocks of `block_size` tokens and keeps the recently used hashed ones.
+
+    Lookup tables from a 16-bit draw straight to a word's id and text make a block two
+    C-level gathers and a join, with no per-token Python arithmetic.
+    """
+
+    def __init__(self, vocab: SafeVocab, block_size: int, seed: int = 0, cache_blocks: int = 8192):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.vocab = vocab
+        self.block_size = block_size
+        self.seed = seed
+        self.cache_blocks = cache_blocks
+        self._cache: OrderedDict[int, Block] = OrderedDict()
+        words = [(r * len(vocab)) >> 16 for r in range(DRAWS)]
+        leads = [(r * vocab.lead_count) >> 16 for r in range(DRAWS)]
+        self._ids = [vocab.ids[i] for i in words]
+        self._texts = [vocab.texts[i] for i in words]
+        self._lead_ids = [vocab.ids[i] for i in leads]
+        self._lead_texts = [vocab.texts[i] for i in leads]
+        self._lead_server_ids = [vocab.lead_ids[i] for i in leads]
+        self.hits = 0
+        self.misses = 0
+
+    def make(self, namespace: bytes, key: bytes) -> Block:
+        """A fresh block (no cache): the first word from the lead-capable words, the rest from all."""
+        draws = _draws(self.seed, namespace, key, self.block_size)
+        return Block(self.prefix_text_of(draws, len(draws)), draws)
+
+    def ids(self, block: Block, count: int | None = None) -> array:
+        """The ids of the block's first `count` tokens (all by default), as they sit inside a prompt."""
+        if block.ids is None:
+            draws = block.draws
+            block.ids = array(TOKEN_ID, [self._lead_ids[draws[0]]])
+            if len(draws) > 2:
+                block.ids.extend(itemgetter(*draws[1:])(self._ids))
+            elif len(draws) == 2:
+                block.ids.append(self._ids[draws[1]])
+        return block.ids if count is None or count >= len(block.ids) else block.ids[:count]
+
+    def lead_id(self, block: Block) -> int:
+        """The id the block's first word has when it opens a prompt (written without its space)."""
+        return self._lead_server_ids[block.draws[0]]
+
+    def prefix_text(self, block: Block, count: int) -> str:
+        """Text of the block's first `count` tokens: a partial last block is a prefix of the whole."""
+        if count >= len(block.draws):
+            return block.text
+        return self.prefix_text_of(block.draws, count)
+
+    def prefix_text_of(self, draws: array, count: int) -> str:
+        if count <= 0:
+            return ""
+        text = self._lead_texts[draws[0]]
+        if count == 1:
+            return text
+        if count == 2:
+            return text + self._texts[draws[1]]
+        return text + "".join(itemgetter(*draws[1:count])(self._texts))
+
+    def hashed(self, hash_id: int) -> Block:
+        cache = self._cache
+        block = cache.get(hash_id)
+        if block is not None:
+            self.hits += 1
+            cache.move_to_end(hash_id)
+            return block
+        self.misses += 1
+        block = self.make(HASHED, b"%d" % hash_id)
+        cache[hash_id] = block
+        if len(cache) > self.cache_blocks:
+            cache.popitem(last=False)
+        return block
+
+    def unique(self, request_id: int, index: int) -> Block:
+        """A block no other row can have: keyed on the row and the block's place in it."""
+        return self.make(UNIQUE, b"%d.%d" % (request_id, index))
+
+    def clear(self) -> None:
+        self._cache.clear()
