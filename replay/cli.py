@@ -8,7 +8,7 @@ import sys
 
 # Each module has register(subparsers): it adds its subcommand with set_defaults(func=...),
 # and func(args) returns the process exit code.
-COMMAND_MODULES = ("replay.trace.cli", "replay.synth.cli", "replay.sim.cli")
+COMMAND_MODULES = ("replay.trace.cli", "replay.synth.cli", "replay.sim.cli", "replay.results.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,287 @@
+"""Live figures of a running replay, for the Replay view (`/replay/stats`).
+
+Everything is computed on the master (or the local runner), once a second, from what it
+already has: the records the workers ship in batches, plus one small message a second from
+each worker with what only the worker knows (rows sent, requests in flight). Nothing here
+runs on a worker's dispatch path.
+
+Latencies, token rates and drift (also each worker's) are over the records that arrived in
+the last WINDOW_S seconds; once the run has ended a worker's drift p99 is over its whole run.
+The cache hit ratios are cumulative over the run so far. The ideal ratio is the
+trace's own (replay.trace.prefix, an infinite cache over trace blocks, starting empty at the
+window's first row) taken over exactly the rows behind the observed ratio: answered rows
+whose server reported both prompt_tokens and cached_tokens.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import gevent
+
+from replay.results.summary import percentile
+from replay.trace.prefix import hit_tokens, prefix_hits
+
+LIVE = "replay_live"  # worker -> master, once a second during a run
+TICK_S = 1.0
+WINDOW_S = 10.0
+HISTORY = 3600  # points kept (an hour at one a second); older ones drop off
+
+LATEST_KEYS = (
+    "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tokens_per_s",
+    "input_tokens_per_s", "in_flight", "drift_p50_ms", "drift_p99_ms", "cache_hit_ratio", "ideal_cache_hit_ratio",
+)  # fmt: skip
+
+
+def worker_report(part) -> dict:
+    return {"worker": part.index, "host": socket.gethostname(), "sent": part.sent, "in_flight": len(part.in_flight),
+            "failed": part.failed}  # fmt: skip
+
+
+def report_loop(part) -> None:
+    """Worker side: once a second from the start of the run to its end, then once more."""
+    part.go.wait()
+    while True:
+        done = part.dispatch_pos >= part.total and not part.in_flight
+        part.link.to_master(LIVE, worker_report(part))
+        if done:
+            return
+        gevent.sleep(TICK_S)
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+@dataclass
+class Reported:
+    """The last figures a worker sent about itself."""
+
+    host: str | None = None
+    sent: int = 0
+    in_flight: int = 0
+    failed: int = 0
+
+
+class LiveStats:
+    """The master's live view of the run. `snapshot()` is what `/replay/stats` serves."""
+
+    def __init__(self, coordinator, local_part=None):
+        self.coordinator = coordinator
+        self.local_part = local_part
+        self.reported: dict[str, Reported] = {}
+        self.sent: Counter[int | None] = Counter()  # records with a sent_at, by worker
+        self.failed: Counter[int | None] | None = None  # by worker, recounted at the end
+        self.worker_drift_p99: dict[int, float | None] = {}  # last WINDOW_S during the run, whole run at the end
+        self.recent: deque[tuple[float, dict]] = deque()
+        self.history: deque[dict] = deque(maxlen=HISTORY)
+        self.errors: Counter[str] = Counter()
+        self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
+        block = coordinator.trace.block_size or 0
+        rows = coordinator.rows
+        self.ideal = {row.request_id: hit_tokens(row, hits, block) if block else 0
+                      for row, hits in zip(rows, prefix_hits(rows))}  # fmt: skip
+        self.latest: dict = dict.fromkeys(LATEST_KEYS)
+        self.stopped = False
+        self.final: dict | None = None
+        coordinator.listeners.append(self.add_records)
+
+    # -- input ----------------------------------------------------------------------------------
+
+    def on_report(self, data: dict, sender: str) -> None:
+        self.reported[sender] = Reported(data.get("host"), data["sent"], data["in_flight"], data["failed"])
+
+    def add_records(self, records: list[dict]) -> None:
+        now = time.time()
+        for r in records:
+            self.recent.append((now, r))
+            if r["sent_at"] is not None:
+                self.sent[r["worker"]] += 1
+            if not r["ok"]:
+                self.errors[error_key(r)] += 1
+            if r["ok"] and r["prompt_tokens"] is not None and r["cached_tokens"] is not None:
+                self.cached += r["cached_tokens"]
+                self.prompt += r["prompt_tokens"]
+                self.ideal_cached += self.ideal.get(r["request_id"], 0)
+                self.ideal_prompt += r["input_length"]
+
+    def on_stop(self) -> None:
+        """After the coordinator's finalize: the figures become exact and stop changing."""
+        self.stopped = True
+        self.tick()
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> None:
+        if self.final is not None:
+            return
+        now = time.time() if now is None else now
+        while self.recent and self.recent[0][0] < now - WINDOW_S:
+            self.recent.popleft()
+        if self.coordinator.epoch is not None and now >= self.coordinator.epoch:
+            self.latest = self._latest(now)
+            self.history.append({"t": round(now, 3), **self.latest})
+        if self.stopped and len(self.coordinator.records) >= len(self.coordinator.rows):
+            self.final = self._exact()
+
+    def _latest(self, now: float) -> dict:
+        window = [r for _, r in self.recent]
+        ok = [r for r in window if r["ok"]]
+        span = min(WINDOW_S, max(now - self.coordinator.epoch, 1e-3))
+
+        def values(key: str, rows: list[dict]) -> list[float]:
+            return sorted(r[key] for r in rows if r[key] is not None)
+
+        ttft, e2e, drift = values("ttft_ms", ok), values("e2e_ms", ok), values("drift_ms", window)
+        by_worker: dict[int, list[float]] = {}
+        for r in window:
+            if r["drift_ms"] is not None:
+                by_worker.setdefault(r["worker"], []).append(r["drift_ms"])
+        self.worker_drift_p99 = {w: _round(percentile(sorted(d), 99)) for w, d in by_worker.items()}
+        return {
+            "ttft_p50_ms": _round(percentile(ttft, 50)), "ttft_p99_ms": _round(percentile(ttft, 99)),
+            "tpot_p50_ms": _round(percentile(values("tpot_ms", ok), 50)),
+            "e2e_p50_ms": _round(percentile(e2e, 50)), "e2e_p99_ms": _round(percentile(e2e, 99)),
+            "output_tokens_per_s": round(sum(r["output_tokens"] or 0 for r in ok) / span, 3),
+            "input_tokens_per_s": round(sum(r["prompt_tokens"] or r["input_length"] for r in ok) / span, 3),
+            "in_flight": self._in_flight(),
+            "drift_p50_ms": _round(percentile(drift, 50)), "drift_p99_ms": _round(percentile(drift, 99)),
+            "cache_hit_ratio": _round(_ratio(self.cached, self.prompt), 4),
+            "ideal_cache_hit_ratio": _round(_ratio(self.ideal_cached, self.ideal_prompt), 4),
+        }  # fmt: skip
+
+    def _in_flight(self) -> int:
+        if self.local_part is not None:
+            return len(self.local_part.in_flight)
+        live = {s.client_id for s in self.coordinator.workers.values() if not s.lost}
+        return sum(r.in_flight for cid, r in self.reported.items() if cid in live)
+
+    def _exact(self) -> dict:
+        """Per-worker counts and errors recounted from the complete merged records (they now
+        include the rows the master accounted for itself: worker lost, run stopped)."""
+        sent: Counter[int | None] = Counter()
+        failed: Counter[int | None] = Counter()
+        errors: Counter[str] = Counter()
+        drift: dict[int, list[float]] = {}
+        for r in self.coordinator.records.values():
+            sent[r["worker"]] += r["sent_at"] is not None
+            if not r["ok"]:
+                failed[r["worker"]] += 1
+                errors[error_key(r)] += 1
+            if r["drift_ms"] is not None:
+                drift.setdefault(r["worker"], []).append(r["drift_ms"])
+        self.sent, self.failed, self.errors = sent, failed, errors
+        self.worker_drift_p99 = {w: _round(percentile(sorted(d), 99)) for w, d in drift.items()}
+        self.latest = {**self.latest, "in_flight": 0}
+        return {"progress": self.progress(time.time()), "workers": self.workers()}
+
+    def progress(self, now: float) -> dict:
+        c = self.coordinator
+        duration = (c.rows[-1].timestamp_s - c.origin) if c.rows else 0.0
+        reached = 0.0 if c.epoch is None else min(max((now - c.epoch) * c.options.scale, 0.0), duration)
+        sent = sum(self.sent.values()) if self.stopped else sum(w["rows_sent"] for w in self.workers())
+        return {
+            "rows_total": len(c.rows),
+            "rows_sent": min(sent, len(c.rows)),
+            "rows_done": len(c.records),
+            "trace_time_s": round(reached, 3),
+            "trace_duration_s": round(duration, 3),
+        }
+
+    def workers(self) -> list[dict]:
+        out = []
+        for state in sorted(self.coordinator.workers.values(), key=lambda s: s.index):
+            reported = self._reported(state.client_id)
+            sent = self.sent[state.index]
+            if self.failed is not None:  # exact, from the merged records
+                failed = self.failed[state.index]
+            else:
+                sent = max(reported.sent, sent)
+                failed = max(reported.failed, state.failed)
+            out.append({
+                "index": state.index,
+                "host": reported.host or host_of(state.client_id),
+                "clock_offset_ms": _round(state.clock_offset_ms),
+                "rows_assigned": len(state.rows),
+                "rows_sent": sent,
+                "in_flight": 0 if self.stopped or state.lost else reported.in_flight,
+                "failed": failed,
+                "drift_p99_ms": self.worker_drift_p99.get(state.index),
+                "lost": state.lost,
+                "ready": state.ready,
+            })  # fmt: skip
+        return out
+
+    def _reported(self, client_id: str) -> Reported:
+        if self.local_part is not None:
+            p = self.local_part
+            return Reported(socket.gethostname(), p.sent, len(p.in_flight), p.failed)
+        return self.reported.get(client_id, Reported())
+
+    def run_info(self, now: float) -> dict:
+        c = self.coordinator
+        if c.started_at is None:
+            state = "waiting"
+        elif self.final is not None:
+            state = "finished"
+        elif self.stopped:
+            state = "stopping"
+        elif c.epoch is None:
+            state = "preparing"
+        elif c.last_due is not None and now > c.last_due:
+            state = "draining"
+        else:
+            state = "running"
+        eta = None
+        if c.epoch is not None and self.final is None:
+            eta = round(max((c.last_due or now) - now, 0.0), 1)
+        return {
+            "state": state,
+            "trace": str(c.trace.path),
+            "format": c.trace.format,
+            "scale": c.options.scale,
+            "output": c.output,
+            "epoch": c.epoch,
+            "elapsed_s": None if c.epoch is None else round(max(now - c.epoch, 0.0), 1),
+            "eta_s": eta,
+            "window_s": WINDOW_S,
+        }
+
+    def snapshot(self, since: float | None = None) -> dict:
+        now = time.time()
+        final = self.final
+        history = list(self.history)
+        if since is not None:
+            history = [h for h in history if h["t"] > since]
+        return {
+            "progress": final["progress"] if final else self.progress(now),
+            "workers": final["workers"] if final else self.workers(),
+            "latest": self.latest,
+            "history": history,
+            "errors": dict(self.errors.most_common()),
+            "run": self.run_info(now),
+        }
+
+    def run_ticks(self) -> None:
+        while self.final is None:
+            gevent.sleep(TICK_S)
+            self.tick()
+
+
+def error_key(record: dict) -> str:
+    """Errors by status: 'HTTP 503', or the reason when nothing came back ('worker lost')."""
+    if record["status"]:
+        return f"HTTP {record['status']}"
+    return str(record["error"] or "error")
+
+
+def host_of(client_id: str) -> str:
+    """Locust names a worker '<hostname>_<uuid hex>'."""
+    return client_id.rsplit("_", 1)[0]

@@ -1,0 +1,150 @@
+"""Master <-> worker messaging: one interface for Locust's ZeroMQ messages and for a local run.
+
+ZeroMQ drops master->worker messages past its high-water mark without a word, so bulk data
+(trace rows one way, records the other) goes through `Window`: numbered chunks, at most
+`size` unacknowledged at a time, resent if no ack comes. Nothing is lost and memory stays flat.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
+
+import gevent
+
+logger = logging.getLogger(__name__)
+
+# Message types (master -> worker)
+PLAN = "replay_plan"
+ROWS = "replay_rows"
+PONG = "replay_pong"
+GO = "replay_go"
+RECORDS_ACK = "replay_records_ack"
+ABORT = "replay_abort"
+# Message types (worker -> master)
+ROWS_ACK = "replay_rows_ack"
+PING = "replay_ping"
+READY = "replay_ready"
+RECORDS = "replay_records"
+DONE = "replay_done"
+
+Handler = Callable[[Any, str], None]  # (data, sender client id) -> None
+
+
+class Link:
+    """Sends and receives replay messages. `to_worker` takes a Locust client id."""
+
+    def on(self, msg_type: str, handler: Handler) -> None:
+        raise NotImplementedError
+
+    def to_worker(self, client_id: str, msg_type: str, data: Any) -> None:
+        raise NotImplementedError
+
+    def to_master(self, msg_type: str, data: Any) -> None:
+        raise NotImplementedError
+
+
+class RunnerLink(Link):
+    """Locust's own custom messages (MasterRunner or WorkerRunner)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def on(self, msg_type: str, handler: Handler) -> None:
+        self.runner.register_message(msg_type, lambda environment, msg, **kw: handler(msg.data, msg.node_id))
+
+    def to_worker(self, client_id: str, msg_type: str, data: Any) -> None:
+        self.runner.send_message(msg_type, data, client_id=client_id)
+
+    def to_master(self, msg_type: str, data: Any) -> None:
+        self.runner.send_message(msg_type, data)
+
+
+LOCAL_CLIENT = "local"
+
+
+class LocalLink(Link):
+    """Both sides in one process. Each message is handled in its own greenlet, in order,
+    so a chain of sends and acks never recurses."""
+
+    def __init__(self):
+        self.handlers: dict[str, Handler] = {}
+
+    def on(self, msg_type: str, handler: Handler) -> None:
+        self.handlers[msg_type] = handler
+
+    def _deliver(self, msg_type: str, data: Any) -> None:
+        gevent.spawn(self.handlers[msg_type], data, LOCAL_CLIENT)
+
+    def to_worker(self, client_id: str, msg_type: str, data: Any) -> None:
+        self._deliver(msg_type, data)
+
+    def to_master(self, msg_type: str, data: Any) -> None:
+        self._deliver(msg_type, data)
+
+
+class Window:
+    """Numbered chunks with at most `size` unacknowledged; unacknowledged ones are resent
+    after `resend_s`. The receiver acks every chunk (duplicates included) and applies each
+    sequence number once."""
+
+    def __init__(self, send: Callable[[dict], None], size: int = 8, resend_s: float = 5.0,
+                 source: Iterator[dict] | None = None):
+        self._send = send
+        self._source = source  # payloads made only when there is room: a big trace is not encoded all at once
+        self.size = size
+        self.resend_s = resend_s
+        self._queue: list[dict] = []
+        self._unacked: OrderedDict[int, tuple[float, dict]] = OrderedDict()
+        self._next_seq = 0
+        self._resender: gevent.Greenlet | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + len(self._unacked) + (self._source is not None)
+
+    def put(self, payload: dict) -> None:
+        self._enqueue(payload)
+        self._pump()
+
+    def _enqueue(self, payload: dict) -> None:
+        payload["seq"] = self._next_seq
+        self._next_seq += 1
+        self._queue.append(payload)
+
+    def start(self) -> None:
+        self._pump()
+
+    def ack(self, seq: int) -> None:
+        self._unacked.pop(seq, None)
+        self._pump()
+
+    def _pump(self) -> None:
+        while self._source is not None and len(self._queue) + len(self._unacked) < self.size:
+            payload = next(self._source, None)
+            if payload is None:
+                self._source = None
+            else:
+                self._enqueue(payload)
+        while self._queue and len(self._unacked) < self.size:
+            payload = self._queue.pop(0)
+            self._unacked[payload["seq"]] = (time.monotonic(), payload)
+            self._send(payload)
+        if self._unacked and (self._resender is None or self._resender.dead):
+            self._resender = gevent.spawn(self._resend_loop)
+
+    def _resend_loop(self) -> None:
+        while self._unacked:
+            gevent.sleep(self.resend_s / 2)
+            now = time.monotonic()
+            for seq, (sent, payload) in list(self._unacked.items()):
+                if now - sent >= self.resend_s:
+                    logger.warning("resending unacknowledged chunk %d", seq)
+                    self._unacked[seq] = (now, payload)
+                    self._send(payload)
+
+    def close(self) -> None:
+        if self._resender is not None:
+            self._resender.kill(block=False)

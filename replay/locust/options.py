@@ -1,0 +1,117 @@
+"""The replay's command-line options, added to Locust's own parser (design.md's list).
+
+Every option is also a key of `--replay-config FILE.yaml` (keys = option names without
+dashes); `apply_config_file` is the hook where that file is merged, flags winning.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from replay.api.adapters import API_NAMES
+from replay.results.report import parse_slo
+
+ROUTINGS = ("round-robin", "least-inflight", "session", "prefix")
+PARTITIONS = ("round-robin", "session")
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("trace replay")
+    group.add_argument("--trace", help="trace file to replay")
+    group.add_argument("--trace-format", default=None, help="mooncake, bailian, jsonl, azure, burstgpt (auto-detected)")
+    group.add_argument("--block-size", type=int, default=None, help="tokens per hash id block (format default)")
+    group.add_argument("--tokenizer", help="tokenizer.json or a folder holding it (and tokenizer_config.json)")
+    group.add_argument("--chat-template", default=None, help="tokenizer_config.json or .jinja; overrides the tokenizer's")
+    group.add_argument("--api", choices=API_NAMES, default="openai-chat")
+    group.add_argument("--model", default=None, help="model name sent in request bodies")
+    group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream responses (default on)")
+    group.add_argument("--scale", type=float, default=1.0, help="time scale: 2 replays twice as fast")
+    group.add_argument("--start", type=float, default=None, help="start of the trace window, trace seconds")
+    group.add_argument("--duration", type=float, default=None, help="length of the trace window, trace seconds")
+    group.add_argument("--max-requests", type=int, default=None, help="replay at most N rows of the window")
+    group.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
+    group.add_argument("--output", default=None, help="merged per-request JSONL (default results/replay-<time>.jsonl)")
+    group.add_argument("--endpoints", default=None, help="comma-separated server URLs (a fleet); default --host")
+    group.add_argument("--routing", choices=ROUTINGS, default="round-robin")
+    group.add_argument("--partition", choices=PARTITIONS, default="round-robin", help="how rows are split across workers")
+    group.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for answers after the last send")
+    group.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early (default: exact output length)")
+    group.add_argument("--on-bad-line", choices=("fail", "skip"), default="fail")
+    group.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=..")
+    group.add_argument("--header", action="append", default=[], help="'Name: value' ($VAR expanded); repeatable")
+    group.add_argument("--replay-config", default=None, help="YAML file of these options (flags win)")
+
+
+# Option names (argparse dests) that travel from the master to workers in the plan.
+OPTION_NAMES = (
+    "trace", "trace_format", "block_size", "tokenizer", "chat_template", "api", "model", "stream",
+    "scale", "start", "duration", "max_requests", "seed", "output", "endpoints", "routing",
+    "partition", "drain_timeout", "no_ignore_eos", "on_bad_line", "slo", "header",
+)  # fmt: skip
+
+
+@dataclass
+class ReplayOptions:
+    trace: str | None = None
+    trace_format: str | None = None
+    block_size: int | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    api: str = "openai-chat"
+    model: str | None = None
+    stream: bool = True
+    scale: float = 1.0
+    start: float | None = None
+    duration: float | None = None
+    max_requests: int | None = None
+    seed: int = 0
+    output: str | None = None
+    endpoints: str | None = None
+    routing: str = "round-robin"
+    partition: str = "round-robin"
+    drain_timeout: float = 60.0
+    no_ignore_eos: bool = False
+    on_bad_line: str = "fail"
+    slo: str | None = None
+    header: list | None = None
+
+    @classmethod
+    def from_parsed(cls, parsed) -> "ReplayOptions":
+        apply_config_file(parsed)
+        return cls(**{name: getattr(parsed, name, getattr(cls, name, None)) for name in OPTION_NAMES})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ReplayOptions":
+        return cls(**{name: data[name] for name in OPTION_NAMES if name in data})
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
+    def endpoint_urls(self, host: str | None) -> list[str]:
+        urls = [u.strip() for u in (self.endpoints or "").split(",") if u.strip()]
+        if not urls and host:
+            urls = [host]
+        if not urls:
+            raise ValueError("no server to send to: pass --host URL or --endpoints URL,...")
+        return urls
+
+    def check(self) -> None:
+        """Errors a user can fix, found before any worker starts."""
+        if not self.trace:
+            raise ValueError("--trace is required")
+        if not self.tokenizer:
+            raise ValueError("--tokenizer is required (the prompts are synthesized to exact token counts)")
+        if self.scale <= 0:
+            raise ValueError(f"--scale {self.scale}: must be > 0")
+        if self.max_requests is not None and self.max_requests < 0:
+            raise ValueError(f"--max-requests {self.max_requests}: must be >= 0")
+        if self.slo:
+            parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
+
+
+def apply_config_file(parsed) -> None:
+    """Merge --replay-config into `parsed` (YAML keys = option names without dashes; flags win)."""
+    from replay.locust.config import apply_config  # config builds its key list from add_arguments
+
+    apply_config(parsed)

@@ -1,0 +1,120 @@
+"""The Replay view in Locust's web UI: the page `/replay`, its data at `/replay/stats`, a
+"Replay" tab with the per-worker table, and a link to the page on Locust's own UI.
+
+Locust's React UI can add tabs, but only tables (`extended_tabs`), so the charts live on a
+page of their own served by Locust's Flask app: one static file drawing SVG with plain
+JavaScript, nothing to build or install. Headless runs serve nothing and compute nothing;
+only workers send their one small message a second (replay.locust.live).
+
+A replay is one pass over the trace: the Start button runs it through ReplayShape (Locust
+hides the user count form for a shape with use_common_options=False), and a second Start
+after it ended is refused with a message, since the coordinator, output file and records
+belong to that one run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gevent
+import orjson
+from flask import Response, jsonify, request
+from locust import events
+from locust.runners import MasterRunner, WorkerRunner
+
+from replay.locust import live
+from replay.locust.live import LiveStats
+
+PAGE = Path(__file__).resolve().parent / "static" / "replay.html"
+TAB = "replay"
+TAB_COLUMNS = (
+    ("worker", "Worker"), ("host", "Host"), ("rows_assigned", "Rows assigned"), ("rows_sent", "Sent"),
+    ("in_flight", "In flight"), ("failed", "Failed"), ("drift_p99_ms", "Drift p99 (ms)"),
+    ("clock_offset_ms", "Clock offset (ms)"),
+)  # fmt: skip
+LINK = (
+    '<a id="replay-view-link" href="{href}" title="Trace replay: progress, TTFT, TPOT, tokens/s, drift, cache hits"'
+    ' style="position:fixed;right:20px;bottom:64px;z-index:2000;padding:10px 16px;border-radius:22px;'
+    "background:#1f6f43;color:#fff;font:600 14px system-ui,sans-serif;text-decoration:none;"
+    'box-shadow:0 2px 8px rgba(0,0,0,.3)">Replay view &#8599;</a>'
+)
+
+
+@events.init.add_listener
+def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
+    runner = runner or environment.runner
+    replay = getattr(environment, "replay", None)  # set by plugin's init listener, which runs first
+    if replay is None:
+        return
+    if isinstance(runner, WorkerRunner):
+        if replay.part is not None:
+            gevent.spawn(live.report_loop, replay.part)
+        return
+    coordinator = replay.coordinator
+    if coordinator is None:
+        return
+    if web_ui is None:
+        if isinstance(runner, MasterRunner):
+            coordinator.link.on(live.LIVE, lambda data, sender: None)  # headless: nothing to show
+        return
+    stats = LiveStats(coordinator, local_part=None if isinstance(runner, MasterRunner) else replay.part)
+    if isinstance(runner, MasterRunner):
+        coordinator.link.on(live.LIVE, stats.on_report)
+    # Registered now, so after plugin's test_stop listener: the coordinator has finalized.
+    environment.events.test_stop.add_listener(lambda **kw: stats.on_stop())
+    add_routes(web_ui, stats, base=getattr(environment.parsed_options, "web_base_path", None) or "")
+    gevent.spawn(stats.run_ticks)
+
+
+def add_routes(web_ui, stats: LiveStats, base: str = "") -> None:
+    app = web_ui.app
+    coordinator = stats.coordinator
+
+    @app.route(f"{base}/replay")
+    @web_ui.auth_required_if_enabled
+    def replay_page() -> Response:
+        return Response(PAGE.read_bytes(), mimetype="text/html")
+
+    @app.route(f"{base}/replay/stats")
+    @web_ui.auth_required_if_enabled
+    def replay_stats() -> Response:
+        since = request.args.get("since", type=float)
+        return Response(orjson.dumps(stats.snapshot(since)), mimetype="application/json")
+
+    @app.before_request
+    def refuse_second_start():
+        if request.endpoint == "locust.swarm" and coordinator.started_at is not None:
+            message = (f"This replay has already run (records in {coordinator.output}). A replay is one pass over"
+                       " the trace: restart locust to replay it again.")  # fmt: skip
+            return jsonify({"success": False, "message": message, "host": web_ui.environment.host})
+        return None
+
+    web_ui.template_args["extended_tabs"] = [{"title": "Replay", "key": TAB}]
+    web_ui.template_args["extended_tables"] = [
+        {"key": TAB, "structure": [{"key": key, "title": title} for key, title in TAB_COLUMNS]}
+    ]
+
+    @app.after_request
+    def extend_locust_pages(response: Response) -> Response:
+        if request.endpoint == "locust.request_stats" and response.is_json:
+            data = response.get_json()
+            data["extended_stats"] = [{"key": TAB, "data": tab_rows(stats.snapshot(since=float("inf")))}]
+            response.set_data(orjson.dumps(data))
+        elif request.endpoint == "locust.index" and response.mimetype == "text/html":
+            page = response.get_data(as_text=True)
+            if "</body>" in page:
+                response.set_data(page.replace("</body>", LINK.format(href=f"{base}/replay") + "</body>", 1))
+        return response
+
+
+def tab_rows(snapshot: dict) -> list[dict]:
+    """The Replay tab's table: one row per worker, then the whole run."""
+    rows = [{**w, "worker": str(w["index"]) + (" (lost)" if w["lost"] else "")} for w in snapshot["workers"]]
+    p = snapshot["progress"]
+    rows.append({
+        "worker": "all", "host": f"{p['rows_done']} of {p['rows_total']} rows done",
+        "rows_assigned": p["rows_total"], "rows_sent": p["rows_sent"], "in_flight": snapshot["latest"]["in_flight"],
+        "failed": sum(w["failed"] for w in snapshot["workers"]), "drift_p99_ms": snapshot["latest"]["drift_p99_ms"],
+        "clock_offset_ms": None,
+    })  # fmt: skip
+    return [{key: ("" if row.get(key) is None else row[key]) for key, _ in TAB_COLUMNS} for row in rows]

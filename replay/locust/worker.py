@@ -1,0 +1,402 @@
+"""A worker's part of the replay: receive rows, build bodies ahead, send each row on time,
+record every outcome.
+
+Timing: nothing heavy is on the dispatch path. Bodies are built ahead by a lookahead
+greenlet, which builds in the gaps between sends. Idle connections are kept open ahead of
+demand, so a due request is written at once without connecting or yielding, and its answer
+is read by a greenlet of its own: a slow server never delays a later send. The dispatcher
+wakes on a high-priority timer (replay.locust.timing), and every stream reader checks after
+each read whether a send has fallen due, so sends are not held back behind a busy turn of
+the event loop.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import gevent
+from gevent.event import Event
+from gevent.pool import Group
+
+from replay.api import Endpoint, Sent, get_adapter, parse_headers, read, send, write
+from replay.locust import messages
+from replay.locust.clock import ClockSync
+from replay.locust.options import ReplayOptions
+from replay.locust.plan import decode_row
+from replay.locust.routing import make_router
+from replay.locust.timing import wait_until
+from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, RecordWriter, sent_record, unsent_record, worker_path
+from replay.trace.record import TraceRow
+
+logger = logging.getLogger(__name__)
+
+GUARD_FACTOR = 3.0  # the builder starts no body closer to a send than this many build times
+AHEAD_S = 10.0  # build bodies up to this far (wall seconds) ahead of their send
+AHEAD_ROWS = 2000  # and at most this many rows ahead
+FLUSH_S = 0.2  # records are written and shipped in batches this often
+BATCH = 500
+WARM_S = 0.2  # idle connections kept for about this much time of sends
+WARM_TICK_S = 0.02
+MIN_SPARE = 8
+MAX_SPARE = 2000
+
+
+class Builder:
+    """Turns trace rows into request bodies (prompt synthesis + serialization)."""
+
+    def __init__(self, options: ReplayOptions, block_size: int | None):
+        from replay.synth.bodies import build_body
+        from replay.synth.prompts import PromptSynthesizer
+        from replay.synth.tokenizer import ServerTokenizer
+
+        tokenizer = ServerTokenizer.load(options.tokenizer, options.chat_template)
+        self._build_body = build_body
+        self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or 512, seed=options.seed)
+        self.options = options
+
+    def body(self, row: TraceRow) -> bytes:
+        prompt = self.synth.prompt(row)
+        return self._build_body(
+            self.options.api,
+            prompt,
+            model=self.options.model or "",
+            output_length=row.output_length,
+            stream=self.options.stream,
+            ignore_eos=not self.options.no_ignore_eos,
+        )
+
+
+class WorkerPart:
+    """The worker side. `run()` is called by the one driver user of this process."""
+
+    def __init__(self, environment, link: messages.Link, local: bool = False):
+        self.environment = environment
+        self.link = link
+        self.local = local
+        self.index: int | None = None
+        self.options: ReplayOptions | None = None
+        self.rows: list[TraceRow] = []
+        self.total = 0
+        self.origin = 0.0
+        self.epoch = 0.0
+        self.offset = 0.0  # master clock - local clock, seconds
+        self.bodies: dict[int, bytes] = {}
+        self.dispatch_pos = 0  # index (in self.rows) of the next row to send
+        self.next_due = float("inf")  # local time of the next send, for the builder to keep clear of
+        self.in_flight: dict[int, tuple[TraceRow, float, str, gevent.Greenlet]] = {}
+        self.sends = Group()
+        self.outbox: list[dict] = []
+        self.recorded = 0
+        self.sent = 0
+        self.failed = 0
+        self.writer: RecordWriter | None = None
+        self.primed = Event()
+        self.warmed = Event()
+        self.go = Event()
+        self.finished = Event()
+        self._claimed = False
+        self._stopped = False
+        self._chunks: dict[int, list] = {}
+        self._next_chunk = 0
+        self._greenlets: list[gevent.Greenlet] = []
+        self.clock = ClockSync(link)
+        self.record_window = messages.Window(lambda payload: link.to_master(messages.RECORDS, payload))
+        link.on(messages.PLAN, self.on_plan)
+        link.on(messages.ROWS, self.on_rows)
+        link.on(messages.PONG, self.clock.on_pong)
+        link.on(messages.GO, self.on_go)
+        link.on(messages.RECORDS_ACK, lambda data, sender: self.record_window.ack(data["seq"]))
+        link.on(messages.ABORT, lambda data, sender: self.abort(RUN_STOPPED))
+
+    # -- messages from the master -------------------------------------------------------------
+
+    def on_plan(self, data: dict, sender: str) -> None:
+        self.options = ReplayOptions.from_dict(data["options"])
+        self.index = data["worker"]
+        self.total = data["rows"]
+        self.origin = data["origin"]
+        self.block_size = data["block_size"]
+        self.output = data["output"]
+        self.endpoint_urls = data["endpoints"]  # resolved on the master: --host may not have reached us yet
+        self._greenlets.append(gevent.spawn(self._prepare))
+
+    def on_rows(self, data: dict, sender: str) -> None:
+        # Chunks may come twice (resent) or out of order (one resent after later ones): apply
+        # each once, in sequence order.
+        seq = data["seq"]
+        if seq >= self._next_chunk:
+            self._chunks[seq] = data["rows"]
+            while self._next_chunk in self._chunks:
+                self.rows.extend(decode_row(r) for r in self._chunks.pop(self._next_chunk))
+                self._next_chunk += 1
+        self.link.to_master(messages.ROWS_ACK, {"seq": seq})
+
+    def on_go(self, data: dict, sender: str) -> None:
+        self.epoch = data["epoch"]
+        self.go.set()
+
+    # -- preparation ------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        try:
+            self._set_up()
+        except Exception as e:  # tell the master, or it would wait for this worker forever
+            logger.exception("worker %s cannot start", self.index)
+            self.link.to_master(messages.READY, {"worker": self.index, "error": f"{type(e).__name__}: {e}"})
+            return
+        self.primed.wait()
+        self.warmed.wait(10.0)
+        # Everything built so far (tokenizer, vocabulary, rows) lives for the whole run: keep it
+        # out of the collector's way, or one full collection stalls dispatch for tens of ms.
+        gc.collect()
+        gc.freeze()
+        self.link.to_master(
+            messages.READY,
+            {"worker": self.index, "clock_offset_ms": self.offset * 1000.0, "rtt_ms": self.clock.best_rtt * 1000.0
+             if self.clock.best_rtt != float("inf") else 0.0},
+        )
+
+    def _set_up(self) -> None:
+        opts = self.options
+        self.adapter = get_adapter(opts.api)
+        self.headers = {"Content-Type": "application/json", **parse_headers(opts.header)}
+        self.endpoints = [Endpoint(url) for url in self.endpoint_urls]
+        self.route = make_router(opts.routing, self.endpoints)
+        self.writer = RecordWriter(worker_path(self.output, self.index))
+        self.builder = Builder(opts, self.block_size)
+        if not self.local:
+            self.offset = self.clock.measure()
+        self._greenlets.append(gevent.spawn(self._build_ahead))
+        self._greenlets.append(gevent.spawn(self._flush_loop))
+        self._greenlets.append(gevent.spawn(self._keep_connections))
+
+    def due(self, row: TraceRow) -> float:
+        """Scheduled time in master clock (unix seconds)."""
+        return self.epoch + (row.timestamp_s - self.origin) / self.options.scale
+
+    def _row(self, pos: int) -> TraceRow | None:
+        """Row `pos` once it has arrived; None when the part has fewer rows."""
+        while pos >= len(self.rows):
+            if pos >= self.total or self._stopped:
+                return None
+            gevent.sleep(0.001)
+        return self.rows[pos]
+
+    def _build_ahead(self) -> None:
+        pos = 0
+        build_s = 0.001  # recent build time (moving average)
+        scale = self.options.scale
+        while True:
+            row = self._row(pos)
+            if row is None:
+                self.primed.set()
+                return
+            while True:
+                if self._stopped:
+                    return
+                ahead_rows = pos - self.dispatch_pos
+                if self.go.is_set():
+                    ahead_s = self.due(row) - self.offset - time.time()
+                else:
+                    ahead_s = (row.timestamp_s - self.origin) / scale
+                if ahead_rows < AHEAD_ROWS and ahead_s < AHEAD_S:
+                    gap = self.next_due - time.time()
+                    # Near a send whose body is ready: let it go out first. "Near" is a few
+                    # times what a build has been taking, so dense traces still get built.
+                    if gap >= GUARD_FACTOR * build_s or self.dispatch_pos == pos:
+                        break
+                    gevent.sleep(max(gap, 0.0) + 0.0002)
+                    continue
+                self.primed.set()
+                gevent.sleep(0.05 if ahead_rows >= AHEAD_ROWS else min(0.05, max(ahead_s - AHEAD_S, 0.001)))
+            started = time.perf_counter()
+            try:
+                self.bodies[pos] = self.builder.body(row)
+            except Exception as e:  # a row that cannot be built is a failed request, not a dead worker
+                logger.exception("row %d: cannot build the request", row.request_id)
+                self.bodies[pos] = e
+            build_s = 0.8 * build_s + 0.2 * (time.perf_counter() - started)
+            pos += 1
+            gevent.sleep(0)
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def claim(self) -> bool:
+        """Only one user per process drives; extra users (a rebalance) just idle."""
+        if self._claimed:
+            return False
+        self._claimed = True
+        return True
+
+    def run(self) -> None:
+        self.go.wait()
+        for endpoint in self.endpoints:
+            endpoint.on_read = self._on_read
+        while not self._stopped:
+            pos = self.dispatch_pos
+            if pos >= self.total:
+                break
+            if pos >= len(self.rows):  # its rows have not all arrived yet
+                gevent.sleep(0.001)
+                continue
+            deadline = self._fire_due()
+            if self.dispatch_pos == pos and pos not in self.bodies:  # only when the builder fell behind
+                gevent.sleep(0.0005)
+                continue
+            if deadline != float("inf"):
+                wait_until(deadline)
+        self._drain()
+        self.finished.set()
+
+    def _on_read(self) -> None:
+        """Called by every stream reader after each read: a send that fell due meanwhile goes
+        out now, instead of after the rest of this event-loop turn."""
+        if time.time() >= self.next_due:
+            self._fire_due()
+
+    def _fire_due(self) -> float:
+        """Send every row that is due and return the local time the next one is due.
+
+        Never yields when a connection is idle (the usual case, see _keep_connections): the
+        request is written here and its answer read by a new greenlet.
+        """
+        now = time.time()
+        while not self._stopped and self.dispatch_pos < len(self.rows):
+            pos = self.dispatch_pos
+            row = self.rows[pos]
+            scheduled = self.due(row)
+            deadline = scheduled - self.offset
+            if deadline > now or pos not in self.bodies:
+                self.next_due = deadline
+                return deadline
+            body = self.bodies.pop(pos)
+            self.dispatch_pos = pos + 1
+            if isinstance(body, Exception):
+                self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
+                                           reason=f"cannot build request: {body}"))
+                continue
+            endpoint = self.route(row)
+            sent = write(endpoint, self.adapter, body, self.options.stream, self.headers)
+            self.sent += 1
+            if sent is not None:  # written already; the answer is read in its own greenlet
+                greenlet = self.sends.spawn(self._read, row, scheduled, endpoint, sent)
+            else:  # no idle connection: connecting would block, so the send gets a greenlet of its own
+                greenlet = self.sends.spawn(self._send, row, body, scheduled, endpoint)
+            self.in_flight[row.request_id] = (row, scheduled, endpoint.url, greenlet)
+        self.next_due = float("inf")
+        return self.next_due
+
+    def _send(self, row: TraceRow, body: bytes, scheduled: float, endpoint: Endpoint) -> None:
+        self._done(row, scheduled, endpoint, send(endpoint, self.adapter, body, self.options.stream, self.headers))
+
+    def _read(self, row: TraceRow, scheduled: float, endpoint: Endpoint, sent: Sent) -> None:
+        self._done(row, scheduled, endpoint, read(endpoint, self.adapter, self.options.stream, sent))
+
+    def _done(self, row: TraceRow, scheduled: float, endpoint: Endpoint, outcome) -> None:
+        self.in_flight.pop(row.request_id, None)
+        if self.offset:  # stamped by this host's clock: records are in the master's, as scheduled_at is
+            outcome.sent_at += self.offset
+            outcome.finished_at += self.offset if outcome.finished_at else 0.0
+            outcome.token_times = [t + self.offset for t in outcome.token_times]
+        record = sent_record(row, worker=self.index, endpoint=endpoint.url, api=self.options.api,
+                             scheduled_at=scheduled, outcome=outcome)
+        self._record(record)
+        self.environment.events.request.fire(
+            request_type=self.options.api,
+            name=endpoint.url,
+            response_time=record["e2e_ms"] or 0.0,
+            response_length=record["output_tokens"] or 0,
+            exception=None if record["ok"] else RuntimeError(record["error"] or f"HTTP {record['status']}"),
+            context={"request_id": row.request_id},
+        )
+
+    def _keep_connections(self) -> None:
+        """Keep enough idle connections open for the coming sends (about WARM_S worth at the
+        recent rate), so the dispatcher can write requests without connecting."""
+        rows_first_s = sum(1 for r in self.rows if (r.timestamp_s - self.origin) / self.options.scale < WARM_S * 5)
+        want = max(MIN_SPARE, rows_first_s)
+        last_sent, last_t = 0, time.monotonic()
+        while not self._stopped:
+            per_endpoint = max(MIN_SPARE, min(MAX_SPARE, want // len(self.endpoints) + 1))
+            for endpoint in self.endpoints:
+                if endpoint.idle() < per_endpoint:
+                    try:
+                        endpoint.warm(per_endpoint)
+                    except Exception as e:  # the sends will report it; keep trying quietly
+                        logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
+                        gevent.sleep(1.0)
+            self.warmed.set()
+            gevent.sleep(WARM_TICK_S)
+            now = time.monotonic()
+            want = int((self.sent - last_sent) / (now - last_t) * WARM_S * 2)
+            last_sent, last_t = self.sent, now
+
+    def _record(self, record: dict) -> None:
+        self.outbox.append(record)
+        self.recorded += 1
+        if not record["ok"]:
+            self.failed += 1
+
+    def _drain(self) -> None:
+        """Wait for answers up to --drain-timeout after the last send; what is still open then
+        becomes a failed record."""
+        if not self.sends.join(timeout=self.options.drain_timeout):
+            self._cancel_in_flight(DRAIN_TIMEOUT)
+        self._flush()
+
+    def _cancel_in_flight(self, reason: str) -> None:
+        for request_id, (row, scheduled, url, greenlet) in list(self.in_flight.items()):
+            greenlet.kill(block=False)
+            record = unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
+                                   reason=reason, endpoint=url)
+            self._record(record)
+        self.in_flight.clear()
+
+    def abort(self, reason: str) -> None:
+        """The run is being stopped: every row not yet answered gets its record now."""
+        if self._stopped or self.options is None:
+            return
+        self._stopped = True
+        self.next_due = float("inf")
+        self._cancel_in_flight(reason)
+        if self.go.is_set():
+            for row in self.rows[self.dispatch_pos:]:
+                self._record(unsent_record(row, worker=self.index, api=self.options.api,
+                                           scheduled_at=self.due(row), reason=reason))
+        else:
+            for row in self.rows:
+                self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=None, reason=reason))
+        self.dispatch_pos = len(self.rows)
+        self._flush()
+
+    # -- records ----------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        batch, self.outbox = self.outbox, []
+        if not batch:
+            return
+        if self.writer is not None:
+            self.writer.write(batch)
+        for i in range(0, len(batch), BATCH):
+            self.record_window.put({"worker": self.index, "records": batch[i : i + BATCH]})
+
+    def _flush_loop(self) -> None:
+        while True:
+            gevent.sleep(FLUSH_S)
+            self._flush()
+
+    def take_records(self) -> list[dict]:
+        """Local run: records not yet shipped, handed over directly."""
+        batch, self.outbox = self.outbox, []
+        if batch and self.writer is not None:
+            self.writer.write(batch)
+        return batch
+
+    def close(self) -> None:
+        for g in self._greenlets:
+            g.kill(block=False)
+        self.record_window.close()
+        # The writer stays open: Locust fires `quitting` before it stops the run, and the
+        # stop still writes records. Each batch is flushed; the file closes with the process.

@@ -1,0 +1,114 @@
+"""`replay report RESULTS.jsonl`: the summary of a run, its cache fidelity, JSON and HTML.
+
+What the records cannot say (trace, tokenizer, api, seed) comes from the run's metadata
+beside the results (RESULTS.jsonl.meta.json) unless given as flags; flags win.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+
+import orjson
+
+from replay.results.metadata import file_sha256, read_run_metadata
+from replay.results.records import read_records
+from replay.results.report import ReportError, build_report, format_report, parse_slo
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="summarize a run's JSONL: latencies, throughput, goodput, cache fidelity",
+        description="Summarize a replay's per-request JSONL (vLLM bench serve layout); with the trace and the "
+        "server's block size, also check cached_tokens against what the replayed prompts imply.",
+    )
+    p.add_argument("results", help="the merged per-request JSONL of a run")
+    p.add_argument("--trace", help="the trace the run replayed (default: from the run metadata)")
+    p.add_argument("--trace-format", default=None, help="the trace's format (default: metadata, else auto-detected)")
+    p.add_argument("--block-size", type=int, default=None, help="the trace's block size (default: metadata / format)")
+    p.add_argument("--server-block-size", type=int, default=None, help="the server's KV block size (vLLM --block-size)")
+    p.add_argument("--tokenizer", help="tokenizer the run used (default: metadata)")
+    p.add_argument("--chat-template", help="chat template the run used (default: metadata)")
+    p.add_argument("--api", default=None, help="api the run used (default: metadata, else the records' api)")
+    p.add_argument("--seed", type=int, default=None, help="synthesis seed the run used (default: metadata, else 0)")
+    p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the run's)")
+    p.add_argument("--reorder-window-ms", type=float, default=0.0,
+                   help="also accept cached_tokens that requests sent this close together explain (default 0)")
+    p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here")
+    p.add_argument("--html", dest="html_out", default=None, help="write a self-contained HTML report here")
+    p.add_argument("--png-dir", default=None, help="with --html, also save each plot as a PNG in this folder")
+    p.set_defaults(func=run)
+
+
+def _pick(flag, meta_value, default=None):
+    return flag if flag is not None else (meta_value if meta_value is not None else default)
+
+
+def cache_section(args, records: list[dict], meta: dict | None, out=sys.stderr):
+    """(cache dict, per-request checks) or (None, None) with the reason printed."""
+    meta = meta or {}
+    meta_trace = meta.get("trace") or {}
+    trace_path = _pick(args.trace, meta_trace.get("path"))
+    if trace_path is None:
+        return None, None
+    if args.server_block_size is None:
+        print("cache fidelity: skipped (pass --server-block-size N, the server's KV block size)", file=out)
+        return None, None
+    tokenizer_path = _pick(args.tokenizer, meta.get("tokenizer"))
+    if tokenizer_path is None:
+        raise ReportError("cache fidelity needs the run's tokenizer: pass --tokenizer (no run metadata names it)")
+    from replay.results.fidelity import cache_fidelity
+    from replay.trace import read_trace
+
+    if args.trace is None and meta_trace.get("sha256") and file_sha256(trace_path) != meta_trace["sha256"]:
+        print(f"warning: {trace_path} changed since the run (sha256 differs from the run metadata)", file=out)
+    same_trace = args.trace is None
+    trace = read_trace(
+        trace_path,
+        _pick(args.trace_format, meta_trace.get("format") if same_trace else None),
+        _pick(args.block_size, meta_trace.get("block_size") if same_trace else None),
+    )
+    # The run already warned about rows too short for the template; the report counts them instead.
+    logging.getLogger("replay.synth.prompts").setLevel(logging.ERROR)
+    return cache_fidelity(
+        records,
+        trace.rows,
+        tokenizer=tokenizer_path,
+        chat_template=_pick(args.chat_template, meta.get("chat_template")),
+        api=args.api or meta.get("api") or Counter(r.get("api") for r in records).most_common(1)[0][0],
+        seed=_pick(args.seed, meta.get("seed"), 0),
+        trace_block_size=trace.block_size,
+        server_block_size=args.server_block_size,
+        reorder_window_ms=args.reorder_window_ms,
+    )
+
+
+def run(args) -> int:
+    try:
+        records = list(read_records(args.results))
+        if not records:
+            raise ReportError(f"{args.results}: no records")
+        meta = read_run_metadata(args.results)
+        slo = parse_slo(_pick(args.slo, (meta or {}).get("options", {}).get("slo")))
+        cache, checks = cache_section(args, records, meta)
+    except (ReportError, ValueError, OSError) as e:
+        print(f"replay report: {e}", file=sys.stderr)
+        return 2
+    report = build_report(records, slo, cache)
+    print(format_report(report))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+    if args.html_out:
+        from replay.results.html import PlottingMissing, write_html
+
+        try:
+            write_html(args.html_out, report, records, checks, meta, png_dir=args.png_dir)
+        except PlottingMissing as e:
+            print(f"replay report: {e}", file=sys.stderr)
+            return 1
+        print(f"HTML report: {args.html_out}")
+    return 0

@@ -1,0 +1,230 @@
+"""Cache fidelity: did the server cache what the replayed trace says it should?
+
+Expected cached tokens per request come from the prompts themselves, not from the trace's
+blocks: the prompts are re-synthesized exactly as the run made them (same tokenizer,
+template, api, seed and trace block size; PromptSynthesizer is deterministic) and fed, in
+the order the server received them, through an infinite cache that counts like vLLM's
+(replay.sim.cache: chain hashes of whole server blocks, never the last token). That is
+exact where a formula over trace blocks is not: a chat template puts the same P tokens in
+front of every prompt, which shifts the server's block boundaries by P against the trace's;
+short rows use another message layout; rows with their own messages share whatever their
+text shares; and the server's block size need not divide or equal the trace's.
+
+Order: "earlier" means earlier in send order (sent_at). vLLM caches a request's blocks when
+it schedules it, before the prefill has run, so a request sent while an earlier one with
+the same prefix is still in prefill hits too. Two requests sent within a few milliseconds
+of each other may still reach the scheduler in the other order; `reorder_window_ms` allows
+for that: a request also matches when its observed value lies between what it would see if
+every request sent within the window before it came later, and what it would see if every
+request sent within the window after it came first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+from replay.sim.cache import block_hashes
+from replay.synth.prompts import Prompt, PromptSynthesizer
+from replay.trace.prefix import hit_tokens, prefix_hits
+from replay.trace.record import TraceRow
+
+WORST = 10
+
+
+@dataclass(slots=True)
+class CacheCheck:
+    """One sent request: what the server said against what the prompts imply."""
+
+    request_id: int
+    sent_at: float
+    prompt_tokens: int  # synthesized prompt, as the server counts it
+    reported_prompt_tokens: int | None
+    expected: int  # send order, infinite cache
+    observed: int | None
+    low: int  # the range concurrency can explain (== expected with no reorder window)
+    high: int
+
+    @property
+    def matches(self) -> bool:
+        return self.observed == self.expected
+
+    @property
+    def explained(self) -> bool:
+        return self.observed is not None and self.low <= self.observed <= self.high
+
+
+def prompt_token_ids(synth: PromptSynthesizer, row: TraceRow) -> list[int]:
+    """The prompt's token ids as the server sees them.
+
+    Built from the proven frame (before + content + after) where the synthesizer builds that
+    way, which is as fast as synthesis itself; otherwise (own messages, too-short rows,
+    templates that touch the content) the prompt is encoded.
+    """
+    if row.messages is None and not synth.verified:
+        n = row.input_length - synth.frame.overhead
+        frame = synth.frame
+        if n <= 0 and synth.short_frame is not None:
+            frame = synth.short_frame
+            n = row.input_length - frame.overhead
+        if n > 0:
+            return [*frame.before, *synth.content_ids(row), *frame.after]
+    return encode_prompt(synth, synth.prompt(row))
+
+
+def encode_prompt(synth: PromptSynthesizer, prompt: Prompt) -> list[int]:
+    tok = synth.tokenizer
+    if prompt.messages is not None:
+        return tok.encode_chat(prompt.messages, prompt.tools)
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    return tok.encode_text(prompt.text or "")
+
+
+def _scheduled(record: dict) -> bool:
+    """Did the server take this request in (and so cache its prompt)?"""
+    status = record.get("status") or 0
+    return record.get("sent_at") is not None and (bool(record.get("ok")) or 200 <= status < 300)
+
+
+def check_cache(
+    records: Iterable[dict],
+    rows: dict[int, TraceRow],
+    synth: PromptSynthesizer,
+    server_block_size: int,
+    reorder_window_ms: float = 0.0,
+) -> list[CacheCheck]:
+    """A CacheCheck per request the server took in, in send order."""
+    if server_block_size <= 0:
+        raise ValueError(f"server block size must be positive, got {server_block_size}")
+    sent = sorted((r for r in records if _scheduled(r)), key=lambda r: (r["sent_at"], r["request_id"]))
+    missing = [r["request_id"] for r in sent if r["request_id"] not in rows]
+    if missing:
+        raise ValueError(f"{len(missing)} records name rows the trace does not have (first: request_id {missing[0]}); "
+                         "is --trace the file the run replayed?")  # fmt: skip
+    hashes = []
+    lengths = []
+    for r in sent:
+        ids = prompt_token_ids(synth, rows[r["request_id"]])
+        lengths.append(len(ids))
+        hashes.append(block_hashes(ids, server_block_size))
+    cache: set[int] = set()  # an infinite cache: every block hash ever scheduled
+    earlier: set[int] = set()  # the same, for requests sent before the window
+    window_s = reorder_window_ms / 1000.0
+    checks = []
+    behind = 0
+    for i, r in enumerate(sent):
+        t = r["sent_at"]
+        usable = max(lengths[i] - 1, 0) // server_block_size  # a hit never covers the last token
+        expected = _hit(cache, hashes[i], usable)
+        low = high = expected
+        if window_s > 0:
+            while sent[behind]["sent_at"] < t - window_s:
+                earlier.update(hashes[behind])
+                behind += 1
+            low = _hit(earlier, hashes[i], usable)
+            j = i + 1
+            while j < len(sent) and sent[j]["sent_at"] <= t + window_s:
+                high = max(high, _common(hashes[i], hashes[j], usable))
+                j += 1
+        cache.update(hashes[i])
+        checks.append(CacheCheck(
+            request_id=r["request_id"], sent_at=t, prompt_tokens=lengths[i],
+            reported_prompt_tokens=r.get("prompt_tokens"), expected=expected * server_block_size,
+            observed=r.get("cached_tokens"), low=low * server_block_size, high=high * server_block_size,
+        ))  # fmt: skip
+    return checks
+
+
+def _hit(cache: set[int], hashes: list[int], usable: int) -> int:
+    """Leading blocks of `hashes` (at most `usable`) the cache holds (chain hashes: the
+    first miss ends the hit, as in PrefixCache.cached_tokens)."""
+    hit = 0
+    for h in hashes[:usable]:
+        if h not in cache:
+            break
+        hit += 1
+    return hit
+
+
+def _common(a: list[int], b: list[int], usable: int) -> int:
+    """Leading chain hashes two prompts share: the blocks one would hit in the other's cache."""
+    n = 0
+    for x, y in zip(a[:usable], b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def summarize_cache(checks: list[CacheCheck], method: str, ideal: dict | None = None) -> dict:
+    """design.md's cache section, plus the counts behind the share and the worst requests."""
+    compared = [c for c in checks if c.observed is not None]
+    expected = sum(c.expected for c in compared)
+    observed = sum(c.observed for c in compared)
+    matching = sum(c.matches for c in compared)
+    explained = sum(c.explained for c in compared)
+    worst = sorted((c for c in compared if not c.matches), key=lambda c: -abs(c.observed - c.expected))[:WORST]
+    section = {
+        "expected_cached_tokens": expected,
+        "observed_cached_tokens": observed,
+        "ratio": observed / expected if expected else None,
+        "requests_matching_share": matching / len(compared) if compared else None,
+        "requests_matching": matching,
+        "requests_compared": len(compared),
+        "requests_explained_by_reordering": explained - matching if explained > matching else 0,
+        "requests_without_cached_tokens": len(checks) - len(compared),
+        "requests_prompt_mismatch": sum(
+            1 for c in checks if c.reported_prompt_tokens is not None and c.reported_prompt_tokens != c.prompt_tokens
+        ),
+        "worst": [
+            {"request_id": c.request_id, "observed": c.observed, "expected": c.expected,
+             "prompt_tokens": c.prompt_tokens, "low": c.low, "high": c.high}
+            for c in worst
+        ],  # fmt: skip
+        "method": method,
+    }
+    if ideal:
+        section.update(ideal)
+    return section
+
+
+def ideal_trace_hits(rows: list[TraceRow], block_size: int | None) -> dict:
+    """The trace's own ideal (trace blocks, file order): what `replay trace stats` reports."""
+    if not block_size:
+        return {}
+    tokens = sum(hit_tokens(row, hits, block_size) for row, hits in zip(rows, prefix_hits(rows)))
+    total = sum(row.input_length for row in rows)
+    return {"ideal_trace_cached_tokens": tokens, "ideal_trace_hit_ratio_tokens": tokens / total if total else None}
+
+
+def cache_fidelity(
+    records: list[dict],
+    rows: list[TraceRow],
+    *,
+    tokenizer: str,
+    chat_template: str | None,
+    api: str,
+    seed: int,
+    trace_block_size: int | None,
+    server_block_size: int,
+    reorder_window_ms: float = 0.0,
+) -> tuple[dict, list[CacheCheck]]:
+    """The cache section and the per-request checks of a run, from the run's own settings
+    (what `replay report` and the end of a Locust run both call)."""
+    from replay.synth.tokenizer import ServerTokenizer
+
+    synth = PromptSynthesizer(ServerTokenizer.load(tokenizer, chat_template), api=api,
+                              block_size=trace_block_size or 512, seed=seed)  # fmt: skip
+    checks = check_cache(records, {row.request_id: row for row in rows}, synth, server_block_size, reorder_window_ms)
+    method = (f"re-synthesized {api} prompts ({Path(str(tokenizer)).name}, seed {seed}, trace block "
+              f"{trace_block_size}) through an infinite vLLM-style cache of {server_block_size}-token blocks, "
+              f"in send order")  # fmt: skip
+    if reorder_window_ms:
+        method += f"; sends within {reorder_window_ms:g} ms may swap"
+    return summarize_cache(checks, method, ideal_trace_hits(rows, trace_block_size)), checks
+
+
+def per_request(checks: list[CacheCheck]) -> list[dict]:
+    return [asdict(c) for c in checks]

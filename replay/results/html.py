@@ -1,0 +1,225 @@
+"""The HTML report: one self-contained file, the summary block and plots as inline SVG.
+
+matplotlib (the `report` extra) draws the plots: it is the long-kept standard, renders SVG
+with no browser-side JavaScript or network fetches, and the same figures save as PNG for a
+README. It is imported only here, so the text and JSON report work without it.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import time
+from pathlib import Path
+
+from replay.results.report import format_report
+
+EXTRA_HINT = "pip install 'tracereplay[report]'"
+PLOTS = (
+    ("latency-cdf", "TTFT and end-to-end latency, cumulative distribution"),
+    ("latency-time", "Latency over trace time (by scheduled send)"),
+    ("throughput-time", "Throughput over time (by completion)"),
+    ("inflight-time", "Requests in flight over time"),
+    ("drift-hist", "Dispatch drift (sent - scheduled)"),
+    ("cache-scatter", "Cached tokens per request: observed vs expected"),
+)
+
+
+class PlottingMissing(RuntimeError):
+    """The plotting extra is not installed."""
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlottingMissing(
+            f"--html needs matplotlib, which is not installed: {EXTRA_HINT} "
+            "(the text summary and --json work without it)"
+        ) from None
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text: smaller, searchable
+    matplotlib.rcParams["svg.hashsalt"] = "tracereplay"  # stable ids from run to run
+    return Figure
+
+
+def _cdf(ax, values: list[float], label: str) -> None:
+    v = sorted(values)
+    if v:
+        ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=label)
+
+
+def _times(records: list[dict]) -> tuple[float, list[dict]]:
+    """The run's time origin (first scheduled send) and the records that were sent."""
+    sent = [r for r in records if r.get("sent_at") is not None]
+    t0 = min((r.get("scheduled_at") or r["sent_at"] for r in sent), default=0.0)
+    return t0, sent
+
+
+def _bin_width(span: float) -> float:
+    return max(1.0, span / 120.0)
+
+
+def render_figures(records: list[dict], report: dict, checks=None, meta: dict | None = None) -> dict:
+    """{plot id: matplotlib Figure}, one per entry of PLOTS."""
+    Figure = _matplotlib()
+    scale = float((meta or {}).get("scale") or 1.0)
+    ok = [r for r in records if r.get("ok")]
+    t0, sent = _times(records)
+    figures = {}
+
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    a, b = fig.subplots(1, 2)
+    _cdf(a, [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None], "TTFT")
+    a.set(xlabel="TTFT (ms)", ylabel="share of requests", title="TTFT")
+    _cdf(b, [r["e2e_ms"] for r in ok if r.get("e2e_ms") is not None], "E2E")
+    b.set(xlabel="end-to-end latency (ms)", title="End-to-end")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    figures["latency-cdf"] = fig
+
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    ax = fig.subplots()
+    x = [((r.get("scheduled_at") or r["sent_at"]) - t0) * scale for r in ok]
+    ax.scatter(x, [r.get("e2e_ms") for r in ok], s=6, label="E2E", alpha=0.6)
+    ax.scatter([xi for xi, r in zip(x, ok) if r.get("ttft_ms") is not None],
+               [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None], s=6, label="TTFT", alpha=0.6)  # fmt: skip
+    failed = [r for r in sent if not r.get("ok")]
+    if failed:
+        ax.scatter([((r.get("scheduled_at") or r["sent_at"]) - t0) * scale for r in failed],
+                   [r.get("e2e_ms") or 0.0 for r in failed], s=14, marker="x", color="red", label="failed")  # fmt: skip
+    ax.set(xlabel=f"trace time (s){'' if scale == 1 else f', run time x {scale:g}'}", ylabel="ms", yscale="log")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    figures["latency-time"] = fig
+
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    ax = fig.subplots()
+    done = [r for r in ok if r.get("finished_at") is not None]
+    if done:
+        span = max(r["finished_at"] for r in done) - t0
+        width = _bin_width(span)
+        bins = [0.0] * (int(span / width) + 1)
+        reqs = [0.0] * len(bins)
+        for r in done:
+            i = int((r["finished_at"] - t0) / width)
+            bins[i] += (r.get("output_tokens") or 0) / width
+            reqs[i] += 1 / width
+        xs = [i * width for i in range(len(bins))]
+        ax.step(xs, bins, where="post", label="output tokens/s")
+        ax2 = ax.twinx()
+        ax2.step(xs, reqs, where="post", color="tab:orange", label="requests/s")
+        ax2.set_ylabel("requests/s")
+        ax.legend(handles=[*ax.get_lines(), *ax2.get_lines()], loc="upper left")
+    ax.set(xlabel="run time (s)", ylabel="output tokens/s")
+    ax.grid(alpha=0.3)
+    figures["throughput-time"] = fig
+
+    fig = Figure(figsize=(9, 3.0), layout="constrained")
+    ax = fig.subplots()
+    events = sorted([(r["sent_at"], 1) for r in sent] + [(r["finished_at"], -1) for r in sent if r.get("finished_at")])
+    level, xs, ys = 0, [], []
+    for t, step in events:
+        level += step
+        xs.append(t - t0)
+        ys.append(level)
+    ax.step(xs, ys, where="post")
+    ax.set(xlabel="run time (s)", ylabel="requests in flight")
+    ax.grid(alpha=0.3)
+    figures["inflight-time"] = fig
+
+    fig = Figure(figsize=(9, 3.0), layout="constrained")
+    ax = fig.subplots()
+    drifts = [r["drift_ms"] for r in sent if r.get("drift_ms") is not None]
+    if drifts:
+        ax.hist(drifts, bins=60)
+    ax.set(xlabel="drift (ms)", ylabel="requests", yscale="log" if drifts else "linear")
+    ax.grid(alpha=0.3)
+    figures["drift-hist"] = fig
+
+    fig = Figure(figsize=(5.2, 5.0), layout="constrained")
+    ax = fig.subplots()
+    compared = [c for c in checks or () if c.observed is not None]
+    if compared:
+        top = max(max(c.expected, c.observed) for c in compared) or 1
+        ax.plot([0, top], [0, top], color="grey", lw=1, label="observed = expected")
+        good = [c for c in compared if c.matches]
+        bad = [c for c in compared if not c.matches]
+        ax.scatter([c.expected for c in good], [c.observed for c in good], s=10, label=f"match ({len(good)})")
+        if bad:
+            ax.scatter([c.expected for c in bad], [c.observed for c in bad], s=14, color="red", marker="x",
+                       label=f"mismatch ({len(bad)})")  # fmt: skip
+        ax.legend(loc="upper left")
+    else:
+        ax.text(0.5, 0.5, "no cache check:\npass --trace and --server-block-size", ha="center", va="center",
+                transform=ax.transAxes)  # fmt: skip
+    ax.set(xlabel="expected cached tokens", ylabel="observed cached tokens")
+    ax.grid(alpha=0.3)
+    figures["cache-scatter"] = fig
+    return figures
+
+
+def figure_svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    text = buf.getvalue()
+    return text[text.index("<svg") :]  # drop the XML prolog and doctype: inline SVG needs neither
+
+
+def save_pngs(figures: dict, directory: str | Path, dpi: int = 110) -> list[Path]:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figures.items():
+        path = out / f"{name}.png"
+        fig.savefig(path, format="png", dpi=dpi)
+        paths.append(path)
+    return paths
+
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 62em; color: #222; }}
+pre {{ background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 0.85em; }}
+figure {{ margin: 1.5em 0; }} figcaption {{ font-weight: 600; margin-bottom: 0.4em; }}
+svg {{ max-width: 100%; height: auto; }}
+</style></head><body>
+<h1>{title}</h1>
+<p>{subtitle}</p>
+<pre id="summary">{summary}</pre>
+{figures}
+</body></html>
+"""
+
+
+def render_html(records: list[dict], report: dict, checks=None, meta: dict | None = None, figures=None) -> str:
+    figures = figures or render_figures(records, report, checks, meta)
+    parts = []
+    for name, caption in PLOTS:
+        parts.append(f'<figure id="plot-{name}" class="plot"><figcaption>{html.escape(caption)}</figcaption>\n'
+                     f"{figure_svg(figures[name])}</figure>")  # fmt: skip
+    meta = meta or {}
+    trace = (meta.get("trace") or {}).get("path")
+    subtitle = " | ".join(
+        s for s in (
+            f"trace {html.escape(str(trace))}" if trace else None,
+            f"api {html.escape(str(meta['api']))}" if meta.get("api") else None,
+            f"scale {meta['scale']:g}" if meta.get("scale") else None,
+            f"{report['requests']} requests",
+            time.strftime("generated %Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        ) if s
+    )  # fmt: skip
+    return PAGE.format(title="tracereplay report", subtitle=subtitle, summary=html.escape(format_report(report)),
+                       figures="\n".join(parts))  # fmt: skip
+
+
+def write_html(path: str | Path, report: dict, records: list[dict], checks=None, meta: dict | None = None,
+               png_dir: str | Path | None = None) -> Path:  # fmt: skip
+    figures = render_figures(records, report, checks, meta)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(records, report, checks, meta, figures), encoding="utf-8")
+    if png_dir is not None:
+        save_pngs(figures, png_dir)
+    return out

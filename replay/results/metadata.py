@@ -1,0 +1,170 @@
+"""Run metadata, written once beside the merged JSONL (OUTPUT + ".meta.json").
+
+It holds what a report needs besides the records to be reproduced from files alone: which
+trace (and window, scale), how prompts were made (tokenizer, template hash, api, seed, block
+size), where they went (endpoints, model), who sent them (workers, clock offsets), and the
+versions. `replay report RESULTS.jsonl` picks the file up by itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import platform
+import time
+from pathlib import Path
+
+import orjson
+
+META_SUFFIX = ".meta.json"
+META_VERSION = 1
+
+
+def meta_path(output: str | Path) -> Path:
+    return Path(f"{output}{META_SUFFIX}")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    return {
+        "tracereplay": _version("tracereplay"),
+        "locust": _version("locust"),
+        "tokenizers": _version("tokenizers"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def file_sha256(path: str | Path, limit: int = 1 << 30) -> str | None:
+    """The trace's hash, so a report can tell a changed file (None past `limit` bytes or unreadable)."""
+    try:
+        p = Path(path)
+        if p.stat().st_size > limit:
+            return None
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    except OSError:
+        return None
+
+
+def template_sha256(tokenizer: str | None, chat_template: str | None) -> str | None:
+    """ChatTemplate.sha256 of the template the run used, or None (no template, unreadable)."""
+    from replay.synth.tokenizer import load_chat_template
+
+    try:
+        template = load_chat_template(tokenizer, chat_template)
+    except (OSError, ValueError):
+        return None
+    return template.sha256 if template is not None else None
+
+
+def run_metadata(
+    options: dict,
+    *,
+    trace_path: str,
+    trace_format: str,
+    block_size: int | None,
+    rows: int,
+    origin: float,
+    window_s: float,
+    endpoints: list[str],
+    workers: list[dict],
+    epoch: float | None,
+    started_at: float | None,
+) -> dict:
+    """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
+    `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]."""
+    opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials
+    opts["header_names"] = [h.split(":", 1)[0].strip() for h in options.get("header") or ()]
+    return {
+        "meta_version": META_VERSION,
+        "written_at": time.time(),
+        "trace": {
+            "path": str(Path(trace_path).resolve()),
+            "sha256": file_sha256(trace_path),
+            "format": trace_format,
+            "block_size": block_size,
+            "rows": rows,
+            "origin_s": origin,
+            "start": options.get("start"),
+            "duration": options.get("duration"),
+            "max_requests": options.get("max_requests"),
+            "window_s": window_s,
+        },
+        "scale": options.get("scale"),
+        "tokenizer": str(Path(options["tokenizer"]).resolve()) if options.get("tokenizer") else None,
+        "chat_template": str(Path(options["chat_template"]).resolve()) if options.get("chat_template") else None,
+        "template_sha256": template_sha256(options.get("tokenizer"), options.get("chat_template")),
+        "api": options.get("api"),
+        "model": options.get("model"),
+        "stream": options.get("stream"),
+        "seed": options.get("seed"),
+        "endpoints": list(endpoints),
+        "epoch": epoch,
+        "started_at": started_at,
+        "workers": workers,
+        "options": opts,
+        "versions": versions(),
+    }
+
+
+def coordinator_metadata(coordinator) -> dict:
+    """The metadata of a run from its replay.locust Coordinator (master or local runner)."""
+    runner = getattr(coordinator.environment, "runner", None)
+    clients = getattr(runner, "clients", None)
+    workers = []
+    for state in sorted(coordinator.workers.values(), key=lambda w: w.index):
+        node = clients.get(state.client_id) if clients is not None else None
+        workers.append({
+            "index": state.index,
+            "client_id": state.client_id,
+            "host": getattr(node, "hostname", None) or platform.node(),
+            "clock_offset_ms": state.clock_offset_ms,
+            "rtt_ms": state.rtt_ms,
+            "rows_assigned": len(state.rows),
+            "lost": state.lost,
+        })  # fmt: skip
+    options = coordinator.options
+    return run_metadata(
+        options.to_dict(),
+        trace_path=str(coordinator.trace.path),
+        trace_format=coordinator.trace.format,
+        block_size=coordinator.trace.block_size,
+        rows=len(coordinator.rows),
+        origin=coordinator.origin,
+        window_s=coordinator.window_seconds(),
+        endpoints=options.endpoint_urls(coordinator.environment.host),
+        workers=workers,
+        epoch=coordinator.epoch,
+        started_at=coordinator.started_at,
+    )
+
+
+def write_run_metadata(output: str | Path, meta: dict) -> Path:
+    """Write OUTPUT.meta.json (atomically: a report never reads half a file)."""
+    path = meta_path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+    tmp.replace(path)
+    return path
+
+
+def read_run_metadata(results: str | Path) -> dict | None:
+    """The metadata beside a results file, or None when there is none."""
+    path = meta_path(results)
+    if not path.exists():
+        return None
+    try:
+        return orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a JSON document: {e}") from None

@@ -1,0 +1,131 @@
+"""Per-request records: one JSONL line per scheduled trace row, failures and unsent rows included.
+
+Fields and their meaning are fixed by design.md; every record carries all of them (null when
+unknown), so that records + trace rows always add up and tools can rely on the keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import orjson
+
+RECORD_FIELDS = (
+    "request_id", "session_id", "worker", "endpoint", "api",
+    "scheduled_at", "sent_at", "finished_at", "drift_ms",
+    "ttft_ms", "tpot_ms", "e2e_ms", "itl_ms",
+    "status", "ok", "error",
+    "input_length", "output_length",
+    "prompt_tokens", "output_tokens", "cached_tokens",
+)  # fmt: skip
+
+RUN_STOPPED = "run stopped"
+WORKER_LOST = "worker lost"
+DRAIN_TIMEOUT = "drain timeout"
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome, keep_itl: bool = True) -> dict:
+    """The record of a request that was sent; `outcome` is a replay.api.Outcome."""
+    return {
+        "request_id": row.request_id,
+        "session_id": row.session_id,
+        "worker": worker,
+        "endpoint": endpoint,
+        "api": api,
+        "scheduled_at": scheduled_at,
+        "sent_at": outcome.sent_at,
+        "finished_at": outcome.finished_at,
+        "drift_ms": _ms((outcome.sent_at - scheduled_at) * 1000.0),
+        "ttft_ms": _ms(outcome.ttft_ms),
+        "tpot_ms": _ms(outcome.tpot_ms),
+        "e2e_ms": _ms(outcome.e2e_ms),
+        "itl_ms": [round(x, 3) for x in outcome.itl_ms] if keep_itl and outcome.streamed else None,
+        "status": outcome.status,
+        "ok": outcome.ok,
+        "error": outcome.error,
+        "input_length": row.input_length,
+        "output_length": row.output_length,
+        "prompt_tokens": outcome.prompt_tokens,
+        "output_tokens": outcome.output_tokens,
+        "cached_tokens": outcome.cached_tokens,
+    }
+
+
+def unsent_record(row, *, worker: int | None, api: str, scheduled_at: float | None, reason: str, endpoint: str | None = None) -> dict:
+    """The record of a row that never got an answer: ok=false and the reason as error."""
+    return {
+        "request_id": row.request_id,
+        "session_id": row.session_id,
+        "worker": worker,
+        "endpoint": endpoint,
+        "api": api,
+        "scheduled_at": scheduled_at,
+        "sent_at": None,
+        "finished_at": None,
+        "drift_ms": None,
+        "ttft_ms": None,
+        "tpot_ms": None,
+        "e2e_ms": None,
+        "itl_ms": None,
+        "status": 0,
+        "ok": False,
+        "error": reason,
+        "input_length": row.input_length,
+        "output_length": row.output_length,
+        "prompt_tokens": None,
+        "output_tokens": None,
+        "cached_tokens": None,
+    }
+
+
+class RecordWriter:
+    """Appends records to a JSONL file, flushed per batch so the file survives a crash."""
+
+    def __init__(self, path: str | Path, append: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab" if append else "wb")
+        self.count = 0
+
+    def write(self, records: Iterable[dict]) -> None:
+        lines = [orjson.dumps(r) for r in records]
+        if lines:
+            self._file.write(b"\n".join(lines) + b"\n")
+            self._file.flush()
+            self.count += len(lines)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def write_records(path: str | Path, records: Iterable[dict]) -> int:
+    """Write records sorted by request_id (a fresh file); returns how many."""
+    ordered = sorted(records, key=lambda r: r["request_id"])
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for r in ordered:
+            f.write(orjson.dumps(r) + b"\n")
+    tmp.replace(p)
+    return len(ordered)
+
+
+def read_records(path: str | Path) -> Iterator[dict]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield orjson.loads(line)
+                except orjson.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number}: not a JSON record: {e}") from None
+
+
+def worker_path(output: str | Path, worker: int) -> Path:
+    """Where worker `worker` keeps its own copy of its records."""
+    return Path(f"{output}.worker-{worker}.jsonl")

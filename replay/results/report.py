@@ -1,0 +1,207 @@
+"""The run report: replay.results.summary's numbers plus failures by cause, goodput and the
+cache section, printed in the block layout of vLLM's `bench serve` so the two read side by side.
+
+Goodput follows vLLM (vllm/benchmarks/serve.py, calculate_metrics): a request is "good" when
+it succeeded and meets *every* SLO given (value <= limit, in ms), and goodput is the good
+requests per second of the benchmark duration. A request with one output token has no TPOT;
+vLLM scores it 0.0 for goodput, and so does this module. A request missing a metric an SLO
+needs (e.g. no TTFT because it was not streamed) cannot be shown to meet it, so it is not good.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+from replay.results.summary import percentile, summarize
+
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+LATENCIES = (
+    ("ttft_ms", "TTFT", "Time to First Token"),
+    ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl_ms", "ITL", "Inter-token Latency"),
+    ("e2e_ms", "E2EL", "End-to-end Latency"),
+)
+WIDTH = 50
+
+
+class ReportError(ValueError):
+    """Bad report input (an SLO, a results file) with what to fix."""
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft_ms=500,tpot_ms=50' -> {'ttft_ms': 500.0, 'tpot_ms': 50.0}."""
+    if not text:
+        return {}
+    slo: dict[str, float] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in SLO_KEYS:
+            raise ReportError(f"--slo {text!r}: {part.strip()!r} is not one of {', '.join(k + '=MS' for k in SLO_KEYS)}")
+        try:
+            limit = float(value)
+        except ValueError:
+            raise ReportError(f"--slo {text!r}: {key} needs a number of milliseconds, got {value.strip()!r}") from None
+        if limit <= 0:
+            raise ReportError(f"--slo {text!r}: {key} must be > 0")
+        slo[key] = limit
+    return slo
+
+
+def meets_slo(record: dict, slo: dict[str, float]) -> bool:
+    if not record.get("ok"):
+        return False
+    for key, limit in slo.items():
+        value = record.get(key)
+        if value is None and key == "tpot_ms" and (record.get("output_tokens") or 0) <= 1:
+            value = 0.0  # vLLM: no TPOT with one output token, scored as 0
+        if value is None or value > limit:
+            return False
+    return True
+
+
+def failure_reason(record: dict) -> str:
+    """One label per failed record: 'HTTP 503' for error statuses, else the error text's head."""
+    status = record.get("status") or 0
+    if status and not 200 <= status < 300:
+        return f"HTTP {status}"
+    error = str(record.get("error") or "no error text")
+    return error if len(error) <= 80 else error[:77] + "..."
+
+
+def failures(records: Iterable[dict]) -> tuple[dict[str, int], dict[str, int]]:
+    """Failed records counted by reason and by HTTP status (0 = no response)."""
+    by_reason: Counter[str] = Counter()
+    by_status: Counter[str] = Counter()
+    for r in records:
+        if not r.get("ok"):
+            by_reason[failure_reason(r)] += 1
+            by_status[str(r.get("status") or 0)] += 1
+    return dict(by_reason.most_common()), dict(by_status.most_common())
+
+
+def build_report(records: list[dict], slo: dict[str, float] | None = None, cache: dict | None = None) -> dict:
+    """design.md's summary keys, plus totals vLLM prints and the failure breakdowns."""
+    report = summarize(records)
+    report["failures"], report["failures_by_status"] = failures(records)
+    ok = [r for r in records if r.get("ok")]
+    report["requests_unsent"] = sum(1 for r in records if r.get("sent_at") is None)
+    report["total_input_tokens"] = sum(r.get("prompt_tokens") or r.get("input_length") or 0 for r in ok)
+    report["total_output_tokens"] = sum(r.get("output_tokens") or 0 for r in ok)
+    duration = report["duration_s"]
+    total = report["total_input_tokens"] + report["total_output_tokens"]
+    report["total_token_throughput"] = total / duration if duration else 0.0
+    report["slo"] = dict(slo) if slo else None
+    if slo:
+        good = sum(1 for r in records if meets_slo(r, slo))
+        report["requests_good"] = good
+        report["goodput_rps"] = good / duration if duration else 0.0
+    else:
+        report["requests_good"] = None
+        report["goodput_rps"] = None
+    report["cache"] = cache
+    report["endpoints"] = endpoint_breakdown(records)
+    return report
+
+
+def endpoint_breakdown(records: Iterable[dict]) -> dict[str, dict]:
+    """Per server of a fleet: how many requests went there, how many failed, and its TTFT and
+    E2E p50/p99, so that one slow or failing instance shows instead of vanishing in the mean.
+    Rows never sent have no endpoint and are left out (the totals count them as unsent)."""
+    by_endpoint: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("endpoint"):
+            by_endpoint.setdefault(r["endpoint"], []).append(r)
+    out = {}
+    for endpoint in sorted(by_endpoint):
+        recs = by_endpoint[endpoint]
+        ok = [r for r in recs if r.get("ok")]
+        entry = {"requests": len(recs), "requests_ok": len(ok), "requests_failed": len(recs) - len(ok)}
+        for key in ("ttft_ms", "e2e_ms"):
+            values = sorted(r[key] for r in ok if r.get(key) is not None)
+            entry[key] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+        out[endpoint] = entry
+    return out
+
+
+def _line(label: str, value) -> str:
+    return "{:<40} {:<10}".format(label, value)
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def format_report(report: dict) -> str:
+    """vLLM's "Serving Benchmark Result" block, with the replay's own lines added."""
+    out = ["{s:=^{n}}".format(s=" Serving Benchmark Result ", n=WIDTH)]
+    out.append(_line("Successful requests:", report["requests_ok"]))
+    out.append(_line("Failed requests:", report["requests_failed"]))
+    if report["requests_unsent"]:
+        out.append(_line("  of which never sent:", report["requests_unsent"]))
+    for reason, count in list(report["failures"].items())[:8]:
+        out.append(f"  {count} x {reason}")
+    out.append(_line("Benchmark duration (s):", _num(report["duration_s"])))
+    out.append(_line("Total input tokens:", report["total_input_tokens"]))
+    out.append(_line("Total generated tokens:", report["total_output_tokens"]))
+    out.append(_line("Request throughput (req/s):", _num(report["request_throughput"])))
+    if report.get("goodput_rps") is not None:
+        slo = ",".join(f"{k}={v:g}" for k, v in report["slo"].items())
+        out.append(_line("Request goodput (req/s):", _num(report["goodput_rps"])))
+        out.append(_line(f"  meeting {slo}:", f"{report['requests_good']} of {report['requests']}"))
+    out.append(_line("Input token throughput (tok/s):", _num(report["input_token_throughput"])))
+    out.append(_line("Output token throughput (tok/s):", _num(report["output_token_throughput"])))
+    out.append(_line("Total Token throughput (tok/s):", _num(report["total_token_throughput"])))
+    for key, name, header in LATENCIES:
+        d = report[key]
+        out.append("{s:-^{n}}".format(s=header, n=WIDTH))
+        out.append(_line(f"Mean {name} (ms):", _num(d["mean"])))
+        out.append(_line(f"Median {name} (ms):", _num(d["median"])))
+        out.append(_line(f"Std {name} (ms):", _num(d["std"])))
+        for p in (25, 50, 75, 90, 99):
+            out.append(_line(f"P{p} {name} (ms):", _num(d[f"p{p}"])))
+    drift = report["drift_ms"]
+    out.append("{s:-^{n}}".format(s="Dispatch Drift (sent - scheduled)", n=WIDTH))
+    for key in ("p50", "p99", "max"):
+        out.append(_line(f"{key.upper() if key != 'max' else 'Max'} drift (ms):", _num(drift[key])))
+    cache = report.get("cache")
+    if cache:
+        out.extend(format_cache(cache))
+    if report.get("endpoints"):
+        out.extend(format_endpoints(report["endpoints"]))
+    out.append("=" * WIDTH)
+    return "\n".join(out)
+
+
+def format_cache(cache: dict) -> list[str]:
+    out = ["{s:-^{n}}".format(s="Prefix Cache Fidelity", n=WIDTH)]
+    out.append(_line("Expected cached tokens:", cache["expected_cached_tokens"]))
+    out.append(_line("Observed cached tokens:", cache["observed_cached_tokens"]))
+    out.append(_line("Observed / expected:", _num(cache["ratio"], 4)))
+    out.append(_line("Requests matching:", f"{cache['requests_matching']} of {cache['requests_compared']} "
+                                           f"({100 * (cache['requests_matching_share'] or 0):.2f}%)"))
+    if cache.get("requests_explained_by_reordering"):
+        out.append(_line("Others explained by send reordering:", cache["requests_explained_by_reordering"]))
+    if cache.get("requests_without_cached_tokens"):
+        out.append(_line("Requests without cached_tokens:", cache["requests_without_cached_tokens"]))
+    if cache.get("requests_prompt_mismatch"):
+        out.append(_line("Requests with prompt_tokens != expected:", cache["requests_prompt_mismatch"]))
+    for w in cache.get("worst", [])[:5]:
+        out.append(f"  request {w['request_id']}: observed {w['observed']}, expected {w['expected']} "
+                   f"(prompt {w['prompt_tokens']})")
+    out.append(f"  ({cache['method']})")
+    return out
+
+
+def format_endpoints(endpoints: dict[str, dict]) -> list[str]:
+    """One line per endpoint: requests, failures, TTFT and E2E p50/p99 in ms."""
+    out = ["{s:-^{n}}".format(s="Per Endpoint", n=WIDTH)]
+    out.append(f"{'endpoint':<30} {'req':>6} {'failed':>6} {'TTFT p50/p99':>17} {'E2EL p50/p99':>17}")
+    for endpoint, e in endpoints.items():
+        ttft = f"{_num(e['ttft_ms']['p50'], 1)}/{_num(e['ttft_ms']['p99'], 1)}"
+        e2e = f"{_num(e['e2e_ms']['p50'], 1)}/{_num(e['e2e_ms']['p99'], 1)}"
+        out.append(f"{endpoint:<30} {e['requests']:>6} {e['requests_failed']:>6} {ttft:>17} {e2e:>17}")
+    return out

@@ -1,0 +1,102 @@
+"""Protocol adapters against the real `replay sim`: timing, usage, failures, headers."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from replay.api import Endpoint, get_adapter, parse_headers, send
+from replay.api.sse import DONE, sse_data
+from replay.sim.process import sim_process
+
+
+def chat_body(stream: bool, max_tokens: int = 6) -> bytes:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "bada kelo misu ra"}], "max_tokens": max_tokens,
+            "stream": stream, "ignore_eos": True, "min_tokens": max_tokens}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
+
+
+@pytest.fixture(scope="module")
+def slow_sim(toy_tokenizer_dir):
+    with sim_process(toy_tokenizer_dir, "--ttft-ms", "300", "--itl-ms", "20", "--prefill-ms-per-1k", "0") as server:
+        yield server
+
+
+def test_ttft_is_first_content_token_not_role_chunk(slow_sim):
+    endpoint = Endpoint(slow_sim.url)
+    outcome = send(endpoint, get_adapter("openai-chat"), chat_body(True), True, {"Content-Type": "application/json"})
+    assert outcome.ok, outcome.error
+    assert 290 <= outcome.ttft_ms < 450, outcome.ttft_ms
+    assert outcome.output_tokens == 6 and outcome.events_tokens == 6
+    assert len(outcome.itl_ms) == 5 and all(10 < gap < 80 for gap in outcome.itl_ms)
+    assert outcome.prompt_tokens > 0 and outcome.cached_tokens is not None
+    assert 15 < outcome.tpot_ms < 40
+    assert endpoint.in_flight == 0
+
+
+def test_no_stream_and_completions(slow_sim):
+    endpoint = Endpoint(slow_sim.url)
+    outcome = send(endpoint, get_adapter("openai-chat"), chat_body(False), False, {"Content-Type": "application/json"})
+    assert outcome.ok and outcome.ttft_ms is None and outcome.output_tokens == 6
+    assert outcome.e2e_ms >= 290
+    body = orjson.dumps({"model": "sim", "prompt": "bada kelo", "max_tokens": 3, "stream": True,
+                         "stream_options": {"include_usage": True}, "ignore_eos": True})
+    outcome = send(endpoint, get_adapter("openai-completions"), body, True, {"Content-Type": "application/json"})
+    assert outcome.ok and outcome.output_tokens == 3 and outcome.ttft_ms >= 290
+
+
+def test_connection_is_reused_after_a_stream(slow_sim):
+    endpoint = Endpoint(slow_sim.url)
+    for _ in range(3):
+        outcome = send(endpoint, get_adapter("openai-chat"), chat_body(True, 2), True, {"Content-Type": "application/json"})
+        assert outcome.ok, outcome.error
+    assert endpoint.http._connection_pool._socket_queue.qsize() == 1
+
+
+def test_server_errors_and_dropped_streams_become_failed_outcomes(toy_tokenizer_dir):
+    with sim_process(toy_tokenizer_dir, "--ttft-ms", "5", "--itl-ms", "5", "--error-rate", "1", "--error-status", "503") as server:
+        outcome = send(Endpoint(server.url), get_adapter("openai-chat"), chat_body(True), True, {})
+        assert not outcome.ok and outcome.status == 503 and outcome.error.startswith("HTTP 503")
+    with sim_process(toy_tokenizer_dir, "--ttft-ms", "5", "--itl-ms", "5", "--drop-rate", "1") as server:
+        outcome = send(Endpoint(server.url), get_adapter("openai-chat"), chat_body(True, 20), True, {})
+        assert not outcome.ok and outcome.error
+    outcome = send(Endpoint("http://127.0.0.1:9"), get_adapter("openai-chat"), chat_body(True), True, {})
+    assert not outcome.ok and outcome.status == 0 and outcome.error
+
+
+def test_model_mismatch_is_reported(slow_sim):
+    body = orjson.dumps({"model": "other", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    outcome = send(Endpoint(slow_sim.url), get_adapter("openai-chat"), body, False, {})
+    assert outcome.status == 404 and not outcome.ok
+
+
+def test_sse_lines():
+    assert sse_data(b"data: {\"a\":1}\n") == b'{"a":1}'
+    assert sse_data(b"data:{\"a\":1}\r\n") == b'{"a":1}'  # TGI writes no space
+    assert sse_data(b"data: [DONE]\n") == DONE
+    assert sse_data(b": keep-alive\n") is None and sse_data(b"\n") is None and sse_data(b"event: x\n") is None
+
+
+def test_adapters_count_content_not_role_or_usage():
+    chat = get_adapter("openai-chat")
+    assert chat.read_event({"choices": [{"delta": {"role": "assistant", "content": ""}}]})[0] == 0
+    assert chat.read_event({"choices": [{"delta": {"content": "x"}}]})[0] == 1
+    count, usage, err = chat.read_event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                                                   "prompt_tokens_details": {"cached_tokens": 4}}})
+    assert (count, usage, err) == (0, {"prompt_tokens": 7, "output_tokens": 3, "cached_tokens": 4}, None)
+    assert chat.read_event({"error": {"message": "boom"}})[2] == "boom"
+    tgi = get_adapter("tgi")
+    assert tgi.path(True) == "/generate_stream" and tgi.path(False) == "/generate"
+    assert tgi.read_event({"token": {"id": 1, "text": "a", "special": False}, "details": None})[0] == 1
+    with pytest.raises(ValueError, match="--api"):
+        get_adapter("nope")
+
+
+def test_headers_expand_env_vars(monkeypatch):
+    monkeypatch.setenv("REPLAY_TEST_KEY", "s3cret")
+    assert parse_headers(["Authorization: Bearer $REPLAY_TEST_KEY", "X-A: b:c"]) == {
+        "Authorization": "Bearer s3cret", "X-A": "b:c"}
+    with pytest.raises(ValueError, match="Name: value"):
+        parse_headers(["no colon"])

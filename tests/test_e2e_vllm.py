@@ -1,0 +1,124 @@
+"""End to end against real vLLM on CPU: 300 real Mooncake rows, replayed by `locust --headless`,
+reported by `replay report`.
+
+The slice is the first 300 rows of ../shared/traces/mooncake_synthetic_trace.jsonl, rescaled
+to 32-token blocks (vLLM's block size here) and compressed to about a minute of sends. The
+tiny model serves the Qwen2 tokenizer and chat template.
+
+Why two runs: with Qwen2's chat template a chat prompt cannot be shorter than 13 tokens (an
+empty system message, the user turn and the generation prompt), and after rescaling about a
+third of these rows ask for 1..12. So the 100% assertions (prompt_tokens == input_length,
+output_tokens == output_length, cached_tokens == expected) run on openai-completions, which
+adds nothing to the text and is exact at any length; the chat run asserts exactness on every
+row the template permits and that the others get the template's minimum.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import shared_path
+from replay.results.records import read_records
+from replay.synth.prompts import PromptSynthesizer
+from replay.synth.tokenizer import ServerTokenizer
+from test_locust import run_locust
+from vllm_server import reset_prefix_cache, vllm_qwen2  # noqa: F401
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
+
+ROWS = 300
+BLOCK = 32
+TIME_SCALE = 1.5  # the slice spans 86.8 s of trace
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Path:
+    return shared_path("tokenizers", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> Path:
+    source = shared_path("traces", "mooncake_synthetic_trace.jsonl")
+    out = tmp_path_factory.mktemp("e2e") / f"mooncake-{ROWS}-b{BLOCK}.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "replay", "trace", "convert", str(source), str(out), "--max-rows", str(ROWS),
+         "--block-size-to", str(BLOCK), "--time-scale", str(TIME_SCALE)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def replay(url: str, trace: Path, tokenizer_dir: Path, api: str, output: Path) -> list[dict]:
+    reset_prefix_cache(url)
+    run_locust(["--headless", "--host", url, "--trace", str(trace), "--tokenizer", str(tokenizer_dir), "--api", api,
+                "--model", "tiny", "--output", str(output), "--loglevel", "INFO"], output.parent, timeout=300)  # fmt: skip
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == list(range(ROWS))
+    failed = [r for r in records if not r["ok"]]
+    assert not failed, failed[:3]
+    return records
+
+
+def report(results: Path, trace: Path, tokenizer_dir: Path) -> tuple[dict, str]:
+    summary = results.with_suffix(".summary.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "replay", "report", str(results), "--trace", str(trace), "--server-block-size",
+         str(BLOCK), "--tokenizer", str(tokenizer_dir), "--json", str(summary)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    print(proc.stdout)  # the summary block of a real run, for `pytest -s`
+    return json.loads(summary.read_text()), proc.stdout
+
+
+def check_cache_fidelity(summary: dict, text: str, records: list[dict]) -> None:
+    cache = summary["cache"]
+    assert cache["requests_compared"] == ROWS
+    assert cache["requests_matching"] >= 0.99 * ROWS, cache["worst"]
+    assert cache["requests_matching_share"] >= 0.99
+    # the slice must really exercise the cache, or matching would prove nothing
+    hits = [r for r in records if r["cached_tokens"]]
+    assert len(hits) >= 5 and cache["expected_cached_tokens"] >= 5000
+    assert cache["observed_cached_tokens"] == sum(r["cached_tokens"] for r in records)
+    share = f"({100 * cache['requests_matching_share']:.2f}%)"
+    assert f"Requests matching:                       {cache['requests_matching']} of {ROWS} {share}" in text
+    assert "Prefix Cache Fidelity" in text
+
+
+def test_completions_replay_is_exact(vllm_qwen2, trace, tokenizer_dir, tmp_path):
+    results = tmp_path / "completions.jsonl"
+    records = replay(vllm_qwen2, trace, tokenizer_dir, "openai-completions", results)
+    wrong_prompt = [r for r in records if r["prompt_tokens"] != r["input_length"]]
+    wrong_output = [r for r in records if r["output_tokens"] != r["output_length"]]
+    assert not wrong_prompt, wrong_prompt[:3]
+    assert not wrong_output, wrong_output[:3]
+    summary, text = report(results, trace, tokenizer_dir)
+    assert summary["requests_ok"] == ROWS and summary["requests_failed"] == 0
+    check_cache_fidelity(summary, text, records)
+    assert summary["cache"]["requests_prompt_mismatch"] == 0
+
+
+def test_chat_replay_is_exact_where_the_template_permits(vllm_qwen2, trace, tokenizer_dir, tmp_path):
+    synth = PromptSynthesizer(ServerTokenizer.load(tokenizer_dir), api="openai-chat", block_size=BLOCK)
+    shortest = synth.min_overhead_tokens + 1  # one content token inside the smallest frame
+    empty = synth.short_frame.empty_tokens if synth.short_frame else synth.frame.empty_tokens
+    results = tmp_path / "chat.jsonl"
+    records = replay(vllm_qwen2, trace, tokenizer_dir, "openai-chat", results)
+    long_enough = [r for r in records if r["input_length"] >= shortest]
+    too_short = [r for r in records if r["input_length"] < shortest]
+    print(f"chat: {len(long_enough)} rows of >= {shortest} tokens, {len(too_short)} shorter (the template's minimum "
+          f"is {empty} tokens)")  # fmt: skip
+    assert len(long_enough) > ROWS // 2
+    assert [r for r in long_enough if r["prompt_tokens"] != r["input_length"]] == []
+    # the rest get the template's minimum (an empty message), exactly as the synthesizer said
+    assert [r for r in too_short if r["prompt_tokens"] != max(r["input_length"], empty)] == []
+    assert [r for r in records if r["output_tokens"] != r["output_length"]] == []
+    summary, text = report(results, trace, tokenizer_dir)
+    check_cache_fidelity(summary, text, records)
+    assert summary["cache"]["requests_prompt_mismatch"] == 0  # the expected prompts are what vLLM counted

@@ -1,0 +1,124 @@
+"""The HTML report: written by `replay report --html`, opened in headless Chromium without
+errors, every plot present in the DOM; and a clear message when the plotting extra is absent.
+
+Chromium (Debian's `chromium`) and matplotlib (the `report` extra) are needed: in CI (CI=true)
+their absence fails the test, elsewhere it skips with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replay.results.html import PLOTS
+from test_locust import mooncake_trace
+from test_report import T0, ok_record, record
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--enable-logging=stderr", "--v=0")  # fmt: skip
+
+
+def need(what: str, hint: str) -> None:
+    message = f"{what} is not installed ({hint})"
+    if IN_CI:
+        pytest.fail(message + "; CI must install it", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = next((p for p in map(shutil.which, BROWSERS) if p), None)
+    if path is None:
+        need("chromium", "apt-get install -y chromium")
+    return path
+
+
+@pytest.fixture(scope="module")
+def plotting() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        need("matplotlib", "pip install 'tracereplay[report]'")
+
+
+def results_for(trace: Path, path: Path) -> Path:
+    """Records for every row of `trace`: most answered, some failed or never sent."""
+    rng = random.Random(5)
+    rows = [json.loads(line) for line in open(trace)]
+    recs = []
+    for i, row in enumerate(rows):
+        if i % 13 == 5:
+            recs.append(record(i, scheduled_at=T0 + i * 0.1, status=0, ok=False, error="run stopped"))
+            continue
+        r = ok_record(i, rng)
+        r.update(input_length=row["input_length"], output_length=row["output_length"], cached_tokens=0,
+                 prompt_tokens=row["input_length"])  # fmt: skip
+        if i % 17 == 3:
+            r.update(ok=False, status=500, error="HTTP 500: boom", ttft_ms=None, itl_ms=None, tpot_ms=None)
+        recs.append(r)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def report(results: Path, trace: Path, tokenizer: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "replay", "report", str(results), "--trace", str(trace), "--block-size", "16",
+         "--server-block-size", "16", "--tokenizer", str(tokenizer), "--slo", "ttft_ms=300", *extra],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+
+
+def test_html_opens_in_chromium_with_every_plot(tmp_path, toy_tokenizer_dir, chromium, plotting):
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=60, gap_ms=100)
+    results = results_for(trace, tmp_path / "run.jsonl")
+    page, pngs = tmp_path / "report.html", tmp_path / "png"
+    proc = report(results, trace, toy_tokenizer_dir, "--html", str(page), "--png-dir", str(pngs))
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    # self-contained: nothing to fetch, nothing to run
+    for tag in ("<script", "<img", "<link", "<iframe", "src=", "url(http"):
+        assert tag not in text, tag
+    for name, _ in PLOTS:
+        png = (pngs / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000, name
+
+    profile = tmp_path / "chromium-profile"
+    browser = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert browser.returncode == 0, browser.stderr[-3000:]
+    console = [line for line in browser.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+    assert console == [], console
+    dom = browser.stdout
+    assert 'id="summary"' in dom and "Serving Benchmark Result" in dom and "Prefix Cache Fidelity" in dom
+    for name, caption in PLOTS:
+        m = re.search(rf'<figure id="plot-{name}" class="plot">(.*?)</figure>', dom, re.S)
+        assert m, name
+        assert caption in m.group(1) and "<svg" in m.group(1), name
+        assert len(re.findall(r"<path", m.group(1))) >= 5, f"{name}: the SVG has nothing drawn"
+
+
+def test_missing_plotting_extra_is_said_clearly(tmp_path, toy_tokenizer_dir):
+    """Without matplotlib: the text and --json still come out, --html explains and exits 1."""
+    blocker = tmp_path / "no-matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
+    env = {**os.environ, "PYTHONPATH": str(blocker.parent)}
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=100)
+    results = results_for(trace, tmp_path / "run.jsonl")
+    summary = tmp_path / "summary.json"
+    proc = report(results, trace, toy_tokenizer_dir, "--json", str(summary), "--html", str(tmp_path / "r.html"), env=env)
+    assert proc.returncode == 1
+    assert "--html needs matplotlib" in proc.stderr and "pip install 'tracereplay[report]'" in proc.stderr
+    assert "Serving Benchmark Result" in proc.stdout
+    assert json.loads(summary.read_text())["requests"] == 20
+    assert not (tmp_path / "r.html").exists()
