@@ -37,6 +37,7 @@ LATEST_KEYS = (
 
 
 def worker_report(part) -> dict:
+    """What only the worker knows: requests written but not yet answered (no record yet)."""
     return {"worker": part.index, "host": socket.gethostname(), "sent": part.sent, "in_flight": len(part.in_flight),
             "failed": part.failed}  # fmt: skip
 

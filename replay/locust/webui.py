@@ -20,7 +20,7 @@ import gevent
 import orjson
 from flask import Response, jsonify, request
 from locust import events
-from locust.runners import MasterRunner, WorkerRunner
+from locust.runners import STATE_RUNNING, STATE_SPAWNING, MasterRunner, WorkerRunner
 
 from replay.locust import live
 from replay.locust.live import LiveStats
@@ -83,11 +83,14 @@ def add_routes(web_ui, stats: LiveStats, base: str = "") -> None:
 
     @app.before_request
     def refuse_second_start():
-        if request.endpoint == "locust.swarm" and coordinator.started_at is not None:
+        if request.endpoint != "locust.swarm" or coordinator.started_at is None:
+            return None
+        if web_ui.environment.runner.state in (STATE_SPAWNING, STATE_RUNNING):
+            message = "The replay is running; its pace comes from the trace, so there is nothing to change."
+        else:
             message = (f"This replay has already run (records in {coordinator.output}). A replay is one pass over"
                        " the trace: restart locust to replay it again.")  # fmt: skip
-            return jsonify({"success": False, "message": message, "host": web_ui.environment.host})
-        return None
+        return jsonify({"success": False, "message": message, "host": web_ui.environment.host})
 
     web_ui.template_args["extended_tabs"] = [{"title": "Replay", "key": TAB}]
     web_ui.template_args["extended_tables"] = [

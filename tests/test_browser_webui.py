@@ -1,0 +1,139 @@
+"""The Replay view in a real browser: headless Chromium (the system's, driven by Selenium
+through the system chromedriver; nothing is downloaded) presses Locust's own Start button,
+follows the link to the Replay view (a master and 2 workers), waits for the charts to draw, checks the figures in the
+DOM and saves a screenshot (docs/replay-view.png for the README when TRACEREPLAY_SCREENSHOT names it).
+
+In CI (CI=true) a missing browser, driver or selenium fails the test; elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from replay.results.records import read_records
+from test_html import BROWSERS, CHROMIUM_FLAGS, need
+from test_locust import REPO, _finish, free_port, mooncake_trace, sim  # noqa: F401
+from test_webui import start_web_locust, wait_for, web_args
+
+# The README's picture is refreshed only on request (TRACEREPLAY_SCREENSHOT=docs/replay-view.png),
+# so a test run leaves the checkout clean.
+SCREENSHOT_ENV = "TRACEREPLAY_SCREENSHOT"
+
+
+@pytest.fixture
+def browser(tmp_path):
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        need("selenium", "pip install 'tracereplay[test]'")
+    chromium = next((p for p in map(shutil.which, BROWSERS) if p), None)
+    if chromium is None:
+        need("chromium", "apt-get install -y chromium")
+    driver_path = shutil.which("chromedriver")
+    if driver_path is None:
+        need("chromedriver", "apt-get install -y chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium  # with the driver path given too, Selenium Manager never runs
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'profile'}")
+    options.add_argument("--window-size=1440,1000")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wavy_trace(path: Path, seconds: float = 12.0) -> Path:
+    """Mooncake rows whose rate swings between about 8 and 40 requests/s, for charts with a shape."""
+    mooncake_trace(path, rows=400, gap_ms=1, output_length=(6, 40))
+    rows, t = [], 0.0
+    for line in path.read_text().splitlines():
+        if t > seconds:
+            break
+        row = json.loads(line)
+        row["timestamp"] = round(t * 1000, 3)
+        rows.append(row)
+        t += 1.0 / (24 + 16 * math.sin(2 * math.pi * t / 6))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def text(driver, element_id: str) -> str:
+    return driver.find_element("id", element_id).text
+
+
+def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):  # noqa: F811
+    trace = wavy_trace(tmp_path / "trace.jsonl")
+    rows = sum(1 for _ in open(trace))
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    procs = start_web_locust(tmp_path, web_args(trace, toy_tokenizer_dir, sim.url, output, port), workers=2)
+    try:
+        wait_for(lambda: requests.get(f"{base}/worker-count", timeout=2).json()["worker_count"] == 2, "2 workers")
+        browser.get(base + "/")
+        start = wait_for(lambda: browser.find_elements("css selector", "form button[type=submit]"), "Start")[0]
+        users = browser.find_element("css selector", "input[name=userCount]")
+        assert users.get_attribute("disabled") is not None  # the shape drives: nothing to fill in
+        start.click()
+        stats = wait_for(lambda: (s := requests.get(f"{base}/replay/stats", timeout=2).json())["run"]["epoch"] and s,
+                         "the run to start")  # fmt: skip
+        assert stats["progress"]["rows_total"] == rows
+
+        browser.find_element("id", "replay-view-link").click()
+        wait_for(lambda: browser.current_url.endswith("/replay"), "the Replay view")
+
+        def charts_drawn():
+            points = int(browser.find_element("id", "chart-ttft").get_attribute("data-points"))
+            return points >= 8 and browser.find_elements("css selector", "#chart-ttft polyline.series")
+
+        wait_for(charts_drawn, "the TTFT chart to draw 8 points", timeout=30)
+        assert text(browser, "state") == "RUNNING"  # shown upper-case by CSS
+        assert text(browser, "rows-total") == str(rows)
+        assert 0 < int(text(browser, "rows-sent")) <= rows
+        for chart in ("ttft", "tpot", "e2e", "output", "input", "inflight", "drift", "cache"):
+            svg = browser.find_element("id", f"chart-{chart}")
+            assert int(svg.get_attribute("data-points")) >= 3, chart
+            assert svg.find_elements("css selector", "polyline.series"), chart
+        assert float(text(browser, "legend-ttft_p50_ms")) >= 25  # the sim's TTFT is 30 ms
+        table = [[td.text for td in tr.find_elements("tag name", "td")]
+                 for tr in browser.find_elements("css selector", "#workers tbody tr")]
+        assert [r[0] for r in table] == ["0", "1"] and sum(int(r[3]) for r in table) == rows
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                {"width": 1440, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        time.sleep(1.2)  # one more poll, drawn at the new size
+        screenshot = Path(os.environ.get(SCREENSHOT_ENV) or tmp_path / "replay-view.png")
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(screenshot))
+
+        wait_for(lambda: text(browser, "state") == "FINISHED", "the run to finish in the page", timeout=60)
+        assert text(browser, "progress-pct") == "100.0%"
+        assert text(browser, "rows-done") == str(rows)
+        records = list(read_records(output))
+        assert text(browser, "rows-sent") == str(sum(r["sent_at"] is not None for r in records))
+        severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not severe, severe
+
+        browser.get(base + "/?tab=replay")  # the Replay tab inside Locust's own UI: the per-worker table
+        tab = wait_for(lambda: [tr.text.split()[0] for tr in browser.find_elements("css selector", "table tbody tr")],
+                       "the Replay tab's table")  # fmt: skip
+        assert tab == ["0", "1", "all"]
+        assert browser.find_element("id", "replay-view-link").get_attribute("href") == base + "/replay"
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        _finish(procs, timeout=20)
+    assert len(records) == rows and all(r["ok"] for r in records)
