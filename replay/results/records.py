@@ -58,29 +58,13 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
 
 def unsent_record(row, *, worker: int | None, api: str, scheduled_at: float | None, reason: str, endpoint: str | None = None) -> dict:
     """The record of a row that never got an answer: ok=false and the reason as error."""
-    return {
-        "request_id": row.request_id,
-        "session_id": row.session_id,
-        "worker": worker,
-        "endpoint": endpoint,
-        "api": api,
-        "scheduled_at": scheduled_at,
-        "sent_at": None,
-        "finished_at": None,
-        "drift_ms": None,
-        "ttft_ms": None,
-        "tpot_ms": None,
-        "e2e_ms": None,
-        "itl_ms": None,
-        "status": 0,
-        "ok": False,
-        "error": reason,
-        "input_length": row.input_length,
-        "output_length": row.output_length,
-        "prompt_tokens": None,
-        "output_tokens": None,
-        "cached_tokens": None,
-    }
+    record = dict.fromkeys(RECORD_FIELDS)  # every field present, null when unknown
+    record.update(
+        request_id=row.request_id, session_id=row.session_id, worker=worker, endpoint=endpoint, api=api,
+        scheduled_at=scheduled_at, status=0, ok=False, error=reason,
+        input_length=row.input_length, output_length=row.output_length,
+    )
+    return record
 
 
 class RecordWriter:
