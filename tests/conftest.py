@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+# Locust monkey-patches the standard library with gevent when it is imported, and some test
+# modules import it in-process. Patch first, before anything imports ssl (requests does),
+# or ssl recurses forever (gevent issue 1016).
+from gevent import monkey
 
-import pytest
+monkey.patch_all()
+
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("TRACEREPLAY_SHARED", REPO.parent / "shared"))
