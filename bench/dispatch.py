@@ -3,8 +3,11 @@
 Replays synthetic mooncake traces (streaming, ~100 output tokens per request) with
 `locust --headless` pinned to one core against `replay sim` pinned to the other, and prints
 the median over several runs of: achieved send rate, drift p50 / p99 / max (ms), TTFT p50,
-and the p99 lateness of the same timer in an idle process on that core just before the run
-(the shared machine's own scheduling noise, which no dispatcher can beat).
+the p99 lateness of the same timer in an idle process on that core just before the run
+(the shared machine's own scheduling noise, which no dispatcher can beat), and the locust
+process's CPU ms per request over the whole run (start-up and body building included; unlike
+drift, it hardly depends on how busy the machine is) and how long in all it waited for its core
+while runnable (other processes on that core: each such wait shows up as drift).
 Target: drift p99 <= 2 ms up to 500 req/s per worker process.
 
     .venv/bin/python bench/dispatch.py [--rates 100,200,500,1000] [--seconds 5] [--runs 3]
@@ -16,10 +19,12 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,15 +78,45 @@ def timer_noise(cpu: int | None) -> float:
     return float(out.stdout)
 
 
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def runqueue_wait_ms(proc: subprocess.Popen, every: float = 0.05) -> float:
+    """Wait for `proc`; return how long (ms) its main thread sat runnable but off the CPU
+    (/proc/PID/schedstat, sampled until it exits). Other processes on the client's core cause
+    this, and every such wait lands in drift, whatever the dispatcher does."""
+    waited, give_up = 0, time.monotonic() + 600
+    while proc.poll() is None:
+        if time.monotonic() > give_up:
+            proc.kill()
+        try:
+            with open(f"/proc/{proc.pid}/schedstat") as f:
+                waited = int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+        try:
+            proc.wait(every)
+        except subprocess.TimeoutExpired:
+            pass
+    return waited / 1e6
+
+
 def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None) -> dict:
     cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless", "--host", url,
            "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
            "--output", str(out), "--loglevel", "WARNING", "--only-summary"]
     noise = timer_noise(cpu)
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
-    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=preexec, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"locust failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    cpu_before = children_cpu()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec)
+        waited_ms = runqueue_wait_ms(proc)
+        log.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"locust failed ({proc.returncode}): {log.read()[-2000:]}")
+    cpu_s = children_cpu() - cpu_before
     records = list(read_records(out))
     sent = sorted(r["sent_at"] for r in records if r["sent_at"] is not None)
     drift = sorted(r["drift_ms"] for r in records if r["drift_ms"] is not None)
@@ -95,6 +130,8 @@ def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None) 
         "p99": percentile(drift, 99),
         "max": drift[-1],
         "ttft_p50": percentile(ttft, 50) if ttft else float("nan"),
+        "cpu_ms": cpu_s * 1000.0 / len(records),
+        "runqueue_ms": waited_ms,
     }
 
 
@@ -112,7 +149,7 @@ def main() -> None:
     print(f"dispatch bench: {args.seconds:g} s traces, {args.output_tokens} output tokens streamed, "
           f"itl {args.itl_ms:g} ms, median of {args.runs} runs; locust on cpu {client_cpu}, sim on cpu {sim_cpu}")
     print(f"{'target/s':>9} {'achieved/s':>10} {'ok':>6} {'drift p50':>10} {'p99':>8} {'max':>8} {'ttft p50':>9} "
-          f"{'idle timer p99':>15}  (ms)")
+          f"{'idle timer p99':>15} {'cpu/req':>8} {'runq wait':>9}  (ms)  loadavg")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tokenizer = build_toy_tokenizer(tmp / "tok")
@@ -125,7 +162,9 @@ def main() -> None:
                         for i in range(args.runs)]
                 med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 print(f"{rate:9.0f} {med['rate']:10.1f} {med['ok']:6.1%} {med['p50']:10.3f} {med['p99']:8.3f} "
-                      f"{med['max']:8.3f} {med['ttft_p50']:9.1f} {med['noise_p99']:15.3f}", flush=True)
+                      f"{med['max']:8.3f} {med['ttft_p50']:9.1f} {med['noise_p99']:15.3f} {med['cpu_ms']:8.3f} "
+                      f"{med['runqueue_ms']:9.0f}  "
+                      f"{open('/proc/loadavg').read().split()[0]}", flush=True)
 
 
 if __name__ == "__main__":

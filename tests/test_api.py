@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
+import gevent
 import orjson
 import pytest
 
 from replay.api import Endpoint, get_adapter, parse_headers, send
 from replay.api.sse import DONE, sse_data
+from replay.locust.timing import Alarm
 from replay.sim.process import sim_process
 
 
@@ -34,6 +38,38 @@ def test_ttft_is_first_content_token_not_role_chunk(slow_sim):
     assert outcome.prompt_tokens > 0 and outcome.cached_tokens is not None
     assert 15 < outcome.tpot_ms < 40
     assert endpoint.in_flight == 0
+
+
+def test_each_read_calls_the_hook_in_the_loop_which_can_wake_a_waiting_greenlet(slow_sim):
+    """The dispatcher's path: stream reads run in the event loop, report their arrival time
+    and may ring an Alarm whose greenlet then runs at once (long before its own deadline)."""
+    endpoint = Endpoint(slow_sim.url)
+    alarm = Alarm()
+    reads: list[float] = []
+    woke: list[float] = []
+
+    in_loop: list[bool] = []
+
+    def on_read(now: float) -> None:
+        in_loop.append(gevent.getcurrent() is gevent.get_hub())
+        reads.append(now)
+        alarm.ring()
+
+    def sleeper() -> None:
+        alarm.wait_until(time.time() + 30)
+        woke.append(time.time())
+
+    endpoint.on_read = on_read
+    waiting = gevent.spawn(sleeper)
+    outcome = send(endpoint, get_adapter("openai-chat"), chat_body(True), True, {"Content-Type": "application/json"})
+    waiting.join(1)
+    alarm.close()
+    assert outcome.ok, outcome.error
+    assert woke and reads and 0 <= woke[0] - reads[0] < 0.1
+    assert reads == sorted(reads) and len(reads) >= 4 and all(in_loop)
+    # token times are the arrival times of the reads that brought them (the last read ends the
+    # stream and calls no hook)
+    assert sum(t in reads for t in outcome.token_times) >= len(outcome.token_times) - 2
 
 
 def test_no_stream_and_completions(slow_sim):

@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import gevent
 import orjson
+from gevent.hub import Waiter
 from geventhttpclient import HTTPClient
 from geventhttpclient.response import HTTPSocketPoolResponse
 
@@ -21,9 +23,10 @@ from replay.api.sse import DONE, sse_data
 
 POOL_SIZE = 100_000
 ERROR_TEXT_LIMIT = 300
+READ_SIZE = 16384  # one recv takes whatever has arrived (dozens of events when the loop is busy)
 
 
-def _nothing() -> None:
+def _nothing(now: float) -> None:
     pass
 
 
@@ -44,7 +47,9 @@ class Endpoint:
         self.url = url.rstrip("/")
         self.prefix = parts.path.rstrip("/")
         self.in_flight = 0
-        self.on_read = _nothing  # called after every read of a stream (the dispatcher's hook)
+        # Called with the arrival time after every read of a stream body (the dispatcher's
+        # hook). It runs inside the event loop, so it must not block.
+        self.on_read = _nothing
         self.host_header = parts.netloc
         self._heads: dict[tuple, bytes] = {}
         self.http = HTTPClient(
@@ -149,45 +154,88 @@ class Outcome:
                 setattr(self, key, usage[key])
 
 
-def _receive(response, on_read=_nothing) -> tuple[bytes, list[tuple[int, float]], str | None]:
-    """The whole body, when each part of it arrived [(body bytes so far, unix time)], and the
-    error that cut it short, if any.
+class _BodyReader:
+    """Reads a response body inside the event loop and wakes its greenlet when it is over.
 
-    Only socket reads happen while the stream is open; lines are split and parsed after it
-    ends. Per read that is one recv and one call into the C parser, so hundreds of open
-    streams keep each turn of the event loop short, and dispatch is not held up behind them.
+    A raw I/O watcher on the connection does one non-blocking recv and one call into the C
+    parser per read: a token costs no greenlet switch, hundreds of open streams keep each turn
+    of the loop short, and dispatch is not held up behind them. Each read appends an int and a
+    float, which the garbage collector does not track: one tuple per read made its young
+    generation tens of thousands of objects long, and each collection a millisecond-long pause.
     """
-    buf = response._body_buffer  # geventhttpclient's de-chunked body, grown in place by feed()
-    marks = [(len(buf), time.time())] if buf else []
-    sock = response._sock
-    if sock is None:  # the whole body came with the headers
-        return bytes(buf), marks, None
-    # No per-read timeout while streaming (gevent arms and cancels a Timeout on every read
-    # otherwise); a server that stops answering is cut off by --drain-timeout instead.
-    timeout = sock.timeout
-    sock.settimeout(None)
-    try:
-        while not response.message_complete:
-            data = sock.recv(response.block_size)
-            now = time.time()
-            if not data:
-                return bytes(buf), marks, "connection closed before the end of the response"
+
+    __slots__ = ("response", "buf", "sock", "on_read", "sizes", "times", "error", "watcher", "waiter")
+
+    def __init__(self, response, on_read):
+        self.response = response
+        self.buf = response._body_buffer  # geventhttpclient's de-chunked body, grown in place by feed()
+        self.sock = response._sock._sock  # the non-blocking _socket.socket under gevent's
+        self.on_read = on_read
+        self.sizes: list[int] = []  # body bytes so far after each read
+        self.times: list[float] = []  # and when that read arrived (unix seconds)
+        self.error: str | None = None
+        hub = gevent.get_hub()
+        self.watcher = hub.loop.io(self.sock.fileno(), 1)
+        self.waiter = Waiter(hub)
+
+    def read(self) -> None:
+        if self.buf:  # body bytes that came with the headers
+            self.sizes.append(len(self.buf))
+            self.times.append(time.time())
+        self.watcher.start(self._readable)
+        try:
+            self.waiter.get()
+        finally:
+            self.watcher.close()
+
+    def _end(self, error: str | None) -> None:
+        self.watcher.stop()
+        self.error = error
+        self.waiter.switch(None)
+
+    def _readable(self) -> None:  # runs in the hub: must never block, must never raise
+        try:
+            data = self.sock.recv(READ_SIZE)
+        except BlockingIOError:
+            return
+        except Exception as e:
+            return self._end(f"{type(e).__name__}: {e}")
+        now = time.time()
+        if not data:
+            return self._end("connection closed before the end of the response")
+        response = self.response
+        try:
             response.feed(data)
-            marks.append((len(buf), now))
-            on_read()
-    except Exception as e:
-        return bytes(buf), marks, f"{type(e).__name__}: {e}"
-    finally:
-        sock.settimeout(timeout)
-    return bytes(buf), marks, None
+        except Exception as e:
+            return self._end(f"{type(e).__name__}: {e}")
+        self.sizes.append(len(self.buf))
+        self.times.append(now)
+        if response.message_complete:
+            return self._end(None)
+        self.on_read(now)
+
+
+def _receive(response, on_read=_nothing) -> tuple[bytes, list[int], list[float], str | None]:
+    """The whole body, when each part of it arrived (body bytes so far after each read, and
+    the read's unix time), and the error that cut it short, if any.
+
+    No per-read timeout while streaming; a server that stops answering is cut off by
+    --drain-timeout instead. Lines are split and parsed after the stream ends.
+    """
+    if response._sock is None:  # the whole body came with the headers
+        buf = response._body_buffer
+        return bytes(buf), [len(buf)] if buf else [], [time.time()] if buf else [], None
+    reader = _BodyReader(response, on_read)
+    reader.read()
+    return bytes(reader.buf), reader.sizes, reader.times, reader.error
 
 
 def _read_stream(response, adapter: Adapter, outcome: Outcome, on_read=_nothing) -> None:
     """Time each content event by the read that completed its line."""
-    body, marks, outcome.error = _receive(response, on_read)
+    body, sizes, times, outcome.error = _receive(response, on_read)
     pos = 0
     mark = 0
-    last = len(marks) - 1
+    last = len(sizes) - 1
     for line in body.split(b"\n"):
         pos += len(line) + 1
         data = sse_data(line)
@@ -195,7 +243,7 @@ def _read_stream(response, adapter: Adapter, outcome: Outcome, on_read=_nothing)
             continue
         if data == DONE:
             break
-        while mark < last and marks[mark][0] < pos - 1:
+        while mark < last and sizes[mark] < pos - 1:
             mark += 1
         try:
             obj = orjson.loads(data)
@@ -207,7 +255,7 @@ def _read_stream(response, adapter: Adapter, outcome: Outcome, on_read=_nothing)
             outcome.error = error[:ERROR_TEXT_LIMIT]
             break
         if count:
-            outcome.token_times.append(marks[mark][1])
+            outcome.token_times.append(times[mark])
             outcome.events_tokens += count
         outcome.apply_usage(usage)
 

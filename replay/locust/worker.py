@@ -6,8 +6,8 @@ greenlet, which builds in the gaps between sends. Idle connections are kept open
 demand, so a due request is written at once without connecting or yielding, and its answer
 is read by a greenlet of its own: a slow server never delays a later send. The dispatcher
 wakes on a high-priority timer (replay.locust.timing), and every stream reader checks after
-each read whether a send has fallen due, so sends are not held back behind a busy turn of
-the event loop.
+each read whether a send has fallen due and if so wakes it there and then, so sends are not
+held back behind a busy turn of the event loop.
 """
 
 from __future__ import annotations
@@ -26,16 +26,22 @@ from replay.locust.clock import ClockSync
 from replay.locust.options import ReplayOptions
 from replay.locust.plan import decode_row
 from replay.locust.routing import make_router
-from replay.locust.timing import wait_until
+from replay.locust.timing import Alarm, QuietCollector
 from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, RecordWriter, sent_record, unsent_record, worker_path
 from replay.trace.record import TraceRow
 
 logger = logging.getLogger(__name__)
 
+# Each spawn would otherwise keep its spawner's stack (ten frame objects per request, for
+# gevent's debugging tree); they fill the collector's young generation and lengthen its pauses.
+gevent.config.track_greenlet_tree = False
+
 GUARD_FACTOR = 3.0  # the builder starts no body closer to a send than this many build times
 AHEAD_S = 10.0  # build bodies up to this far (wall seconds) ahead of their send
 AHEAD_ROWS = 2000  # and at most this many rows ahead
 FLUSH_S = 0.2  # records are written and shipped in batches this often
+FLUSH_GAP_S = 0.004  # each batch waits for this long a gap before the next send
+FLUSH_GAP_TRIES = 50  # for up to about this many ms
 BATCH = 500
 WARM_S = 0.2  # idle connections kept for about this much time of sends
 WARM_TICK_S = 0.02
@@ -101,6 +107,7 @@ class WorkerPart:
         self._chunks: dict[int, list] = {}
         self._next_chunk = 0
         self._greenlets: list[gevent.Greenlet] = []
+        self.alarm = Alarm()  # the dispatcher's wake-up, rung early by stream readers
         self.clock = ClockSync(link)
         self.record_window = messages.Window(lambda payload: link.to_master(messages.RECORDS, payload))
         link.on(messages.PLAN, self.on_plan)
@@ -234,27 +241,31 @@ class WorkerPart:
         self.go.wait()
         for endpoint in self.endpoints:
             endpoint.on_read = self._on_read
-        while not self._stopped:
-            pos = self.dispatch_pos
-            if pos >= self.total:
-                break
-            if pos >= len(self.rows):  # its rows have not all arrived yet
-                gevent.sleep(0.001)
-                continue
-            deadline = self._fire_due()
-            if self.dispatch_pos == pos and pos not in self.bodies:  # only when the builder fell behind
-                gevent.sleep(0.0005)
-                continue
-            if deadline != float("inf"):
-                wait_until(deadline)
+        with QuietCollector() as collector:
+            while not self._stopped:
+                pos = self.dispatch_pos
+                if pos >= self.total:
+                    break
+                if pos >= len(self.rows):  # its rows have not all arrived yet
+                    collector.idle(0.0)
+                    gevent.sleep(0.001)
+                    continue
+                deadline = self._fire_due()
+                if self.dispatch_pos == pos and pos not in self.bodies:  # only when the builder fell behind
+                    collector.idle(0.0)
+                    gevent.sleep(0.0005)
+                    continue
+                if deadline != float("inf"):
+                    collector.idle(deadline - time.time())
+                    self.alarm.wait_until(deadline)
         self._drain()
         self.finished.set()
 
-    def _on_read(self) -> None:
-        """Called by every stream reader after each read: a send that fell due meanwhile goes
-        out now, instead of after the rest of this event-loop turn."""
-        if time.time() >= self.next_due:
-            self._fire_due()
+    def _on_read(self, now: float) -> None:
+        """Called in the event loop after every read of a stream: a send that fell due meanwhile
+        goes out now, instead of after the rest of this event-loop turn."""
+        if now >= self.next_due:
+            self.alarm.ring()
 
     def _fire_due(self) -> float:
         """Send every row that is due and return the local time the next one is due.
@@ -385,6 +396,12 @@ class WorkerPart:
     def _flush_loop(self) -> None:
         while True:
             gevent.sleep(FLUSH_S)
+            # A batch takes a few ms to write and ship, and nothing yields meanwhile: start it
+            # in a gap between sends when one comes soon enough.
+            for _ in range(FLUSH_GAP_TRIES):
+                if self.next_due - time.time() >= FLUSH_GAP_S:
+                    break
+                gevent.sleep(0.001)
             self._flush()
 
     def take_records(self) -> list[dict]:

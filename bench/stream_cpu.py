@@ -1,0 +1,99 @@
+"""CPU cost of reading streams in the load generator: CPU ms per request and us per token.
+
+CPU time, unlike drift, barely depends on what else the shared machine is running, so
+this is the figure to compare read paths by. Requests go out open-loop at --rate through
+the worker's own path (replay.api write + read, one greenlet per answer) to `replay sim`
+pinned to the other core; this process's user+system CPU over the run is divided by the
+requests and by the content tokens they streamed. Median of several runs.
+
+    .venv/bin/python bench/stream_cpu.py [--rate 500] [--seconds 4] [--runs 3] [--output-tokens 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import gevent  # noqa: E402
+import orjson  # noqa: E402
+from gevent.pool import Group  # noqa: E402
+
+from replay.api import Endpoint, get_adapter, read, send, write  # noqa: E402
+from replay.sim.process import sim_process  # noqa: E402
+from replay.synth.toy import build_toy_tokenizer  # noqa: E402
+
+HEADERS = {"Content-Type": "application/json"}
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def one_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
+    adapter = get_adapter("openai-chat")
+    body = orjson.dumps({"model": "sim", "messages": [{"role": "user", "content": "bada kelo misu ra"}],
+                         "max_tokens": output_tokens, "min_tokens": output_tokens, "ignore_eos": True,
+                         "stream": True, "stream_options": {"include_usage": True}})
+    endpoint = Endpoint(url)
+    count = int(rate * seconds)
+    endpoint.warm(min(count, int(rate * 0.6) + 50))
+    outcomes = []
+    group = Group()
+
+    def collect(sent) -> None:
+        outcomes.append(read(endpoint, adapter, True, sent))
+
+    def fallback() -> None:
+        outcomes.append(send(endpoint, adapter, body, True, HEADERS))
+
+    start_cpu, start = cpu_seconds(), time.time() + 0.05
+    for i in range(count):
+        gevent.sleep(max(0.0, start + i / rate - time.time()))  # plain pacing: no spin in the CPU figure
+        sent = write(endpoint, adapter, body, True, HEADERS)
+        group.spawn(collect, sent) if sent is not None else group.spawn(fallback)
+    group.join()
+    cpu = cpu_seconds() - start_cpu
+    endpoint.close()
+    ok = sum(1 for o in outcomes if o.ok)
+    tokens = sum(o.events_tokens for o in outcomes)
+    return {"cpu_ms_per_req": cpu * 1000 / count, "us_per_token": cpu * 1e6 / max(tokens, 1),
+            "ok": ok / count, "cpu_share": cpu / (time.time() - start)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--output-tokens", type=int, default=100)
+    parser.add_argument("--itl-ms", type=float, default=5.0)
+    args = parser.parse_args()
+
+    cpus = sorted(os.sched_getaffinity(0))
+    client_cpu, sim_cpu = (cpus[0], cpus[1]) if len(cpus) > 1 else (None, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = build_toy_tokenizer(Path(tmp) / "tok")
+        with sim_process(tokenizer, "--ttft-ms", "20", "--itl-ms", str(args.itl_ms), "--prefill-ms-per-1k", "0",
+                         "--max-num-seqs", "100000", cpu=sim_cpu) as sim:
+            if client_cpu is not None:
+                os.sched_setaffinity(0, {client_cpu})
+            runs = [one_run(sim.url, args.rate, args.seconds, args.output_tokens) for _ in range(args.runs)]
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    print(f"stream cpu: {args.rate:g} req/s x {args.output_tokens} tokens (itl {args.itl_ms:g} ms), "
+          f"median of {args.runs} runs of {args.seconds:g} s: {med['cpu_ms_per_req']:.3f} CPU ms/request "
+          f"(= CPU s per 1,000 requests), {med['us_per_token']:.2f} us/token, "
+          f"client core busy {med['cpu_share']:.0%}, ok {med['ok']:.1%}; loadavg {open('/proc/loadavg').read().split()[0]}")
+
+
+if __name__ == "__main__":
+    main()
