@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common import split_cores
 from replay.results.records import read_records  # noqa: E402
 from replay.results.summary import percentile  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402
@@ -144,8 +145,7 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=5.0)
     args = parser.parse_args()
 
-    cpus = sorted(os.sched_getaffinity(0))
-    client_cpu, sim_cpu = (cpus[0], cpus[1]) if len(cpus) > 1 else (None, None)
+    client_cpu, sim_cpu = split_cores()
     print(f"dispatch bench: {args.seconds:g} s traces, {args.output_tokens} output tokens streamed, "
           f"itl {args.itl_ms:g} ms, median of {args.runs} runs; locust on cpu {client_cpu}, sim on cpu {sim_cpu}")
     print(f"{'target/s':>9} {'achieved/s':>10} {'ok':>6} {'drift p50':>10} {'p99':>8} {'max':>8} {'ttft p50':>9} "

@@ -11,11 +11,10 @@ tokenizer when present, else the bundled sample trace and the toy tokenizer.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
+from common import median_seconds
 from replay.results.fidelity import check_cache, summarize_cache
 from replay.results.records import RECORD_FIELDS
 from replay.results.report import build_report
@@ -38,15 +37,6 @@ def records_for(rows) -> list[dict]:
                  output_tokens=row.output_length, cached_tokens=0)  # fmt: skip
         out.append(r)
     return out
-
-
-def median_time(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -73,14 +63,14 @@ def main() -> None:
     tokens = sum(r.input_length for r in rows)
     tokenizer = ServerTokenizer.load(tokenizer_path)
 
-    summary_s = median_time(lambda: build_report(records, {"ttft_ms": 100.0}), args.runs)
+    summary_s = median_seconds(lambda: build_report(records, {"ttft_ms": 100.0}), args.runs)
 
     def fidelity():
         # a fresh synthesizer each run: cold block cache, as in a `replay report` process
         synth = PromptSynthesizer(tokenizer, api=args.api, block_size=trace.block_size or 512)
         summarize_cache(check_cache(records, by_id, synth, args.server_block_size), "bench")
 
-    fidelity_s = median_time(fidelity, args.runs)
+    fidelity_s = median_seconds(fidelity, args.runs)
     print(f"trace {trace_path}: {len(rows)} rows, {tokens:,} prompt tokens; tokenizer {Path(tokenizer_path).name}, "
           f"{args.api}, server block {args.server_block_size}; median of {args.runs}")  # fmt: skip
     print(f"  summary (build_report)      {summary_s * 1000:9.1f} ms   {len(rows) / summary_s:12,.0f} records/s")

@@ -22,18 +22,11 @@ import gevent
 import orjson
 from geventhttpclient import HTTPClient
 
+from common import split_cores
 from replay.sim.process import sim_process
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_QWEN = REPO.parent / "shared" / "tokenizers" / "qwen2"
-
-
-def pick_cores() -> tuple[int | None, int | None]:
-    """(server core, client core), or Nones when the machine has a single core for us."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return None, None
-    return cores[1], cores[0]
 
 
 def load(port: int, body: bytes, connections: int, seconds: float, count_tokens: bool) -> tuple[float, float]:
@@ -96,7 +89,7 @@ def main() -> int:
             from replay.synth.toy import build_toy_tokenizer
 
             tokenizer = str(build_toy_tokenizer(tempfile.mkdtemp(prefix="toy-tokenizer-")))
-    server_core, client_core = pick_cores()
+    client_core, server_core = split_cores()
     if client_core is not None:
         os.sched_setaffinity(0, {client_core})
     print(f"tokenizer {tokenizer}; server on core {server_core}, load generator on core {client_core}; "

@@ -27,6 +27,7 @@ import gevent  # noqa: E402
 import orjson  # noqa: E402
 from gevent.pool import Group  # noqa: E402
 
+from common import split_cores
 from replay.api import Endpoint, get_adapter, read, send, write  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402
 from replay.synth.toy import build_toy_tokenizer  # noqa: E402
@@ -79,8 +80,7 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=5.0)
     args = parser.parse_args()
 
-    cpus = sorted(os.sched_getaffinity(0))
-    client_cpu, sim_cpu = (cpus[0], cpus[1]) if len(cpus) > 1 else (None, None)
+    client_cpu, sim_cpu = split_cores()
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_toy_tokenizer(Path(tmp) / "tok")
         with sim_process(tokenizer, "--ttft-ms", "20", "--itl-ms", str(args.itl_ms), "--prefill-ms-per-1k", "0",

@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import gzip
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from common import median_seconds
 from replay.trace import read_trace
 from replay.trace.stats import trace_stats
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
-
-
-def median_seconds(fn, runs: int = 5) -> float:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> int:
