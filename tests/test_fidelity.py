@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from conftest import shared_path
-from replay.results.fidelity import check_cache, encode_prompt, prompt_token_ids, summarize_cache
+from replay.results.fidelity import check_cache, summarize_cache
+from replay.synth.prompts import encode_prompt
 from replay.results.records import RECORD_FIELDS, read_records
 from replay.sim.process import sim_process
 from replay.synth.prompts import PromptSynthesizer
@@ -77,7 +78,7 @@ def test_prompt_ids_are_what_the_server_encodes(name, api):
     tokenizer = ServerTokenizer.load(shared_path("tokenizers", name))
     synth = PromptSynthesizer(tokenizer, api=api, block_size=TRACE_BLOCK)
     for row in make_rows(25):
-        assert prompt_token_ids(synth, row) == encode_prompt(synth, synth.prompt(row)), (name, api, row)
+        assert synth.server_ids(row) == encode_prompt(synth.tokenizer, synth.prompt(row)), (name, api, row)
 
 
 @pytest.mark.parametrize("server_block", [16, 32, 48])
@@ -87,7 +88,7 @@ def test_expected_matches_token_level_rule_in_send_order(synth, server_block):
     order = list(range(len(rows)))
     rng.shuffle(order)  # send order differs from request_id order
     sent_at = {rid: T0 + k * 0.05 for k, rid in enumerate(order)}
-    prompts = {r.request_id: encode_prompt(synth, synth.prompt(r)) for r in rows}
+    prompts = {r.request_id: encode_prompt(synth.tokenizer, synth.prompt(r)) for r in rows}
     in_order = [prompts[rid] for rid in order]
     truth = dict(zip(order, independent_expected(in_order, server_block)))
     assert sum(1 for v in truth.values() if v) >= 10  # the rows exercise the cache
@@ -121,13 +122,13 @@ def test_failed_before_scheduling_does_not_feed_the_cache(synth):
     ]
     checks = check_cache(records, {r.request_id: r for r in rows}, synth, 16)
     assert [c.request_id for c in checks] == [1, 2]
-    prompt = len(prompt_token_ids(synth, rows[2]))
+    prompt = len(synth.server_ids(rows[2]))
     assert checks[0].expected == 0 and checks[1].expected == (prompt - 1) // 16 * 16
 
 
 def test_reorder_window_explains_near_simultaneous_sends(synth):
     rows = [TraceRow(i, 0.0, 160, 4, hash_ids=tuple(range(10))) for i in range(2)]
-    full = (len(prompt_token_ids(synth, rows[0])) - 1) // 16 * 16
+    full = (len(synth.server_ids(rows[0])) - 1) // 16 * 16
     # the server scheduled 1 before 0 although 0 left 1 ms earlier
     records = [record(0, T0, cached_tokens=full), record(1, T0 + 0.001, cached_tokens=0)]
     by_id = {r.request_id: r for r in rows}

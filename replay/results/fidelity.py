@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterable
 
 from replay.sim.cache import block_hashes
-from replay.synth.prompts import Prompt, PromptSynthesizer
+from replay.synth.prompts import PromptSynthesizer
 from replay.trace.prefix import hit_tokens, prefix_hits
 from replay.trace.record import TraceRow
 
@@ -55,33 +55,6 @@ class CacheCheck:
         return self.observed is not None and self.low <= self.observed <= self.high
 
 
-def prompt_token_ids(synth: PromptSynthesizer, row: TraceRow) -> list[int]:
-    """The prompt's token ids as the server sees them.
-
-    Built from the proven frame (before + content + after) where the synthesizer builds that
-    way, which is as fast as synthesis itself; otherwise (own messages, too-short rows,
-    templates that touch the content) the prompt is encoded.
-    """
-    if row.messages is None and not synth.verified:
-        n = row.input_length - synth.frame.overhead
-        frame = synth.frame
-        if n <= 0 and synth.short_frame is not None:
-            frame = synth.short_frame
-            n = row.input_length - frame.overhead
-        if n > 0:
-            return [*frame.before, *synth.content_ids(row), *frame.after]
-    return encode_prompt(synth, synth.prompt(row))
-
-
-def encode_prompt(synth: PromptSynthesizer, prompt: Prompt) -> list[int]:
-    tok = synth.tokenizer
-    if prompt.messages is not None:
-        return tok.encode_chat(prompt.messages, prompt.tools)
-    if prompt.token_ids is not None:
-        return list(prompt.token_ids)
-    return tok.encode_text(prompt.text or "")
-
-
 def _scheduled(record: dict) -> bool:
     """Did the server take this request in (and so cache its prompt)?"""
     status = record.get("status") or 0
@@ -106,7 +79,7 @@ def check_cache(
     hashes = []
     lengths = []
     for r in sent:
-        ids = prompt_token_ids(synth, rows[r["request_id"]])
+        ids = synth.server_ids(rows[r["request_id"]])
         lengths.append(len(ids))
         hashes.append(block_hashes(ids, server_block_size))
     cache: set[int] = set()  # an infinite cache: every block hash ever scheduled

@@ -94,13 +94,18 @@ def _server_encoder(tokenizer: ServerTokenizer, api: str, layout: tuple[str, ...
     return tokenizer.encode_text
 
 
-def server_count(tokenizer: ServerTokenizer, prompt: Prompt) -> int:
-    """Prompt tokens as vLLM counts them: chat rendered, text with specials, ids as given."""
+def encode_prompt(tokenizer: ServerTokenizer, prompt: Prompt) -> list[int]:
+    """A prompt's token ids as vLLM sees them: chat rendered, text with specials, ids as given."""
     if prompt.messages is not None:
-        return tokenizer.count_chat(prompt.messages, prompt.tools)
+        return tokenizer.encode_chat(prompt.messages, prompt.tools)
     if prompt.token_ids is not None:
-        return len(prompt.token_ids)
-    return tokenizer.count_text(prompt.text or "")
+        return list(prompt.token_ids)
+    return tokenizer.encode_text(prompt.text or "")
+
+
+def server_count(tokenizer: ServerTokenizer, prompt: Prompt) -> int:
+    """Prompt tokens as vLLM counts them."""
+    return len(encode_prompt(tokenizer, prompt))
 
 
 def _probe(vocab: SafeVocab, rng: random.Random, length: int) -> tuple[str, list[int]]:
@@ -198,24 +203,41 @@ class PromptSynthesizer:
             return None
         return frame if frame.overhead < self.frame.overhead else None
 
+    def _layout(self, row: TraceRow) -> tuple[Frame, tuple[str, ...], int]:
+        """The frame and message layout a row is built with, and its content tokens (<= 0: the
+        row is shorter than any frame). The empty-system layout only serves rows too short for
+        the usual one."""
+        n = row.input_length - self.frame.overhead
+        if n <= 0 and self.short_frame is not None:
+            return self.short_frame, EMPTY_SYSTEM, row.input_length - self.short_frame.overhead
+        return self.frame, USER_ONLY, n
+
     def prompt(self, row: TraceRow) -> Prompt:
         if row.messages is not None:
             return self._given(row)
-        n = row.input_length - self.template_overhead_tokens
+        frame, layout, n = self._layout(row)
         if n <= 0:
-            short = self.short_frame
-            if short is not None and row.input_length - short.overhead > 0:
-                text = self._content_text(row, row.input_length - short.overhead)
-                return Prompt(chat_messages(EMPTY_SYSTEM, text), None, None, row.input_length)
             return self._too_short(row)
+        if layout is EMPTY_SYSTEM:
+            return Prompt(chat_messages(EMPTY_SYSTEM, self._content_text(row, n)), None, None, row.input_length)
         if self.verified:
             return self._fixed_up(row, n)
         if self.token_ids:
-            ids = array(TOKEN_ID, self.frame.before)
+            ids = array(TOKEN_ID, frame.before)
             ids += self._content_ids(row, n)
-            ids.extend(self.frame.after)
+            ids.extend(frame.after)
             return Prompt(None, None, ids.tolist(), len(ids))
         return self._text_prompt(self._content_text(row, n), row.input_length)
+
+    def server_ids(self, row: TraceRow) -> list[int]:
+        """The row's prompt as the server's token ids. Built from the proven frame where prompts
+        are built that way (as fast as synthesis); encoded otherwise (own messages, rows shorter
+        than the frame, templates that touch the content)."""
+        if row.messages is None and not self.verified:
+            frame, _, n = self._layout(row)
+            if n > 0:
+                return [*frame.before, *self._content_ids(row, n), *frame.after]
+        return encode_prompt(self.tokenizer, self.prompt(row))
 
     def _text_prompt(self, text: str, expected: int) -> Prompt:
         if self.api == "openai-chat":
@@ -273,13 +295,6 @@ class PromptSynthesizer:
             ids += self.blocks.ids(block, used)
         ids[0] = lead
         return ids
-
-    def content_ids(self, row: TraceRow) -> list[int]:
-        """The server-side token ids of the synthesized content (without the frame), for checks."""
-        n = row.input_length - self.template_overhead_tokens
-        if n <= 0 and self.short_frame is not None:
-            n = row.input_length - self.short_frame.overhead
-        return self._content_ids(row, n).tolist() if n > 0 else []
 
     def _too_short(self, row: TraceRow) -> Prompt:
         frame, layout = self.frame, USER_ONLY
