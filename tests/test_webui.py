@@ -119,7 +119,8 @@ def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers)
         assert w["failed"] == sum(not r["ok"] for r in mine)
         assert w["in_flight"] == 0 and not w["lost"]
         assert w["host"] and w["drift_p99_ms"] is not None
-    failures = Counter(f"HTTP {r['status']}" if r["status"] else r["error"] for r in records if not r["ok"])
+    failures = Counter(f"HTTP {r['status']}" if r["status"] and not 200 <= r["status"] < 300 else r["error"]
+                       for r in records if not r["ok"])
     assert final["errors"] == dict(failures)
 
     latest = final["latest"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import gevent
 
-from replay.results.summary import percentile
+from replay.results.summary import failure_reason, percentile
 from replay.trace.prefix import hit_tokens, prefix_hits
 
 LIVE = "replay_live"  # worker -> master, once a second during a run
@@ -106,7 +106,7 @@ class LiveStats:
             if r["sent_at"] is not None:
                 self.sent[r["worker"]] += 1
             if not r["ok"]:
-                self.errors[error_key(r)] += 1
+                self.errors[failure_reason(r)] += 1
             if r["ok"] and r["prompt_tokens"] is not None and r["cached_tokens"] is not None:
                 self.cached += r["cached_tokens"]
                 self.prompt += r["prompt_tokens"]
@@ -175,7 +175,7 @@ class LiveStats:
             sent[r["worker"]] += r["sent_at"] is not None
             if not r["ok"]:
                 failed[r["worker"]] += 1
-                errors[error_key(r)] += 1
+                errors[failure_reason(r)] += 1
             if r["drift_ms"] is not None:
                 drift.setdefault(r["worker"], []).append(r["drift_ms"])
         self.sent, self.failed, self.errors = sent, failed, errors
@@ -274,13 +274,6 @@ class LiveStats:
         while self.final is None:
             gevent.sleep(TICK_S)
             self.tick()
-
-
-def error_key(record: dict) -> str:
-    """Errors by status: 'HTTP 503', or the reason when nothing came back ('worker lost')."""
-    if record["status"]:
-        return f"HTTP {record['status']}"
-    return str(record["error"] or "error")
 
 
 def host_of(client_id: str) -> str:

@@ -10,10 +10,9 @@ needs (e.g. no TTFT because it was not streamed) cannot be shown to meet it, so 
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Iterable
 
-from replay.results.summary import percentile, summarize
+from replay.results.summary import failures, percentile, summarize
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 LATENCIES = (
@@ -63,30 +62,10 @@ def meets_slo(record: dict, slo: dict[str, float]) -> bool:
     return True
 
 
-def failure_reason(record: dict) -> str:
-    """One label per failed record: 'HTTP 503' for error statuses, else the error text's head."""
-    status = record.get("status") or 0
-    if status and not 200 <= status < 300:
-        return f"HTTP {status}"
-    error = str(record.get("error") or "no error text")
-    return error if len(error) <= 80 else error[:77] + "..."
-
-
-def failures(records: Iterable[dict]) -> tuple[dict[str, int], dict[str, int]]:
-    """Failed records counted by reason and by HTTP status (0 = no response)."""
-    by_reason: Counter[str] = Counter()
-    by_status: Counter[str] = Counter()
-    for r in records:
-        if not r.get("ok"):
-            by_reason[failure_reason(r)] += 1
-            by_status[str(r.get("status") or 0)] += 1
-    return dict(by_reason.most_common()), dict(by_status.most_common())
-
-
 def build_report(records: list[dict], slo: dict[str, float] | None = None, cache: dict | None = None) -> dict:
     """design.md's summary keys, plus totals vLLM prints and the failure breakdowns."""
     report = summarize(records)
-    report["failures"], report["failures_by_status"] = failures(records)
+    report["failures_by_status"] = failures(records)[1]
     ok = [r for r in records if r.get("ok")]
     report["requests_unsent"] = sum(1 for r in records if r.get("sent_at") is None)
     report["total_input_tokens"] = sum(r.get("prompt_tokens") or r.get("input_length") or 0 for r in ok)

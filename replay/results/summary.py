@@ -33,6 +33,26 @@ def distribution(values: Iterable[float]) -> dict[str, float | None]:
     return out
 
 
+def failure_reason(record: dict) -> str:
+    """One label per failed record: 'HTTP 503' for error statuses, else the error text's head."""
+    status = record.get("status") or 0
+    if status and not 200 <= status < 300:
+        return f"HTTP {status}"
+    error = str(record.get("error") or "no error text")
+    return error if len(error) <= 80 else error[:77] + "..."
+
+
+def failures(records: Iterable[dict]) -> tuple[dict[str, int], dict[str, int]]:
+    """Failed records counted by reason and by HTTP status (0 = no response)."""
+    by_reason: Counter[str] = Counter()
+    by_status: Counter[str] = Counter()
+    for r in records:
+        if not r.get("ok"):
+            by_reason[failure_reason(r)] += 1
+            by_status[str(r.get("status") or 0)] += 1
+    return dict(by_reason.most_common()), dict(by_status.most_common())
+
+
 def summarize(records: list[dict]) -> dict:
     """design.md's summary keys that records alone can give (goodput and cache come later)."""
     ok = [r for r in records if r.get("ok")]
@@ -40,7 +60,6 @@ def summarize(records: list[dict]) -> dict:
     start = min((r["sent_at"] for r in sent), default=None)
     end = max((r["finished_at"] for r in sent if r.get("finished_at")), default=None)
     duration = (end - start) if start is not None and end is not None else 0.0
-    failures = Counter(str(r.get("error") or f"HTTP {r.get('status')}") for r in records if not r.get("ok"))
     input_tokens = sum(r.get("prompt_tokens") or r.get("input_length") or 0 for r in ok)
     output_tokens = sum(r.get("output_tokens") or 0 for r in ok)
     drifts = sorted(r["drift_ms"] for r in sent if r.get("drift_ms") is not None)
@@ -48,7 +67,7 @@ def summarize(records: list[dict]) -> dict:
         "requests": len(records),
         "requests_ok": len(ok),
         "requests_failed": len(records) - len(ok),
-        "failures": dict(failures.most_common()),
+        "failures": failures(records)[0],
         "duration_s": duration,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "input_token_throughput": input_tokens / duration if duration else 0.0,
