@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
-from replay.sim.cache import block_hashes
+from replay.sim.cache import block_hashes, hit_blocks
 from replay.synth.prompts import PromptSynthesizer
-from replay.trace.prefix import hit_tokens, prefix_hits
+from replay.trace.prefix import ideal_hits
 from replay.trace.record import TraceRow
 
 WORST = 10
@@ -89,17 +89,17 @@ def check_cache(
     behind = 0
     for i, r in enumerate(sent):
         t = r["sent_at"]
-        usable = max(lengths[i] - 1, 0) // server_block_size  # a hit never covers the last token
-        expected = _hit(cache, hashes[i], usable)
+        expected = hit_blocks(hashes[i], cache, lengths[i], server_block_size)
         low = high = expected
         if window_s > 0:
             while sent[behind]["sent_at"] < t - window_s:
                 earlier.update(hashes[behind])
                 behind += 1
-            low = _hit(earlier, hashes[i], usable)
+            low = hit_blocks(hashes[i], earlier, lengths[i], server_block_size)
             j = i + 1
             while j < len(sent) and sent[j]["sent_at"] <= t + window_s:
-                high = max(high, _common(hashes[i], hashes[j], usable))
+                # chain hashes: hashes[i][k] is in hashes[j] only as hashes[j][k], after a common prefix
+                high = max(high, hit_blocks(hashes[i], set(hashes[j]), lengths[i], server_block_size))
                 j += 1
         cache.update(hashes[i])
         checks.append(CacheCheck(
@@ -108,27 +108,6 @@ def check_cache(
             observed=r.get("cached_tokens"), low=low * server_block_size, high=high * server_block_size,
         ))  # fmt: skip
     return checks
-
-
-def _hit(cache: set[int], hashes: list[int], usable: int) -> int:
-    """Leading blocks of `hashes` (at most `usable`) the cache holds (chain hashes: the
-    first miss ends the hit, as in PrefixCache.cached_tokens)."""
-    hit = 0
-    for h in hashes[:usable]:
-        if h not in cache:
-            break
-        hit += 1
-    return hit
-
-
-def _common(a: list[int], b: list[int], usable: int) -> int:
-    """Leading chain hashes two prompts share: the blocks one would hit in the other's cache."""
-    n = 0
-    for x, y in zip(a[:usable], b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def summarize_cache(checks: list[CacheCheck], method: str, ideal: dict | None = None) -> dict:
@@ -167,8 +146,7 @@ def ideal_trace_hits(rows: list[TraceRow], block_size: int | None) -> dict:
     """The trace's own ideal (trace blocks, file order): what `replay trace stats` reports."""
     if not block_size:
         return {}
-    tokens = sum(hit_tokens(row, hits, block_size) for row, hits in zip(rows, prefix_hits(rows)))
-    total = sum(row.input_length for row in rows)
+    _, _, tokens, total = ideal_hits(rows, block_size)
     return {"ideal_trace_cached_tokens": tokens, "ideal_trace_hit_ratio_tokens": tokens / total if total else None}
 
 

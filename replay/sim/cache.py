@@ -37,6 +37,18 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
+def hit_blocks(hashes: Sequence[int], cached, num_tokens: int, block_size: int) -> int:
+    """Leading blocks of a prompt found in `cached` (anything supporting `in`): the first miss
+    ends the hit (chain hashes), and a hit never covers the last prompt token."""
+    usable = max(num_tokens - 1, 0) // block_size
+    hit = 0
+    for h in hashes[:usable]:
+        if h not in cached:
+            break
+        hit += 1
+    return hit
+
+
 class PrefixCache:
     def __init__(self, block_size: int, capacity: int):
         self.block_size = block_size
@@ -50,13 +62,7 @@ class PrefixCache:
         """Tokens a new request would find cached (whole blocks, never the last token)."""
         if hashes is None:
             hashes = block_hashes(token_ids, self.block_size)
-        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        hit = 0
-        for h in hashes[:max_blocks]:
-            if h not in self._blocks:
-                break
-            hit += 1
-        return hit * self.block_size
+        return hit_blocks(hashes, self._blocks, len(token_ids), self.block_size) * self.block_size
 
     def schedule(self, token_ids: Sequence[int]) -> int:
         """Look the prompt up, then insert all its full blocks; returns the cached tokens."""

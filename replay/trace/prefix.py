@@ -41,3 +41,15 @@ def prefix_hits(rows: Iterable[TraceRow]) -> Iterator[int]:
 def hit_tokens(row: TraceRow, hits: int, block_size: int) -> int:
     """Tokens covered by a row's first `hits` blocks; the last block holds the remainder."""
     return min(hits * block_size, row.input_length)
+
+
+def ideal_hits(rows: list[TraceRow], block_size: int) -> tuple[int, int, int, int]:
+    """(hit blocks, total blocks, hit tokens, total tokens) of an infinite prefix cache over
+    `rows` in order. Rows without hash ids count as all-miss: they share nothing."""
+    hit_blocks = total_blocks = hit_tok = total_tok = 0
+    for row, hits in zip(rows, prefix_hits(rows)):
+        hit_blocks += hits
+        total_blocks += len(row.hash_ids) if row.hash_ids is not None else -(-row.input_length // block_size)
+        hit_tok += hit_tokens(row, hits, block_size)
+        total_tok += row.input_length
+    return hit_blocks, total_blocks, hit_tok, total_tok

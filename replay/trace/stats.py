@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from typing import Sequence
 
-from replay.trace.prefix import hit_tokens, prefix_hits
+from replay.trace.prefix import ideal_hits
 from replay.trace.record import Trace
 
 
@@ -72,12 +72,7 @@ def ideal_prefix_hit_ratios(trace: Trace) -> dict:
     block = trace.block_size
     if block is None or not any(r.hash_ids is not None for r in trace.rows):
         return {"ideal_prefix_hit_ratio": None, "ideal_prefix_hit_ratio_tokens": None}
-    hit_blocks = total_blocks = hit_tok = total_tok = 0
-    for row, hits in zip(trace.rows, prefix_hits(trace.rows)):
-        hit_blocks += hits
-        total_blocks += len(row.hash_ids) if row.hash_ids is not None else -(-row.input_length // block)
-        hit_tok += hit_tokens(row, hits, block)
-        total_tok += row.input_length
+    hit_blocks, total_blocks, hit_tok, total_tok = ideal_hits(trace.rows, block)
     return {
         "ideal_prefix_hit_ratio": hit_blocks / total_blocks if total_blocks else None,
         "ideal_prefix_hit_ratio_tokens": hit_tok / total_tok if total_tok else None,
