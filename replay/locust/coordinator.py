@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import gevent
 from gevent.event import Event
@@ -19,7 +19,7 @@ from gevent.event import Event
 from replay.locust import messages
 from replay.locust.clock import answer_ping
 from replay.locust.options import ReplayOptions
-from replay.locust.plan import encode_row, partition, schedule_rows
+from replay.locust.plan import encode_row, partition, schedule_rows, send_offset_s
 from replay.results.records import RUN_STOPPED, WORKER_LOST, RecordWriter, unsent_record, write_records
 from replay.results.metadata import coordinator_metadata, write_run_metadata
 from replay.results.report import build_report, format_report, parse_slo
@@ -46,9 +46,7 @@ class WorkerState:
     lost: bool = False
     clock_offset_ms: float | None = None
     rtt_ms: float | None = None
-    records: int = 0
     failed: int = 0
-    drift_ms: list[float] = field(default_factory=list)
 
 
 def default_output() -> str:
@@ -92,7 +90,7 @@ class Coordinator:
     def window_seconds(self) -> float:
         if not self.rows:
             return 0.0
-        return (self.rows[-1].timestamp_s - self.origin) / self.options.scale
+        return send_offset_s(self.rows[-1], self.origin, self.options.scale)
 
     # -- start --------------------------------------------------------------------------------------
 
@@ -180,10 +178,7 @@ class Coordinator:
             fresh.append(record)
             state = self.owner.get(rid)
             if state is not None:
-                state.records += 1
                 state.failed += 0 if record["ok"] else 1
-                if record.get("drift_ms") is not None:
-                    state.drift_ms.append(record["drift_ms"])
         if self._writer is not None:
             self._writer.write(fresh)
         for listener in self.listeners:
@@ -197,7 +192,7 @@ class Coordinator:
         for row in rows:
             if row.request_id in self.records:
                 continue
-            scheduled = self.epoch + (row.timestamp_s - self.origin) / self.options.scale if self.epoch else None
+            scheduled = self.epoch + send_offset_s(row, self.origin, self.options.scale) if self.epoch else None
             self.records[row.request_id] = unsent_record(
                 row, worker=worker, api=self.options.api, scheduled_at=scheduled, reason=reason
             )

@@ -15,6 +15,11 @@ def schedule_rows(rows: list[TraceRow], start: float | None = None, duration: fl
     return chosen, chosen[0].timestamp_s if chosen else 0.0
 
 
+def send_offset_s(row: TraceRow, origin: float, scale: float) -> float:
+    """Seconds from the replay's start to the row's send: its trace time past the origin, / --scale."""
+    return (row.timestamp_s - origin) / scale
+
+
 def partition(rows: list[TraceRow], workers: int, how: str = "round-robin") -> list[list[TraceRow]]:
     """Split time-ordered rows into one list per worker, each still in time order.
 

@@ -24,7 +24,7 @@ from replay.api import Endpoint, Sent, get_adapter, parse_headers, read, send, w
 from replay.locust import messages
 from replay.locust.clock import ClockSync
 from replay.locust.options import ReplayOptions
-from replay.locust.plan import decode_row
+from replay.locust.plan import decode_row, send_offset_s
 from replay.locust.routing import make_router
 from replay.locust.timing import Alarm, QuietCollector
 from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, RecordWriter, sent_record, unsent_record, worker_path
@@ -181,7 +181,7 @@ class WorkerPart:
 
     def due(self, row: TraceRow) -> float:
         """Scheduled time in master clock (unix seconds)."""
-        return self.epoch + (row.timestamp_s - self.origin) / self.options.scale
+        return self.epoch + send_offset_s(row, self.origin, self.options.scale)
 
     def _row(self, pos: int) -> TraceRow | None:
         """Row `pos` once it has arrived; None when the part has fewer rows."""
@@ -207,7 +207,7 @@ class WorkerPart:
                 if self.go.is_set():
                     ahead_s = self.due(row) - self.offset - time.time()
                 else:
-                    ahead_s = (row.timestamp_s - self.origin) / scale
+                    ahead_s = send_offset_s(row, self.origin, scale)
                 if ahead_rows < AHEAD_ROWS and ahead_s < AHEAD_S:
                     gap = self.next_due - time.time()
                     # Near a send whose body is ready: let it go out first. "Near" is a few
@@ -326,7 +326,7 @@ class WorkerPart:
     def _keep_connections(self) -> None:
         """Keep enough idle connections open for the coming sends (about WARM_S worth at the
         recent rate), so the dispatcher can write requests without connecting."""
-        rows_first_s = sum(1 for r in self.rows if (r.timestamp_s - self.origin) / self.options.scale < WARM_S * 5)
+        rows_first_s = sum(1 for r in self.rows if send_offset_s(r, self.origin, self.options.scale) < WARM_S * 5)
         want = max(MIN_SPARE, rows_first_s)
         last_sent, last_t = 0, time.monotonic()
         while not self._stopped:
@@ -372,24 +372,17 @@ class WorkerPart:
         self._stopped = True
         self.next_due = float("inf")
         self._cancel_in_flight(reason)
-        if self.go.is_set():
-            for row in self.rows[self.dispatch_pos:]:
-                self._record(unsent_record(row, worker=self.index, api=self.options.api,
-                                           scheduled_at=self.due(row), reason=reason))
-        else:
-            for row in self.rows:
-                self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=None, reason=reason))
+        started = self.go.is_set()  # before the go nothing was sent and nothing is scheduled yet
+        for row in self.rows[self.dispatch_pos:]:
+            self._record(unsent_record(row, worker=self.index, api=self.options.api,
+                                       scheduled_at=self.due(row) if started else None, reason=reason))
         self.dispatch_pos = len(self.rows)
         self._flush()
 
     # -- records ----------------------------------------------------------------------------------
 
     def _flush(self) -> None:
-        batch, self.outbox = self.outbox, []
-        if not batch:
-            return
-        if self.writer is not None:
-            self.writer.write(batch)
+        batch = self.take_records()
         for i in range(0, len(batch), BATCH):
             self.record_window.put({"worker": self.index, "records": batch[i : i + BATCH]})
 
@@ -405,7 +398,7 @@ class WorkerPart:
             self._flush()
 
     def take_records(self) -> list[dict]:
-        """Local run: records not yet shipped, handed over directly."""
+        """Records not yet shipped, written to this worker's file (a local run hands them over directly)."""
         batch, self.outbox = self.outbox, []
         if batch and self.writer is not None:
             self.writer.write(batch)
