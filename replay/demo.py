@@ -7,7 +7,6 @@ failed or any record is missing, so the demo doubles as a smoke test.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import subprocess
@@ -63,7 +62,9 @@ def make_sample_trace(path: Path, seconds: float = 60.0, rate: float = 4.0, seed
 
 
 def main() -> int:
+    from replay.results.records import read_records
     from replay.synth.toy import build_toy_tokenizer
+    from replay.trace import read_trace
 
     work = Path(tempfile.mkdtemp(prefix="replay-demo-"))
     tokenizer_dir = build_toy_tokenizer(work / "tokenizer")
@@ -92,8 +93,8 @@ def main() -> int:
     if rc != 0:
         print(f"demo: locust exited {rc}", file=sys.stderr)
         return rc
-    records = [json.loads(l) for l in output.read_text().splitlines() if l.strip()]
-    expected = sum(1 for l in SAMPLE_TRACE.read_text().splitlines() if l.strip())
+    records = list(read_records(output))
+    expected = len(read_trace(SAMPLE_TRACE).rows)
     ok = sum(1 for r in records if r.get("ok"))
     print(f"demo: {len(records)}/{expected} records, {ok} ok; results in {output}")
     return 0 if len(records) == expected and ok == expected else 1

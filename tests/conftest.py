@@ -10,12 +10,20 @@ from gevent import monkey
 monkey.patch_all()
 
 import os  # noqa: E402
+import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("TRACEREPLAY_SHARED", REPO.parent / "shared"))
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def shared_path(*parts: str) -> Path:

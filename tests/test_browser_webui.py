@@ -21,7 +21,8 @@ import requests
 
 from replay.results.records import read_records
 from test_html import BROWSERS, CHROMIUM_FLAGS, need
-from test_locust import REPO, _finish, free_port, mooncake_trace, sim  # noqa: F401
+from conftest import free_port
+from test_locust import _finish, mooncake_trace, sim  # noqa: F401
 from test_webui import start_web_locust, wait_for, web_args
 
 # The README's picture is refreshed only on request (TRACEREPLAY_SCREENSHOT=docs/replay-view.png),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,19 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO, free_port
 from replay.results.records import RECORD_FIELDS, read_records
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
 
-REPO = Path(__file__).resolve().parent.parent
 LOCUST = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py")]
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mooncake_trace(path: Path, rows: int, gap_ms: float, output_length=(4, 12), seed: int = 0) -> Path:

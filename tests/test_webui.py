@@ -16,8 +16,9 @@ from replay.results.records import read_records
 from replay.trace import read_trace
 from replay.trace.prefix import hit_tokens, prefix_hits
 from test_locust import (  # noqa: F401  (sim is a fixture)
-    BLOCK, _finish, _master_and_workers, _spawn, free_port, mooncake_trace, replay_args, run_locust, sim,
+    BLOCK, _finish, _master_and_workers, _spawn, mooncake_trace, replay_args, run_locust, sim,
 )
+from conftest import free_port
 
 
 def web_args(trace: Path, tokenizer: Path, url: str, output: Path, port: int) -> list[str]:

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, SHARED, shared_path
+from conftest import REPO, SHARED, free_port, shared_path
 
 VLLM_VENV = Path(os.environ.get("TRACEREPLAY_VLLM_VENV", REPO / ".venv-vllm"))
 SKIP_ENV = "TRACEREPLAY_SKIP_VLLM"
@@ -120,12 +119,6 @@ def make_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, max_model_le
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmStartError(RuntimeError):

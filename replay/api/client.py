@@ -154,6 +154,11 @@ class Outcome:
                 setattr(self, key, usage[key])
 
 
+def _exception_text(e: Exception) -> str:
+    """A failure as a record's error: the exception's type and message, bounded."""
+    return f"{type(e).__name__}: {e}"[:ERROR_TEXT_LIMIT] or type(e).__name__
+
+
 class _BodyReader:
     """Reads a response body inside the event loop and wakes its greenlet when it is over.
 
@@ -199,7 +204,7 @@ class _BodyReader:
         except BlockingIOError:
             return
         except Exception as e:
-            return self._end(f"{type(e).__name__}: {e}")
+            return self._end(_exception_text(e))
         now = time.time()
         if not data:
             return self._end("connection closed before the end of the response")
@@ -207,7 +212,7 @@ class _BodyReader:
         try:
             response.feed(data)
         except Exception as e:
-            return self._end(f"{type(e).__name__}: {e}")
+            return self._end(_exception_text(e))
         self.sizes.append(len(self.buf))
         self.times.append(now)
         if response.message_complete:
@@ -289,7 +294,7 @@ def _answer(endpoint: Endpoint, adapter: Adapter, stream: bool, outcome: Outcome
             outcome.error = error
             outcome.apply_usage(usage)
     except Exception as e:  # network errors, resets, timeouts, bad JSON: all become the record's error
-        outcome.error = f"{type(e).__name__}: {e}"[:ERROR_TEXT_LIMIT] or type(e).__name__
+        outcome.error = _exception_text(e)
     finally:
         outcome.finished_at = time.time()
         endpoint.in_flight -= 1
@@ -329,7 +334,7 @@ def write(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, heade
         sock.sendall(data)
     except Exception as e:
         endpoint.pool.release_socket(sock)
-        outcome.error = f"{type(e).__name__}: {e}"[:ERROR_TEXT_LIMIT]
+        outcome.error = _exception_text(e)
         return Sent(outcome, None)
     return Sent(outcome, sock)
 

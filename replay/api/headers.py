@@ -15,7 +15,3 @@ def parse_headers(values: list[str] | None) -> dict[str, str]:
         headers[name.strip()] = os.path.expandvars(value.strip())
     return headers
 
-
-def redacted(headers: dict[str, str]) -> dict[str, str]:
-    """Header names only: what may be logged."""
-    return {name: "<redacted>" for name in headers}
