@@ -46,8 +46,8 @@ class SafeVocab:
         return len(self.ids)
 
 
-def _candidates(tokenizer: Tokenizer) -> list[tuple[int, str]]:
-    """(id, ' word') for every marker + ASCII letters token that is not an added token."""
+def word_tokens(tokenizer: Tokenizer) -> list[tuple[int, str]]:
+    """(id, ' word') for every marker + ASCII letters token that is not an added token, by id."""
     added = set(tokenizer.get_added_tokens_decoder())
     found = []
     for token, token_id in tokenizer.get_vocab(with_added_tokens=False).items():
@@ -71,7 +71,7 @@ def build_safe_vocab(tokenizer: Tokenizer, name: str = "tokenizer") -> SafeVocab
     break a concatenation are dropped and the check repeats; the choice is deterministic so
     every worker of a run ends up with the same vocabulary.
     """
-    candidates = _candidates(tokenizer)
+    candidates = word_tokens(tokenizer)
     if not candidates:
         raise VocabularyError(f"{name}: no whole-word tokens (space marker + ASCII letters) in the vocabulary")
     # Inside a prompt a word is preceded by another word; encode each as 'a word' to see it in context.
