@@ -94,7 +94,7 @@ def main() -> int:
         print(f"demo: locust exited {rc}", file=sys.stderr)
         return rc
     records = list(read_records(output))
-    expected = len(read_trace(SAMPLE_TRACE).rows)
+    expected = len(read_trace(SAMPLE_TRACE, block_size=SAMPLE_BLOCK_SIZE).rows)
     ok = sum(1 for r in records if r.get("ok"))
     print(f"demo: {len(records)}/{expected} records, {ok} ok; results in {output}")
     return 0 if len(records) == expected and ok == expected else 1
