@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import gevent
 from gevent.event import Event
@@ -47,6 +48,16 @@ class WorkerState:
     clock_offset_ms: float | None = None
     rtt_ms: float | None = None
     failed: int = 0
+
+
+def row_chunks(rows: list[TraceRow]) -> Iterator[dict]:
+    """One worker's rows as ROWS payloads, encoded only when the window has room for them.
+
+    A function, not a generator expression in `begin`'s loop: an expression's body reads the
+    loop variable late, when it already names the last worker's rows.
+    """
+    for i in range(0, len(rows), CHUNK_ROWS):
+        yield {"rows": [encode_row(r) for r in rows[i : i + CHUNK_ROWS]]}
 
 
 def default_output() -> str:
@@ -102,7 +113,7 @@ class Coordinator:
         self._writer = RecordWriter(self.output)
         parts = partition(self.rows, len(workers), self.options.partition)
         for (client_id, index), rows in zip(sorted(workers, key=lambda w: w[1]), parts):
-            chunks = ({"rows": [encode_row(r) for r in rows[i : i + CHUNK_ROWS]]} for i in range(0, len(rows), CHUNK_ROWS))
+            chunks = row_chunks(rows)
             window = messages.Window(
                 lambda payload, cid=client_id: self.link.to_worker(cid, messages.ROWS, payload), source=chunks
             )
