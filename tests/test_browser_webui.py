@@ -21,8 +21,7 @@ import requests
 
 from replay.results.records import read_records
 from test_html import BROWSERS, CHROMIUM_FLAGS, need
-from conftest import free_port
-from test_locust import _finish, mooncake_trace, sim  # noqa: F401
+from conftest import finish, free_port, mooncake_trace
 from test_webui import start_web_locust, wait_for, web_args
 
 # The README's picture is refreshed only on request (TRACEREPLAY_SCREENSHOT=docs/replay-view.png),
@@ -76,7 +75,7 @@ def text(driver, element_id: str) -> str:
     return driver.find_element("id", element_id).text
 
 
-def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):  # noqa: F811
+def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
     trace = wavy_trace(tmp_path / "trace.jsonl")
     rows = sum(1 for _ in open(trace))
     output = tmp_path / "run.jsonl"
@@ -136,5 +135,5 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):  # 
         assert browser.find_element("id", "replay-view-link").get_attribute("href") == base + "/replay"
     finally:
         procs[0].send_signal(signal.SIGTERM)
-        _finish(procs, timeout=20)
+        finish(procs, timeout=20)
     assert len(records) == rows and all(r["ok"] for r in records)

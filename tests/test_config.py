@@ -21,7 +21,7 @@ from conftest import shared_path
 from replay.locust.config import ConfigError, apply_config, config_keys, load_config
 from replay.locust.options import ReplayOptions, add_arguments
 from replay.sim.process import sim_process
-from test_locust import LOCUST, bailian_trace, check_records
+from conftest import LOCUST, bailian_trace, check_records
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

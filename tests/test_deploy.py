@@ -23,7 +23,7 @@ from replay.locust.config import load_config
 from replay.results.records import read_records
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
-from test_locust import check_records, replay_args, run_locust
+from conftest import check_records, replay_args, run_locust
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"

@@ -26,7 +26,7 @@ from conftest import shared_path
 from replay.results.records import read_records
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
-from test_locust import run_locust
+from conftest import run_locust
 from vllm_server import reset_prefix_cache, vllm_qwen2  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]

@@ -19,7 +19,7 @@ from replay.sim.process import sim_process
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.record import TraceRow
-from test_locust import mooncake_trace, replay_args, run_locust
+from conftest import mooncake_trace, replay_args, run_locust
 
 TRACE_BLOCK = 16
 T0 = 1_700_000_000.0

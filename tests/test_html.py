@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from replay.results.html import PLOTS
-from test_locust import mooncake_trace
+from conftest import mooncake_trace
 from test_report import T0, ok_record, record
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

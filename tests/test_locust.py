@@ -9,74 +9,15 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port
-from replay.results.records import RECORD_FIELDS, read_records
+from conftest import (BLOCK, LOCUST, bailian_trace, check_records, finish, free_port, master_and_workers,
+                      mooncake_trace, replay_args, run_locust, trace_ids)
+from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
-
-LOCUST = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py")]
-BLOCK = 16
-
-
-def mooncake_trace(path: Path, rows: int, gap_ms: float, output_length=(4, 12), seed: int = 0) -> Path:
-    """Mooncake rows whose hash ids share prefixes (two families of common prefixes)."""
-    import random
-
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for i in range(rows):
-            shared = [0, 1, 2] if i % 2 == 0 else [7, 8]
-            hashes = shared + [1000 + 10 * i + k for k in range(rng.randint(0, 2))]
-            input_length = len(hashes) * BLOCK - rng.randint(0, BLOCK - 1)
-            row = {"timestamp": round(i * gap_ms, 3), "input_length": input_length,
-                   "output_length": rng.randint(*output_length), "hash_ids": hashes}
-            f.write(json.dumps(row) + "\n")
-    return path
-
-
-def replay_args(trace: Path, tokenizer: Path, url: str, output: Path, *extra: str) -> list[str]:
-    return ["--headless", "--host", url, "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer",
-            str(tokenizer), "--model", "sim", "--output", str(output), "--loglevel", "INFO", *extra]
-
-
-def run_locust(args: list[str], cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*LOCUST, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"locust exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def trace_ids(trace: Path) -> set[int]:
-    return set(range(sum(1 for line in open(trace) if line.strip())))
-
-
-def check_records(output: Path, trace: Path, exact_prompt: bool = True) -> list[dict]:
-    records = list(read_records(output))
-    ids = [r["request_id"] for r in records]
-    assert len(ids) == len(set(ids)), "a row has two records"
-    assert set(ids) == trace_ids(trace)
-    for r in records:
-        assert tuple(r) == RECORD_FIELDS
-        assert r["ok"], r
-        assert r["status"] == 200
-        assert r["output_tokens"] == r["output_length"]
-        if exact_prompt:
-            assert r["prompt_tokens"] == r["input_length"], r
-        assert r["sent_at"] >= r["scheduled_at"] - 0.005
-        assert r["finished_at"] >= r["sent_at"]
-    return records
-
-
-@pytest.fixture
-def sim(toy_tokenizer_dir):
-    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "30", "--itl-ms", "2",
-                     "--prefill-ms-per-1k", "0") as server:
-        yield server
 
 
 def test_single_process_headless(tmp_path, toy_tokenizer_dir, sim):
@@ -109,36 +50,11 @@ def test_processes_two_workers(tmp_path, toy_tokenizer_dir, sim):
     assert percentile(sorted(r["drift_ms"] for r in records), 99) < 20
 
 
-def _spawn(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([*LOCUST, *args], cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
-
-
-def _master_and_workers(tmp_path, master_args, workers=2):
-    port = free_port()
-    master = _spawn([*master_args, "--master", "--expect-workers", str(workers), "--master-bind-host", "127.0.0.1",
-                     "--master-bind-port", str(port)], tmp_path, tmp_path / "master.log")
-    procs = [_spawn(["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)], tmp_path,
-                    tmp_path / f"worker{i}.log") for i in range(workers)]
-    return master, procs
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 def test_master_and_two_workers(tmp_path, toy_tokenizer_dir, sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=60, gap_ms=40)
     output = tmp_path / "run.jsonl"
-    master, workers = _master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, sim.url, output))
-    _finish([master, *workers])
+    master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, sim.url, output))
+    finish([master, *workers])
     log = (tmp_path / "master.log").read_text()
     assert master.returncode == 0, log[-3000:]
     records = check_records(output, trace)
@@ -175,25 +91,6 @@ def test_500_concurrent_streams_one_worker(tmp_path, toy_tokenizer_dir):
     assert percentile(ttft, 90) < 1650, percentile(ttft, 90)
 
 
-def bailian_trace(path: Path, sessions: int = 8, turns: int = 3, gap_s: float = 0.1) -> Path:
-    """Bailian rows: follow-up turns reference their parent chat and extend its hash ids."""
-    rows = []
-    chat = 0
-    for s in range(sessions):
-        parent, hashes = -1, []
-        for turn in range(1, turns + 1):
-            hashes = hashes + [10_000 * (s + 1) + 100 * turn + k for k in range(2)]
-            rows.append({"chat_id": chat, "parent_chat_id": parent, "timestamp": round((s + turn * sessions) * gap_s, 3),
-                         "input_length": len(hashes) * 16 - 3, "output_length": 4, "type": "text", "turn": turn,
-                         "hash_ids": hashes})
-            parent, chat = chat, chat + 1
-    rows.sort(key=lambda r: r["timestamp"])
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return path
-
-
 def test_partition_session_keeps_sessions_on_one_worker(tmp_path, toy_tokenizer_dir, sim):
     trace = bailian_trace(tmp_path / "bailian.jsonl")
     output = tmp_path / "run.jsonl"
@@ -219,7 +116,7 @@ def test_partition_session_keeps_sessions_on_one_worker(tmp_path, toy_tokenizer_
 def test_killed_worker_rows_are_accounted_for(tmp_path, toy_tokenizer_dir, sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=120, gap_ms=50)  # 6 s
     output = tmp_path / "run.jsonl"
-    master, workers = _master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, sim.url, output))
+    master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, sim.url, output))
     try:
         deadline = time.monotonic() + 60
         while "replay starts at" not in (tmp_path / "master.log").read_text():
@@ -229,11 +126,11 @@ def test_killed_worker_rows_are_accounted_for(tmp_path, toy_tokenizer_dir, sim):
         victim = workers[1]
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-        _finish([master, workers[0]])
+        finish([master, workers[0]])
     finally:
-        _finish([master, *workers], timeout=5)
+        finish([master, *workers], timeout=5)
     log = (tmp_path / "master.log").read_text()
-    assert master.returncode == 0, log[-3000:]
+    assert master.returncode == 1, log[-3000:]  # rows were lost: the exit code says so
     assert "lost" in log
     records = list(read_records(output))
     assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
@@ -267,8 +164,12 @@ def test_run_time_stop_accounts_for_every_row(tmp_path, toy_tokenizer_dir, sim):
     ok = [r for r in records if r["ok"]]
     stopped = [r for r in records if not r["ok"]]
     assert 5 < len(ok) < 60 and stopped
-    assert all(r["error"] == "run stopped" and r["sent_at"] is None for r in stopped)
-    assert min(r["request_id"] for r in stopped) > max(r["request_id"] for r in ok) - 3
+    never_sent = [r for r in stopped if r["error"] == RUN_STOPPED]
+    cut_off = [r for r in stopped if r["error"] == STOPPED_IN_FLIGHT]
+    assert len(never_sent) + len(cut_off) == len(stopped)
+    assert never_sent and all(r["sent_at"] is None and r["endpoint"] is None for r in never_sent)
+    assert all(r["sent_at"] is not None and r["endpoint"] == sim.url for r in cut_off)  # they loaded the server
+    assert min(r["request_id"] for r in never_sent) > max(r["request_id"] for r in ok) - 3
 
 
 def test_drain_timeout_fails_what_is_still_open(tmp_path, toy_tokenizer_dir):
@@ -276,11 +177,15 @@ def test_drain_timeout_fails_what_is_still_open(tmp_path, toy_tokenizer_dir):
     output = tmp_path / "run.jsonl"
     with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "20000") as server:
         started = time.monotonic()
-        run_locust(replay_args(trace, toy_tokenizer_dir, server.url, output, "--drain-timeout", "1"), tmp_path)
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, server.url, output, "--drain-timeout", "1"), tmp_path,
+                          exit_code=1)
         assert time.monotonic() - started < 15
     records = list(read_records(output))
     assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
-    assert all(not r["ok"] and r["error"] == "drain timeout" for r in records)
+    assert all(not r["ok"] and r["error"] == DRAIN_TIMEOUT for r in records)
+    # sent requests keep when and where they went: they did load the server
+    assert all(r["sent_at"] is not None and r["endpoint"] == server.url and r["drift_ms"] is not None for r in records)
+    assert f"5 x {DRAIN_TIMEOUT}" in proc.stdout
 
 
 def test_endpoints_fleet_round_robin(tmp_path, toy_tokenizer_dir, sim):

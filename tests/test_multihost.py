@@ -26,7 +26,7 @@ import pytest
 from replay.results.records import read_records
 from replay.results.summary import percentile
 from replay.sim.process import READY_PREFIX
-from test_locust import LOCUST, _finish, bailian_trace, check_records, mooncake_trace
+from conftest import LOCUST, finish, bailian_trace, check_records, mooncake_trace
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "198.18.0"
@@ -142,7 +142,7 @@ def _replay(net: Network, tmp: Path, tokenizer: Path, trace: Path, *flags: str,
     workers = [net.spawn(ns, [*LOCUST, "--worker", "--master-host", MASTER_ADDR, "--master-port", str(MASTER_PORT)],
                          tmp / f"worker{i}.log", cwd=tmp, env={**os.environ, **(worker_env or {}).get(i, {})})
                for i, ns in enumerate(worker_ns)]
-    _finish([master, *workers], timeout=90)
+    finish([master, *workers], timeout=90)
     log = (tmp / "master.log").read_text()
     assert master.returncode == 0, log[-4000:]
     return list(read_records(output)), log, sims

@@ -15,10 +15,7 @@ import requests
 from replay.results.records import read_records
 from replay.trace import read_trace
 from replay.trace.prefix import hit_tokens, prefix_hits
-from test_locust import (  # noqa: F401  (sim is a fixture)
-    BLOCK, _finish, _master_and_workers, _spawn, mooncake_trace, replay_args, run_locust, sim,
-)
-from conftest import free_port
+from conftest import BLOCK, finish, free_port, master_and_workers, mooncake_trace, replay_args, run_locust, spawn_locust
 
 
 def web_args(trace: Path, tokenizer: Path, url: str, output: Path, port: int) -> list[str]:
@@ -42,8 +39,8 @@ def wait_for(check, what: str, timeout: float = 60.0, every: float = 0.2):
 def start_web_locust(tmp_path: Path, args: list[str], workers: int) -> list:
     """workers=0: one local process (logs to master.log); else a master and its workers."""
     if workers == 0:
-        return [_spawn(args, tmp_path, tmp_path / "master.log")]
-    master, procs = _master_and_workers(tmp_path, args, workers)
+        return [spawn_locust(args, tmp_path, tmp_path / "master.log")]
+    master, procs = master_and_workers(tmp_path, args, workers)
     return [master, *procs]
 
 
@@ -53,7 +50,7 @@ def start_swarm(base: str, host: str) -> dict:
 
 
 @pytest.mark.parametrize("workers", [2, 0], ids=["master-2-workers", "local"])
-def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers):  # noqa: F811
+def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=90, gap_ms=40)  # 3.6 s
     output = tmp_path / "run.jsonl"
     web_port = free_port()
@@ -102,7 +99,7 @@ def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers)
         assert len(history["history"]) == 1
     finally:
         master.send_signal(signal.SIGTERM)
-        _finish(procs, timeout=20)
+        finish(procs, timeout=20)
     log = (tmp_path / "master.log").read_text()
     assert "Unknown message" not in log and "Traceback" not in log, log[-3000:]
 
@@ -140,7 +137,7 @@ def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers)
     assert any(p["output_tokens_per_s"] > 0 and p["input_tokens_per_s"] > p["output_tokens_per_s"] for p in points)
 
 
-def test_headless_serves_no_view_and_workers_report_quietly(tmp_path, toy_tokenizer_dir, sim):  # noqa: F811
+def test_headless_serves_no_view_and_workers_report_quietly(tmp_path, toy_tokenizer_dir, sim):
     """Headless master + 2 workers: the workers' live reports are accepted without a word."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=30, gap_ms=40)
     output = tmp_path / "run.jsonl"
@@ -152,7 +149,7 @@ def test_headless_serves_no_view_and_workers_report_quietly(tmp_path, toy_tokeni
     assert len(list(read_records(output))) == 30
 
 
-def test_stop_button_mid_run_gives_exact_final_figures(tmp_path, toy_tokenizer_dir, sim):  # noqa: F811
+def test_stop_button_mid_run_gives_exact_final_figures(tmp_path, toy_tokenizer_dir, sim):
     """Stopped from the UI: the rows never sent show up as 'run stopped' errors, all rows done."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=100, gap_ms=60)  # 6 s
     output = tmp_path / "run.jsonl"
@@ -169,7 +166,7 @@ def test_stop_button_mid_run_gives_exact_final_figures(tmp_path, toy_tokenizer_d
                          == "finished" and s, "the final figures")  # fmt: skip
     finally:
         procs[0].send_signal(signal.SIGTERM)
-        _finish(procs, timeout=20)
+        finish(procs, timeout=20)
     records = list(read_records(output))
     stopped = [r for r in records if r["error"] == "run stopped"]
     assert len(records) == 100 and stopped and len(stopped) < 85

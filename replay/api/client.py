@@ -23,6 +23,7 @@ from replay.api.sse import DONE, sse_data
 
 POOL_SIZE = 100_000
 ERROR_TEXT_LIMIT = 300
+REQUEST_ID_HEADER = "X-Request-Id"  # "<run id>-<request_id>": servers and routers log it, `replay sim` counts it
 READ_SIZE = 16384  # one recv takes whatever has arrived (dozens of events when the loop is busy)
 
 
@@ -92,13 +93,15 @@ class Endpoint:
                 raise
             pool.return_socket(sock)
 
-    def request_bytes(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    def request_bytes(self, path: str, body: bytes, headers: dict[str, str], request_id: str | None = None) -> bytes:
         key = (path, tuple(headers.items()))
         head = self._heads.get(key)
         if head is None:
             lines = [f"POST {self.prefix}{path} HTTP/1.1", f"Host: {self.host_header}", "User-Agent: tracereplay"]
             lines += [f"{name}: {value}" for name, value in headers.items()]
             head = self._heads[key] = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+        if request_id is not None:
+            head += b"%s: %s\r\n" % (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))
         return b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body)
 
     def close(self) -> None:
@@ -305,8 +308,11 @@ def _answer(endpoint: Endpoint, adapter: Adapter, stream: bool, outcome: Outcome
     return outcome
 
 
-def send(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, headers: dict[str, str]) -> Outcome:
+def send(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, headers: dict[str, str],
+         request_id: str | None = None) -> Outcome:
     """POST one request and read its answer (blocks; opens a connection when none is idle)."""
+    if request_id is not None:
+        headers = {**headers, REQUEST_ID_HEADER: request_id}
     outcome = Outcome(sent_at=time.time(), streamed=stream)
     endpoint.in_flight += 1
     path = endpoint.prefix + adapter.path(stream)
@@ -322,12 +328,13 @@ class Sent:
     sock: object | None
 
 
-def write(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, headers: dict[str, str]) -> Sent | None:
+def write(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, headers: dict[str, str],
+          request_id: str | None = None) -> Sent | None:
     """Write the request on an idle connection without yielding; None when no connection is idle."""
     sock = endpoint.idle_socket()
     if sock is None:
         return None
-    data = endpoint.request_bytes(adapter.path(stream), body, headers)
+    data = endpoint.request_bytes(adapter.path(stream), body, headers, request_id)
     outcome = Outcome(sent_at=time.time(), streamed=stream)
     endpoint.in_flight += 1
     try:

@@ -1,9 +1,11 @@
 """The master's side of the replay (also the local runner's): read the trace, split it across
 workers, ship the rows, set the shared start, collect the records, and account for every row.
 
-The master knows what it assigned and what came back, so it can always write a complete
-merged file: rows of a worker that went missing become "worker lost" records, rows still
-open when the run is stopped become "run stopped" records.
+The master knows what it assigned, what each worker acknowledged holding, and what came back,
+so it can always write a complete merged file with labels that tell why a row has no answer
+(replay.results.records): a worker that went missing leaves "worker lost" rows; rows a stop
+kept from ever being sent are "run stopped" only when the user stopped the run; rows a live
+worker held but never reported are "no record from worker".
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import gevent
@@ -21,7 +24,8 @@ from replay.locust import messages
 from replay.locust.clock import answer_ping
 from replay.locust.options import ReplayOptions
 from replay.locust.plan import encode_row, partition, schedule_rows, send_offset_s
-from replay.results.records import RUN_STOPPED, WORKER_LOST, RecordWriter, unsent_record, write_records
+from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, RUN_STOPPED, WORKER_FAILED, WORKER_LOST, RecordWriter,
+                                    is_failure, unsent_record, write_records)
 from replay.results.metadata import coordinator_metadata, write_run_metadata
 from replay.results.report import build_report, format_report, parse_slo
 from replay.trace import read_trace
@@ -48,6 +52,11 @@ class WorkerState:
     clock_offset_ms: float | None = None
     rtt_ms: float | None = None
     failed: int = 0
+    acked: set[int] = field(default_factory=set)  # ROWS chunks the worker confirmed holding
+
+    def holds(self, position: int) -> bool:
+        """Whether the worker confirmed receiving its `position`-th row."""
+        return position // CHUNK_ROWS in self.acked
 
 
 def row_chunks(rows: list[TraceRow]) -> Iterator[dict]:
@@ -76,6 +85,8 @@ class Coordinator:
         self.trace = trace
         self.rows, self.origin = schedule_rows(trace.rows, options.start, options.duration, options.max_requests)
         self.output = options.output or default_output()
+        self.run_id = uuid.uuid4().hex[:12]  # X-Request-Id: <run id>-<request_id>
+        self.end_reason: str | None = None  # why the master ended the run itself; None: it was stopped
         self.workers: dict[str, WorkerState] = {}
         self.owner: dict[int, WorkerState] = {}
         self.records: dict[int, dict] = {}
@@ -86,6 +97,7 @@ class Coordinator:
         self.finished = Event()
         self._writer: RecordWriter | None = None
         self._finalized = False
+        self._ending: gevent.Greenlet | None = None
         self._supervisor: gevent.Greenlet | None = None
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         link.on(messages.ROWS_ACK, self.on_rows_ack)
@@ -130,6 +142,7 @@ class Coordinator:
                     "origin": self.origin,
                     "block_size": self.trace.block_size,
                     "output": self.output,
+                    "run_id": self.run_id,
                     "endpoints": self.options.endpoint_urls(self.environment.host),
                     "options": self.options.to_dict(),
                 },
@@ -141,7 +154,17 @@ class Coordinator:
     def on_rows_ack(self, data: dict, sender: str) -> None:
         state = self.workers.get(sender)
         if state is not None:
+            state.acked.add(data["seq"])
             state.window.ack(data["seq"])
+
+    def on_worker_connect(self, client_id: str) -> None:
+        """A worker that connects once the replay has begun gets no rows: its part of the trace
+        would have to be taken from workers already sending it. It is told so, and idles."""
+        if self.started_at is None or client_id in self.workers:
+            return
+        reason = "it connected after the replay began; the trace is split only among the workers present at the start"
+        logger.warning("worker %s gets no rows: %s", client_id, reason)
+        self.link.to_worker(client_id, messages.IDLE, {"reason": reason})
 
     def on_ready(self, data: dict, sender: str) -> None:
         state = self.workers.get(sender)
@@ -151,7 +174,7 @@ class Coordinator:
             logger.error("worker %d cannot replay: %s", state.index, data["error"])
             state.lost = True
             state.window.close()
-            self._fill(state.rows, state.index, f"worker failed: {data['error']}")
+            self._fill(state.rows, state.index, f"{WORKER_FAILED}: {data['error']}")
             self._maybe_go()
             return
         state.ready = True
@@ -195,7 +218,7 @@ class Coordinator:
         for listener in self.listeners:
             listener(fresh)
         if len(self.records) >= len(self.rows):
-            self.finished.set()
+            self._end_by_itself("complete")
 
     def _fill(self, rows: list[TraceRow], worker: int | None, reason: str) -> list[int]:
         """Records for `rows` that have none yet; returns their request ids."""
@@ -219,56 +242,104 @@ class Coordinator:
         node = clients.get(state.client_id)
         return node is None or node.state == "missing"
 
+    def _check_workers(self) -> None:
+        for state in self.workers.values():
+            if not state.lost and self._worker_gone(state):
+                state.lost = True
+                state.window.close()
+                lost = self._fill(state.rows, state.index, WORKER_LOST)
+                self.placeholders.update(lost)  # replaced if the worker's own records still arrive
+                logger.warning("worker %d lost: %d of its rows recorded as %r", state.index, len(lost), WORKER_LOST)
+        if self.workers and all(w.lost for w in self.workers.values()) and self.end_reason is None:
+            logger.error("every worker is lost; ending the run")
+            self._end_by_itself(WORKER_LOST)
+
     def _supervise(self) -> None:
         while not self.finished.is_set():
             gevent.sleep(TICK_S)
-            for state in self.workers.values():
-                if not state.lost and self._worker_gone(state):
-                    state.lost = True
-                    state.window.close()
-                    lost = self._fill(state.rows, state.index, WORKER_LOST)
-                    self.placeholders.update(lost)  # replaced if the worker's own records still arrive
-                    logger.warning("worker %d lost: %d of its rows recorded as %r", state.index, len(lost), WORKER_LOST)
+            self._check_workers()
             if self.epoch is None and time.time() - self.started_at > READY_TIMEOUT_S:
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)
                 self._maybe_go(force=True)
             self._maybe_go()
-            if all(w.lost for w in self.workers.values()):
-                logger.error("every worker is lost; ending the run")
-                self.finished.set()
             if len(self.records) >= len(self.rows):
-                self.finished.set()
+                self._end_by_itself("complete")
             if self.last_due is not None and time.time() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S:
                 logger.warning("drain timeout: ending the run with %d rows unanswered", len(self.rows) - len(self.records))
-                self.finished.set()
+                self._end_by_itself(DRAIN_TIMEOUT)
+
+    def _end_by_itself(self, reason: str) -> None:
+        if self.end_reason is None:
+            self.end_reason = reason
+        self.finished.set()
 
     # -- end ----------------------------------------------------------------------------------------
 
+    @property
+    def ending(self) -> bool:
+        return self._ending is not None
+
+    def end(self) -> None:
+        """Finalize once, in a greenlet of its own, and wait for it.
+
+        Locust may end a run from one of its runner's greenlets (the heartbeat checker when the
+        last worker is lost) and kill them right after: the records must not die with them. Every
+        way out (test_stop, quitting) calls this; the first starts it, the others wait for it.
+        """
+        if self.started_at is None:
+            return
+        if self._ending is None:
+            self._ending = gevent.spawn(self.finalize)
+        self._ending.join()
+
+    def _collect_held_records(self, reason: str) -> None:
+        """Tell the workers to stop and give them a few seconds to return the records of every
+        row they confirmed holding."""
+        live = [w for w in self.workers.values() if not w.lost]
+        if self.local_part is not None:
+            self.local_part.abort(reason)  # its records come through the link like a worker's
+        else:
+            for w in live:
+                self.link.to_worker(w.client_id, messages.ABORT, {"reason": reason})
+
+        missing = [row.request_id for w in live for i, row in enumerate(w.rows) if w.holds(i)]
+        deadline = time.time() + ABORT_WAIT_S
+        while time.time() < deadline:
+            missing = [rid for rid in missing if rid not in self.records or rid in self.placeholders]
+            if not missing:
+                break
+            gevent.sleep(0.1)
+
     def finalize(self) -> dict | None:
-        """Account for every row, write the merged file sorted by request_id, print the summary."""
+        """Account for every row, write the merged file sorted by request_id, print the summary,
+        and set the exit code: 1 when any row failed for a reason other than the user's stop."""
         if self._finalized or self.started_at is None:
             return None
         self._finalized = True
         if self._supervisor is not None:
             self._supervisor.kill(block=False)
-        if self.local_part is not None:
-            self.local_part.abort(RUN_STOPPED)
-            self.ingest(self.local_part.take_records())
-        elif len(self.records) < len(self.rows):
-            live = [w for w in self.workers.values() if not w.lost]
-            for w in live:
-                self.link.to_worker(w.client_id, messages.ABORT, {})
-            deadline = time.time() + ABORT_WAIT_S
-            while len(self.records) < len(self.rows) and time.time() < deadline:
-                gevent.sleep(0.1)
+        self._check_workers()  # Locust may stop the run on a lost worker before the supervisor saw it
+        user_stopped = self.end_reason is None
+        never_sent = RUN_STOPPED if user_stopped else NO_RECORD
+        if len(self.records) < len(self.rows):
+            self._collect_held_records(RUN_STOPPED if user_stopped else DRAIN_TIMEOUT)
         for state in self.workers.values():
-            self._fill(state.rows, state.index, WORKER_LOST if state.lost else RUN_STOPPED)
-        self._fill(self.rows, None, RUN_STOPPED)  # rows never assigned (no worker at all)
+            if state.lost:
+                self._fill(state.rows, state.index, WORKER_LOST)
+                continue
+            self._fill([r for i, r in enumerate(state.rows) if state.holds(i)], state.index, NO_RECORD)
+            self._fill(state.rows, state.index, never_sent)  # never delivered to the worker
+        self._fill(self.rows, None, never_sent)  # rows never assigned (no worker at all)
         if self._writer is not None:
             self._writer.close()
         count = write_records(self.output, self.records.values())
         write_run_metadata(self.output, coordinator_metadata(self))
-        report = build_report(list(self.records.values()), parse_slo(self.options.slo))
+        records = list(self.records.values())
+        report = build_report(records, parse_slo(self.options.slo))
+        failed = sum(1 for r in records if is_failure(r))
         sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {self.output}\n")
         sys.stdout.flush()
+        if failed:
+            logger.error("%d of %d rows failed: exit code 1", failed, len(records))
+            self.environment.process_exit_code = 1
         return report

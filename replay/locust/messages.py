@@ -23,6 +23,7 @@ PONG = "replay_pong"
 GO = "replay_go"
 RECORDS_ACK = "replay_records_ack"
 ABORT = "replay_abort"
+IDLE = "replay_idle"  # to a worker that joined after the start: it gets no rows
 # Message types (worker -> master)
 ROWS_ACK = "replay_rows_ack"
 PING = "replay_ping"

@@ -40,6 +40,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--on-bad-line", choices=("fail", "skip"), default="fail")
     group.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=..")
     group.add_argument("--header", action="append", default=[], help="'Name: value' ($VAR expanded); repeatable")
+    group.add_argument("--request-id-header", action=argparse.BooleanOptionalAction, default=True,
+                       help="send X-Request-Id: <run id>-<request_id> with every request (default on)")
     group.add_argument("--replay-config", default=None, help="YAML file of these options (flags win)")
 
 
@@ -47,7 +49,7 @@ def add_arguments(parser) -> None:
 OPTION_NAMES = (
     "trace", "trace_format", "block_size", "tokenizer", "chat_template", "api", "model", "stream",
     "scale", "start", "duration", "max_requests", "seed", "output", "endpoints", "routing",
-    "partition", "drain_timeout", "no_ignore_eos", "on_bad_line", "slo", "header",
+    "partition", "drain_timeout", "no_ignore_eos", "on_bad_line", "slo", "header", "request_id_header",
 )  # fmt: skip
 
 
@@ -75,6 +77,7 @@ class ReplayOptions:
     on_bad_line: str = "fail"
     slo: str | None = None
     header: list | None = None
+    request_id_header: bool = True
 
     @classmethod
     def from_parsed(cls, parsed) -> "ReplayOptions":
@@ -102,7 +105,7 @@ class ReplayOptions:
             raise ValueError("--trace is required")
         if not self.tokenizer:
             raise ValueError("--tokenizer is required (the prompts are synthesized to exact token counts)")
-        if self.scale <= 0:
+        if not self.scale > 0:  # nan too
             raise ValueError(f"--scale {self.scale}: must be > 0")
         if self.max_requests is not None and self.max_requests < 0:
             raise ValueError(f"--max-requests {self.max_requests}: must be >= 0")

@@ -1,11 +1,15 @@
-"""Wiring into Locust's events: options, the master/worker objects, start and end of a run."""
+"""Wiring into Locust's events: options, the master/worker objects, start and end of a run,
+signals, and a worker's watch on its master."""
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import time
 from dataclasses import dataclass
 
+import gevent
 from locust import events
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
@@ -13,10 +17,12 @@ from replay.locust import messages
 from replay.locust.coordinator import Coordinator
 from replay.locust.options import ReplayOptions, add_arguments
 from replay.locust.worker import WorkerPart
-from replay.results.records import RUN_STOPPED
+from replay.results.records import MASTER_LOST, RUN_STOPPED
 from replay.trace.record import TraceError
 
 logger = logging.getLogger(__name__)
+
+MASTER_LOST_S = 6.0  # a worker stops sending when the master has not answered a heartbeat for this long
 
 
 @dataclass
@@ -49,14 +55,54 @@ def _on_init(environment, runner=None, **kwargs) -> None:
     if isinstance(runner, MasterRunner):
         link = messages.RunnerLink(runner)
         environment.replay = Replay(coordinator=_coordinator(environment, link))
+        environment.events.worker_connect.add_listener(environment.replay.coordinator.on_worker_connect)
+        _stop_on_signals(environment.replay.coordinator)
     elif isinstance(runner, WorkerRunner):
         environment.replay = Replay(part=WorkerPart(environment, messages.RunnerLink(runner)))
+        gevent.spawn(_watch_master, environment, runner, environment.replay.part)
     elif isinstance(runner, LocalRunner):
         link = messages.LocalLink()
         part = WorkerPart(environment, link, local=True)
         environment.replay = Replay(coordinator=_coordinator(environment, link, part), part=part)
+        _stop_on_signals(environment.replay.coordinator)
     else:
         environment.replay = Replay()
+
+
+def _stop_on_signals(coordinator: Coordinator) -> None:
+    """SIGTERM (docker stop, Kubernetes, `timeout`) stops a run exactly as Ctrl-C does: a
+    KeyboardInterrupt in the main greenlet, where Locust's headless run turns it into a stop.
+    Locust installs its own SIGTERM handler only after a headless run is over, so without this
+    the default action killed the process with no records, meta or summary. A signal that
+    arrives while the records are being written is ignored: it would cut them off."""
+    hub = gevent.get_hub()
+
+    def stop() -> None:
+        if coordinator.ending:
+            logger.warning("signal received while the run's records are being written: finishing them first")
+            return
+        hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        gevent.signal_handler(signum, stop)
+
+
+def _watch_master(environment, runner: WorkerRunner, part: WorkerPart) -> None:
+    """Stop sending within seconds of losing the master (Locust's own check waits 60 s, and
+    the worker would replay its whole part to nobody): record what is left as "master lost"
+    and quit with exit code 1."""
+    while True:
+        gevent.sleep(1.0)
+        last = runner.last_heartbeat_timestamp
+        if part.options is None or last is None or time.time() - last < MASTER_LOST_S:
+            continue
+        if part.finished.is_set():
+            return
+        logger.error("no heartbeat from the master for %.0f s: stopping this worker's replay", time.time() - last)
+        part.abort(MASTER_LOST)
+        environment.process_exit_code = 1
+        runner.quit()
+        return
 
 
 def _participants(runner) -> list[tuple[str, int]]:
@@ -81,9 +127,19 @@ def _on_test_stopping(environment, **kwargs) -> None:
 
 @events.test_stop.add_listener
 def _on_test_stop(environment, **kwargs) -> None:
+    _end(environment)
+
+
+@events.quitting.add_listener
+def _on_quitting(environment, **kwargs) -> None:
+    # Locust can quit without test_stop (the last worker lost, SIGTERM in the web UI's mode)
+    _end(environment)
+
+
+def _end(environment) -> None:
     replay = getattr(environment, "replay", None)
     if replay is not None and replay.coordinator is not None:
-        replay.coordinator.finalize()
+        replay.coordinator.end()
 
 
 # The Replay view registers its listeners after this module's: its init listener needs

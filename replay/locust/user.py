@@ -1,4 +1,9 @@
-"""The driver user: one per worker process, running that worker's part of the trace."""
+"""The Locust user of a replay: a placeholder, one per worker.
+
+Locust needs a user class to run a test, but a replay's requests are not paced by users: the
+worker's dispatcher runs in its own greenlet from the master's go message on, so Locust may
+start, stop or move these users (a worker joining, a rebalance) without touching the replay.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,6 @@ from locust import User, task
 
 
 class ReplayUser(User):
-    """Not a simulated client: the open-loop dispatcher. A request's timing comes from the
-    trace, never from this user's task loop; extra users given to a worker (rebalancing
-    after a loss) find the part claimed and idle."""
-
     @task
-    def drive(self) -> None:
-        part = self.environment.replay.part
-        if part is not None and part.claim():
-            part.run()
-        while True:
-            gevent.sleep(3600)
+    def idle(self) -> None:
+        gevent.sleep(3600)

@@ -27,7 +27,8 @@ from replay.locust.options import ReplayOptions
 from replay.locust.plan import decode_row, send_offset_s
 from replay.locust.routing import make_router
 from replay.locust.timing import Alarm, QuietCollector
-from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, RecordWriter, sent_record, unsent_record, worker_path
+from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
+                                    unsent_record, worker_path)
 from replay.trace.record import TraceRow
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class Builder:
 
 
 class WorkerPart:
-    """The worker side. `run()` is called by the one driver user of this process."""
+    """The worker side. The dispatcher (`run`) starts on the master's go, in a greenlet of its
+    own: no Locust user owns it, so a rebalance that moves or stops users never stops a replay."""
 
     def __init__(self, environment, link: messages.Link, local: bool = False):
         self.environment = environment
@@ -102,7 +104,7 @@ class WorkerPart:
         self.warmed = Event()
         self.go = Event()
         self.finished = Event()
-        self._claimed = False
+        self.run_id: str | None = None  # None: no X-Request-Id header
         self._stopped = False
         self._chunks: dict[int, list] = {}
         self._next_chunk = 0
@@ -115,7 +117,8 @@ class WorkerPart:
         link.on(messages.PONG, self.clock.on_pong)
         link.on(messages.GO, self.on_go)
         link.on(messages.RECORDS_ACK, lambda data, sender: self.record_window.ack(data["seq"]))
-        link.on(messages.ABORT, lambda data, sender: self.abort(RUN_STOPPED))
+        link.on(messages.ABORT, lambda data, sender: self.abort(data.get("reason", RUN_STOPPED)))
+        link.on(messages.IDLE, self.on_idle)
 
     # -- messages from the master -------------------------------------------------------------
 
@@ -127,12 +130,15 @@ class WorkerPart:
         self.block_size = data["block_size"]
         self.output = data["output"]
         self.endpoint_urls = data["endpoints"]  # resolved on the master: --host may not have reached us yet
+        self.run_id = data["run_id"] if self.options.request_id_header else None
         self._greenlets.append(gevent.spawn(self._prepare))
 
     def on_rows(self, data: dict, sender: str) -> None:
         # Chunks may come twice (resent) or out of order (one resent after later ones): apply
         # each once, in sequence order.
         seq = data["seq"]
+        if self._stopped:  # left unacknowledged: the master records these rows as never sent
+            return
         if seq >= self._next_chunk:
             self._chunks[seq] = data["rows"]
             while self._next_chunk in self._chunks:
@@ -143,6 +149,10 @@ class WorkerPart:
     def on_go(self, data: dict, sender: str) -> None:
         self.epoch = data["epoch"]
         self.go.set()
+        self._greenlets.append(gevent.spawn(self.run))
+
+    def on_idle(self, data: dict, sender: str) -> None:
+        logger.warning("this worker idles: %s", data["reason"])
 
     # -- preparation ------------------------------------------------------------------------------
 
@@ -172,7 +182,9 @@ class WorkerPart:
         self.endpoints = [Endpoint(url) for url in self.endpoint_urls]
         self.route = make_router(opts.routing, self.endpoints)
         self.writer = RecordWriter(worker_path(self.output, self.index))
-        self.builder = Builder(opts, self.block_size)
+        # Seconds of CPU (tokenizer, safe vocabulary, template): in a thread, so that this
+        # process keeps answering Locust's heartbeats and is not dropped as missing meanwhile.
+        self.builder = gevent.get_hub().threadpool.apply(Builder, (opts, self.block_size))
         if not self.local:
             self.offset = self.clock.measure()
         self._greenlets.append(gevent.spawn(self._build_ahead))
@@ -230,15 +242,7 @@ class WorkerPart:
 
     # -- the run ----------------------------------------------------------------------------------
 
-    def claim(self) -> bool:
-        """Only one user per process drives; extra users (a rebalance) just idle."""
-        if self._claimed:
-            return False
-        self._claimed = True
-        return True
-
     def run(self) -> None:
-        self.go.wait()
         for endpoint in self.endpoints:
             endpoint.on_read = self._on_read
         with QuietCollector() as collector:
@@ -289,18 +293,22 @@ class WorkerPart:
                                            reason=f"cannot build request: {body}"))
                 continue
             endpoint = self.route(row)
-            sent = write(endpoint, self.adapter, body, self.options.stream, self.headers)
+            request_id = None if self.run_id is None else f"{self.run_id}-{row.request_id}"
+            sent = write(endpoint, self.adapter, body, self.options.stream, self.headers, request_id)
             self.sent += 1
             if sent is not None:  # written already; the answer is read in its own greenlet
+                sent_at = sent.outcome.sent_at
                 greenlet = self.sends.spawn(self._read, row, scheduled, endpoint, sent)
             else:  # no idle connection: connecting would block, so the send gets a greenlet of its own
-                greenlet = self.sends.spawn(self._send, row, body, scheduled, endpoint)
-            self.in_flight[row.request_id] = (row, scheduled, endpoint.url, greenlet)
+                sent_at = time.time()
+                greenlet = self.sends.spawn(self._send, row, body, scheduled, endpoint, request_id)
+            self.in_flight[row.request_id] = (row, scheduled, endpoint.url, sent_at, greenlet)
         self.next_due = float("inf")
         return self.next_due
 
-    def _send(self, row: TraceRow, body: bytes, scheduled: float, endpoint: Endpoint) -> None:
-        self._done(row, scheduled, endpoint, send(endpoint, self.adapter, body, self.options.stream, self.headers))
+    def _send(self, row: TraceRow, body: bytes, scheduled: float, endpoint: Endpoint, request_id: str | None) -> None:
+        outcome = send(endpoint, self.adapter, body, self.options.stream, self.headers, request_id)
+        self._done(row, scheduled, endpoint, outcome)
 
     def _read(self, row: TraceRow, scheduled: float, endpoint: Endpoint, sent: Sent) -> None:
         self._done(row, scheduled, endpoint, read(endpoint, self.adapter, self.options.stream, sent))
@@ -358,22 +366,29 @@ class WorkerPart:
         self._flush()
 
     def _cancel_in_flight(self, reason: str) -> None:
-        for request_id, (row, scheduled, url, greenlet) in list(self.in_flight.items()):
+        """Requests still unanswered get `reason`, keeping when and where they were sent."""
+        for request_id, (row, scheduled, url, sent_at, greenlet) in list(self.in_flight.items()):
             greenlet.kill(block=False)
+            sent_at += self.offset  # records are in the master's clock
             record = unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
-                                   reason=reason, endpoint=url)
+                                   reason=reason, endpoint=url, sent_at=sent_at)
             self._record(record)
         self.in_flight.clear()
 
     def abort(self, reason: str) -> None:
-        """The run is being stopped: every row not yet answered gets its record now."""
+        """The run is being stopped: every row not yet answered gets its record now: `reason`
+        for rows never sent, and for requests in flight the same, or `STOPPED_IN_FLIGHT` when
+        the user stopped the run."""
         if self._stopped or self.options is None:
             return
         self._stopped = True
         self.next_due = float("inf")
-        self._cancel_in_flight(reason)
+        self._cancel_in_flight(STOPPED_IN_FLIGHT if reason == RUN_STOPPED else reason)
         started = self.go.is_set()  # before the go nothing was sent and nothing is scheduled yet
-        for row in self.rows[self.dispatch_pos:]:
+        held = self.rows[self.dispatch_pos:]
+        for seq in sorted(self._chunks):  # arrived out of order, not yet applied: held all the same
+            held += [decode_row(r) for r in self._chunks.pop(seq)]
+        for row in held:
             self._record(unsent_record(row, worker=self.index, api=self.options.api,
                                        scheduled_at=self.due(row) if started else None, reason=reason))
         self.dispatch_pos = len(self.rows)

@@ -80,6 +80,7 @@ def run_metadata(
     workers: list[dict],
     epoch: float | None,
     started_at: float | None,
+    run_id: str | None = None,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]."""
@@ -88,6 +89,7 @@ def run_metadata(
     return {
         "meta_version": META_VERSION,
         "written_at": time.time(),
+        "run_id": run_id,  # requests carried X-Request-Id: <run_id>-<request_id>
         "trace": {
             "path": str(Path(trace_path).resolve()),
             "sha256": file_sha256(trace_path),
@@ -146,6 +148,7 @@ def coordinator_metadata(coordinator) -> dict:
         workers=workers,
         epoch=coordinator.epoch,
         started_at=coordinator.started_at,
+        run_id=coordinator.run_id,
     )
 
 

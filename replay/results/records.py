@@ -20,9 +20,16 @@ RECORD_FIELDS = (
     "prompt_tokens", "output_tokens", "cached_tokens",
 )  # fmt: skip
 
-RUN_STOPPED = "run stopped"
-WORKER_LOST = "worker lost"
-DRAIN_TIMEOUT = "drain timeout"
+# Why a row has no answer. Only the first two come from the user's own stop (Stop, --run-time,
+# Ctrl-C, SIGTERM); every other label is a failure and makes the exit code non-zero.
+RUN_STOPPED = "run stopped"  # never sent: the run was stopped first
+STOPPED_IN_FLIGHT = "run stopped before the answer"  # sent; the stop cut its answer off
+DRAIN_TIMEOUT = "no answer before drain timeout"  # sent; still open --drain-timeout after the last send
+WORKER_LOST = "worker lost"  # its worker went missing before it recorded the row
+WORKER_FAILED = "worker failed"  # its worker could not start (": reason" follows)
+MASTER_LOST = "master lost"  # the worker stopped sending when the master stopped answering
+NO_RECORD = "no record from worker"  # the worker held the row but never returned its record
+USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
 
 
 def _ms(value: float | None) -> float | None:
@@ -56,15 +63,26 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
     }
 
 
-def unsent_record(row, *, worker: int | None, api: str, scheduled_at: float | None, reason: str, endpoint: str | None = None) -> dict:
-    """The record of a row that never got an answer: ok=false and the reason as error."""
+def unsent_record(row, *, worker: int | None, api: str, scheduled_at: float | None, reason: str,
+                  endpoint: str | None = None, sent_at: float | None = None) -> dict:
+    """The record of a row that never got an answer: ok=false and the reason as error. A request
+    that was sent keeps when and where (`sent_at`, `endpoint`, `drift_ms`): it loaded the server."""
     record = dict.fromkeys(RECORD_FIELDS)  # every field present, null when unknown
     record.update(
         request_id=row.request_id, session_id=row.session_id, worker=worker, endpoint=endpoint, api=api,
         scheduled_at=scheduled_at, status=0, ok=False, error=reason,
         input_length=row.input_length, output_length=row.output_length,
     )
+    if sent_at is not None:
+        record["sent_at"] = sent_at
+        if scheduled_at is not None:
+            record["drift_ms"] = _ms((sent_at - scheduled_at) * 1000.0)
     return record
+
+
+def is_failure(record: dict) -> bool:
+    """Not ok for a reason other than the user's own stop: what makes a run's exit code 1."""
+    return not record["ok"] and record["error"] not in USER_STOPPED
 
 
 class RecordWriter:
