@@ -251,3 +251,41 @@ def test_slow_worker_set_up_keeps_heartbeats(tmp_path):
     assert master.returncode == 0, log[-3000:]
     assert "missing" not in log, log[-3000:]
     check_records(output, trace)
+
+
+@pytest.mark.parametrize("off_loop", [True, False], ids=["thread", "inline"])
+def test_worker_set_up_leaves_the_event_loop_running(off_loop):
+    """The gap a real tokenizer's set-up leaves in a worker's event loop: inline it is the whole
+    set-up (seconds on a loaded machine: missed heartbeats), in a thread a few ms at a time."""
+    import gevent
+
+    from replay.locust.options import ReplayOptions
+    from replay.locust.worker import Builder, build_off_loop
+
+    options = ReplayOptions(trace="unused", tokenizer=str(shared_path("tokenizers", "qwen2")), model="m")
+    ticks: list[float] = []
+
+    def tick() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            gevent.sleep(0.01)
+
+    ticker = gevent.spawn(tick)
+    gevent.sleep(0.05)
+    started = time.monotonic()
+    builder = build_off_loop(options, 512) if off_loop else Builder(options, 512)
+    took = time.monotonic() - started
+    gevent.sleep(0.05)
+    ticker.kill()
+    assert builder.body(mooncake_row()) is not None
+    longest = max(b - a for a, b in zip(ticks, ticks[1:]))
+    if off_loop:  # the tokenizer's own load holds the GIL for a while (0.45 s of 1.6 s here)
+        assert longest < 0.6 * took, (longest, took)
+    else:  # the measurement can see a blocked loop: the set-up is one long gap
+        assert longest > 0.8 * took, (longest, took)
+
+
+def mooncake_row():
+    from replay.trace.record import TraceRow
+
+    return TraceRow(request_id=0, timestamp_s=0.0, input_length=600, output_length=4, hash_ids=(1, 2))

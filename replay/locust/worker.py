@@ -75,6 +75,13 @@ class Builder:
         )
 
 
+def build_off_loop(options: ReplayOptions, block_size: int | None) -> Builder:
+    """A Builder made in a thread: it costs seconds of CPU for a real tokenizer (safe vocabulary,
+    template measurement), and meanwhile this process must keep answering Locust's heartbeats,
+    or the master drops it as missing. The GIL still passes to the event loop every few ms."""
+    return gevent.get_hub().threadpool.apply(Builder, (options, block_size))
+
+
 class WorkerPart:
     """The worker side. The dispatcher (`run`) starts on the master's go, in a greenlet of its
     own: no Locust user owns it, so a rebalance that moves or stops users never stops a replay."""
@@ -182,9 +189,7 @@ class WorkerPart:
         self.endpoints = [Endpoint(url) for url in self.endpoint_urls]
         self.route = make_router(opts.routing, self.endpoints)
         self.writer = RecordWriter(worker_path(self.output, self.index))
-        # Seconds of CPU (tokenizer, safe vocabulary, template): in a thread, so that this
-        # process keeps answering Locust's heartbeats and is not dropped as missing meanwhile.
-        self.builder = gevent.get_hub().threadpool.apply(Builder, (opts, self.block_size))
+        self.builder = build_off_loop(opts, self.block_size)
         if not self.local:
             self.offset = self.clock.measure()
         self._greenlets.append(gevent.spawn(self._build_ahead))
