@@ -34,6 +34,7 @@ import random
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -100,14 +101,12 @@ class Proc:
 
     name: str
     cwd: Path
-    popen: object = None
+    popen: subprocess.Popen | None = None
     rc: int | None = None
     cpu_s: float = float("nan")
     rss_mib: float = float("nan")
 
     def start(self, cmd: list[str], cpu: int | None) -> "Proc":
-        import subprocess
-
         self.cwd.mkdir(parents=True, exist_ok=True)
         preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         with open(self.log, "w") as log:
@@ -339,7 +338,8 @@ def main() -> None:
               f"| {median(runs, 'worker_rss_mib'):.0f} |")
 
     print("\nper worker (median of runs):\n")
-    print("| workers | endpoints | worker | rows | ok | achieved req/s | drift p50 | drift p99 | CPU s | peak RSS MiB |")
+    print("| workers | endpoints | worker | rows | ok | achieved req/s | drift p50 | drift p99 | CPU s "
+          "| peak RSS MiB |")
     print("|" + "---:|" * 10)
     for workers, sims, one, rows, trace_r, runs in results:
         for index in sorted({i for r in runs for i in r["workers"]}):
