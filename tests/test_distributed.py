@@ -96,26 +96,49 @@ def test_processes_partition_session_every_row_once(tmp_path, toy_tokenizer_dir,
     assert_each_sent_once(output, fast_sim.url, trace_ids(trace))
 
 
+def signal_mid_run(targets: list, signum: int, log: Path, procs: list) -> float:
+    """Send `signum` to `targets` 2 s into the replay (as `log` tells), wait for `procs` to exit;
+    returns how long they took."""
+    try:
+        wait_for(log, "replay starts at", procs[0])
+        time.sleep(2.0)
+        for target in targets:
+            target.send_signal(signum)
+        signalled = time.monotonic()
+        finish(procs, timeout=40)
+        return time.monotonic() - signalled
+    finally:
+        finish(procs, timeout=5)
+
+
+def finalized(output: Path, trace: Path, log: Path) -> list[dict]:
+    """The end every run must reach: one record per row, the meta file, the summary."""
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    assert read_run_metadata(output) is not None
+    assert "Serving Benchmark Result" in log.read_text()
+    assert any(r["ok"] for r in records)
+    return records
+
+
+def assert_user_stop(records: list[dict]) -> None:
+    """Answered rows ok, the rest run stopped (never sent) or cut off in flight (sent)."""
+    for r in records:
+        if not r["ok"]:
+            assert r["error"] in (RUN_STOPPED, STOPPED_IN_FLIGHT), r
+            assert (r["sent_at"] is None) == (r["error"] == RUN_STOPPED), r
+    assert any(r["error"] == RUN_STOPPED for r in records)
+
+
 def test_all_workers_killed_master_still_finalizes(tmp_path, toy_tokenizer_dir, fast_sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
     output = tmp_path / "run.jsonl"
-    master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
-    try:
-        wait_for(tmp_path / "master.log", "replay starts at", master)
-        time.sleep(2.0)
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-        finish([master, *procs], timeout=60)
-    finally:
-        finish([master, *procs], timeout=5)
-    log = (tmp_path / "master.log").read_text()
-    assert master.returncode == 1, log[-3000:]
-    records = list(read_records(output))
-    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
-    ok = [r for r in records if r["ok"]]
-    assert ok and all(r["error"] == WORKER_LOST for r in records if not r["ok"])
-    assert read_run_metadata(output)["workers"][0]["lost"]
-    assert "Serving Benchmark Result" in log
+    master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    signal_mid_run(workers, signal.SIGKILL, tmp_path / "master.log", [master, *workers])
+    assert master.returncode == 1, (tmp_path / "master.log").read_text()[-3000:]
+    records = finalized(output, trace, tmp_path / "master.log")
+    assert all(r["error"] == WORKER_LOST for r in records if not r["ok"])
+    assert all(w["lost"] for w in read_run_metadata(output)["workers"])
 
 
 def test_worker_joining_mid_run_idles(tmp_path, toy_tokenizer_dir, fast_sim):
@@ -140,81 +163,41 @@ def test_worker_joining_mid_run_idles(tmp_path, toy_tokenizer_dir, fast_sim):
     assert "this worker idles" in (tmp_path / "late.log").read_text()
 
 
-def _stopped_by_signal(records: list[dict], sim_url: str) -> None:
-    """A stop: answered rows ok, the rest run stopped (never sent) or cut off in flight (sent)."""
-    ok = [r for r in records if r["ok"]]
-    assert ok
-    for r in records:
-        if not r["ok"]:
-            assert r["error"] in (RUN_STOPPED, STOPPED_IN_FLIGHT), r
-            assert (r["sent_at"] is None) == (r["error"] == RUN_STOPPED), r
-    assert any(r["error"] == RUN_STOPPED for r in records)
-
-
 def test_sigterm_to_single_process(tmp_path, toy_tokenizer_dir, fast_sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
     output = tmp_path / "run.jsonl"
     proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), tmp_path, tmp_path / "local.log")
-    try:
-        wait_for(tmp_path / "local.log", "replay starts at", proc)
-        time.sleep(2.0)
-        proc.send_signal(signal.SIGTERM)
-        finish([proc], timeout=30)
-    finally:
-        finish([proc], timeout=5)
-    log = (tmp_path / "local.log").read_text()
-    assert proc.returncode == 0, log[-3000:]  # the user's own stop: not a failure
-    records = list(read_records(output))
-    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
-    _stopped_by_signal(records, fast_sim.url)
-    assert read_run_metadata(output) is not None
-    assert "Serving Benchmark Result" in log
+    signal_mid_run([proc], signal.SIGTERM, tmp_path / "local.log", [proc])
+    assert proc.returncode == 0, (tmp_path / "local.log").read_text()[-3000:]  # the user's own stop
+    assert_user_stop(finalized(output, trace, tmp_path / "local.log"))
 
 
 def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
     output = tmp_path / "run.jsonl"
-    master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
-    try:
-        wait_for(tmp_path / "master.log", "replay starts at", master)
-        time.sleep(2.0)
-        master.send_signal(signal.SIGTERM)
-        stopped = time.monotonic()
-        finish([master, *procs], timeout=30)
-        assert time.monotonic() - stopped < 20  # the workers quit with the master, not 60 s later
-    finally:
-        finish([master, *procs], timeout=5)
-    log = (tmp_path / "master.log").read_text()
-    assert master.returncode == 0, log[-3000:]
-    records = list(read_records(output))
-    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
-    _stopped_by_signal(records, fast_sim.url)
+    master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    took = signal_mid_run([master], signal.SIGTERM, tmp_path / "master.log", [master, *workers])
+    assert took < 20  # the workers quit with the master, not 60 s later
+    assert master.returncode == 0, (tmp_path / "master.log").read_text()[-3000:]
+    records = finalized(output, trace, tmp_path / "master.log")
+    assert_user_stop(records)
     sent = [r["request_id"] for r in records if r["sent_at"] is not None]
     assert_each_sent_once(output, fast_sim.url, sent)  # nothing was sent after the stop
-    assert read_run_metadata(output) is not None
-    assert "Serving Benchmark Result" in log
 
 
 def test_workers_stop_sending_when_the_master_dies(tmp_path, toy_tokenizer_dir, fast_sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=500, gap_ms=40)  # 20 s
     output = tmp_path / "run.jsonl"
-    master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
-    try:
-        wait_for(tmp_path / "master.log", "replay starts at", master)
-        time.sleep(2.0)
-        master.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        finish(procs, timeout=20)
-        assert time.monotonic() - killed < 15
-    finally:
-        finish([master, *procs], timeout=5)
-    assert all(p.returncode == 1 for p in procs), [p.returncode for p in procs]
+    master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    took = signal_mid_run([master], signal.SIGKILL, tmp_path / "master.log", [master, *workers])
+    assert took < 15
+    assert all(p.returncode == 1 for p in workers), [p.returncode for p in workers]
     received = sum(received_ids(fast_sim.url).values())
     assert received < 350, received  # of 500: about 2 s of sends, and the few seconds it takes to notice
     for i in range(2):  # each worker recorded what it held: answers, and "master lost" for the rest
         records = list(read_records(f"{output}.worker-{i}.jsonl"))
         assert any(r["ok"] for r in records)
-        assert all(r["ok"] or r["error"] in (MASTER_LOST,) for r in records), {r["error"] for r in records}
+        assert all(r["ok"] or r["error"] == MASTER_LOST for r in records), {r["error"] for r in records}
         assert any(r["error"] == MASTER_LOST for r in records)
 
 
