@@ -243,6 +243,68 @@ def test_tgi_errors_are_tgi_shaped(sim):
     assert r.status_code == 422 and "max_new_tokens" in r.json()["error"]
 
 
+# -- the request-id ledger (/debug/requests) ----------------------------------------------------
+def ledger(sim) -> dict:
+    r = requests.get(sim.url + "/debug/requests", timeout=5)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    return r.json()
+
+
+def test_debug_requests_counts_each_id_at_arrival(toy_tokenizer_dir):
+    """Every generation request's X-Request-Id is counted once per arrival, on every generation
+    endpoint, streaming or not, answered or refused; requests without one are counted apart."""
+    with sim_process(toy_tokenizer_dir, "--ttft-ms", "0", "--itl-ms", "5") as sim:
+        assert ledger(sim) == {"total": 0, "without_id": 0, "connections_accepted": 1, "ids": {}}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}
+        done = {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
+        tgi = {"inputs": words(5), "parameters": {"max_new_tokens": 2, "ignore_eos": True}}
+        sends = [
+            (CHAT, chat, "run1-0"), (CHAT, {**chat, "stream": True}, "run1-1"),
+            (COMPLETIONS, done, "run1-2"), (COMPLETIONS, {**done, "stream": True}, "run1-3"),
+            ("/generate", tgi, "run1-4"), ("/generate_stream", tgi, "run1-5"),
+            (COMPLETIONS, done, "run1-2"),  # the same row sent twice
+            (CHAT, {**chat, "model": "other"}, "run1-6"),  # refused (404): still received
+            ("/generate", {"parameters": {}}, "run1-7"),  # refused (422)
+        ]
+        session = requests.Session()  # one keep-alive connection for all of them
+        for path, body, rid in sends:
+            r = session.post(sim.url + path, json=body, headers={"X-Request-Id": rid}, timeout=5)
+            assert r.status_code in (200, 404, 422), r.text
+        # header names are case-insensitive; an empty id is no id
+        assert session.post(sim.url + COMPLETIONS, json=done, headers={"x-REQUEST-id": "run1-8"}).ok
+        assert session.post(sim.url + COMPLETIONS, json=done, headers={"X-Request-Id": ""}).ok
+        assert session.post(sim.url + CHAT, json=chat).ok
+        assert session.post(sim.url + "/generate_stream", data=b"{bad").status_code == 422
+        # other endpoints are not generation requests
+        assert session.get(sim.url + "/health", headers={"X-Request-Id": "run1-9"}).ok
+        assert session.get(sim.url + "/v1/models", headers={"X-Request-Id": "run1-9"}).ok
+
+        # counted when it arrives, not when it ends: a stream still running is already there
+        slow = requests.post(sim.url + COMPLETIONS, json={**done, "max_tokens": 200, "stream": True},
+                             headers={"X-Request-Id": "run1-10"}, stream=True, timeout=10)
+        next(slow.iter_content(chunk_size=None))
+        seen = ledger(sim)
+        slow.close()
+
+    assert seen["ids"] == {"run1-0": 1, "run1-1": 1, "run1-2": 2, "run1-3": 1, "run1-4": 1, "run1-5": 1,
+                           "run1-6": 1, "run1-7": 1, "run1-8": 1, "run1-10": 1}
+    assert seen["total"] == 11 and seen["without_id"] == 3
+    assert seen["connections_accepted"] == 4  # the first ledger read, the session, the stream, this read
+
+
+def test_connection_counts_in_metrics(sim):
+    before = metrics(sim)
+    with requests.Session() as session:
+        for _ in range(3):
+            assert session.get(sim.url + "/health", timeout=5).ok
+        during = metrics(sim)
+    after = metrics(sim)
+    # the session's one connection (and each metrics read's own) for four requests
+    assert during["sim:connections_accepted_total"] - before["sim:connections_accepted_total"] == 2
+    assert during["sim:connections_open"] >= 2
+    assert after["sim:connections_accepted_total"] - before["sim:connections_accepted_total"] == 3
+
+
 # -- errors ----------------------------------------------------------------------------------
 def test_errors_have_vllm_shape(sim):
     def err(path, body, status):

@@ -1,7 +1,8 @@
 """What the simulated engine decides for a request: when it runs, what it hits, what it says.
 
 The engine owns the prefix cache, the running/waiting bookkeeping (--max-num-seqs, FIFO
-like vLLM's scheduler) and the counters behind /metrics. It knows nothing about HTTP.
+like vLLM's scheduler), the counters behind /metrics and the ledger of request ids behind
+/debug/requests. It knows nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from gevent.event import Event
 
 from replay.sim.cache import PrefixCache
+from replay.sim.ledger import Ledger
 from replay.sim.options import SimOptions
 from replay.sim.vocab import OutputVocabulary
 from replay.synth.tokenizer import ServerTokenizer
@@ -61,6 +63,7 @@ class Engine:
         self.vocab = OutputVocabulary(self.tokenizer)
         self.cache = PrefixCache(options.block_size, options.cache_blocks)
         self.counters = Counters()
+        self.ledger = Ledger()
         self.rng = random.Random(options.seed)
         self.running = 0
         self._waiting: deque[Event] = deque()

@@ -43,4 +43,8 @@ def render(engine: Engine) -> bytes:
     metric("sim:request_errors_total", "counter", "Requests answered with an HTTP error, by status.",
            [(f'status="{s}"', n) for s, n in sorted(c.errors.items())])
     metric("sim:streams_dropped_total", "counter", "Streams cut mid-way by --drop-rate.", [("", c.dropped)])
+    ledger = engine.ledger
+    metric("sim:connections_accepted_total", "counter", "TCP connections accepted.",
+           [("", ledger.connections_accepted)])
+    metric("sim:connections_open", "gauge", "TCP connections open now.", [("", ledger.connections_open)])
     return ("\n".join(lines) + "\n").encode()

@@ -32,6 +32,10 @@ def _metrics(engine: Engine, request: Request) -> Response:
     return Response(200, metrics.render(engine), "text/plain; version=0.0.4; charset=utf-8")
 
 
+def _debug_requests(engine: Engine, request: Request) -> Response:
+    return Response(200, engine.ledger.to_json())
+
+
 def _reset_prefix_cache(engine: Engine, request: Request) -> Response:
     # vLLM serves this with VLLM_SERVER_DEV_MODE=1; parity runs use it to start cold.
     engine.cache.clear()
@@ -48,7 +52,12 @@ ROUTES: dict[str, tuple[str, Handler, str]] = {
     "/reset_prefix_cache": ("POST", _reset_prefix_cache, "openai"),
     "/generate": ("POST", tgi.generate, "tgi"),
     "/generate_stream": ("POST", tgi.generate_stream, "tgi"),
+    "/debug/requests": ("GET", _debug_requests, "openai"),
 }
+# Requests on these paths have their X-Request-Id counted in the ledger (whatever their method
+# and outcome); http.py lower-cases header names.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/generate_stream"})
+REQUEST_ID_HEADER = "x-request-id"
 
 
 def _detail(status: int, text: str) -> Response:
@@ -61,7 +70,10 @@ class App:
         self.engine = engine
 
     def __call__(self, request: Request) -> Response | Stream:
-        route = ROUTES.get(request.path.rstrip("/") or "/")
+        path = request.path.rstrip("/") or "/"
+        if path in GENERATION_PATHS:
+            self.engine.ledger.arrived(request.headers.get(REQUEST_ID_HEADER))
+        route = ROUTES.get(path)
         if route is None:
             return _detail(404, "Not Found")
         method, handler, style = route
@@ -85,9 +97,15 @@ def start(options: SimOptions, engine: Engine | None = None) -> tuple[StreamServ
     validate(options)
     engine = engine or Engine(options)
     app = App(engine)
+    ledger = engine.ledger
 
     def handle(sock, address) -> None:
-        Connection(sock, app, app.internal_error).serve()
+        ledger.connections_accepted += 1
+        ledger.connections_open += 1
+        try:
+            Connection(sock, app, app.internal_error).serve()
+        finally:
+            ledger.connections_open -= 1
 
     server = StreamServer((options.host, options.port), handle, backlog=2048)
     server.engine = engine  # for tests and benches that inspect the cache or counters
