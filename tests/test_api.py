@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import gevent
 import orjson
 import pytest
 
+from conftest import free_port
 from replay.api import Endpoint, get_adapter, parse_headers, send
+from replay.api.client import MAX_CONNECTING
 from replay.api.sse import DONE, sse_data
 from replay.locust.timing import Alarm
 from replay.sim.process import sim_process
@@ -100,6 +104,68 @@ def test_server_errors_and_dropped_streams_become_failed_outcomes(toy_tokenizer_
         assert not outcome.ok and outcome.error
     outcome = send(Endpoint("http://127.0.0.1:9"), get_adapter("openai-chat"), chat_body(True), True, {})
     assert not outcome.ok and outcome.status == 0 and outcome.error
+
+
+def test_a_server_that_stops_accepting_gets_no_connect_storm():
+    """A listener whose queue is full drops SYNs, so connects hang until the connection timeout,
+    each holding a socket and a source port. Requests beyond MAX_CONNECTING pending connects wait
+    for a connection without a socket of their own (before: one hanging connect per request, a
+    storm that ran hosts out of ephemeral ports); all fail once the timeout is over."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # never accepted: one connection fills the queue, later SYNs are dropped
+    filler = socket.create_connection(listener.getsockname(), timeout=1)
+    endpoint = Endpoint("http://%s:%d" % listener.getsockname(), connection_timeout=1.0)
+    fds = lambda: len(os.listdir("/proc/self/fd"))
+    before = fds()
+    n = MAX_CONNECTING + 200
+    try:
+        jobs = [gevent.spawn(send, endpoint, get_adapter("openai-chat"), chat_body(False), False, {})
+                for _ in range(n)]
+        gevent.sleep(0.5)
+        during = fds() - before
+        gevent.joinall(jobs, timeout=10)
+    finally:
+        filler.close()
+        listener.close()
+    outcomes = [j.value for j in jobs]
+    assert all(o is not None and not o.ok and o.status == 0 for o in outcomes)
+    assert all("TimeoutError" in o.error for o in outcomes), {o.error for o in outcomes}
+    assert during <= MAX_CONNECTING + 5, during
+    assert endpoint.in_flight == 0 and endpoint.connecting == 0
+
+
+def test_after_a_refused_connect_later_sends_back_off_then_recover(toy_tokenizer_dir):
+    """One refused connect does not make every later send open a socket: until the backoff ends
+    (50 ms, doubling), sends that need a connection fail at once without one; the first send
+    after it tries again; once the server is up, sends go through again."""
+    port = free_port()
+    endpoint = Endpoint(f"http://127.0.0.1:{port}")
+    chat = get_adapter("openai-chat")
+    outcomes = [send(endpoint, chat, chat_body(False), False, {})]
+    for _ in range(50):  # 0.5 s of sends
+        gevent.sleep(0.01)
+        outcomes.append(send(endpoint, chat, chat_body(False), False, {}))
+    assert all(not o.ok and o.error.startswith("ConnectionRefusedError") for o in outcomes)
+    tried = [o for o in outcomes if "backing off" not in o.error]
+    assert 2 <= len(tried) <= 5, len(tried)  # at 0, ~0.05, ~0.15, ~0.35 s; before: all 51
+    with sim_process(toy_tokenizer_dir, "--port", str(port), "--ttft-ms", "0", "--itl-ms", "0"):
+        deadline = time.monotonic() + 5
+        while not (outcome := send(endpoint, chat, chat_body(False), False, {})).ok:
+            assert time.monotonic() < deadline, outcome.error
+            gevent.sleep(0.05)
+    assert endpoint.opened == 1 and not endpoint.backing_off()
+
+
+def test_sends_reuse_connections_and_open_only_what_is_in_flight(slow_sim):
+    """Three waves of 30 concurrent requests: 30 connections in all, reused by each wave."""
+    endpoint = Endpoint(slow_sim.url)
+    adapter = get_adapter("openai-chat")
+    for _ in range(3):
+        jobs = [gevent.spawn(send, endpoint, adapter, chat_body(True, 2), True, {}) for _ in range(30)]
+        gevent.joinall(jobs, timeout=10)
+        assert all(j.value.ok for j in jobs), [j.value.error for j in jobs if not j.value.ok][:3]
+    assert endpoint.opened == 30 and endpoint.idle() == 30
 
 
 def test_model_mismatch_is_reported(slow_sim):

@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import pytest
+import requests
 
 from conftest import (BLOCK, LOCUST, bailian_trace, check_records, finish, free_port, master_and_workers,
                       mooncake_trace, replay_args, run_locust, trace_ids)
@@ -89,6 +90,50 @@ def test_500_concurrent_streams_one_worker(tmp_path, toy_tokenizer_dir):
     assert max(r["sent_at"] for r in records) < min(r["sent_at"] + r["ttft_ms"] / 1000 for r in records)
     assert 1350 < percentile(ttft, 50) < 1650, percentile(ttft, 50)
     assert percentile(ttft, 90) < 1650, percentile(ttft, 90)
+
+
+def _peak_in_flight(records: list[dict]) -> int:
+    events = sorted([(r["sent_at"], 1) for r in records] + [(r["finished_at"], -1) for r in records])
+    peak = now = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def _time_wait_to(port: int) -> int:
+    """Sockets in TIME_WAIT whose peer is `port`: connections this host closed first, each
+    holding an ephemeral port for a minute."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for r in rows if r[3] == "06" and int(r[2].rsplit(":", 1)[1], 16) == port)
+
+
+def test_connections_opened_follow_in_flight_demand(tmp_path, toy_tokenizer_dir):
+    """A worker opens about as many connections as it has requests in flight, plus the sends
+    due within WARM_S: not a multiple of it (a rate measured over 20 ms ticks overshot it, and
+    the first warm-up opened a whole second of sends), and leaves none in TIME_WAIT. The sim
+    receives every row exactly once."""
+    from replay.locust.worker import MIN_SPARE, WARM_S
+
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=5, output_length=(2, 3))  # 200 req/s
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "500", "--itl-ms", "1",
+                     "--prefill-ms-per-1k", "0", "--max-num-seqs", "1000") as server:
+        run_locust(replay_args(trace, toy_tokenizer_dir, server.url, output), tmp_path)
+        time.sleep(0.2)
+        lingering = _time_wait_to(server.port)
+        metrics = requests.get(server.url + "/metrics", timeout=5).text
+        seen = requests.get(server.url + "/debug/requests", timeout=5).json()
+    records = check_records(output, trace)
+    opened = next(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
+                  if line.startswith("sim:connections_accepted_total"))
+    peak = _peak_in_flight(records)
+    due_within_warm = int(WARM_S / 0.005) + 1
+    assert 90 <= peak <= 130, peak  # 200 req/s x 0.5 s
+    assert opened <= peak + due_within_warm + MIN_SPARE + 20, (opened, peak)  # before: 202 for 102
+    assert lingering == 0, lingering
+    assert seen["total"] == 300 and seen["without_id"] == 0 and set(seen["ids"].values()) == {1}
 
 
 def test_partition_session_keeps_sessions_on_one_worker(tmp_path, toy_tokenizer_dir, sim):

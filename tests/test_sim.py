@@ -441,6 +441,69 @@ def test_max_num_seqs_queues_requests(toy_tokenizer_dir):
         assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
 
 
+def test_a_burst_of_2500_connections_is_queued_not_dropped(toy_tokenizer_dir, tmp_path):
+    """2,500 clients connect at once and keep their connections open, as a load generator's
+    keep-alive pools do, each with one streaming request, to a sim started at the usual soft
+    open-file limit of 1024 and with 64 request slots: every connection is accepted and every
+    request answered in full, the excess queued as vLLM queues it; none dropped, reset or
+    timed out. (2,500 is also more than the 2,048 listen backlog the sim used to ask for.)"""
+    import resource
+
+    import gevent
+
+    n = 2500
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 200:
+        if hard != resource.RLIM_INFINITY and hard < n + 200:
+            pytest.skip(f"needs {n + 200} open files, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n + 200, hard))
+
+    def usual_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    stderr = open(tmp_path / "sim.err", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "replay", "sim", "--tokenizer", str(toy_tokenizer_dir),
+                             "--max-num-seqs", "64", "--ttft-ms", "0", "--itl-ms", "1"],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=usual_limit)
+    sockets: list[socket.socket] = []
+    try:
+        url = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True, "stream": True}).encode()
+
+        def one(i: int) -> bytes:
+            s = socket.create_connection(("127.0.0.1", port), timeout=15)
+            sockets.append(s)  # stays open until every request is answered
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-request-id: burst-%d\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (i, len(body), body))
+            data = b""
+            while not data.endswith(b"0\r\n\r\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise ConnectionError(f"closed after {data[:60]!r}")
+                data += chunk
+            return data
+
+        started = time.monotonic()
+        jobs = [gevent.spawn(one, i) for i in range(n)]
+        gevent.joinall(jobs, timeout=15)
+        answers = [j.value for j in jobs if j.successful()]
+        failures = [repr(j.exception) for j in jobs if j.dead and not j.successful()]
+        assert len(answers) == n, (len(answers), failures[:3], time.monotonic() - started)
+        assert all(a.startswith(b"HTTP/1.1 200 OK") and b"data: [DONE]" in a for a in answers)
+        seen = requests.get(url + "/debug/requests", timeout=5).json()
+        assert seen["total"] == n and set(seen["ids"].values()) == {1}
+        assert seen["connections_accepted"] == n + 1  # and this request's own
+    finally:
+        for s in sockets:
+            s.close()
+        proc.terminate()
+        proc.wait(10)
+        stderr.seek(0)
+        errors = stderr.read()
+    assert "Traceback" not in errors and "Too many open files" not in errors, errors[-2000:]
+
+
 def test_ttft_follows_the_latency_model(toy_tokenizer_dir):
     with sim_process(toy_tokenizer_dir, "--block-size", "16", "--ttft-ms", "60", "--prefill-ms-per-1k", "300",
                      "--itl-ms", "15", "--stall-ms", "20") as sim:

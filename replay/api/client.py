@@ -1,13 +1,31 @@
 """Sending one request and timing it.
 
-One geventhttpclient pool per endpoint, sized far beyond any in-flight demand: a pool
-smaller than the number of requests in flight queues requests inside the client, where
-dispatch timing cannot see it (Locust's FastHttpUser default of 10 turned a 51 ms TTFT
-into 8.8 s). Connections are opened lazily, so a large size costs nothing until used.
+Connections, per endpoint: HTTP/1.1 carries one request at a time, so every request in flight
+holds a connection of its own, and a finished one goes back to the pool for the next request
+(keep-alive). There is no fixed pool size: a pool smaller than the number of requests in
+flight queues requests inside the client, where dispatch timing cannot see it (Locust's
+FastHttpUser default of 10 turned a 51 ms TTFT into 8.8 s). What bounds the connections is
+demand: a new one is opened only when no idle one is there (the worker keeps a few open ahead
+of the sends due next), so a worker opens about as many as it ever has requests in flight.
+
+Opening is throttled, because connections are a shared budget: all the worker processes on a
+host draw their source ports for one server from the same ~28,000 ephemeral ports, and a
+connect that hangs holds its port. At most MAX_CONNECTING connects are in progress at once per
+endpoint. After a connection fails (a connect, or a reset before any answer) the endpoint backs
+off (BACKOFF_S, doubling, reset by the next connect that succeeds): meanwhile no socket is
+opened; a request that needs one fails at once if the server refused (nothing listens), else
+waits for a connection to come back, up to the connection timeout. So a server that stops
+accepting gets no storm of SYNs, and a host out of ports (EADDRNOTAVAIL) or descriptors
+(EMFILE) waits for its own connections to come back instead of failing rows. Such a wait is
+never hidden: `sent_at` is when the request was written, so it shows as dispatch drift, and
+TTFT is the server's alone.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -15,13 +33,19 @@ from urllib.parse import urlsplit
 import gevent
 import orjson
 from gevent.hub import Waiter
+from gevent.lock import Semaphore
+from gevent.queue import Empty
 from geventhttpclient import HTTPClient
-from geventhttpclient.response import HTTPSocketPoolResponse
+from geventhttpclient.response import HTTPConnectionClosed, HTTPSocketPoolResponse
 
 from replay.api.adapters import Adapter
 from replay.api.sse import DONE, sse_data
 
-POOL_SIZE = 100_000
+POOL_SIZE = 100_000  # geventhttpclient's own cap: never the limit (see above)
+MAX_CONNECTING = 256  # connects in progress at once, per endpoint
+BACKOFF_S = (0.05, 2.0)  # after a failed connect: first and longest backoff
+LOCAL_EXHAUSTION = frozenset({errno.EADDRNOTAVAIL, errno.EMFILE, errno.ENFILE})  # this host, not the server
+HEAD_CACHE = 64  # request heads kept (per-request headers would otherwise grow the cache by one a request)
 ERROR_TEXT_LIMIT = 300
 REQUEST_ID_HEADER = "X-Request-Id"  # "<run id>-<request_id>": servers and routers log it, `replay sim` counts it
 READ_SIZE = 16384  # one recv takes whatever has arrived (dozens of events when the loop is busy)
@@ -34,11 +58,11 @@ def _nothing(now: float) -> None:
 class Endpoint:
     """A server URL with its own connection pool and in-flight count (for routing).
 
-    Besides geventhttpclient's blocking request(), it can write a request on an idle
-    kept-alive connection without ever yielding (`idle_socket`, `request_bytes`): the
-    dispatcher then sends every row that is due in one go, instead of one per event-loop
-    turn. `warm` keeps such connections ready. The pool's internals are used for this; they
-    are geventhttpclient's own get_socket/return_socket steps, split apart.
+    Besides blocking sends, it can write a request on an idle kept-alive connection without
+    ever yielding (`idle_socket`, `request_bytes`): the dispatcher then sends every row that is
+    due in one go, instead of one per event-loop turn. `warm` keeps such connections ready. The
+    pool's internals are used for this; they are geventhttpclient's own get_socket/return_socket
+    steps, split apart. `opened` counts the connections this endpoint has opened.
     """
 
     def __init__(self, url: str, network_timeout: float = 3600.0, connection_timeout: float = 30.0):
@@ -48,6 +72,14 @@ class Endpoint:
         self.url = url.rstrip("/")
         self.prefix = parts.path.rstrip("/")
         self.in_flight = 0
+        self.opened = 0
+        self.connecting = 0
+        self.connection_timeout = connection_timeout
+        self._slots = Semaphore(MAX_CONNECTING)
+        self._backoff_s = 0.0
+        self._backoff_until = 0.0  # time.monotonic() before which no connection is opened
+        self._refused = False  # the failure that started the backoff was a refusal
+        self._failure: str | None = None
         # Called with the arrival time after every read of a stream body (the dispatcher's
         # hook). It runs inside the event loop, so it must not block.
         self.on_read = _nothing
@@ -66,37 +98,108 @@ class Endpoint:
     def pool(self):
         return self.http._connection_pool
 
+    def _take(self, sock):
+        """A socket just taken off the idle queue, if it is still usable (else closed)."""
+        if self.pool._is_socket_alive(sock):
+            self.pool._semaphore.acquire()  # what get_socket does; never waits (the pool is huge)
+            return sock
+        sock.close()
+        return None
+
     def idle_socket(self):
-        """A kept-alive connection that can be written to now, or None."""
-        pool = self.pool
-        queue = pool._socket_queue
+        """A kept-alive connection that can be written to now, or None (never yields)."""
+        queue = self.pool._socket_queue
         while not queue.empty():
-            sock = queue.get(block=False)
-            if pool._is_socket_alive(sock):
-                pool._semaphore.acquire()  # what get_socket does; never waits (the pool is huge)
+            sock = self._take(queue.get(block=False))
+            if sock is not None:
                 return sock
-            sock.close()
         return None
 
     def idle(self) -> int:
         return self.pool._socket_queue.qsize()
 
-    def warm(self, idle: int) -> None:
-        """Open connections until `idle` wait in the pool (blocks while connecting)."""
+    def backing_off(self) -> bool:
+        return time.monotonic() < self._backoff_until
+
+    def failed(self, error: Exception) -> None:
+        """A connection failed (connect, or reset before any answer): back off before opening more."""
+        now = time.monotonic()
+        if now >= self._backoff_until:  # failures that come together count as one
+            self._backoff_s = min(BACKOFF_S[1], max(BACKOFF_S[0], self._backoff_s * 2))
+            self._backoff_until = now + self._backoff_s
+            self._refused = isinstance(error, ConnectionRefusedError)
+        self._failure = _exception_text(error)
+
+    def _open(self):
+        """Open one connection, holding a connect slot (blocks while connecting)."""
         pool = self.pool
-        while pool._socket_queue.qsize() < idle:
-            pool._semaphore.acquire()
+        self.connecting += 1
+        pool._semaphore.acquire()  # geventhttpclient's count of sockets out of the pool; never waits
+        try:
+            sock = pool._create_socket()
+        except BaseException as e:
+            pool._semaphore.release()
+            if isinstance(e, Exception):
+                self.failed(e)
+            raise
+        finally:
+            self.connecting -= 1
+        self.opened += 1
+        self._backoff_s = 0.0
+        return sock
+
+    def connection(self):
+        """An idle connection, else a new one (blocks while connecting or waiting, see the module
+        docstring); raises the connect error, or TimeoutError when none came in time."""
+        deadline = time.monotonic() + self.connection_timeout
+        queue = self.pool._socket_queue
+        while True:
+            sock = self.idle_socket()
+            if sock is not None:
+                return sock
+            now = time.monotonic()
+            if now >= deadline:
+                last = f" (last failure: {self._failure})" if self._failure else ""
+                raise TimeoutError(f"no connection to {self.url} within {self.connection_timeout:g} s{last}")
+            if now < self._backoff_until:
+                if self._refused:
+                    raise ConnectionRefusedError(f"not connecting while backing off: {self._failure}")
+            elif self._slots.acquire(timeout=deadline - now):
+                try:
+                    if not self.backing_off():  # the wait for a slot may have seen a failure
+                        return self.idle_socket() or self._open()
+                except OSError as e:
+                    if e.errno not in LOCAL_EXHAUSTION:
+                        raise
+                finally:
+                    self._slots.release()
+                continue
+            else:
+                continue
+            try:  # until the backoff ends: a connection another request hands back
+                sock = self._take(queue.get(timeout=min(deadline, self._backoff_until) - now))
+            except Empty:
+                continue
+            if sock is not None:
+                return sock
+
+    def warm(self, idle: int) -> None:
+        """Open connections until `idle` wait in the pool (blocks while connecting); opens none
+        while the endpoint backs off, nor beyond the free connect slots."""
+        pool = self.pool
+        while pool._socket_queue.qsize() < idle and not self.backing_off() and self._slots.acquire(blocking=False):
             try:
-                sock = pool._create_socket()
-            except Exception:
-                pool._semaphore.release()
-                raise
+                sock = self._open()
+            finally:
+                self._slots.release()
             pool.return_socket(sock)
 
     def request_bytes(self, path: str, body: bytes, headers: dict[str, str], request_id: str | None = None) -> bytes:
         key = (path, tuple(headers.items()))
         head = self._heads.get(key)
         if head is None:
+            if len(self._heads) >= HEAD_CACHE:
+                self._heads.clear()
             lines = [f"POST {self.prefix}{path} HTTP/1.1", f"Host: {self.host_header}", "User-Agent: tracereplay"]
             lines += [f"{name}: {value}" for name, value in headers.items()]
             head = self._heads[key] = ("\r\n".join(lines) + "\r\n").encode("latin-1")
@@ -105,6 +208,17 @@ class Endpoint:
         return b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body)
 
     def close(self) -> None:
+        """Close the idle connections with a reset (SO_LINGER 0) rather than a FIN: a connection
+        the client closes first otherwise holds its source port in TIME_WAIT for a minute, and
+        the next run against the same server may need every port. Only once nothing is in flight."""
+        queue = self.pool._socket_queue
+        while not queue.empty():
+            sock = queue.get(block=False)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+            sock.close()
         self.http.close()
 
 
@@ -298,6 +412,8 @@ def _answer(endpoint: Endpoint, adapter: Adapter, stream: bool, outcome: Outcome
             outcome.apply_usage(usage)
     except Exception as e:  # network errors, resets, timeouts, bad JSON: all become the record's error
         outcome.error = _exception_text(e)
+        if not outcome.status and isinstance(e, (OSError, HTTPConnectionClosed)):
+            endpoint.failed(e)  # closed or reset before any answer: the next ones should not all reconnect
     finally:
         outcome.finished_at = time.time()
         endpoint.in_flight -= 1
@@ -310,14 +426,20 @@ def _answer(endpoint: Endpoint, adapter: Adapter, stream: bool, outcome: Outcome
 
 def send(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, headers: dict[str, str],
          request_id: str | None = None) -> Outcome:
-    """POST one request and read its answer (blocks; opens a connection when none is idle)."""
-    if request_id is not None:
-        headers = {**headers, REQUEST_ID_HEADER: request_id}
+    """POST one request on an idle or a new connection and read its answer (blocks)."""
     outcome = Outcome(sent_at=time.time(), streamed=stream)
     endpoint.in_flight += 1
-    path = endpoint.prefix + adapter.path(stream)
-    return _answer(endpoint, adapter, stream, outcome,
-                   lambda: endpoint.http.request("POST", path, body=body, headers=headers))
+    try:
+        sock = endpoint.connection()
+    except BaseException as e:
+        outcome.finished_at = time.time()
+        endpoint.in_flight -= 1
+        if not isinstance(e, Exception):
+            raise
+        outcome.error = _exception_text(e)
+        return outcome
+    return read(endpoint, adapter, stream,
+                _write_on(endpoint, sock, outcome, adapter.path(stream), body, headers, request_id))
 
 
 @dataclass(slots=True)
@@ -328,22 +450,31 @@ class Sent:
     sock: object | None
 
 
+def _write_on(endpoint: Endpoint, sock, outcome: Outcome, path: str, body: bytes, headers: dict[str, str],
+              request_id: str | None) -> Sent:
+    """Write the request on `sock` (no yield when the socket has room); `sent_at` is now."""
+    data = endpoint.request_bytes(path, body, headers, request_id)
+    outcome.sent_at = time.time()
+    try:
+        sock.sendall(data)
+    except Exception as e:
+        endpoint.pool.release_socket(sock)
+        outcome.error = _exception_text(e)
+        if isinstance(e, OSError):
+            endpoint.failed(e)
+        return Sent(outcome, None)
+    return Sent(outcome, sock)
+
+
 def write(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, headers: dict[str, str],
           request_id: str | None = None) -> Sent | None:
     """Write the request on an idle connection without yielding; None when no connection is idle."""
     sock = endpoint.idle_socket()
     if sock is None:
         return None
-    data = endpoint.request_bytes(adapter.path(stream), body, headers, request_id)
-    outcome = Outcome(sent_at=time.time(), streamed=stream)
+    outcome = Outcome(sent_at=0.0, streamed=stream)  # stamped as it is written
     endpoint.in_flight += 1
-    try:
-        sock.sendall(data)
-    except Exception as e:
-        endpoint.pool.release_socket(sock)
-        outcome.error = _exception_text(e)
-        return Sent(outcome, None)
-    return Sent(outcome, sock)
+    return _write_on(endpoint, sock, outcome, adapter.path(stream), body, headers, request_id)
 
 
 def read(endpoint: Endpoint, adapter: Adapter, stream: bool, sent: Sent) -> Outcome:

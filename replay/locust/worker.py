@@ -44,10 +44,10 @@ FLUSH_S = 0.2  # records are written and shipped in batches this often
 FLUSH_GAP_S = 0.004  # each batch waits for this long a gap before the next send
 FLUSH_GAP_TRIES = 50  # for up to about this many ms
 BATCH = 500
-WARM_S = 0.2  # idle connections kept for about this much time of sends
+WARM_S = 0.25  # idle connections kept for the sends due within this much time
 WARM_TICK_S = 0.02
-MIN_SPARE = 8
-MAX_SPARE = 2000
+MIN_SPARE = 8  # and this many more per endpoint
+MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
 
 
 class Builder:
@@ -337,25 +337,31 @@ class WorkerPart:
         )
 
     def _keep_connections(self) -> None:
-        """Keep enough idle connections open for the coming sends (about WARM_S worth at the
-        recent rate), so the dispatcher can write requests without connecting."""
-        rows_first_s = sum(1 for r in self.rows if send_offset_s(r, self.origin, self.options.scale) < WARM_S * 5)
-        want = max(MIN_SPARE, rows_first_s)
-        last_sent, last_t = 0, time.monotonic()
-        while not self._stopped:
-            per_endpoint = max(MIN_SPARE, min(MAX_SPARE, want // len(self.endpoints) + 1))
-            for endpoint in self.endpoints:
-                if endpoint.idle() < per_endpoint:
+        """Keep idle connections open for the sends due within the next WARM_S, read off the
+        schedule itself: a burst finds its connections ready, a quiet spell opens none. With the
+        connections held by requests in flight (each answered one comes back to the pool), a
+        worker opens no more than its in-flight demand plus this margin; a rate measured over a
+        few ticks overshot it several times over, with every idle connection kept to the end.
+        Once the run is over or stopped, the idle connections are closed without leaving TIME_WAIT."""
+        scale = self.options.scale
+        while not self._stopped and not self.finished.is_set():
+            if self.dispatch_pos < self.total:
+                # schedule time reached (master clock), then the rows due before it + WARM_S
+                now_s = time.time() + self.offset - self.epoch if self.go.is_set() else 0.0
+                end = min(len(self.rows), self.dispatch_pos + MAX_SPARE * len(self.endpoints))
+                pos = self.dispatch_pos
+                while pos < end and send_offset_s(self.rows[pos], self.origin, scale) < now_s + WARM_S:
+                    pos += 1
+                per_endpoint = min(MAX_SPARE, -(-(pos - self.dispatch_pos) // len(self.endpoints)) + MIN_SPARE)
+                for endpoint in self.endpoints:
                     try:
                         endpoint.warm(per_endpoint)
-                    except Exception as e:  # the sends will report it; keep trying quietly
+                    except Exception as e:  # the endpoint backs off; the sends will report it
                         logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
-                        gevent.sleep(1.0)
             self.warmed.set()
-            gevent.sleep(WARM_TICK_S)
-            now = time.monotonic()
-            want = int((self.sent - last_sent) / (now - last_t) * WARM_S * 2)
-            last_sent, last_t = self.sent, now
+            self.finished.wait(WARM_TICK_S)
+        for endpoint in self.endpoints:  # nothing is in flight any more (drained, or cancelled)
+            endpoint.close()
 
     def _record(self, record: dict) -> None:
         self.outbox.append(record)

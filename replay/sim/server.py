@@ -6,6 +6,7 @@ such as Locust, or geventhttpclient): `server, port = start(options)`; `server.s
 
 from __future__ import annotations
 
+import resource
 import signal
 import sys
 import traceback
@@ -22,6 +23,12 @@ from replay.sim.http import Connection, Request, Response, Stream
 from replay.sim.options import SimOptions, validate
 
 Handler = Callable[[Engine, Request], "Response | Stream"]
+
+# Connections waiting to be accepted. Linux silently caps it at net.core.somaxconn (4096 on
+# current kernels); past it, connects are dropped and the client retries them after 1, 3, 7 s
+# ... until its connect timeout. A replay opens thousands at once, so ask for the most allowed.
+BACKLOG = 65535
+MIN_OPEN_FILES = 10_000  # below this (after raising to the hard limit), warn: Locust's own floor
 
 
 def _health(engine: Engine, request: Request) -> Response:
@@ -107,14 +114,38 @@ def start(options: SimOptions, engine: Engine | None = None) -> tuple[StreamServ
         finally:
             ledger.connections_open -= 1
 
-    server = StreamServer((options.host, options.port), handle, backlog=2048)
+    server = StreamServer((options.host, options.port), handle, backlog=BACKLOG)
     server.engine = engine  # for tests and benches that inspect the cache or counters
     server.start()
     return server, server.server_port
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's open-file limit to its hard limit, and return it.
+
+    Every connection is a descriptor. At the usual soft limit of 1024, accept() fails with
+    EMFILE from the ~1020th open connection on: gevent stops accepting for up to a second at a
+    time, connects pile up in the listen queue and then get dropped, and requests already
+    written on connections the sim never accepted are never answered (client timeouts,
+    resets, drain timeouts). Locust raises its own limit the same way.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft < MIN_OPEN_FILES:
+        print(f"replay sim: open file limit {soft}: at most about {soft - 20} connections at once "
+              f"(raise it with `ulimit -n`)", file=sys.stderr, flush=True)
+    return soft
+
+
 def serve(options: SimOptions) -> int:
     """Run until SIGTERM/SIGINT; prints the one line tests wait for once accepting."""
+    raise_open_file_limit()
     server, port = start(options)
     stop = Event()
     gevent.signal_handler(signal.SIGTERM, stop.set)
