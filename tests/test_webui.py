@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from replay.results.records import read_records
+from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.trace import read_trace
 from replay.trace.prefix import hit_tokens, prefix_hits
 from conftest import BLOCK, finish, free_port, master_and_workers, mooncake_trace, replay_args, run_locust, spawn_locust
@@ -168,10 +168,12 @@ def test_stop_button_mid_run_gives_exact_final_figures(tmp_path, toy_tokenizer_d
         procs[0].send_signal(signal.SIGTERM)
         finish(procs, timeout=20)
     records = list(read_records(output))
-    stopped = [r for r in records if r["error"] == "run stopped"]
-    assert len(records) == 100 and stopped and len(stopped) < 85
+    never_sent = [r for r in records if r["error"] == RUN_STOPPED]
+    cut_off = [r for r in records if r["error"] == STOPPED_IN_FLIGHT]  # in flight at the stop, if any
+    assert len(records) == 100 and never_sent and len(never_sent) + len(cut_off) < 85
+    assert all(r["ok"] for r in records if r not in never_sent and r not in cut_off)
     assert final["progress"]["rows_done"] == 100
     assert final["progress"]["rows_sent"] == sum(r["sent_at"] is not None for r in records)
-    assert final["errors"] == {"run stopped": len(stopped)}
+    assert final["errors"] == {k: n for k, n in ((RUN_STOPPED, len(never_sent)), (STOPPED_IN_FLIGHT, len(cut_off))) if n}
     (worker,) = final["workers"]
-    assert worker["failed"] == len(stopped) and worker["in_flight"] == 0
+    assert worker["failed"] == len(never_sent) + len(cut_off) and worker["in_flight"] == 0
