@@ -256,3 +256,23 @@ def test_bad_input_is_a_clear_error(tmp_path, toy_tokenizer_dir):
     assert f"{trace}:2: field 'input_length'" in proc.stderr
     proc = subprocess.run(base, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--trace is required" in proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--header", "Authorization Bearer x"], "--header 'Authorization Bearer x': expected 'Name: value'"),
+    (["--header", "X-Token: a\r\nX-Evil: 1"], "--header 'X-Token': the value holds a line break or NUL"),
+    (["--endpoints", "http://127.0.0.1:notaport"], "--endpoints http://127.0.0.1:notaport: the port is not a number"),
+    (["--endpoints", "ftp://127.0.0.1:21"], "only http:// and https:// servers"),
+    (["--scale", "nan"], "--scale nan: must be a finite number > 0"),
+    (["--drain-timeout", "-5"], "--drain-timeout -5.0: must be a finite number of seconds >= 0"),
+    (["--duration", "nan"], "--duration nan: must be a finite number of seconds >= 0"),
+])  # fmt: skip
+def test_bad_options_refused_on_the_master(tmp_path, toy_tokenizer_dir, flags, message):
+    """Checked once, before any worker starts or anything is sent (they used to fail on every
+    worker, or hang, with exit 0): one line naming the option, exit 2."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
+    args = replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", tmp_path / "run.jsonl", *flags)
+    proc = subprocess.run([*LOCUST, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run.jsonl").exists()

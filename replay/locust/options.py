@@ -7,9 +7,12 @@ dashes); `apply_config_file` is the hook where that file is merged, flags winnin
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from replay.api.adapters import API_NAMES
+from replay.api.headers import parse_headers
 from replay.results.report import parse_slo
 
 ROUTINGS = ("round-robin", "least-inflight", "session", "prefix")
@@ -93,10 +96,13 @@ class ReplayOptions:
 
     def endpoint_urls(self, host: str | None) -> list[str]:
         urls = [u.strip() for u in (self.endpoints or "").split(",") if u.strip()]
+        option = "--endpoints" if urls else "--host"
         if not urls and host:
             urls = [host]
         if not urls:
             raise ValueError("no server to send to: pass --host URL or --endpoints URL,...")
+        for url in urls:
+            check_url(option, url)
         return urls
 
     def check(self) -> None:
@@ -105,12 +111,32 @@ class ReplayOptions:
             raise ValueError("--trace is required")
         if not self.tokenizer:
             raise ValueError("--tokenizer is required (the prompts are synthesized to exact token counts)")
-        if not self.scale > 0:  # nan too
-            raise ValueError(f"--scale {self.scale}: must be > 0")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"--scale {self.scale}: must be a finite number > 0")
+        if not (math.isfinite(self.drain_timeout) and self.drain_timeout >= 0):
+            raise ValueError(f"--drain-timeout {self.drain_timeout}: must be a finite number of seconds >= 0")
+        if self.start is not None and not math.isfinite(self.start):
+            raise ValueError(f"--start {self.start}: must be a finite number of trace seconds")
+        if self.duration is not None and not (math.isfinite(self.duration) and self.duration >= 0):
+            raise ValueError(f"--duration {self.duration}: must be a finite number of seconds >= 0")
         if self.max_requests is not None and self.max_requests < 0:
             raise ValueError(f"--max-requests {self.max_requests}: must be >= 0")
         if self.slo:
             parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
+        parse_headers(self.header)  # here, not on every worker
+
+
+def check_url(option: str, url: str) -> None:
+    """An http(s) server URL with a host and, if any, a valid port (the client sends HTTP only)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{option} {url}: only http:// and https:// servers can be replayed to")
+    if not parts.hostname:
+        raise ValueError(f"{option} {url}: no host")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"{option} {url}: the port is not a number in 0-65535") from None
 
 
 def apply_config_file(parsed) -> None:
