@@ -266,6 +266,8 @@ def test_bad_input_is_a_clear_error(tmp_path, toy_tokenizer_dir):
     (["--scale", "nan"], "--scale nan: must be a finite number > 0"),
     (["--drain-timeout", "-5"], "--drain-timeout -5.0: must be a finite number of seconds >= 0"),
     (["--duration", "nan"], "--duration nan: must be a finite number of seconds >= 0"),
+    (["--max-requests", "0"], "no rows to replay in the window"),
+    (["--start", "3600"], "no rows to replay in the window"),
 ])  # fmt: skip
 def test_bad_options_refused_on_the_master(tmp_path, toy_tokenizer_dir, flags, message):
     """Checked once, before any worker starts or anything is sent (they used to fail on every

@@ -84,6 +84,10 @@ class Coordinator:
             logger.warning("skipped %s", bad)
         self.trace = trace
         self.rows, self.origin = schedule_rows(trace.rows, options.start, options.duration, options.max_requests)
+        if not self.rows:  # a run of nothing would "succeed" with no record at all
+            raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
+                             f"--duration {options.duration}, --max-requests {options.max_requests}; "
+                             f"the trace has {len(trace.rows)} rows)")
         self.output = options.output or default_output()
         self.run_id = uuid.uuid4().hex[:12]  # X-Request-Id: <run id>-<request_id>
         self.end_reason: str | None = None  # why the master ended the run itself; None: it was stopped
