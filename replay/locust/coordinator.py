@@ -107,6 +107,7 @@ class Coordinator:
         link.on(messages.ROWS_ACK, self.on_rows_ack)
         link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender))
         link.on(messages.READY, self.on_ready)
+        link.on(messages.HELLO, self.on_hello)
         link.on(messages.RECORDS, self.on_records)
         logger.info(
             "trace %s (%s, block %s): %d rows, %d in the window, %.1f s at scale %g",
@@ -161,14 +162,16 @@ class Coordinator:
             state.acked.add(data["seq"])
             state.window.ack(data["seq"])
 
-    def on_worker_connect(self, client_id: str) -> None:
+    def on_hello(self, data: dict, sender: str) -> None:
         """A worker that connects once the replay has begun gets no rows: its part of the trace
-        would have to be taken from workers already sending it. It is told so, and idles."""
-        if self.started_at is None or client_id in self.workers:
+        would have to be taken from workers already sending it. It is told so, and idles.
+        (Answered to the worker's hello, not to Locust's worker_connect: at connect time the
+        worker has not yet registered its replay messages, and would drop the answer.)"""
+        if self.started_at is None or sender in self.workers:
             return
         reason = "it connected after the replay began; the trace is split only among the workers present at the start"
-        logger.warning("worker %s gets no rows: %s", client_id, reason)
-        self.link.to_worker(client_id, messages.IDLE, {"reason": reason})
+        logger.warning("worker %s gets no rows: %s", sender, reason)
+        self.link.to_worker(sender, messages.IDLE, {"reason": reason})
 
     def on_ready(self, data: dict, sender: str) -> None:
         state = self.workers.get(sender)

@@ -28,6 +28,7 @@ IDLE = "replay_idle"  # to a worker that joined after the start: it gets no rows
 ROWS_ACK = "replay_rows_ack"
 PING = "replay_ping"
 READY = "replay_ready"
+HELLO = "replay_hello"  # a worker's first word, once it can hear replay messages
 RECORDS = "replay_records"
 DONE = "replay_done"
 

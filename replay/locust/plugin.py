@@ -55,10 +55,11 @@ def _on_init(environment, runner=None, **kwargs) -> None:
     if isinstance(runner, MasterRunner):
         link = messages.RunnerLink(runner)
         environment.replay = Replay(coordinator=_coordinator(environment, link))
-        environment.events.worker_connect.add_listener(environment.replay.coordinator.on_worker_connect)
         _stop_on_signals(environment.replay.coordinator)
     elif isinstance(runner, WorkerRunner):
-        environment.replay = Replay(part=WorkerPart(environment, messages.RunnerLink(runner)))
+        link = messages.RunnerLink(runner)
+        environment.replay = Replay(part=WorkerPart(environment, link))
+        link.to_master(messages.HELLO, {})
         gevent.spawn(_watch_master, environment, runner, environment.replay.part)
     elif isinstance(runner, LocalRunner):
         link = messages.LocalLink()
