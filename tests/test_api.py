@@ -202,3 +202,29 @@ def test_headers_expand_env_vars(monkeypatch):
         "Authorization": "Bearer s3cret", "X-A": "b:c"}
     with pytest.raises(ValueError, match="Name: value"):
         parse_headers(["no colon"])
+
+
+def test_idle_connections_are_retired_before_the_server_closes_them(slow_sim, monkeypatch):
+    """uvicorn (vLLM, SGLang) closes a kept-alive connection after 5 s idle; a request written as
+    that close crosses it is lost ("connection closed", seen against real vLLM). Idle connections
+    are retired before then: never handed out, and pruned so `warm` replaces them."""
+    from replay.api import client
+
+    monkeypatch.setattr(client, "IDLE_MAX_S", 0.3)
+    monkeypatch.setattr(client, "PRUNE_EVERY_S", 0.0)
+    endpoint = Endpoint(slow_sim.url)
+    endpoint.warm(3)
+    assert endpoint.idle() == 3 and endpoint.opened == 3
+    fresh = endpoint.idle_socket()
+    assert fresh is not None  # young enough: handed out
+    endpoint.give_back(fresh)
+    time.sleep(0.4)
+    assert endpoint.idle_socket() is None and endpoint.idle() == 0  # too old: closed, not handed out
+    endpoint.warm(2)
+    assert endpoint.idle() == 2 and endpoint.opened == 5
+    outcome = send(endpoint, get_adapter("openai-chat"), chat_body(False), False, {})
+    assert outcome.ok and endpoint.opened == 5  # a young idle connection carried it
+    endpoint.prune()  # what warm does first: the aged ones go before a burst would need them
+    time.sleep(0.4)
+    endpoint.prune()
+    assert endpoint.idle() == 0

@@ -36,7 +36,7 @@ from gevent.hub import Waiter
 from gevent.lock import Semaphore
 from gevent.queue import Empty
 from geventhttpclient import HTTPClient
-from geventhttpclient.response import HTTPConnectionClosed, HTTPSocketPoolResponse
+from geventhttpclient.response import HTTPSocketPoolResponse
 
 from replay.api.adapters import Adapter
 from replay.api.sse import DONE, sse_data
@@ -44,6 +44,11 @@ from replay.api.sse import DONE, sse_data
 POOL_SIZE = 100_000  # geventhttpclient's own cap: never the limit (see above)
 MAX_CONNECTING = 256  # connects in progress at once, per endpoint
 BACKOFF_S = (0.05, 2.0)  # after a failed connect: first and longest backoff
+# An idle kept-alive connection is retired after this long: servers close theirs (uvicorn, so
+# vLLM and SGLang, after 5 s), and a request written just as the server's close crosses it is
+# lost with "connection closed". Each retired connection is closed with a reset (no TIME_WAIT).
+IDLE_MAX_S = 4.0  # + PRUNE_EVERY_S, still under 5
+PRUNE_EVERY_S = 0.5
 LOCAL_EXHAUSTION = frozenset({errno.EADDRNOTAVAIL, errno.EMFILE, errno.ENFILE})  # this host, not the server
 HEAD_CACHE = 64  # request heads kept (per-request headers would otherwise grow the cache by one a request)
 ERROR_TEXT_LIMIT = 300
@@ -85,6 +90,8 @@ class Endpoint:
         self.on_read = _nothing
         self.host_header = parts.netloc
         self._heads: dict[tuple, bytes] = {}
+        self._idle_since: dict[int, float] = {}  # id(socket) -> when it went back to the pool
+        self._pruned_at = 0.0
         self.http = HTTPClient(
             parts.hostname,
             parts.port,
@@ -100,11 +107,38 @@ class Endpoint:
 
     def _take(self, sock):
         """A socket just taken off the idle queue, if it is still usable (else closed)."""
-        if self.pool._is_socket_alive(sock):
+        since = self._idle_since.pop(id(sock), None)
+        if (since is None or time.monotonic() - since < IDLE_MAX_S) and self.pool._is_socket_alive(sock):
             self.pool._semaphore.acquire()  # what get_socket does; never waits (the pool is huge)
             return sock
-        sock.close()
+        _reset(sock)
         return None
+
+    def give_back(self, sock) -> None:
+        """Return a connection to the idle pool, noting when (see IDLE_MAX_S)."""
+        self._idle_since[id(sock)] = time.monotonic()
+        self.pool.return_socket(sock)
+
+    def prune(self) -> None:
+        """Retire the idle connections older than IDLE_MAX_S (at most every PRUNE_EVERY_S), so
+        that `warm` replaces them before a burst needs them."""
+        now = time.monotonic()
+        if now - self._pruned_at < PRUNE_EVERY_S:
+            return
+        self._pruned_at = now
+        queue = self.pool._socket_queue
+        kept = []
+        while not queue.empty():  # newest first (a LIFO queue)
+            sock = queue.get(block=False)
+            # a connection geventhttpclient returned itself (a body that came with the head) is
+            # first seen here: its age counts from now, at most PRUNE_EVERY_S late
+            if now - self._idle_since.setdefault(id(sock), now) < IDLE_MAX_S:
+                kept.append(sock)
+            else:
+                self._idle_since.pop(id(sock), None)
+                _reset(sock)
+        for sock in reversed(kept):
+            queue.put(sock)
 
     def idle_socket(self):
         """A kept-alive connection that can be written to now, or None (never yields)."""
@@ -187,12 +221,13 @@ class Endpoint:
         """Open connections until `idle` wait in the pool (blocks while connecting); opens none
         while the endpoint backs off, nor beyond the free connect slots."""
         pool = self.pool
+        self.prune()
         while pool._socket_queue.qsize() < idle and not self.backing_off() and self._slots.acquire(blocking=False):
             try:
                 sock = self._open()
             finally:
                 self._slots.release()
-            pool.return_socket(sock)
+            self.give_back(sock)
 
     def request_bytes(self, path: str, body: bytes, headers: dict[str, str], request_id: str | None = None) -> bytes:
         key = (path, tuple(headers.items()))
@@ -213,12 +248,8 @@ class Endpoint:
         the next run against the same server may need every port. Only once nothing is in flight."""
         queue = self.pool._socket_queue
         while not queue.empty():
-            sock = queue.get(block=False)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
-            sock.close()
+            _reset(queue.get(block=False))
+        self._idle_since.clear()
         self.http.close()
 
 
@@ -382,9 +413,21 @@ def _read_stream(response, adapter: Adapter, outcome: Outcome, on_read=_nothing)
         outcome.apply_usage(usage)
 
 
-def _release(response) -> None:
+def _reset(sock) -> None:
+    """Close a connection with a reset (SO_LINGER 0) rather than a FIN: a connection the client
+    closes first otherwise holds its source port in TIME_WAIT for a minute."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
+def _release(endpoint: Endpoint, response) -> None:
     """Return the connection to the pool only when its response was read to the end."""
     if response.message_complete:
+        if response._sock is not None:
+            endpoint._idle_since[id(response._sock)] = time.monotonic()
         response.release()
         return
     pool, sock = response._pool, response._sock
@@ -412,13 +455,14 @@ def _answer(endpoint: Endpoint, adapter: Adapter, stream: bool, outcome: Outcome
             outcome.apply_usage(usage)
     except Exception as e:  # network errors, resets, timeouts, bad JSON: all become the record's error
         outcome.error = _exception_text(e)
-        if not outcome.status and isinstance(e, (OSError, HTTPConnectionClosed)):
-            endpoint.failed(e)  # closed or reset before any answer: the next ones should not all reconnect
+        if not outcome.status and isinstance(e, OSError):
+            endpoint.failed(e)  # reset before any answer: the next ones should not all reconnect
+        # (a plain close before any answer is a kept-alive connection the server retired: no backoff)
     finally:
         outcome.finished_at = time.time()
         endpoint.in_flight -= 1
         if response is not None:
-            _release(response)
+            _release(endpoint, response)
     if outcome.output_tokens is None and outcome.streamed and outcome.error is None:
         outcome.output_tokens = outcome.events_tokens
     return outcome
