@@ -100,7 +100,6 @@ class Coordinator:
         self.started_at: float | None = None
         self.finished = Event()
         self._writer: RecordWriter | None = None
-        self._finalized = False
         self._ending: gevent.Greenlet | None = None
         self._supervisor: gevent.Greenlet | None = None
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
@@ -296,7 +295,7 @@ class Coordinator:
         if self.started_at is None:
             return
         if self._ending is None:
-            self._ending = gevent.spawn(self.finalize)
+            self._ending = gevent.spawn(self._finalize)
         self._ending.join()
 
     def _collect_held_records(self, reason: str) -> None:
@@ -317,12 +316,10 @@ class Coordinator:
                 break
             gevent.sleep(0.1)
 
-    def finalize(self) -> dict | None:
+    def _finalize(self) -> dict:
         """Account for every row, write the merged file sorted by request_id, print the summary,
-        and set the exit code: 1 when any row failed for a reason other than the user's stop."""
-        if self._finalized or self.started_at is None:
-            return None
-        self._finalized = True
+        and set the exit code: 1 when any row failed for a reason other than the user's stop.
+        Run once, by `end`."""
         if self._supervisor is not None:
             self._supervisor.kill(block=False)
         self._check_workers()  # Locust may stop the run on a lost worker before the supervisor saw it
