@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,19 +23,21 @@ from replay.locust.coordinator import Coordinator, WorkerState
 from replay.locust.live import WINDOW_S, LiveStats
 from replay.locust.messages import LocalLink, Window
 from replay.locust.options import ReplayOptions
+from replay.results.store import RecordStore
+from replay.synth.toy import build_toy_tokenizer
 from report import records_for
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
-def coordinator_for(trace: Path, workers: int = 4) -> Coordinator:
-    c = Coordinator(Environment(), LocalLink(), ReplayOptions(trace=str(trace)))
-    for i in range(workers):
-        state = WorkerState(f"host{i}_abc", i, c.rows[i::workers], Window(lambda payload: None))
+def coordinator_for(trace: Path, folder: Path, workers: int = 4) -> Coordinator:
+    tokenizer = build_toy_tokenizer(folder / "tok")
+    c = Coordinator(Environment(), LocalLink(), ReplayOptions(trace=str(trace), tokenizer=str(tokenizer)))
+    c.store = RecordStore(folder / "run.jsonl", *c.schedule.request_id_range())
+    for i, positions in enumerate(c.schedule.partition(workers)):
+        state = WorkerState(f"host{i}_abc", i, positions, Window(lambda payload: None))
         c.workers[state.client_id] = state
-        for row in state.rows:
-            c.owner[row.request_id] = state
     c.started_at = c.epoch = time.time() - 60
     return c
 
@@ -45,20 +48,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     trace = Path(args.trace) if args.trace else SHARED if SHARED.exists() else REPO / "replay/data/sample_trace.jsonl"
+    folder = Path(tempfile.mkdtemp(prefix="bench-webui-"))
     started = time.perf_counter()
-    c = coordinator_for(trace)
+    c = coordinator_for(trace, folder)
     init_s = time.perf_counter() - started
     started = time.perf_counter()
     LiveStats(c)
-    print(f"trace {trace.name}: {len(c.rows)} rows; ideal prefix hits precomputed in "
+    print(f"trace {trace.name}: {len(c.schedule)} rows; ideal prefix hits precomputed in "
           f"{1000 * (time.perf_counter() - started):.1f} ms (coordinator itself {1000 * init_s:.0f} ms)")
-    base = records_for(c.rows)
+    base = records_for(list(c.schedule.rows(range(len(c.schedule)))))
     for rate in (100, 1000, 5000):
         window = int(rate * WINDOW_S)
         records = [dict(base[i % len(base)], request_id=i % len(base), worker=i % 4) for i in range(window)]
         ticks, answers, per_record = [], [], []
         for _ in range(args.runs):
-            c.records.clear()
+            c.store = RecordStore(folder / "run.jsonl", *c.schedule.request_id_range())
             stats = LiveStats(c)
             started = time.perf_counter()
             for i in range(0, len(records), 500):

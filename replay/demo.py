@@ -85,7 +85,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless",
                "--host", url, "--trace", str(SAMPLE_TRACE), "--block-size", str(SAMPLE_BLOCK_SIZE),
                "--tokenizer", str(tokenizer_dir), "--api", "openai-chat", "--model", "sim",
-               "--output", str(output), "--only-summary", "--loglevel", "WARNING"]
+               "--output", str(output), "--overwrite", "--only-summary", "--loglevel", "WARNING"]  # rerun at will
         rc = subprocess.run(cmd, cwd=REPO).returncode
     finally:
         sim.terminate()

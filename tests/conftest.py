@@ -107,13 +107,16 @@ def check_records(output: Path, trace: Path, exact_prompt: bool = True) -> list[
     return records
 
 
-def spawn_locust(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([*LOCUST, *args], cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
+def spawn_locust(args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`env`: the process's whole environment (default: this one's)."""
+    return subprocess.Popen([*LOCUST, *args], cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
+                            env=env)
 
 
-def spawn_worker(tmp_path: Path, port: int, name: str) -> subprocess.Popen:
+def spawn_worker(tmp_path: Path, port: int, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A worker running in `tmp_path` (relative paths in the plan resolve there), log `tmp_path/name.log`."""
     return spawn_locust(["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)], tmp_path,
-                        tmp_path / f"{name}.log")
+                        tmp_path / f"{name}.log", env)
 
 
 def master_and_workers(tmp_path: Path, master_args: list[str], workers: int = 2, port: int | None = None):

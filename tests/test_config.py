@@ -19,7 +19,7 @@ import pytest
 
 from conftest import shared_path
 from replay.locust.config import ConfigError, apply_config, config_keys, load_config
-from replay.locust.options import ReplayOptions, add_arguments
+from replay.locust.options import LOCAL_OPTION_NAMES, ReplayOptions, add_arguments
 from replay.sim.process import sim_process
 from conftest import LOCUST, bailian_trace, check_records
 
@@ -44,7 +44,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_every_option_is_a_key():
     keys = config_keys()
-    assert set(keys) == {name.replace("_", "-") for name in ReplayOptions.__dataclass_fields__}
+    shipped = set(ReplayOptions.__dataclass_fields__)
+    assert not shipped & set(LOCAL_OPTION_NAMES)  # the web UI's password stays on the master
+    assert set(keys) == {name.replace("_", "-") for name in shipped | set(LOCAL_OPTION_NAMES)}
+    assert keys["web-user"].kind == "str"
     assert keys["no-ignore-eos"].kind == "bool" and keys["stream"].kind == "bool"
     assert keys["header"].kind == "list" and keys["scale"].kind == "float" and keys["routing"].choices
 
@@ -52,10 +55,11 @@ def test_every_option_is_a_key():
 def test_values_become_what_the_flags_would_give(tmp_path):
     path = write(tmp_path, "trace: t.jsonl\nblock_size: 16\nscale: 2\nstream: false\nno-ignore-eos: true\n"
                            "endpoints: [http://a:8000, http://b:8000]\nheader: 'Authorization: Bearer $K'\n"
-                           "routing: session\n")
+                           "routing: session\nweb-user: admin:$WEB_PW\n")
     assert load_config(path) == {
         "trace": "t.jsonl", "block_size": 16, "scale": 2.0, "stream": False, "no_ignore_eos": True,
         "endpoints": "http://a:8000,http://b:8000", "header": ["Authorization: Bearer $K"], "routing": "session",
+        "web_user": "admin:$WEB_PW",  # expanded only where it is checked (replay.locust.webauth)
     }
     assert load_config(write(tmp_path, "", "empty.yaml")) == {}
 

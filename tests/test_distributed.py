@@ -21,6 +21,7 @@ import requests
 from conftest import (BLOCK, bailian_trace, check_records, finish, free_port, master_and_workers, mooncake_trace,
                       replay_args, run_locust, shared_path, spawn_locust, spawn_worker, trace_ids)
 from replay.locust.coordinator import CHUNK_ROWS
+from replay.locust.messages import HOLD_ROWS
 from replay.results.metadata import read_run_metadata
 from replay.results.records import MASTER_LOST, RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, read_records
 from replay.sim.process import sim_process
@@ -61,8 +62,9 @@ def wait_for(log: Path, text: str, proc, timeout: float = 60) -> None:
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim, workers):
-    """More rows per worker than the shipping window; every row ok, sent once, by its own worker."""
-    per_worker = SHIP_WINDOW_ROWS + 1100
+    """More rows per worker than the shipping window and than a worker holds ahead of its sends
+    (it must ask for the rest as it goes); every row ok, sent once, by its own worker."""
+    per_worker = max(SHIP_WINDOW_ROWS, HOLD_ROWS) + 1100
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=per_worker * workers, gap_ms=2, output_length=(1, 2))
     output = tmp_path / "run.jsonl"
     master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output,
@@ -173,7 +175,9 @@ def test_sigterm_to_single_process(tmp_path, toy_tokenizer_dir, fast_sim):
 
 
 def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
+    """Most rows were never shipped (a worker holds HOLD_ROWS ahead of its sends): the master
+    records them itself, the held ones come from the workers, each row once."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3 * HOLD_ROWS, gap_ms=40)  # 16 min
     output = tmp_path / "run.jsonl"
     master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
     took = signal_mid_run([master], signal.SIGTERM, tmp_path / "master.log", [master, *workers])

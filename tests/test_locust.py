@@ -6,6 +6,7 @@ scheduled row exactly once.
 
 from __future__ import annotations
 
+import gzip
 import json
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import requests
 
 from conftest import (BLOCK, LOCUST, bailian_trace, check_records, finish, free_port, master_and_workers,
                       mooncake_trace, replay_args, run_locust, trace_ids)
-from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
+from replay.results.metadata import read_run_metadata
+from replay.results.records import DRAIN_TIMEOUT, OVERSIZED, RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
 
@@ -254,6 +256,11 @@ def test_bad_input_is_a_clear_error(tmp_path, toy_tokenizer_dir):
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert f"{trace}:2: field 'input_length'" in proc.stderr
+    cut = tmp_path / "cut.jsonl.gz"  # a download that stopped before the gzip trailer
+    cut.write_bytes(gzip.compress(trace.read_bytes())[:-8])
+    proc = subprocess.run([*base, "--trace", str(cut)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{cut}:3: field '(gzip)': truncated gzip file: ended after line 2" in proc.stderr
     proc = subprocess.run(base, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--trace is required" in proc.stderr
 
@@ -261,6 +268,8 @@ def test_bad_input_is_a_clear_error(tmp_path, toy_tokenizer_dir):
 @pytest.mark.parametrize("flags, message", [
     (["--header", "Authorization Bearer x"], "--header 'Authorization Bearer x': expected 'Name: value'"),
     (["--header", "X-Token: a\r\nX-Evil: 1"], "--header 'X-Token': the value holds a line break or NUL"),
+    (["--header", "Authorization: Bearer $REPLAY_TEST_UNSET"], "--header Authorization: $REPLAY_TEST_UNSET is not set on this host"),
+    (["--header", "X-Price: 5$"], "--header X-Price: the '$' at character 2 of the value starts no $VAR"),
     (["--endpoints", "http://127.0.0.1:notaport"], "--endpoints http://127.0.0.1:notaport: the port is not a number"),
     (["--endpoints", "ftp://127.0.0.1:21"], "only http:// and https:// servers"),
     (["--scale", "nan"], "--scale nan: must be a finite number > 0"),
@@ -278,3 +287,48 @@ def test_bad_options_refused_on_the_master(tmp_path, toy_tokenizer_dir, flags, m
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run.jsonl").exists()
+
+
+def test_rows_over_the_served_context_are_recorded_not_sent(tmp_path, toy_tokenizer_dir):
+    """A row longer than the served model's max_model_len (from /v1/models) is recorded as
+    oversized without being synthesized (before: a 1e9-token row ate gigabytes and nothing was
+    sent); --max-prompt-tokens overrides the server's figure. Warnings name the row's real line."""
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": i * 20, "input_length": 40, "output_length": 2} for i in range(6)]
+    rows[2]["input_length"] = 1_000_000_000
+    rows[4]["input_length"] = 3_000
+    rows[5]["input_length"] = 1  # below the chat frame: a warning that names line 6
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--max-model-len", "2048") as server:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, server.url, output), tmp_path, exit_code=1)
+        records = {r["request_id"]: r for r in read_records(output)}
+        assert sorted(records) == list(range(6))
+        assert {i for i, r in records.items() if not r["ok"]} == {2, 4}
+        for i in (2, 4):
+            assert records[i]["error"] == f"{OVERSIZED} (2048)" and records[i]["sent_at"] is None
+        assert "trace rows over --max-prompt-tokens 2048, never sent: 2" in proc.stdout
+        assert "(line 6)" in proc.stderr, proc.stderr[-3000:]
+        assert read_run_metadata(output)["trace"]["rows_over_max_prompt_tokens"] == 2
+
+        output = tmp_path / "run2.jsonl"
+        run_locust(replay_args(trace, toy_tokenizer_dir, server.url, output, "--max-prompt-tokens", "5000"),
+                   tmp_path, exit_code=1)
+        records = {r["request_id"]: r for r in read_records(output)}
+        assert {i for i, r in records.items() if not r["ok"]} == {2, 4}  # 4 sent now; the sim refuses it
+        assert records[2]["error"] == f"{OVERSIZED} (5000)" and records[4]["status"] == 400
+
+
+def test_skipped_bad_lines_are_counted_in_meta_and_summary(tmp_path, toy_tokenizer_dir, sim):
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=10, gap_ms=10)
+    lines = trace.read_text().splitlines()
+    lines[3] = '{"timestamp": 30, "input_length": "many"}'
+    lines[7] = "not json"
+    trace.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "run.jsonl"
+    proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--on-bad-line", "skip"), tmp_path)
+    assert "trace rows skipped as bad lines (--on-bad-line skip): 2" in proc.stdout
+    meta = read_run_metadata(output)["trace"]
+    assert meta["rows_skipped"] == 2 and meta["rows_in_file"] == 8 and meta["rows"] == 8
+    assert [s.split(":")[1] for s in meta["skipped"]] == ["4", "8"]
+    assert sum(1 for r in read_records(output) if r["ok"]) == 8

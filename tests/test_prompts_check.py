@@ -81,3 +81,16 @@ def test_mooncake_rows_on_qwen2_chat_are_exact():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr
     result = orjson.loads(done.stdout)
     assert result["requests"] == result["exact"] == 12 and result["template_overhead_tokens"] == 29
+
+
+def test_a_row_the_template_refuses_exits_2_naming_row_and_template(tmp_path, toy_tokenizer_dir):
+    template = tmp_path / "roles.jinja"
+    template.write_text("{% for m in messages %}\n{% if m.role == 'tool' %}{{ raise_exception('no tool turns') }}"
+                        "{% endif %}{{ m.content }}{% endfor %}")
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "messages": [{"role": "user", "content": "hi"}], "output_length": 1},
+            {"timestamp": 1, "messages": [{"role": "tool", "content": "x"}], "output_length": 1}]
+    trace.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    done = run_check("--trace", str(trace), "--tokenizer", str(toy_tokenizer_dir), "--chat-template", str(template))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == f"error: row 1 (trace line 2): chat template {template}, template line 2: no tool turns\n"

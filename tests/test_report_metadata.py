@@ -31,10 +31,11 @@ from replay.results.metadata import coordinator_metadata, write_run_metadata
 
 trace, tokenizer, output, t0 = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 options = ReplayOptions(trace=trace, block_size=16, tokenizer=tokenizer, api="openai-completions", model="m",
-                        scale=2.0, seed=7, slo="e2e_ms=1000", output=output, header=["Authorization: Bearer secret"])
+                        prompt_format="token-ids", scale=2.0, seed=7, slo="e2e_ms=1000", output=output,
+                        header=["Authorization: Bearer secret"])
 env = SimpleNamespace(host="http://127.0.0.1:9", runner=None, parsed_options=None)
 c = Coordinator(env, LocalLink(), options)
-c.workers["local"] = WorkerState("local", 0, c.rows, window=None, ready=True, clock_offset_ms=0.25, rtt_ms=0.1)
+c.workers["local"] = WorkerState("local", 0, c.schedule.partition(1)[0], window=None, ready=True, clock_offset_ms=0.25, rtt_ms=0.1)
 c.epoch, c.started_at = t0 + 0.5, t0
 print(write_run_metadata(output, coordinator_metadata(c)))
 """
@@ -56,6 +57,7 @@ def test_coordinator_metadata(run, toy_tokenizer_dir):
     results, trace, meta = run
     assert meta["trace"]["format"] == "mooncake" and meta["trace"]["block_size"] == 16
     assert meta["trace"]["rows"] == 12 and meta["trace"]["window_s"] == pytest.approx(1.1 / 2.0)
+    assert (meta["trace"]["rows_in_file"], meta["trace"]["rows_skipped"], meta["trace"]["skipped"]) == (12, 0, [])
     assert len(meta["trace"]["sha256"]) == 64
     assert meta["template_sha256"] == load_chat_template(toy_tokenizer_dir).sha256
     assert (meta["api"], meta["model"], meta["seed"], meta["scale"]) == ("openai-completions", "m", 7, 2.0)
@@ -63,6 +65,7 @@ def test_coordinator_metadata(run, toy_tokenizer_dir):
     assert meta["workers"] == [{"index": 0, "client_id": "local", "host": meta["workers"][0]["host"],
                                 "clock_offset_ms": 0.25, "rtt_ms": 0.1, "rows_assigned": 12, "lost": False}]  # fmt: skip
     assert meta["versions"]["locust"] and meta["versions"]["python"]
+    assert meta["options"]["prompt_format"] == "token-ids"
     text = json.dumps(meta)
     assert "secret" not in text and meta["options"]["header_names"] == ["Authorization"]
 
@@ -93,5 +96,6 @@ def test_report_reads_everything_from_metadata(tmp_path, run, toy_tokenizer_dir)
     assert from_meta["cache"] is not None
     assert from_meta["cache"]["expected_cached_tokens"] == explicit["cache"]["expected_cached_tokens"] > 0
     assert "seed 7" in from_meta["cache"]["method"]
+    assert "token-id prompts" in from_meta["cache"]["method"]  # the run's --prompt-format
     assert from_meta["goodput_rps"] == explicit["goodput_rps"]  # the run's --slo
     assert from_meta["requests_good"] == 6

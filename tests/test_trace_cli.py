@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,8 @@ from replay.cli import main
 from replay.trace import Trace, read_trace, select_rows
 from replay.trace.convert import rescale_length
 from replay.trace.stats import trace_stats
-from test_trace_read import bailian_rows, mooncake_rows, write_jsonl
+from test_trace_read import (AZURE_HEADER, GZIP_DAMAGES, HUGE, bailian_rows, damaged_gzip, huge_prompt_trace,
+                             mooncake_rows, write_jsonl)
 
 MOONCAKE = ("traces", "mooncake_synthetic_trace.jsonl")
 AZURE = ("traces", "azure_conv_2023.csv")
@@ -125,6 +128,80 @@ def test_validate_the_shared_azure_trace_and_a_format_override(tmp_path, capsys)
     path = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(3))
     assert main(["trace", "validate", str(path), "--format", "bailian"]) == 1
     assert f"{path}:1: field 'chat_id': missing" in capsys.readouterr().out
+
+
+def test_validate_max_prompt_tokens_in_every_format(tmp_path, capsys):
+    for fmt in ("mooncake", "jsonl", "bailian", "azure", "burstgpt"):
+        path, line = huge_prompt_trace(tmp_path, fmt)
+        assert main(["trace", "validate", str(path)]) == 1, fmt  # the default bound is on
+        lines = capsys.readouterr().out.splitlines()
+        assert lines == [
+            f"{path}:{line}: field 'input_length': {HUGE} tokens is over the limit of 1048576 (--max-prompt-tokens)",
+            f"INVALID: {path}: 1 bad rows, 3 good ({fmt})",
+        ]
+        assert main(["trace", "validate", str(path), "--max-prompt-tokens", "0"]) == 0  # 0: no bound
+        assert capsys.readouterr().out.startswith(f"OK: {path}: 4 rows ({fmt}")
+        assert main(["trace", "validate", str(path), "--max-prompt-tokens", str(HUGE - 1)]) == 1
+        assert f"over the limit of {HUGE - 1} (--max-prompt-tokens)" in capsys.readouterr().out
+
+
+def test_validate_refuses_a_negative_max_prompt_tokens(tmp_path):
+    path, _ = huge_prompt_trace(tmp_path, "mooncake")
+    done = run_replay("trace", "validate", str(path), "--max-prompt-tokens", "-1")
+    assert done.returncode == 2 and "--max-prompt-tokens: must be >= 0 (0: no limit), got -1" in done.stderr
+
+
+# --- files that cannot be read ----------------------------------------------------------------
+
+
+def command_line(command: str, path: Path, tmp_path: Path) -> list[str]:
+    return ["trace", command, str(path)] + ([str(tmp_path / "out.jsonl")] if command == "convert" else [])
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, *parts: str) -> None:
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: "), done.stderr
+    for part in parts:
+        assert part in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", ["validate", "stats", "convert"])
+def test_a_damaged_gzip_is_one_line_naming_file_and_line(tmp_path, command):
+    for damage in GZIP_DAMAGES:
+        path, line, message = damaged_gzip(tmp_path, damage)
+        done = run_replay(*command_line(command, path, tmp_path))
+        assert_one_line_error(done, f"error: {path}:{line}: field '(gzip)': {message}")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "stats", "convert"])
+def test_csv_that_is_not_utf8_names_line_3(tmp_path, command):
+    path = tmp_path / "azure.csv.gz"
+    path.write_bytes(gzip.compress(AZURE_HEADER + b"2023-11-16 18:15:46,1,2\n2023-11-16 18:15:47,\xff1,2\n"))
+    done = run_replay(*command_line(command, path, tmp_path))
+    expected = f"{path}:3: field '(csv)': invalid UTF-8: byte 0xff in column 'ContextTokens'"
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    if command == "validate":  # a bad row like any other: listed, and the file is INVALID
+        assert done.stdout.splitlines() == [expected, f"INVALID: {path}: 1 bad rows, 1 good (azure)"]
+    else:
+        assert_one_line_error(done, f"error: {expected}")
+
+
+@pytest.mark.parametrize("command", ["validate", "stats", "convert"])
+def test_an_unreadable_file_is_one_line_naming_it(tmp_path, command):
+    for path in (tmp_path / "missing.jsonl", tmp_path):  # a directory is no trace either
+        done = run_replay(*command_line(command, path, tmp_path))
+        assert_one_line_error(done, f"'{path}'")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions say")
+@pytest.mark.parametrize("command", ["validate", "stats", "convert"])
+def test_a_file_without_read_permission_is_one_line_naming_it(tmp_path, command):
+    path = write_jsonl(tmp_path / "secret.jsonl", mooncake_rows(2))
+    path.chmod(0)
+    done = run_replay(*command_line(command, path, tmp_path))
+    assert_one_line_error(done, "Permission denied", f"'{path}'")
 
 
 # --- convert ---------------------------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import math
+import zlib
 
 import pytest
 
 from replay.trace import FORMATS, BadLine, TraceError, detect_format, prefix_hits, read_trace
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 from replay.trace.formats import parse_datetime
 
 
@@ -237,7 +240,11 @@ BAD_ROWS = [
     ({**GOOD, "input_length": 1.5}, "input_length", "expected an integer"),
     ({**GOOD, "output_length": -1}, "output_length", "must be >= 0"),
     ({**GOOD, "hash_ids": [1, 2, 3]}, "hash_ids", "has 3 ids but input_length 600 needs ceil(600/512) = 2"),
-    ({**GOOD, "hash_ids": [1, "x"]}, "hash_ids", "item 1 is not an integer"),
+    ({**GOOD, "hash_ids": [1, "x"]}, "hash_ids", "item 1 is not an integer: 'x'"),
+    ({**GOOD, "hash_ids": [1, True]}, "hash_ids", "item 1 is not an integer: True"),
+    ({**GOOD, "hash_ids": [False, 2]}, "hash_ids", "item 0 is not an integer: False"),
+    ({**GOOD, "hash_ids": [1, 2.0]}, "hash_ids", "item 1 is not an integer: 2.0"),
+    ({**GOOD, "hash_ids": [1, None]}, "hash_ids", "item 1 is not an integer: None"),
     ({**GOOD, "hash_ids": "1,2"}, "hash_ids", "expected a list"),
 ]
 
@@ -301,6 +308,203 @@ def test_skip_mode_keeps_going_and_counts_every_bad_row(tmp_path):
     assert [(r.request_id, r.line) for r in trace.rows] == [(0, 1), (2, 3), (5, 6)]
     assert [(b.line, b.field) for b in trace.skipped] == [(2, "(json)"), (4, "hash_ids"), (5, "input_length")]
     assert all(isinstance(b, BadLine) and b.path == str(path) for b in trace.skipped)
+
+
+# --- files that cannot be read whole ----------------------------------------------------------
+
+GZIP_DAMAGES = ["truncated", "crc", "magic-then-garbage", "header-then-garbage", "magic-only"]
+
+
+def gzipped_rows(rows: int = 2000) -> bytes:
+    """A gzipped mooncake trace, long enough that a cut lands far into the file."""
+    text = "".join(json.dumps({"timestamp": i, "input_length": 10, "output_length": 1}) + "\n" for i in range(rows))
+    return gzip.compress(text.encode())
+
+
+def damaged_gzip(tmp_path, damage, data=None, name="damaged.jsonl.gz"):
+    """(path, line, message): a gzip file with this damage, and what read_trace must say about it.
+
+    The line is worked out with zlib, not with the gzip module the reader uses: one past the
+    last whole line that can be decompressed at all.
+    """
+    data = data if data is not None else gzipped_rows()
+    if damage == "truncated":
+        body = data[: len(data) // 2]
+        whole = zlib.decompressobj(wbits=31).decompress(body).count(b"\n")
+        line, message = whole + 1, f"truncated gzip file: ended after line {whole}"
+    elif damage == "crc":
+        body = bytearray(data)
+        body[-8] ^= 0xFF  # the CRC-32 is the 8 bytes before the last 4 (the length)
+        line, message = gzip.decompress(data).count(b"\n") + 1, "corrupt gzip data: CRC check failed"
+    elif damage == "magic-then-garbage":
+        body, line, message = b"\x1f\x8bthis is not gzip\n" * 3, 1, "corrupt gzip data: Unknown compression method"
+    elif damage == "header-then-garbage":  # 0xff starts a deflate block of the reserved type 3
+        body, line, message = data[:10] + b"\xff" * 64, 1, "corrupt gzip data: Error -3 while decompressing data"
+    else:
+        body, line, message = b"\x1f\x8b", 1, "truncated gzip file: ended before the first line"
+    path = tmp_path / f"{damage}-{name}"
+    path.write_bytes(bytes(body))
+    return path, line, message
+
+
+def assert_bad(err, path, line, field, message):
+    assert (err.value.bad.path, err.value.bad.line, err.value.bad.field) == (str(path), line, field)
+    assert message in err.value.bad.message
+    assert str(err.value).startswith(f"{path}:{line}: field '{field}': ")
+
+
+@pytest.mark.parametrize("damage", GZIP_DAMAGES)
+def test_a_damaged_gzip_names_file_line_and_what_is_wrong(tmp_path, damage):
+    path, line, message = damaged_gzip(tmp_path, damage)
+    for fmt in (None, "mooncake"):  # detected or named: the rows cannot be trusted either way
+        for on_bad_line in ("fail", "skip"):
+            with pytest.raises(TraceError) as err:
+                read_trace(path, format=fmt, on_bad_line=on_bad_line)
+            assert_bad(err, path, line, "(gzip)", message)
+    if line == 1:  # damage in the first lines is met while detecting the format
+        with pytest.raises(TraceError) as err:
+            detect_format(path)
+        assert_bad(err, path, line, "(gzip)", message)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "crc"])
+def test_a_damaged_gzip_csv_names_file_and_line(tmp_path, damage):
+    text = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:{i // 60 % 60:02d}:{i % 60:02d}.5,{i},1\n" for i in range(3000))
+    path, line, message = damaged_gzip(tmp_path, damage, gzip.compress(text.encode()), name="azure.csv.gz")
+    assert line > 100
+    with pytest.raises(TraceError) as err:
+        read_trace(path, format="azure", on_bad_line="skip")
+    assert_bad(err, path, line, "(gzip)", message)
+
+
+AZURE_HEADER = b"TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+@pytest.mark.parametrize("gzipped", [False, True], ids=["plain", "gzip"])
+def test_csv_bytes_that_are_not_utf8_name_their_line_and_column(tmp_path, gzipped):
+    data = (AZURE_HEADER + b"2023-11-16 18:15:46,1,2\n" + b"2023-11-16 18:15:47,\xff1,2\n"
+            + b"2023-11-16 18:15:48,3,4\n" * 3000)  # the bad byte is in the first chunk decoded
+    path = tmp_path / "azure.csv"
+    path.write_bytes(gzip.compress(data) if gzipped else data)
+    with pytest.raises(TraceError) as err:
+        read_trace(path)
+    assert_bad(err, path, 3, "(csv)", "invalid UTF-8: byte 0xff in column 'ContextTokens'")
+    trace = read_trace(path, on_bad_line="skip")
+    assert [(b.line, b.field) for b in trace.skipped] == [(3, "(csv)")]
+    assert [r.line for r in trace.rows[:3]] == [2, 4, 5] and len(trace.rows) == 3001
+
+
+def test_csv_utf8_in_any_column_and_in_the_header(tmp_path):
+    burst = tmp_path / "burst.csv"
+    burst.write_bytes(
+        b"Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        + "5,mod\u00e8le,472,18,490,Conversation log\n".encode()  # real UTF-8: fine
+        + b"6,mod\xe8le,472,18,490,Conversation log\n"  # the same in Latin-1, in a column not replayed
+    )
+    with pytest.raises(TraceError) as err:
+        read_trace(burst)
+    assert_bad(err, burst, 3, "(csv)", "invalid UTF-8: byte 0xe8 in column 'Model'")
+    header = tmp_path / "header.csv"
+    header.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens,Not\xe9\n2023-11-16 18:15:46,1,2,x\n")
+    with pytest.raises(TraceError) as err:
+        read_trace(header, on_bad_line="skip")  # no row can be trusted: always fatal
+    assert_bad(err, header, 1, "(csv)", "invalid UTF-8 in the header: byte 0xe9 in column 4")
+
+
+def test_a_csv_quote_left_open_names_the_row_where_it_starts(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_bytes(AZURE_HEADER + b"2023-11-16 18:15:46,1,2\n" + b'2023-11-16 18:15:47,"1,2\n'
+                     + b"2023-11-16 18:15:48,3,4\n" * 10000)  # the open quote swallows > 128 KiB
+    with pytest.raises(TraceError) as err:
+        read_trace(path, on_bad_line="skip")
+    assert_bad(err, path, 3, "(csv)", "field larger than field limit")
+    assert "a quote left open?" in err.value.bad.message
+
+
+def test_json_bytes_that_are_not_utf8_are_a_bad_row_on_their_line(tmp_path):
+    good = json.dumps(GOOD).encode() + b"\n"
+    path = tmp_path / "latin1.jsonl"
+    latin1 = b'{"timestamp": 0, "input_length": 600, "output_length": 1, "note": "caf\xe9"}\n'
+    path.write_bytes(good * 2 + latin1 + good)
+    with pytest.raises(TraceError) as err:
+        read_trace(path)
+    at = latin1.index(b"\xe9") + 1
+    assert_bad(err, path, 3, "(json)", f"invalid UTF-8: byte 0xe9 at byte {at} of the line")
+    trace = read_trace(path, on_bad_line="skip")
+    assert [r.line for r in trace.rows] == [1, 2, 4] and [b.line for b in trace.skipped] == [3]
+
+
+# --- the prompt length bound ------------------------------------------------------------------
+
+HUGE = 1_000_000_000
+
+
+def huge_prompt_trace(tmp_path, fmt):
+    """(path, line): a four-row trace of this format whose row on `line` asks for 10^9 prompt
+    tokens (bailian without hash ids: with them, 10^9 tokens need 62.5 million ids)."""
+    lengths = [10, 20, HUGE, 30]
+    if fmt == "azure":
+        text = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+            f"2023-11-16 18:15:4{i},{n},1\n" for i, n in enumerate(lengths))
+    elif fmt == "burstgpt":
+        text = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n" + "".join(
+            f"{i},GPT-4,{n},1,{n + 1},API log\n" for i, n in enumerate(lengths))
+    else:
+        make = {
+            "mooncake": lambda i, n: {"timestamp": 100 * i, "input_length": n, "output_length": 1},
+            "jsonl": lambda i, n: {"session_id": "s", "delay": 100, "input_length": n, "output_length": 1},
+            "bailian": lambda i, n: {"chat_id": i + 1, "parent_chat_id": i or -1, "timestamp": float(i),
+                                     "input_length": n, "output_length": 1, "type": "text"},
+        }[fmt]
+        text = "".join(json.dumps(make(i, n)) + "\n" for i, n in enumerate(lengths))
+    path = tmp_path / f"huge-{fmt}.txt"
+    path.write_text(text)
+    line = lengths.index(HUGE) + (2 if fmt in ("azure", "burstgpt") else 1)
+    return path, line
+
+
+def test_the_default_prompt_bound():
+    assert DEFAULT_MAX_PROMPT_TOKENS == 2**20
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_prompt_over_max_input_tokens_is_a_bad_row(tmp_path, fmt):
+    path, line = huge_prompt_trace(tmp_path, fmt)
+    assert detect_format(path) == fmt
+    assert len(read_trace(path).rows) == 4  # no bound unless one is asked for
+    with pytest.raises(TraceError) as err:
+        read_trace(path, max_input_tokens=DEFAULT_MAX_PROMPT_TOKENS)
+    assert_bad(err, path, line, "input_length", f"{HUGE} tokens is over the limit of {2**20} (--max-prompt-tokens)")
+    trace = read_trace(path, on_bad_line="skip", max_input_tokens=DEFAULT_MAX_PROMPT_TOKENS)
+    assert [r.input_length for r in trace.rows] == [10, 20, 30]
+    assert [(b.line, b.field) for b in trace.skipped] == [(line, "input_length")]
+    assert len(read_trace(path, max_input_tokens=HUGE).rows) == 4  # the bound itself is allowed
+
+
+def test_max_input_tokens_must_be_positive(tmp_path):
+    path, _ = huge_prompt_trace(tmp_path, "mooncake")
+    for bound in (0, -1):
+        with pytest.raises(ValueError, match="max_input_tokens must be >= 1"):
+            read_trace(path, max_input_tokens=bound)
+
+
+def test_the_cycle_collector_is_back_as_it_was_after_a_read(tmp_path):
+    """read_trace pauses the collector for speed; neither a good read nor a failed one may
+    leave it off, and a caller that turned it off keeps it off."""
+    good = write_jsonl(tmp_path / "good.jsonl", mooncake_rows(3))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{broken"])
+    assert gc.isenabled()
+    read_trace(good)
+    with pytest.raises(TraceError):
+        read_trace(bad)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        read_trace(good)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 # --- the ideal prefix cache -------------------------------------------------------------------

@@ -111,7 +111,7 @@ class Endpoint:
         if (since is None or time.monotonic() - since < IDLE_MAX_S) and self.pool._is_socket_alive(sock):
             self.pool._semaphore.acquire()  # what get_socket does; never waits (the pool is huge)
             return sock
-        _reset(sock)
+        close_with_reset(sock)
         return None
 
     def give_back(self, sock) -> None:
@@ -136,7 +136,7 @@ class Endpoint:
                 kept.append(sock)
             else:
                 self._idle_since.pop(id(sock), None)
-                _reset(sock)
+                close_with_reset(sock)
         for sock in reversed(kept):
             queue.put(sock)
 
@@ -248,7 +248,7 @@ class Endpoint:
         the next run against the same server may need every port. Only once nothing is in flight."""
         queue = self.pool._socket_queue
         while not queue.empty():
-            _reset(queue.get(block=False))
+            close_with_reset(queue.get(block=False))
         self._idle_since.clear()
         self.http.close()
 
@@ -413,7 +413,7 @@ def _read_stream(response, adapter: Adapter, outcome: Outcome, on_read=_nothing)
         outcome.apply_usage(usage)
 
 
-def _reset(sock) -> None:
+def close_with_reset(sock) -> None:
     """Close a connection with a reset (SO_LINGER 0) rather than a FIN: a connection the client
     closes first otherwise holds its source port in TIME_WAIT for a minute."""
     try:

@@ -14,22 +14,25 @@ import logging
 import sys
 import time
 import uuid
+from itertools import islice
 from dataclasses import dataclass, field
-from typing import Iterator
+from array import array
+from typing import Iterable, Iterator
 
 import gevent
 from gevent.event import Event
 
 from replay.locust import messages
 from replay.locust.clock import answer_ping
-from replay.locust.options import ReplayOptions
-from replay.locust.plan import encode_row, partition, schedule_rows, send_offset_s
-from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, RUN_STOPPED, WORKER_FAILED, WORKER_LOST, RecordWriter,
-                                    is_failure, unsent_record, write_records)
+from replay.locust.options import ReplayOptions, prompt_token_limit
+from replay.locust.plan import Schedule
+from replay.locust.same_tokenizer import master_fingerprint
+from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
+                                    is_failure, unsent_record)
 from replay.results.metadata import coordinator_metadata, write_run_metadata
-from replay.results.report import build_report, format_report, parse_slo
-from replay.trace import read_trace
-from replay.trace.record import TraceRow
+from replay.results.report import ReportBuilder, format_report, parse_slo
+from replay.results.store import REAL, RecordStore
+from replay.trace.reader import TraceStream
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +42,14 @@ READY_TIMEOUT_S = 300.0  # workers that are not ready by then are started anyway
 DRAIN_GRACE_S = 10.0  # beyond --drain-timeout, for the workers' last records to arrive
 ABORT_WAIT_S = 5.0  # at a stop, how long workers get to send what they still hold
 TICK_S = 0.25
+MAX_SKIPPED_SHOWN = 20  # --on-bad-line skip: lines listed in the log (all are counted)
 
 
 @dataclass
 class WorkerState:
     client_id: str
     index: int
-    rows: list[TraceRow]
+    positions: array  # its rows' places in the schedule, in send order
     window: messages.Window
     ready: bool = False
     lost: bool = False
@@ -59,14 +63,14 @@ class WorkerState:
         return position // CHUNK_ROWS in self.acked
 
 
-def row_chunks(rows: list[TraceRow]) -> Iterator[dict]:
-    """One worker's rows as ROWS payloads, encoded only when the window has room for them.
+def row_chunks(schedule: Schedule, positions: array) -> Iterator[dict]:
+    """One worker's rows as ROWS payloads, read from the spool only when the window has room.
 
     A function, not a generator expression in `begin`'s loop: an expression's body reads the
     loop variable late, when it already names the last worker's rows.
     """
-    for i in range(0, len(rows), CHUNK_ROWS):
-        yield {"rows": [encode_row(r) for r in rows[i : i + CHUNK_ROWS]]}
+    for i in range(0, len(positions), CHUNK_ROWS):
+        yield {"rows": [schedule.encoded(p) for p in positions[i : i + CHUNK_ROWS]]}
 
 
 def default_output() -> str:
@@ -74,50 +78,66 @@ def default_output() -> str:
 
 
 class Coordinator:
-    def __init__(self, environment, link: messages.Link, options: ReplayOptions, local_part=None):
+    def __init__(self, environment, link: messages.Link, options: ReplayOptions, local_part=None,
+                 endpoints: list[str] | None = None):
+        """`endpoints` are asked for the served model's max_model_len (--max-prompt-tokens' default)."""
         self.environment = environment
         self.link = link
         self.options = options
         self.local_part = local_part
-        trace = read_trace(options.trace, options.trace_format, options.block_size, options.on_bad_line)
-        for bad in trace.skipped:
-            logger.warning("skipped %s", bad)
-        self.trace = trace
-        self.rows, self.origin = schedule_rows(trace.rows, options.start, options.duration, options.max_requests)
-        if not self.rows:  # a run of nothing would "succeed" with no record at all
-            raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
-                             f"--duration {options.duration}, --max-requests {options.max_requests}; "
-                             f"the trace has {len(trace.rows)} rows)")
         self.output = options.output or default_output()
         self.run_id = uuid.uuid4().hex[:12]  # X-Request-Id: <run id>-<request_id>
         self.end_reason: str | None = None  # why the master ended the run itself; None: it was stopped
         self.workers: dict[str, WorkerState] = {}
-        self.owner: dict[int, WorkerState] = {}
-        self.records: dict[int, dict] = {}
-        self.placeholders: set[int] = set()  # records the master made up (worker lost)
+        self.store: RecordStore | None = None  # every record, on disk; made at the start
         self.epoch: float | None = None
         self.last_due: float | None = None
         self.started_at: float | None = None
         self.finished = Event()
-        self._writer: RecordWriter | None = None
         self._ending: gevent.Greenlet | None = None
         self._supervisor: gevent.Greenlet | None = None
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
+        self.final_listeners: list = []  # called with every record of the merged file, at the end
+        # Registered first: asking the server below yields, and workers' hellos may come meanwhile.
         link.on(messages.ROWS_ACK, self.on_rows_ack)
         link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender))
         link.on(messages.READY, self.on_ready)
         link.on(messages.HELLO, self.on_hello)
         link.on(messages.RECORDS, self.on_records)
+        # Loaded here, so an unloadable --tokenizer is refused before any worker starts; the
+        # fingerprint goes in the plan, for each worker to prove it has the same (same_tokenizer).
+        self.tokenizer_fingerprint = master_fingerprint(options.tokenizer, options.chat_template)
+        read_started = time.perf_counter()
+        trace = TraceStream(options.trace, options.trace_format, options.block_size, options.on_bad_line)
+        self.max_prompt_tokens = max_prompt_tokens = prompt_token_limit(options, endpoints or [])
+        self.schedule = Schedule(trace, options.start, options.duration, options.max_requests, max_prompt_tokens)
+        for bad in trace.skipped[:MAX_SKIPPED_SHOWN]:
+            logger.warning("skipped %s", bad)
+        if len(trace.skipped) > MAX_SKIPPED_SHOWN:
+            logger.warning("... and %d more bad rows skipped", len(trace.skipped) - MAX_SKIPPED_SHOWN)
+        self.trace = trace
+        self.origin = self.schedule.origin
+        self.total = len(self.schedule) + len(self.schedule.oversized)  # rows the run must record
+        if not self.total:  # a run of nothing would "succeed" with no record at all
+            raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
+                             f"--duration {options.duration}, --max-requests {options.max_requests}; "
+                             f"the trace has {self.schedule.trace_rows} rows)")
         logger.info(
-            "trace %s (%s, block %s): %d rows, %d in the window, %.1f s at scale %g",
-            trace.path, trace.format, trace.block_size, len(trace.rows), len(self.rows),
-            self.window_seconds(), options.scale,
+            "trace %s (%s, block %s): %d rows, %d in the window, %.1f s at scale %g (read in %.1f s)",
+            trace.path, trace.format, trace.block_size, self.schedule.trace_rows, self.total,
+            self.window_seconds(), options.scale, time.perf_counter() - read_started,
         )  # fmt: skip
+        if self.schedule.oversized:
+            logger.warning("%d rows have prompts over --max-prompt-tokens %d: recorded as %r, never sent",
+                           len(self.schedule.oversized), max_prompt_tokens, OVERSIZED)
 
     def window_seconds(self) -> float:
-        if not self.rows:
-            return 0.0
-        return send_offset_s(self.rows[-1], self.origin, self.options.scale)
+        return self.schedule.window_s / self.options.scale
+
+    @property
+    def recorded(self) -> int:
+        """Rows with a record so far."""
+        return self.store.count if self.store is not None else 0
 
     # -- start --------------------------------------------------------------------------------------
 
@@ -126,40 +146,52 @@ class Coordinator:
         if self.started_at is not None:
             return
         self.started_at = time.time()
-        self._writer = RecordWriter(self.output)
-        parts = partition(self.rows, len(workers), self.options.partition)
-        for (client_id, index), rows in zip(sorted(workers, key=lambda w: w[1]), parts):
-            chunks = row_chunks(rows)
+        self.store = RecordStore(self.output, *self.schedule.request_id_range())
+        self._record_oversized()
+        parts = self.schedule.partition(len(workers), self.options.partition)
+        for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
+            chunks = row_chunks(self.schedule, positions)
             window = messages.Window(
-                lambda payload, cid=client_id: self.link.to_worker(cid, messages.ROWS, payload), source=chunks
+                lambda payload, cid=client_id: self.link.to_worker(cid, messages.ROWS, payload), source=chunks,
+                limit=messages.HOLD_ROWS // CHUNK_ROWS,
             )
-            state = WorkerState(client_id, index, rows, window)
+            state = WorkerState(client_id, index, positions, window)
             self.workers[client_id] = state
-            for row in rows:
-                self.owner[row.request_id] = state
             self.link.to_worker(
                 client_id,
                 messages.PLAN,
                 {
                     "worker": index,
-                    "rows": len(rows),
+                    "rows": len(positions),
                     "origin": self.origin,
                     "block_size": self.trace.block_size,
                     "output": self.output,
                     "run_id": self.run_id,
                     "endpoints": self.options.endpoint_urls(self.environment.host),
                     "options": self.options.to_dict(),
+                    "tokenizer_fingerprint": self.tokenizer_fingerprint,
                 },
             )
             window.start()
-        logger.info("replay: %d rows across %d worker(s), output %s", len(self.rows), len(workers), self.output)
+        logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
         self._supervisor = gevent.spawn(self._supervise)
 
+    def _record_oversized(self) -> None:
+        reason = f"{OVERSIZED} ({self.max_prompt_tokens})"
+        records = (unsent_record(row, worker=None, api=self.options.api, scheduled_at=None, reason=reason)
+                   for row in self.schedule.oversized_rows())
+        self.ingest(list(records))
+
     def on_rows_ack(self, data: dict, sender: str) -> None:
+        """A worker holds chunk `seq`, and takes rows up to `want` (its flow control: it holds a
+        bounded number of rows ahead of its sends, so a huge part does not fill its memory)."""
         state = self.workers.get(sender)
         if state is not None:
-            state.acked.add(data["seq"])
-            state.window.ack(data["seq"])
+            if data.get("seq") is not None:
+                state.acked.add(data["seq"])
+                state.window.ack(data["seq"])
+            if data.get("want") is not None:
+                state.window.grant(-(-data["want"] // CHUNK_ROWS))
 
     def on_hello(self, data: dict, sender: str) -> None:
         """A worker that connects once the replay has begun gets no rows: its part of the trace
@@ -180,7 +212,7 @@ class Coordinator:
             logger.error("worker %d cannot replay: %s", state.index, data["error"])
             state.lost = True
             state.window.close()
-            self._fill(state.rows, state.index, f"{WORKER_FAILED}: {data['error']}")
+            self._fill(state.positions, state.index, f"{WORKER_FAILED}: {data['error']}")
             self._maybe_go()
             return
         state.ready = True
@@ -207,36 +239,31 @@ class Coordinator:
         self.link.to_worker(sender, messages.RECORDS_ACK, {"seq": data["seq"]})
         self.ingest(data["records"])
 
-    def ingest(self, records: list[dict]) -> None:
-        fresh = []
-        for record in records:
-            rid = record["request_id"]
-            if rid in self.records and rid not in self.placeholders:
-                continue  # a resent batch
-            self.placeholders.discard(rid)
-            self.records[rid] = record
-            fresh.append(record)
-            state = self.owner.get(rid)
-            if state is not None:
-                state.failed += 0 if record["ok"] else 1
-        if self._writer is not None:
-            self._writer.write(fresh)
+    def ingest(self, records: list[dict], placeholder: bool = False) -> None:
+        fresh = self.store.add(records, placeholder)
+        by_index = {w.index: w for w in self.workers.values()}
+        for record in fresh:
+            state = by_index.get(record["worker"])
+            if state is not None and not record["ok"]:
+                state.failed += 1
         for listener in self.listeners:
             listener(fresh)
-        if len(self.records) >= len(self.rows):
+        if self.store.count >= self.total and self._ending is None:
             self._end_by_itself("complete")
 
-    def _fill(self, rows: list[TraceRow], worker: int | None, reason: str) -> list[int]:
-        """Records for `rows` that have none yet; returns their request ids."""
-        filled = []
-        for row in rows:
-            if row.request_id in self.records:
-                continue
-            scheduled = self.epoch + send_offset_s(row, self.origin, self.options.scale) if self.epoch else None
-            self.records[row.request_id] = unsent_record(
-                row, worker=worker, api=self.options.api, scheduled_at=scheduled, reason=reason
-            )
-            filled.append(row.request_id)
+    def _fill(self, positions: Iterable[int], worker: int | None, reason: str, placeholder: bool = False) -> int:
+        """Records for the rows at `positions` that have none yet, made and stored a batch at a
+        time (a stop may leave millions); returns how many."""
+        store, schedule, scale, filled = self.store, self.schedule, self.options.scale, 0
+        todo = (p for p in positions if not store.has(schedule.request_ids[p]))
+        while batch := list(islice(todo, CHUNK_ROWS)):
+            records = []
+            for position, row in zip(batch, schedule.rows(batch)):
+                scheduled = self.epoch + (row.timestamp_s - self.origin) / scale if self.epoch else None
+                records.append(unsent_record(row, worker=worker, api=self.options.api, scheduled_at=scheduled,
+                                             reason=reason))
+            self.ingest(records, placeholder)
+            filled += len(records)
         return filled
 
     # -- supervision --------------------------------------------------------------------------------
@@ -253,9 +280,9 @@ class Coordinator:
             if not state.lost and self._worker_gone(state):
                 state.lost = True
                 state.window.close()
-                lost = self._fill(state.rows, state.index, WORKER_LOST)
-                self.placeholders.update(lost)  # replaced if the worker's own records still arrive
-                logger.warning("worker %d lost: %d of its rows recorded as %r", state.index, len(lost), WORKER_LOST)
+                # placeholders: replaced if the worker's own records still arrive
+                lost = self._fill(state.positions, state.index, WORKER_LOST, placeholder=True)
+                logger.warning("worker %d lost: %d of its rows recorded as %r", state.index, lost, WORKER_LOST)
         if self.workers and all(w.lost for w in self.workers.values()) and self.end_reason is None:
             logger.error("every worker is lost; ending the run")
             self._end_by_itself(WORKER_LOST)
@@ -268,10 +295,10 @@ class Coordinator:
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)
                 self._maybe_go(force=True)
             self._maybe_go()
-            if len(self.records) >= len(self.rows):
+            if self.store.count >= self.total:
                 self._end_by_itself("complete")
             if self.last_due is not None and time.time() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S:
-                logger.warning("drain timeout: ending the run with %d rows unanswered", len(self.rows) - len(self.records))
+                logger.warning("drain timeout: ending the run with %d rows unanswered", self.total - self.store.count)
                 self._end_by_itself(DRAIN_TIMEOUT)
 
     def _end_by_itself(self, reason: str) -> None:
@@ -308,13 +335,24 @@ class Coordinator:
             for w in live:
                 self.link.to_worker(w.client_id, messages.ABORT, {"reason": reason})
 
-        missing = [row.request_id for w in live for i, row in enumerate(w.rows) if w.holds(i)]
+        ids = self.schedule.request_ids
+        missing = [ids[p] for w in live for i, p in enumerate(w.positions) if w.holds(i)]
         deadline = time.time() + ABORT_WAIT_S
         while time.time() < deadline:
-            missing = [rid for rid in missing if rid not in self.records or rid in self.placeholders]
+            missing = [rid for rid in missing if self.store.state(rid) != REAL]
             if not missing:
                 break
             gevent.sleep(0.1)
+
+    def _trace_notes(self) -> str:
+        """Rows of the trace the run left out, said where the summary is read."""
+        notes = ""
+        if self.trace.skipped:
+            notes += f"trace rows skipped as bad lines (--on-bad-line skip): {len(self.trace.skipped)}\n"
+        if self.schedule.oversized:
+            notes += (f"trace rows over --max-prompt-tokens {self.max_prompt_tokens}, never sent: "
+                      f"{len(self.schedule.oversized)}\n")
+        return notes
 
     def _finalize(self) -> dict:
         """Account for every row, write the merged file sorted by request_id, print the summary,
@@ -325,25 +363,33 @@ class Coordinator:
         self._check_workers()  # Locust may stop the run on a lost worker before the supervisor saw it
         user_stopped = self.end_reason is None
         never_sent = RUN_STOPPED if user_stopped else NO_RECORD
-        if len(self.records) < len(self.rows):
+        if self.store.count < self.total:
             self._collect_held_records(RUN_STOPPED if user_stopped else DRAIN_TIMEOUT)
         for state in self.workers.values():
             if state.lost:
-                self._fill(state.rows, state.index, WORKER_LOST)
+                self._fill(state.positions, state.index, WORKER_LOST)
                 continue
-            self._fill([r for i, r in enumerate(state.rows) if state.holds(i)], state.index, NO_RECORD)
-            self._fill(state.rows, state.index, never_sent)  # never delivered to the worker
-        self._fill(self.rows, None, never_sent)  # rows never assigned (no worker at all)
-        if self._writer is not None:
-            self._writer.close()
-        count = write_records(self.output, self.records.values())
+            held = (p for i, p in enumerate(state.positions) if state.holds(i))
+            self._fill(held, state.index, NO_RECORD)
+            self._fill(state.positions, state.index, never_sent)  # never delivered to the worker
+        self._fill(range(len(self.schedule)), None, never_sent)  # rows never assigned (no worker at all)
+        builder = ReportBuilder(parse_slo(self.options.slo))
+        failed = 0
+
+        def each(record: dict) -> None:
+            nonlocal failed
+            builder.add(record)
+            failed += is_failure(record)
+            for listener in self.final_listeners:
+                listener(record)
+
+        count = self.store.finish(each)
+        self.schedule.close()
         write_run_metadata(self.output, coordinator_metadata(self))
-        records = list(self.records.values())
-        report = build_report(records, parse_slo(self.options.slo))
-        failed = sum(1 for r in records if is_failure(r))
-        sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {self.output}\n")
+        report = builder.report()
+        sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {self.output}\n" + self._trace_notes())
         sys.stdout.flush()
         if failed:
-            logger.error("%d of %d rows failed: exit code 1", failed, len(records))
+            logger.error("%d of %d rows failed: exit code 1", failed, count)
             self.environment.process_exit_code = 1
         return report

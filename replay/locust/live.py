@@ -15,8 +15,10 @@ whose server reported both prompt_tokens and cached_tokens.
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
+from array import array
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -25,10 +27,13 @@ import gevent
 from replay.results.summary import failure_reason, percentile
 from replay.trace.prefix import hit_tokens, prefix_hits
 
+logger = logging.getLogger(__name__)
+
 LIVE = "replay_live"  # worker -> master, once a second during a run
 TICK_S = 1.0
 WINDOW_S = 10.0
 HISTORY = 3600  # points kept (an hour at one a second); older ones drop off
+IDEAL_MAX_ROWS = 500_000  # windows up to this many rows get the ideal cache line
 
 LATEST_KEYS = (
     "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tokens_per_s",
@@ -85,10 +90,9 @@ class LiveStats:
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.errors: Counter[str] = Counter()
         self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
-        block = coordinator.trace.block_size or 0
-        rows = coordinator.rows
-        self.ideal = {row.request_id: hit_tokens(row, hits, block) if block else 0
-                      for row, hits in zip(rows, prefix_hits(rows))}  # fmt: skip
+        self.ideal = ideal_hit_tokens(coordinator)
+        self._final = FinalCounts()
+        coordinator.final_listeners.append(self._final.add)
         self.latest: dict = dict.fromkeys(LATEST_KEYS)
         self.stopped = False
         self.final: dict | None = None
@@ -129,7 +133,7 @@ class LiveStats:
         if self.coordinator.epoch is not None and now >= self.coordinator.epoch:
             self.latest = self._latest(now)
             self.history.append({"t": round(now, 3), **self.latest})
-        if self.stopped and len(self.coordinator.records) >= len(self.coordinator.rows):
+        if self.stopped and self.coordinator.recorded >= self.coordinator.total:
             self.final = self._exact()
 
     def _latest(self, now: float) -> dict:
@@ -167,31 +171,21 @@ class LiveStats:
     def _exact(self) -> dict:
         """Per-worker counts and errors recounted from the complete merged records (they now
         include the rows the master accounted for itself: worker lost, run stopped)."""
-        sent: Counter[int | None] = Counter()
-        failed: Counter[int | None] = Counter()
-        errors: Counter[str] = Counter()
-        drift: dict[int, list[float]] = {}
-        for r in self.coordinator.records.values():
-            sent[r["worker"]] += r["sent_at"] is not None
-            if not r["ok"]:
-                failed[r["worker"]] += 1
-                errors[failure_reason(r)] += 1
-            if r["drift_ms"] is not None:
-                drift.setdefault(r["worker"], []).append(r["drift_ms"])
-        self.sent, self.failed, self.errors = sent, failed, errors
-        self.worker_drift_p99 = {w: _round(percentile(sorted(d), 99)) for w, d in drift.items()}
+        final = self._final
+        self.sent, self.failed, self.errors = final.sent, final.failed, final.errors
+        self.worker_drift_p99 = {w: _round(percentile(sorted(d), 99)) for w, d in final.drift.items()}
         self.latest = {**self.latest, "in_flight": 0}
         return {"progress": self.progress(time.time()), "workers": self.workers()}
 
     def progress(self, now: float) -> dict:
         c = self.coordinator
-        duration = (c.rows[-1].timestamp_s - c.origin) if c.rows else 0.0
+        duration = c.schedule.window_s
         reached = 0.0 if c.epoch is None else min(max((now - c.epoch) * c.options.scale, 0.0), duration)
         sent = sum(self.sent.values()) if self.stopped else sum(w["rows_sent"] for w in self.workers())
         return {
-            "rows_total": len(c.rows),
-            "rows_sent": min(sent, len(c.rows)),
-            "rows_done": len(c.records),
+            "rows_total": c.total,
+            "rows_sent": min(sent, c.total),
+            "rows_done": c.recorded,
             "trace_time_s": round(reached, 3),
             "trace_duration_s": round(duration, 3),
         }
@@ -210,7 +204,7 @@ class LiveStats:
                 "index": state.index,
                 "host": reported.host or host_of(state.client_id),
                 "clock_offset_ms": _round(state.clock_offset_ms),
-                "rows_assigned": len(state.rows),
+                "rows_assigned": len(state.positions),
                 "rows_sent": sent,
                 "in_flight": 0 if self.stopped or state.lost else reported.in_flight,
                 "failed": failed,
@@ -274,6 +268,39 @@ class LiveStats:
         while self.final is None:
             gevent.sleep(TICK_S)
             self.tick()
+
+
+class FinalCounts:
+    """Per-worker counts and errors over the merged records, fed one record at a time as the
+    coordinator writes the merged file (the records are not kept)."""
+
+    def __init__(self):
+        self.sent: Counter[int | None] = Counter()
+        self.failed: Counter[int | None] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.drift: dict[int, array] = {}
+
+    def add(self, r: dict) -> None:
+        self.sent[r["worker"]] += r["sent_at"] is not None
+        if not r["ok"]:
+            self.failed[r["worker"]] += 1
+            self.errors[failure_reason(r)] += 1
+        if r["drift_ms"] is not None:
+            self.drift.setdefault(r["worker"], array("d")).append(r["drift_ms"])
+
+
+def ideal_hit_tokens(coordinator) -> dict[int, int]:
+    """Per request id, the prompt tokens an infinite cache would hit (replay.trace.prefix), for
+    the ideal line of the cache chart. Skipped above IDEAL_MAX_ROWS rows: it needs every block
+    of the trace in memory (the chart then shows no ideal line)."""
+    block = coordinator.trace.block_size or 0
+    schedule = coordinator.schedule
+    if not block or len(schedule) > IDEAL_MAX_ROWS:
+        if block:
+            logger.info("Replay view: no ideal cache line for a window of more than %d rows", IDEAL_MAX_ROWS)
+        return {}
+    rows = list(schedule.rows(range(len(schedule))))
+    return {row.request_id: hit_tokens(row, hits, block) for row, hits in zip(rows, prefix_hits(rows))}
 
 
 def host_of(client_id: str) -> str:

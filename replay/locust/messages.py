@@ -30,7 +30,10 @@ PING = "replay_ping"
 READY = "replay_ready"
 HELLO = "replay_hello"  # a worker's first word, once it can hear replay messages
 RECORDS = "replay_records"
-DONE = "replay_done"
+
+# A worker is shipped at most this many of its rows ahead of its sends; it asks for more as it
+# sends (ROWS_ACK with "want"), so its memory does not grow with its part of the trace.
+HOLD_ROWS = 8_000
 
 Handler = Callable[[Any, str], None]  # (data, sender client id) -> None
 
@@ -93,19 +96,16 @@ class Window:
     sequence number once."""
 
     def __init__(self, send: Callable[[dict], None], size: int = 8, resend_s: float = 5.0,
-                 source: Iterator[dict] | None = None):
+                 source: Iterator[dict] | None = None, limit: int | None = None):
         self._send = send
         self._source = source  # payloads made only when there is room: a big trace is not encoded all at once
+        self.limit = limit  # no chunk numbered this or higher is sent until the receiver grants it
         self.size = size
         self.resend_s = resend_s
         self._queue: list[dict] = []
         self._unacked: OrderedDict[int, tuple[float, dict]] = OrderedDict()
         self._next_seq = 0
         self._resender: gevent.Greenlet | None = None
-
-    @property
-    def pending(self) -> int:
-        return len(self._queue) + len(self._unacked) + (self._source is not None)
 
     def put(self, payload: dict) -> None:
         self._enqueue(payload)
@@ -123,8 +123,15 @@ class Window:
         self._unacked.pop(seq, None)
         self._pump()
 
+    def grant(self, limit: int) -> None:
+        """The receiver takes chunks numbered below `limit` (it never takes back a grant)."""
+        if self.limit is not None and limit > self.limit:
+            self.limit = limit
+            self._pump()
+
     def _pump(self) -> None:
-        while self._source is not None and len(self._queue) + len(self._unacked) < self.size:
+        while (self._source is not None and len(self._queue) + len(self._unacked) < self.size
+               and (self.limit is None or self._next_seq < self.limit)):
             payload = next(self._source, None)
             if payload is None:
                 self._source = None

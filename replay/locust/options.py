@@ -13,10 +13,16 @@ from urllib.parse import urlsplit
 
 from replay.api.adapters import API_NAMES
 from replay.api.headers import parse_headers
+from replay.api.models import served_max_model_len
 from replay.results.report import parse_slo
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 
 ROUTINGS = ("round-robin", "least-inflight", "session", "prefix")
 PARTITIONS = ("round-robin", "session")
+# How a completions prompt is sent: text the server encodes, or the token ids themselves
+# (exact counts whatever the server's tokenizer does with text; openai-completions only).
+PROMPT_FORMATS = ("text", "token-ids")
+TOKEN_ID_API = "openai-completions"
 
 
 def add_arguments(parser) -> None:
@@ -27,6 +33,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--tokenizer", help="tokenizer.json or a folder holding it (and tokenizer_config.json)")
     group.add_argument("--chat-template", default=None, help="tokenizer_config.json or .jinja; overrides the tokenizer's")
     group.add_argument("--api", choices=API_NAMES, default="openai-chat")
+    group.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="text",
+                       help=f"send the prompt as text or as a list of token ids (token-ids: --api {TOKEN_ID_API} only)")
     group.add_argument("--model", default=None, help="model name sent in request bodies")
     group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream responses (default on)")
     group.add_argument("--scale", type=float, default=1.0, help="time scale: 2 replays twice as fast")
@@ -35,8 +43,13 @@ def add_arguments(parser) -> None:
     group.add_argument("--max-requests", type=int, default=None, help="replay at most N rows of the window")
     group.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
     group.add_argument("--output", default=None, help="merged per-request JSONL (default results/replay-<time>.jsonl)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace an earlier run's --output (and its .meta.json, .worker-N.jsonl); default: refuse")
     group.add_argument("--endpoints", default=None, help="comma-separated server URLs (a fleet); default --host")
     group.add_argument("--routing", choices=ROUTINGS, default="round-robin")
+    group.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="rows with longer prompts are recorded, never sent (default: the server's max_model_len "
+                            f"from /v1/models, else {DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)")
     group.add_argument("--partition", choices=PARTITIONS, default="round-robin", help="how rows are split across workers")
     group.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for answers after the last send")
     group.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early (default: exact output length)")
@@ -45,15 +58,22 @@ def add_arguments(parser) -> None:
     group.add_argument("--header", action="append", default=[], help="'Name: value' ($VAR expanded); repeatable")
     group.add_argument("--request-id-header", action=argparse.BooleanOptionalAction, default=True,
                        help="send X-Request-Id: <run id>-<request_id> with every request (default on)")
+    group.add_argument("--web-user", default=None, metavar="USER:PASSWORD",
+                       help="the web UI's login (turns on --web-login); $VAR in it is read from the environment")
     group.add_argument("--replay-config", default=None, help="YAML file of these options (flags win)")
 
 
 # Option names (argparse dests) that travel from the master to workers in the plan.
 OPTION_NAMES = (
-    "trace", "trace_format", "block_size", "tokenizer", "chat_template", "api", "model", "stream",
-    "scale", "start", "duration", "max_requests", "seed", "output", "endpoints", "routing",
-    "partition", "drain_timeout", "no_ignore_eos", "on_bad_line", "slo", "header", "request_id_header",
+    "trace", "trace_format", "block_size", "tokenizer", "chat_template", "api", "prompt_format", "model", "stream",
+    "scale", "start", "duration", "max_requests", "seed", "output", "overwrite", "endpoints", "routing",
+    "partition", "max_prompt_tokens", "drain_timeout", "no_ignore_eos", "on_bad_line", "slo", "header",
+    "request_id_header",
 )  # fmt: skip
+
+# Options the master (or a single process) uses itself: never shipped to workers nor written
+# to the run's metadata, since the web UI's login holds a password (replay.locust.webauth).
+LOCAL_OPTION_NAMES = ("web_user",)
 
 
 @dataclass
@@ -64,6 +84,7 @@ class ReplayOptions:
     tokenizer: str | None = None
     chat_template: str | None = None
     api: str = "openai-chat"
+    prompt_format: str = "text"
     model: str | None = None
     stream: bool = True
     scale: float = 1.0
@@ -72,9 +93,11 @@ class ReplayOptions:
     max_requests: int | None = None
     seed: int = 0
     output: str | None = None
+    overwrite: bool = False
     endpoints: str | None = None
     routing: str = "round-robin"
     partition: str = "round-robin"
+    max_prompt_tokens: int | None = None
     drain_timeout: float = 60.0
     no_ignore_eos: bool = False
     on_bad_line: str = "fail"
@@ -111,6 +134,8 @@ class ReplayOptions:
             raise ValueError("--trace is required")
         if not self.tokenizer:
             raise ValueError("--tokenizer is required (the prompts are synthesized to exact token counts)")
+        if self.prompt_format == "token-ids" and self.api != TOKEN_ID_API:
+            raise ValueError(f"--prompt-format token-ids: only with --api {TOKEN_ID_API}, not --api {self.api}")
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"--scale {self.scale}: must be a finite number > 0")
         if not (math.isfinite(self.drain_timeout) and self.drain_timeout >= 0):
@@ -119,11 +144,20 @@ class ReplayOptions:
             raise ValueError(f"--start {self.start}: must be a finite number of trace seconds")
         if self.duration is not None and not (math.isfinite(self.duration) and self.duration >= 0):
             raise ValueError(f"--duration {self.duration}: must be a finite number of seconds >= 0")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 0:
+            raise ValueError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0: no limit)")
         if self.max_requests is not None and self.max_requests < 0:
             raise ValueError(f"--max-requests {self.max_requests}: must be >= 0")
         if self.slo:
             parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
         parse_headers(self.header)  # here, not on every worker
+
+
+def prompt_token_limit(options: ReplayOptions, urls: list[str]) -> int | None:
+    """--max-prompt-tokens, or the served model's max_model_len, or the default; None: no limit."""
+    if options.max_prompt_tokens is not None:
+        return options.max_prompt_tokens or None
+    return served_max_model_len(urls, options.model) or DEFAULT_MAX_PROMPT_TOKENS
 
 
 def check_url(option: str, url: str) -> None:

@@ -14,9 +14,10 @@ from locust import events
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
 from replay.locust import messages
-from replay.locust.coordinator import Coordinator
+from replay.locust.coordinator import Coordinator, default_output
 from replay.locust.options import ReplayOptions, add_arguments
 from replay.locust.worker import WorkerPart
+from replay.results.output import OutputClaim, claim_output
 from replay.results.records import MASTER_LOST, RUN_STOPPED
 from replay.trace.record import TraceError
 
@@ -39,12 +40,21 @@ def _add_options(parser) -> None:
 
 
 def _coordinator(environment, link: messages.Link, part: WorkerPart | None = None) -> Coordinator:
+    """The master's preflight, before any worker gets anything: every error is one line, exit 2."""
+    claim: OutputClaim | None = None
     try:
         options = ReplayOptions.from_parsed(environment.parsed_options)
         options.check()
-        options.endpoint_urls(environment.host)
-        return Coordinator(environment, link, options, local_part=part)
+        urls = options.endpoint_urls(environment.host)
+        # The output is decided and locked here (held until this process exits), before the
+        # coordinator could write it; an earlier run's files go now, only with --overwrite.
+        claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
+                             default=options.output is None)
+        options.output = claim.output
+        return Coordinator(environment, link, options, local_part=part, endpoints=urls)
     except (TraceError, ValueError, OSError) as e:
+        if claim is not None:
+            claim.release()
         logger.error("replay: %s", e)
         sys.exit(2)
 

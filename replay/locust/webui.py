@@ -10,6 +10,9 @@ A replay is one pass over the trace: the Start button runs it through ReplayShap
 hides the user count form for a shape with use_common_options=False), and a second Start
 after it ended is refused with a message, since the coordinator, output file and records
 belong to that one run.
+
+Every route follows Locust's login (`--web-login`, set up by replay.locust.webauth, whose init
+listener is registered by the import below, before this module's).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from flask import Response, jsonify, request
 from locust import events
 from locust.runners import STATE_RUNNING, STATE_SPAWNING, MasterRunner, WorkerRunner
 
-from replay.locust import live
+from replay.locust import live, webauth
 from replay.locust.live import LiveStats
 
 PAGE = Path(__file__).resolve().parent / "static" / "replay.html"
@@ -83,8 +86,8 @@ def add_routes(web_ui, stats: LiveStats, base: str = "") -> None:
 
     @app.before_request
     def refuse_second_start():
-        if request.endpoint != "locust.swarm" or coordinator.started_at is None:
-            return None
+        if request.endpoint != "locust.swarm" or coordinator.started_at is None or not webauth.logged_in(web_ui):
+            return None  # not logged in: the view's own check sends the request to the login
         if web_ui.environment.runner.state in (STATE_SPAWNING, STATE_RUNNING):
             message = "The replay is running; its pace comes from the trace, so there is nothing to change."
         else:

@@ -21,14 +21,17 @@ from gevent.event import Event
 from gevent.pool import Group
 
 from replay.api import Endpoint, Sent, get_adapter, parse_headers, read, send, write
+from replay.errors import OptionError
 from replay.locust import messages
 from replay.locust.clock import ClockSync
 from replay.locust.options import ReplayOptions
 from replay.locust.plan import decode_row, send_offset_s
 from replay.locust.routing import make_router
+from replay.locust.same_tokenizer import check_worker_tokenizer
 from replay.locust.timing import Alarm, QuietCollector
 from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
                                     unsent_record, worker_path)
+from replay.synth.chat_template import ChatTemplateError
 from replay.trace.record import TraceRow
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,36 @@ MIN_SPARE = 8  # and this many more per endpoint
 MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
 
 
+class RowBuffer:
+    """A worker's rows by position in its part, holding only those not yet sent: the master
+    ships them a bounded distance ahead (messages.HOLD_ROWS), and sent ones are let go."""
+
+    def __init__(self):
+        self._rows: list[TraceRow] = []
+        self._base = 0  # position of self._rows[0]
+
+    def __len__(self) -> int:
+        """Rows received so far (sent ones included)."""
+        return self._base + len(self._rows)
+
+    def __getitem__(self, position: int) -> TraceRow:
+        return self._rows[position - self._base]
+
+    def extend(self, rows) -> None:
+        self._rows.extend(rows)
+
+    def tail(self, position: int) -> list[TraceRow]:
+        return self._rows[max(position - self._base, 0):]
+
+    def release(self, position: int) -> None:
+        """Rows before `position` are no longer needed (dropped in batches: a list's front is
+        costly to trim one at a time)."""
+        drop = position - self._base
+        if drop >= 1024 and drop * 2 >= len(self._rows):
+            del self._rows[:drop]
+            self._base = position
+
+
 class Builder:
     """Turns trace rows into request bodies (prompt synthesis + serialization)."""
 
@@ -60,7 +93,8 @@ class Builder:
 
         tokenizer = ServerTokenizer.load(options.tokenizer, options.chat_template)
         self._build_body = build_body
-        self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or 512, seed=options.seed)
+        self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or 512, seed=options.seed,
+                                       token_ids=options.prompt_format == "token-ids")
         self.options = options
 
     def body(self, row: TraceRow) -> bytes:
@@ -92,7 +126,8 @@ class WorkerPart:
         self.local = local
         self.index: int | None = None
         self.options: ReplayOptions | None = None
-        self.rows: list[TraceRow] = []
+        self.rows = RowBuffer()
+        self._wanted = 0  # rows asked of the master so far (its flow control)
         self.total = 0
         self.origin = 0.0
         self.epoch = 0.0
@@ -138,6 +173,7 @@ class WorkerPart:
         self.output = data["output"]
         self.endpoint_urls = data["endpoints"]  # resolved on the master: --host may not have reached us yet
         self.run_id = data["run_id"] if self.options.request_id_header else None
+        self.master_fingerprint = data.get("tokenizer_fingerprint")  # checked in _set_up
         self._greenlets.append(gevent.spawn(self._prepare))
 
     def on_rows(self, data: dict, sender: str) -> None:
@@ -151,7 +187,20 @@ class WorkerPart:
             while self._next_chunk in self._chunks:
                 self.rows.extend(decode_row(r) for r in self._chunks.pop(self._next_chunk))
                 self._next_chunk += 1
-        self.link.to_master(messages.ROWS_ACK, {"seq": seq})
+        self.link.to_master(messages.ROWS_ACK, {"seq": seq, "want": self._want()})
+
+    def _want(self) -> int:
+        """How many of its rows this worker takes so far: a bounded distance past its sends."""
+        self._wanted = self.dispatch_pos + messages.HOLD_ROWS
+        return self._wanted
+
+    def _ask_for_rows(self) -> None:
+        """Sends moved on: ask for the rows that now fit (a chunk's worth at least, or all the rest)."""
+        self.rows.release(self.dispatch_pos)
+        if self._stopped or self._wanted >= self.total:
+            return
+        if self.dispatch_pos + messages.HOLD_ROWS - self._wanted >= messages.HOLD_ROWS // 8:
+            self.link.to_master(messages.ROWS_ACK, {"seq": None, "want": self._want()})
 
     def on_go(self, data: dict, sender: str) -> None:
         self.epoch = data["epoch"]
@@ -168,7 +217,8 @@ class WorkerPart:
             self._set_up()
         except Exception as e:  # tell the master, or it would wait for this worker forever
             logger.exception("worker %s cannot start", self.index)
-            self.link.to_master(messages.READY, {"worker": self.index, "error": f"{type(e).__name__}: {e}"})
+            error = str(e) if isinstance(e, OptionError) else f"{type(e).__name__}: {e}"  # OptionError: one line
+            self.link.to_master(messages.READY, {"worker": self.index, "error": error})
             return
         self.primed.wait()
         self.warmed.wait(10.0)
@@ -188,6 +238,8 @@ class WorkerPart:
         self.headers = {"Content-Type": "application/json", **parse_headers(opts.header)}
         self.endpoints = [Endpoint(url) for url in self.endpoint_urls]
         self.route = make_router(opts.routing, self.endpoints)
+        # the master's tokenizer, proved before the costly build
+        check_worker_tokenizer(opts.tokenizer, opts.chat_template, self.master_fingerprint)
         self.writer = RecordWriter(worker_path(self.output, self.index))
         self.builder = build_off_loop(opts, self.block_size)
         if not self.local:
@@ -238,6 +290,9 @@ class WorkerPart:
             started = time.perf_counter()
             try:
                 self.bodies[pos] = self.builder.body(row)
+            except ChatTemplateError as e:  # the row's own messages and the template disagree: say so, no traceback
+                logger.error("cannot build the request: %s", e.about(f"row {row.request_id} (trace line {row.line})"))
+                self.bodies[pos] = e
             except Exception as e:  # a row that cannot be built is a failed request, not a dead worker
                 logger.exception("row %d: cannot build the request", row.request_id)
                 self.bodies[pos] = e
@@ -396,7 +451,7 @@ class WorkerPart:
         self.next_due = float("inf")
         self._cancel_in_flight(STOPPED_IN_FLIGHT if reason == RUN_STOPPED else reason)
         started = self.go.is_set()  # before the go nothing was sent and nothing is scheduled yet
-        held = self.rows[self.dispatch_pos:]
+        held = self.rows.tail(self.dispatch_pos)
         for seq in sorted(self._chunks):  # arrived out of order, not yet applied: held all the same
             held += [decode_row(r) for r in self._chunks.pop(seq)]
         for row in held:
@@ -422,6 +477,7 @@ class WorkerPart:
                     break
                 gevent.sleep(0.001)
             self._flush()
+            self._ask_for_rows()
 
     def take_records(self) -> list[dict]:
         """Records not yet shipped, written to this worker's file (a local run hands them over directly)."""

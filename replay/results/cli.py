@@ -1,7 +1,7 @@
 """`replay report RESULTS.jsonl`: the summary of a run, its cache fidelity, JSON and HTML.
 
-What the records cannot say (trace, tokenizer, api, seed) comes from the run's metadata
-beside the results (RESULTS.jsonl.meta.json) unless given as flags; flags win.
+What the records cannot say (trace, tokenizer, api, prompt format, seed) comes from the
+run's metadata beside the results (RESULTS.jsonl.meta.json) unless given as flags; flags win.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import orjson
 
 from replay.results.metadata import file_sha256, read_run_metadata
 from replay.results.records import read_records
-from replay.results.report import ReportError, build_report, format_report, parse_slo
+from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
 
 
 def register(subparsers) -> None:
@@ -33,6 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", help="tokenizer the run used (default: metadata)")
     p.add_argument("--chat-template", help="chat template the run used (default: metadata)")
     p.add_argument("--api", default=None, help="api the run used (default: metadata, else the records' api)")
+    p.add_argument("--prompt-format", choices=("text", "token-ids"), default=None,
+                   help="prompt format the run used (default: metadata, else text)")
     p.add_argument("--seed", type=int, default=None, help="synthesis seed the run used (default: metadata, else 0)")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the run's)")
     p.add_argument("--reorder-window-ms", type=float, default=0.0,
@@ -47,16 +49,22 @@ def _pick(flag, meta_value, default=None):
     return flag if flag is not None else (meta_value if meta_value is not None else default)
 
 
-def cache_section(args, records: list[dict], meta: dict | None, out=sys.stderr):
-    """(cache dict, per-request checks) or (None, None) with the reason printed."""
+def cache_trace(args, meta: dict | None, out=sys.stderr) -> str | None:
+    """The trace to check cached_tokens against, or None when there is no cache check: no
+    trace named, or (said on `out`) no server block size."""
+    trace_path = _pick(args.trace, ((meta or {}).get("trace") or {}).get("path"))
+    if trace_path is not None and args.server_block_size is None:
+        print("cache fidelity: skipped (pass --server-block-size N, the server's KV block size)", file=out)
+        return None
+    return trace_path
+
+
+def cache_section(args, records: list[dict], meta: dict | None, trace_path: str, records_api: str,
+                  out=sys.stderr) -> tuple[dict, list]:
+    """(cache dict, per-request checks) of the sent records against the trace at `trace_path`;
+    `records_api` is the api most records name, for when neither --api nor the metadata does."""
     meta = meta or {}
     meta_trace = meta.get("trace") or {}
-    trace_path = _pick(args.trace, meta_trace.get("path"))
-    if trace_path is None:
-        return None, None
-    if args.server_block_size is None:
-        print("cache fidelity: skipped (pass --server-block-size N, the server's KV block size)", file=out)
-        return None, None
     tokenizer_path = _pick(args.tokenizer, meta.get("tokenizer"))
     if tokenizer_path is None:
         raise ReportError("cache fidelity needs the run's tokenizer: pass --tokenizer (no run metadata names it)")
@@ -73,31 +81,49 @@ def cache_section(args, records: list[dict], meta: dict | None, out=sys.stderr):
     )
     # The run already warned about rows too short for the template; the report counts them instead.
     logging.getLogger("replay.synth.prompts").setLevel(logging.ERROR)
+    api = args.api or meta.get("api") or records_api
+    prompt_format = _pick(args.prompt_format, (meta.get("options") or {}).get("prompt_format"), "text")
+    if prompt_format == "token-ids" and api != "openai-completions":
+        raise ReportError(f"--prompt-format token-ids: only with --api openai-completions, not --api {api}")
     return cache_fidelity(
         records,
         trace.rows,
         tokenizer=tokenizer_path,
         chat_template=_pick(args.chat_template, meta.get("chat_template")),
-        api=args.api or meta.get("api") or Counter(r.get("api") for r in records).most_common(1)[0][0],
+        api=api,
         seed=_pick(args.seed, meta.get("seed"), 0),
         trace_block_size=trace.block_size,
         server_block_size=args.server_block_size,
         reorder_window_ms=args.reorder_window_ms,
+        prompt_format=prompt_format,
     )
 
 
 def run(args) -> int:
     try:
-        records = list(read_records(args.results))
-        if not records:
-            raise ReportError(f"{args.results}: no records")
         meta = read_run_metadata(args.results)
         slo = parse_slo(_pick(args.slo, (meta or {}).get("options", {}).get("slo")))
-        cache, checks = cache_section(args, records, meta)
+        trace_path = cache_trace(args, meta)
+        # One pass over the file. The summary keeps no record; the cache check and the plots
+        # need the sent records (a run stopped early is mostly rows never sent: those are not kept).
+        builder = ReportBuilder(slo)
+        keep = trace_path is not None or bool(args.html_out)
+        sent: list[dict] = []
+        apis: Counter[str] = Counter()
+        for record in read_records(args.results):
+            builder.add(record)
+            apis[record.get("api")] += 1
+            if keep and record.get("sent_at") is not None:
+                sent.append(record)
+        if not builder.summary.requests:
+            raise ReportError(f"{args.results}: no records")
+        cache, checks = None, None
+        if trace_path is not None:
+            cache, checks = cache_section(args, sent, meta, trace_path, apis.most_common(1)[0][0])
     except (ReportError, ValueError, OSError) as e:
         print(f"replay report: {e}", file=sys.stderr)
         return 2
-    report = build_report(records, slo, cache)
+    report = builder.report(cache)
     print(format_report(report))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +132,7 @@ def run(args) -> int:
         from replay.results.html import PlottingMissing, write_html
 
         try:
-            write_html(args.html_out, report, records, checks, meta, png_dir=args.png_dir)
+            write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir)
         except PlottingMissing as e:
             print(f"replay report: {e}", file=sys.stderr)
             return 1

@@ -161,15 +161,20 @@ def cache_fidelity(
     trace_block_size: int | None,
     server_block_size: int,
     reorder_window_ms: float = 0.0,
+    prompt_format: str = "text",
 ) -> tuple[dict, list[CacheCheck]]:
     """The cache section and the per-request checks of a run, from the run's own settings
-    (what `replay report` and the end of a Locust run both call)."""
+    (what `replay report` and the end of a Locust run both call). `prompt_format` is the run's
+    --prompt-format: token-id prompts are built the way the run built them (never encoded and
+    fixed up), so the expected ids are the ids that were sent."""
     from replay.synth.tokenizer import ServerTokenizer
 
+    token_ids = prompt_format == "token-ids"
     synth = PromptSynthesizer(ServerTokenizer.load(tokenizer, chat_template), api=api,
-                              block_size=trace_block_size or 512, seed=seed)  # fmt: skip
+                              block_size=trace_block_size or 512, seed=seed, token_ids=token_ids)  # fmt: skip
     checks = check_cache(records, {row.request_id: row for row in rows}, synth, server_block_size, reorder_window_ms)
-    method = (f"re-synthesized {api} prompts ({Path(str(tokenizer)).name}, seed {seed}, trace block "
+    what = f"{api} token-id" if token_ids else api
+    method = (f"re-synthesized {what} prompts ({Path(str(tokenizer)).name}, seed {seed}, trace block "
               f"{trace_block_size}) through an infinite vLLM-style cache of {server_block_size}-token blocks, "
               f"in send order")  # fmt: skip
     if reorder_window_ms:

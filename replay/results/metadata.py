@@ -18,6 +18,7 @@ import orjson
 
 META_SUFFIX = ".meta.json"
 META_VERSION = 1
+MAX_SKIPPED_LISTED = 100
 
 
 def meta_path(output: str | Path) -> Path:
@@ -81,9 +82,14 @@ def run_metadata(
     epoch: float | None,
     started_at: float | None,
     run_id: str | None = None,
+    trace_rows: int | None = None,
+    skipped: list[str] | None = None,
+    max_prompt_tokens: int | None = None,
+    oversized: int = 0,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
-    `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]."""
+    `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
+    bad lines --on-bad-line skip dropped (all counted, the first MAX_SKIPPED_LISTED listed)."""
     opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials
     opts["header_names"] = [h.split(":", 1)[0].strip() for h in options.get("header") or ()]
     return {
@@ -96,6 +102,11 @@ def run_metadata(
             "format": trace_format,
             "block_size": block_size,
             "rows": rows,
+            "rows_in_file": trace_rows,
+            "rows_skipped": len(skipped or ()),
+            "skipped": list(skipped or ())[:MAX_SKIPPED_LISTED],
+            "max_prompt_tokens": max_prompt_tokens,
+            "rows_over_max_prompt_tokens": oversized,
             "origin_s": origin,
             "start": options.get("start"),
             "duration": options.get("duration"),
@@ -132,7 +143,7 @@ def coordinator_metadata(coordinator) -> dict:
             "host": getattr(node, "hostname", None) or platform.node(),
             "clock_offset_ms": state.clock_offset_ms,
             "rtt_ms": state.rtt_ms,
-            "rows_assigned": len(state.rows),
+            "rows_assigned": len(state.positions),
             "lost": state.lost,
         })  # fmt: skip
     options = coordinator.options
@@ -141,7 +152,7 @@ def coordinator_metadata(coordinator) -> dict:
         trace_path=str(coordinator.trace.path),
         trace_format=coordinator.trace.format,
         block_size=coordinator.trace.block_size,
-        rows=len(coordinator.rows),
+        rows=coordinator.total,
         origin=coordinator.origin,
         window_s=coordinator.window_seconds(),
         endpoints=options.endpoint_urls(coordinator.environment.host),
@@ -149,6 +160,10 @@ def coordinator_metadata(coordinator) -> dict:
         epoch=coordinator.epoch,
         started_at=coordinator.started_at,
         run_id=coordinator.run_id,
+        trace_rows=coordinator.schedule.trace_rows,
+        skipped=[str(bad) for bad in coordinator.trace.skipped],
+        max_prompt_tokens=coordinator.max_prompt_tokens,
+        oversized=len(coordinator.schedule.oversized),
     )
 
 

@@ -10,9 +10,10 @@ needs (e.g. no TTFT because it was not streamed) cannot be shown to meet it, so 
 
 from __future__ import annotations
 
+from array import array
 from typing import Iterable
 
-from replay.results.summary import failures, percentile, summarize
+from replay.results.summary import SummaryBuilder, percentile, sorted_array
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 LATENCIES = (
@@ -51,6 +52,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
 
 
 def meets_slo(record: dict, slo: dict[str, float]) -> bool:
+    """Succeeded and within every limit of `slo` (see the module's docstring for goodput)."""
     if not record.get("ok"):
         return False
     for key, limit in slo.items():
@@ -62,48 +64,85 @@ def meets_slo(record: dict, slo: dict[str, float]) -> bool:
     return True
 
 
-def build_report(records: list[dict], slo: dict[str, float] | None = None, cache: dict | None = None) -> dict:
-    """design.md's summary keys, plus totals vLLM prints and the failure breakdowns."""
-    report = summarize(records)
-    report["failures_by_status"] = failures(records)[1]
-    ok = [r for r in records if r.get("ok")]
-    report["requests_unsent"] = sum(1 for r in records if r.get("sent_at") is None)
-    report["total_input_tokens"] = sum(r.get("prompt_tokens") or r.get("input_length") or 0 for r in ok)
-    report["total_output_tokens"] = sum(r.get("output_tokens") or 0 for r in ok)
-    duration = report["duration_s"]
-    total = report["total_input_tokens"] + report["total_output_tokens"]
-    report["total_token_throughput"] = total / duration if duration else 0.0
-    report["slo"] = dict(slo) if slo else None
-    if slo:
-        good = sum(1 for r in records if meets_slo(r, slo))
-        report["requests_good"] = good
-        report["goodput_rps"] = good / duration if duration else 0.0
-    else:
-        report["requests_good"] = None
-        report["goodput_rps"] = None
-    report["cache"] = cache
-    report["endpoints"] = endpoint_breakdown(records)
-    return report
+class EndpointStats:
+    """One server of a fleet: its requests, how many were ok, and the TTFT and E2E values of
+    the ok ones (array('d'), for p50/p99)."""
 
+    def __init__(self) -> None:
+        self.requests = 0
+        self.requests_ok = 0
+        self.ttft = array("d")
+        self.e2e = array("d")
 
-def endpoint_breakdown(records: Iterable[dict]) -> dict[str, dict]:
-    """Per server of a fleet: how many requests went there, how many failed, and its TTFT and
-    E2E p50/p99, so that one slow or failing instance shows instead of vanishing in the mean.
-    Rows never sent have no endpoint and are left out (the totals count them as unsent)."""
-    by_endpoint: dict[str, list[dict]] = {}
-    for r in records:
-        if r.get("endpoint"):
-            by_endpoint.setdefault(r["endpoint"], []).append(r)
-    out = {}
-    for endpoint in sorted(by_endpoint):
-        recs = by_endpoint[endpoint]
-        ok = [r for r in recs if r.get("ok")]
-        entry = {"requests": len(recs), "requests_ok": len(ok), "requests_failed": len(recs) - len(ok)}
-        for key in ("ttft_ms", "e2e_ms"):
-            values = sorted(r[key] for r in ok if r.get(key) is not None)
+    def add(self, record: dict) -> None:
+        self.requests += 1
+        if record.get("ok"):
+            self.requests_ok += 1
+            for key, values in (("ttft_ms", self.ttft), ("e2e_ms", self.e2e)):
+                if record.get(key) is not None:
+                    values.append(record[key])
+
+    def entry(self) -> dict:
+        self.ttft, self.e2e = sorted_array(self.ttft), sorted_array(self.e2e)
+        entry = {"requests": self.requests, "requests_ok": self.requests_ok,
+                 "requests_failed": self.requests - self.requests_ok}  # fmt: skip
+        for key, values in (("ttft_ms", self.ttft), ("e2e_ms", self.e2e)):
             entry[key] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
-        out[endpoint] = entry
-    return out
+        return entry
+
+
+class ReportBuilder:
+    """The run report from records added one at a time, so that a run of millions of rows is
+    reported without holding its records: what it keeps is SummaryBuilder's (counters and the
+    values that need percentiles), the count of requests meeting `slo`, and per endpoint the
+    counts and TTFT/E2E values.
+
+    The per-endpoint part shows one slow or failing server of a fleet instead of letting it
+    vanish in the mean; rows never sent have no endpoint and are left out of it (the totals
+    count them as unsent)."""
+
+    def __init__(self, slo: dict[str, float] | None = None) -> None:
+        self.slo = dict(slo) if slo else None
+        self.summary = SummaryBuilder()
+        self.requests_good = 0
+        self.endpoints: dict[str, EndpointStats] = {}
+
+    def add(self, record: dict) -> None:
+        self.summary.add(record)
+        if self.slo and meets_slo(record, self.slo):
+            self.requests_good += 1
+        if record.get("endpoint"):
+            self.endpoints.setdefault(record["endpoint"], EndpointStats()).add(record)
+
+    def report(self, cache: dict | None = None) -> dict:
+        """design.md's summary keys, the totals vLLM prints, failure breakdowns, goodput, the
+        `cache` section as given (replay.results.fidelity's) and the per-endpoint lines."""
+        report = self.summary.summary()
+        report["failures_by_status"] = self.summary.failures.most_common()[1]
+        report["requests_unsent"] = self.summary.requests - self.summary.requests_sent
+        report["total_input_tokens"] = self.summary.input_tokens
+        report["total_output_tokens"] = self.summary.output_tokens
+        duration = report["duration_s"]
+        total = report["total_input_tokens"] + report["total_output_tokens"]
+        report["total_token_throughput"] = total / duration if duration else 0.0
+        report["slo"] = dict(self.slo) if self.slo else None
+        if self.slo:
+            report["requests_good"] = self.requests_good
+            report["goodput_rps"] = self.requests_good / duration if duration else 0.0
+        else:
+            report["requests_good"] = None
+            report["goodput_rps"] = None
+        report["cache"] = cache
+        report["endpoints"] = {endpoint: self.endpoints[endpoint].entry() for endpoint in sorted(self.endpoints)}
+        return report
+
+
+def build_report(records: Iterable[dict], slo: dict[str, float] | None = None, cache: dict | None = None) -> dict:
+    """ReportBuilder's report of `records` (a list, or a stream read once)."""
+    builder = ReportBuilder(slo)
+    for record in records:
+        builder.add(record)
+    return builder.report(cache)
 
 
 def _line(label: str, value) -> str:

@@ -19,6 +19,7 @@ from replay.sim.errors import ApiError, context_length_error
 from replay.sim.generation import GenRequest, respond
 from replay.sim.http import Request, Response, Stream
 from replay.sim.tokens import chat_ids, text_ids
+from replay.synth.chat_template import ChatTemplateError
 
 DONE = b"data: [DONE]\n\n"
 
@@ -123,10 +124,14 @@ def chat_prompt(engine: Engine, body: dict) -> list[int]:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError("tools must be a list", param="tools")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs")
     try:
-        return chat_ids(engine.tokenizer, clean, tools)
+        return chat_ids(engine.tokenizer, clean, tools, kwargs)
     except Exception as exc:  # template errors (raise_exception, bad roles) are the client's
-        raise ApiError(f"chat template failed on these messages: {exc}", param="messages") from None
+        reason = exc.reason if isinstance(exc, ChatTemplateError) else exc  # what vLLM says: no server paths
+        raise ApiError(f"chat template failed on these messages: {reason}", param="messages") from None
 
 
 def completion_prompt(engine: Engine, body: dict) -> list[int]:

@@ -25,8 +25,9 @@ def _encode(tokenizer: ServerTokenizer, text: str, add_special_tokens: bool) -> 
     return batch[0].ids
 
 
-def chat_ids(tokenizer: ServerTokenizer, messages: list[dict], tools: list | None) -> list[int]:
-    return _encode(tokenizer, tokenizer.render_chat(messages, tools), add_special_tokens=False)
+def chat_ids(tokenizer: ServerTokenizer, messages: list[dict], tools: list | None,
+             chat_template_kwargs: dict | None = None) -> list[int]:
+    return _encode(tokenizer, tokenizer.render_chat(messages, tools, chat_template_kwargs), add_special_tokens=False)
 
 
 def text_ids(tokenizer: ServerTokenizer, text: str) -> list[int]:

@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from typing import Iterable
 
+from replay.synth.chat_template import ChatTemplateError
 from replay.synth.prompts import PromptSynthesizer, server_count
 from replay.trace.convert import rescale_length
 from replay.trace.record import TraceRow
@@ -20,14 +21,18 @@ def rescale_rows(rows: Iterable[TraceRow], block_from: int, block_to: int) -> li
 
 
 def check_prompts(synth: PromptSynthesizer, rows: Iterable[TraceRow]) -> dict:
-    """Totals and the mismatching rows; `exact` counts rows whose server count == input_length."""
+    """Totals and the mismatching rows; `exact` counts rows whose server count == input_length.
+    A row the chat template fails on raises ChatTemplateError naming the row."""
     started = time.perf_counter()
     requests = exact = max_abs_error = 0
     claims_wrong = 0
     mismatches = []
     for row in rows:
-        prompt = synth.prompt(row)
-        counted = server_count(synth.tokenizer, prompt)
+        try:
+            prompt = synth.prompt(row)
+            counted = server_count(synth.tokenizer, prompt)
+        except ChatTemplateError as err:  # a row's own messages the template refuses: a bad input, named
+            raise err.about(f"row {row.request_id} (trace line {row.line})") from None
         requests += 1
         error = counted - row.input_length
         if prompt.expected_tokens != counted:

@@ -7,6 +7,7 @@ import sys
 
 import orjson
 
+from replay.synth.chat_template import ChatTemplateError
 from replay.synth.check import check_prompts, rescale_rows
 from replay.synth.prompts import APIS, PromptError, PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
@@ -64,7 +65,10 @@ def run_check(args: argparse.Namespace) -> int:
         synth = PromptSynthesizer(tokenizer, args.api, block_size, args.seed, token_ids=args.token_ids)
     except (TraceError, PromptError, VocabularyError, ValueError, OSError) as err:
         return _fail(str(err))
-    result = check_prompts(synth, rows)
+    try:
+        result = check_prompts(synth, rows)
+    except ChatTemplateError as err:
+        return _fail(str(err))
     if args.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     else:

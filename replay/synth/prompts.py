@@ -27,10 +27,8 @@ import weakref
 from array import array
 from dataclasses import dataclass
 
-import jinja2
-
 from replay.synth.blocks import TOKEN_ID, BlockSource
-from replay.synth.tokenizer import ServerTokenizer
+from replay.synth.tokenizer import ChatTemplateError, ServerTokenizer
 from replay.synth.vocab import SafeVocab, build_safe_vocab
 from replay.trace.record import TraceRow
 
@@ -199,7 +197,7 @@ class PromptSynthesizer:
         """The empty-system layout's frame when it is smaller (templates with a default system prompt)."""
         try:
             frame = measure_frame(self.tokenizer, self.api, self.vocab, EMPTY_SYSTEM)
-        except (PromptError, jinja2.TemplateError):  # e.g. a template that refuses system messages
+        except (PromptError, ChatTemplateError):  # e.g. a template that refuses system messages
             return None
         return frame if frame.overhead < self.frame.overhead else None
 
@@ -319,10 +317,11 @@ class PromptSynthesizer:
     def _given(self, row: TraceRow) -> Prompt:
         """A row with its own messages is sent as it is, counted by the server's rule."""
         tok = self.tokenizer
+        tools = row.tools or None  # an empty list is not sent (bodies.py), so the server renders tools=None
         if self.api == "openai-chat":
-            return Prompt(row.messages, None, None, tok.count_chat(row.messages, row.tools), row.tools)
+            return Prompt(row.messages, None, None, tok.count_chat(row.messages, tools), tools)
         if tok.chat_template is not None:
-            text = tok.render_chat(row.messages, row.tools)
+            text = tok.render_chat(row.messages, tools)
         else:
             text = "\n".join(str(m.get("content") or "") for m in row.messages)
         if self.token_ids:

@@ -1,133 +1,159 @@
 """Count and encode prompts exactly as vLLM does.
 
 vLLM renders a chat request with the model's chat template (add_generation_prompt=True,
-HuggingFace's jinja settings) and encodes the text *without* adding special tokens; a
-completions request with a text prompt is encoded *with* the tokenizer's own special tokens
-(Llama's BOS). Both the synthesizer and the reference server use this module, so that the
-two can never disagree about what a prompt's length is.
+transformers' jinja setup, reproduced in replay/synth/chat_template.py) and encodes the
+text *without* adding special tokens; a completions request with a text prompt is encoded
+*with* the tokenizer's own special tokens (Llama's BOS). Both the synthesizer and the
+reference server use this module, so that the two can never disagree about what a
+prompt's length is.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+from replay.synth.chat_template import DEFAULT, ChatTemplate, ChatTemplateError
+
+__all__ = ["ChatTemplate", "ChatTemplateError", "ServerTokenizer", "load_chat_template", "load_tokenizer"]
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' files for templates kept outside tokenizer_config.json (they win over it)
+TEMPLATE_FILE = "chat_template.jinja"
+MORE_TEMPLATES_DIR = "additional_chat_templates"
 
 
 def _token_text(value) -> str | None:
+    """A special token's text: tokenizer_config.json writes it as a string or as an AddedToken
+    dict ({"content": "<s>", "lstrip": false, ...})."""
     if isinstance(value, dict):
         return value.get("content")
     return value
 
 
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # HuggingFace's tojson: unlike jinja's own, it does not HTML-escape.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class ChatTemplate:
-    """A chat template rendered the way transformers' apply_chat_template renders it."""
-
-    def __init__(self, source: str, special_tokens: dict[str, str | None] | None = None, origin: str = ""):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        self.source = source
-        self.origin = origin
-        self.special_tokens = dict(special_tokens or {})
-        self._template = env.from_string(source)
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.source.encode()).hexdigest()
-
-    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
-        return self._template.render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.special_tokens
-        )
+def _folder(path: Path) -> Path:
+    """The folder whose tokenizer_config.json / chat_template.jinja go with a tokenizer path."""
+    return path if path.is_dir() else path.parent
 
 
 def _config_path(path: Path) -> Path | None:
-    if path.is_dir():
-        cfg = path / "tokenizer_config.json"
-        return cfg if cfg.exists() else None
-    sibling = path.parent / "tokenizer_config.json"
-    return sibling if sibling.exists() else None
+    cfg = _folder(path) / "tokenizer_config.json"
+    return cfg if cfg.exists() else None
 
 
-def _special_tokens(config: dict) -> dict[str, str | None]:
-    tokens = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
-    extra = config.get("additional_special_tokens") or []
-    tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
+def _special_tokens(config: dict) -> dict[str, str | list[str]]:
+    """The special tokens transformers hands a template: its special_tokens_map, which leaves
+    out unset (null or empty) ones, so a template sees them undefined, never as None."""
+    tokens: dict[str, str | list[str]] = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        text = _token_text(config.get(key))
+        if text:
+            tokens[key] = str(text)
+    extra = [str(_token_text(t)) for t in config.get("additional_special_tokens") or []]
+    if extra:
+        tokens["additional_special_tokens"] = extra
     return tokens
 
 
-def _template_from_config(config: dict) -> str | None:
+def _template_from_config(config: dict, where: Path) -> str | dict[str, str] | None:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates
+    ([{"name": "default", "template": ...}, {"name": "tool_use", ...}]) read as {name: template}."""
     tmpl = config.get("chat_template")
-    if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in tmpl}
-        tmpl = named.get("default") or next(iter(named.values()), None)
+    if isinstance(tmpl, list):
+        if not all(isinstance(t, dict) and "name" in t and "template" in t for t in tmpl):
+            raise ChatTemplateError("chat_template list entries must be {\"name\": ..., \"template\": ...}", str(where))
+        return {t["name"]: t["template"] for t in tmpl}
     return tmpl
 
 
-def load_chat_template(tokenizer_path: str | Path | None, chat_template_path: str | Path | None = None) -> ChatTemplate | None:
+def _folder_templates(folder: Path) -> tuple[str | dict[str, str], str] | None:
+    """Templates kept as files (transformers >= 4.50 saves them so): chat_template.jinja is
+    "default", additional_chat_templates/NAME.jinja the others. (templates, origin) or None."""
+    templates: dict[str, str] = {}
+    main = folder / TEMPLATE_FILE
+    if main.is_file():
+        templates[DEFAULT] = main.read_text()
+    more = folder / MORE_TEMPLATES_DIR
+    if more.is_dir():
+        for f in sorted(more.glob("*.jinja")):
+            templates[f.name.removesuffix(".jinja")] = f.read_text()
+    if not templates:
+        return None
+    if list(templates) == [DEFAULT]:
+        return templates[DEFAULT], str(main)
+    return templates, str(folder)
+
+
+def _explicit_template(p: Path, special: dict) -> ChatTemplate:
+    """--chat-template: a .jinja file (as vLLM's --chat-template), or a tokenizer_config.json,
+    whose set special tokens win over the tokenizer folder's."""
+    if not p.exists():
+        raise FileNotFoundError(f"chat template not found: {p}")
+    if p.suffix != ".json":
+        return ChatTemplate(p.read_text(), special, origin=str(p))
+    config = json.loads(p.read_text())
+    source = _template_from_config(config, p)
+    if source is None:
+        raise ValueError(f"{p}: no 'chat_template' field")
+    return ChatTemplate(source, {**special, **_special_tokens(config)}, origin=str(p))
+
+
+def load_chat_template(
+    tokenizer_path: str | Path | None, chat_template_path: str | Path | None = None
+) -> ChatTemplate | None:
     """The chat template: an explicit --chat-template (tokenizer_config.json or .jinja) wins
-    over the tokenizer folder's own tokenizer_config.json / chat_template.jinja."""
+    over the tokenizer folder's own; in the folder, as transformers loads it,
+    chat_template.jinja (+ additional_chat_templates/) wins over tokenizer_config.json's
+    chat_template. Special tokens come from tokenizer_config.json."""
     config: dict = {}
-    if tokenizer_path is not None:
-        cfg = _config_path(Path(tokenizer_path))
-        if cfg is not None:
-            config = json.loads(cfg.read_text())
+    cfg = _config_path(Path(tokenizer_path)) if tokenizer_path is not None else None
+    if cfg is not None:
+        config = json.loads(cfg.read_text())
     special = _special_tokens(config)
     if chat_template_path is not None:
-        p = Path(chat_template_path)
-        if not p.exists():
-            raise FileNotFoundError(f"chat template not found: {p}")
-        if p.suffix == ".json":
-            tmpl_config = json.loads(p.read_text())
-            source = _template_from_config(tmpl_config)
-            if source is None:
-                raise ValueError(f"{p}: no 'chat_template' field")
-            special = {**special, **{k: v for k, v in _special_tokens(tmpl_config).items() if v}}
-        else:
-            source = p.read_text()
-        return ChatTemplate(source, special, origin=str(p))
-    source = _template_from_config(config)
-    if source is None and tokenizer_path is not None:
-        jinja_file = Path(tokenizer_path) / "chat_template.jinja" if Path(tokenizer_path).is_dir() else None
-        if jinja_file is not None and jinja_file.exists():
-            source = jinja_file.read_text()
+        return _explicit_template(Path(chat_template_path), special)
+    if tokenizer_path is None:
+        return None
+    files = _folder_templates(_folder(Path(tokenizer_path)))
+    if files is not None:
+        return ChatTemplate(files[0], special, origin=files[1])
+    source = _template_from_config(config, cfg) if cfg is not None else None
     if source is None:
         return None
-    return ChatTemplate(source, special, origin=str(tokenizer_path))
+    return ChatTemplate(source, special, origin=str(cfg))
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A HuggingFace tokenizer from tokenizer.json or a folder holding one."""
+def tokenizer_json(path: str | Path) -> Path:
+    """The tokenizer.json that `path` (the file, or a folder holding it) names."""
     p = Path(path)
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.exists():
         raise FileNotFoundError(f"tokenizer not found: {p}")
-    return Tokenizer.from_file(str(p))
+    return p
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A HuggingFace tokenizer from tokenizer.json or a folder holding one."""
+    return Tokenizer.from_file(str(tokenizer_json(path)))
+
+
+def tokenizer_fingerprint(tokenizer_path: str | Path, chat_template_path: str | Path | None = None) -> str:
+    """What two hosts must share to synthesize the same prompts: the sha256 of (the sha256 of
+    the tokenizer.json bytes, the template's ChatTemplate.sha256 or "no chat template").
+
+    The bytes, not the loaded tokenizer: hashing a 7 MB file takes about 20 ms, loading it
+    hundreds. The template is the one ServerTokenizer.load would use (--chat-template, else
+    the folder's own), so a worker whose tokenizer_config.json differs is told apart too.
+    """
+    digest = hashlib.sha256(tokenizer_json(tokenizer_path).read_bytes()).hexdigest()
+    template = load_chat_template(tokenizer_path, chat_template_path)
+    both = f"tokenizer.json sha256 {digest}\nchat template sha256 {template.sha256 if template else 'no chat template'}"
+    return hashlib.sha256(both.encode()).hexdigest()
 
 
 class ServerTokenizer:
@@ -146,20 +172,31 @@ class ServerTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def render_chat(self, messages: list[dict], tools: list | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], tools: list | None = None, chat_template_kwargs: dict | None = None
+    ) -> str:
+        """The text vLLM renders for a chat request: tools as sent (None when absent),
+        documents None, add_generation_prompt True, then the request's chat_template_kwargs,
+        which vLLM lets replace any of those and add variables of their own."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name} has no chat template; pass --chat-template")
-        return self.chat_template.render(messages, tools=tools, add_generation_prompt=True)
+        options = {"tools": tools, "documents": None, "add_generation_prompt": True, **(chat_template_kwargs or {})}
+        return self.chat_template.render(messages, **options)
 
-    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages, tools), add_special_tokens=False).ids
+    def encode_chat(
+        self, messages: list[dict], tools: list | None = None, chat_template_kwargs: dict | None = None
+    ) -> list[int]:
+        text = self.render_chat(messages, tools, chat_template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
         """A completions prompt: the tokenizer adds its own special tokens (BOS), as vLLM does."""
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
-    def count_chat(self, messages: list[dict], tools: list | None = None) -> int:
-        return len(self.encode_chat(messages, tools))
+    def count_chat(
+        self, messages: list[dict], tools: list | None = None, chat_template_kwargs: dict | None = None
+    ) -> int:
+        return len(self.encode_chat(messages, tools, chat_template_kwargs))
 
     def count_text(self, text: str) -> int:
         return len(self.encode_text(text))

@@ -8,6 +8,7 @@ import sys
 import orjson
 
 from replay.trace.convert import convert_trace
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 from replay.trace.formats import FORMATS
 from replay.trace.reader import ON_BAD_LINE, read_trace
 from replay.trace.record import TraceError
@@ -30,6 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     validate = commands.add_parser("validate", help="check every row; exit 1 and list line-numbered errors")
     validate.add_argument("file")
     _format_options(validate, "--format")
+    validate.add_argument(
+        "--max-prompt-tokens",
+        type=_token_limit,
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        metavar="N",
+        help=f"a row with a longer input_length is an error (default {DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)",
+    )
     validate.set_defaults(func=run_validate)
 
     convert = commands.add_parser("convert", help="write (a window of) a trace as jsonl")
@@ -48,6 +56,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _format_options(parser: argparse.ArgumentParser, flag: str) -> None:
     parser.add_argument(flag, dest="format", choices=list(FORMATS), help="trace format (detected when omitted)")
     parser.add_argument("--block-size", type=int, help="tokens per hash id block (overrides the format default)")
+
+
+def _token_limit(text: str) -> int:
+    """--max-prompt-tokens: a count of tokens, 0 for no limit."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value}")
+    return value
 
 
 def _fail(message: str) -> int:
@@ -78,7 +97,8 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     try:
-        trace = read_trace(args.file, args.format, args.block_size, on_bad_line="skip")
+        limit = args.max_prompt_tokens or None
+        trace = read_trace(args.file, args.format, args.block_size, on_bad_line="skip", max_input_tokens=limit)
     except (TraceError, ValueError, OSError, EOFError) as err:
         return _fail(str(err))
     if trace.skipped:

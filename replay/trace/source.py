@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import gzip
 import io
+import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
+from replay.trace.record import BadLine, TraceError
+
 GZIP_MAGIC = b"\x1f\x8b"
+GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)  # what a damaged gzip stream raises
 
 
 def open_binary(path: str | Path) -> IO[bytes]:
@@ -20,16 +24,41 @@ def open_binary(path: str | Path) -> IO[bytes]:
 
 
 def open_text(path: str | Path) -> IO[str]:
-    """Text for the csv module: newline='' keeps quoted newlines intact, utf-8-sig drops a BOM."""
-    return io.TextIOWrapper(open_binary(path), encoding="utf-8-sig", newline="")
+    """Text for the csv module: newline='' keeps quoted newlines intact, utf-8-sig drops a BOM.
+
+    Bytes that are not UTF-8 become lone surrogates (surrogateescape) instead of failing the
+    read of a whole chunk, far from their line: the CSV reader finds them row by row.
+    """
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8-sig", errors="surrogateescape", newline="")
 
 
 def numbered_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw line) for every non-blank line; blank lines are not rows."""
+    """(1-based line number, raw line) for every non-blank line; blank lines are not rows.
+
+    A damaged gzip stream raises TraceError naming the first line that could not be read.
+    """
+    number = 0
     with open_binary(path) as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                yield number, line
+        try:
+            for number, line in enumerate(f, start=1):
+                if not line.isspace():  # the same test as strip(), without copying the line
+                    yield number, line
+        except GZIP_ERRORS as err:
+            raise gzip_error(path, err, number) from err
+
+
+def gzip_error(path: str | Path, err: Exception, last_line: int) -> TraceError:
+    """A damaged gzip stream as a TraceError on the line after the last one read.
+
+    The gzip module says what is wrong (EOFError, zlib.error, BadGzipFile) but names no
+    file, and a truncated download is common enough to say so in plain words.
+    """
+    if isinstance(err, EOFError):
+        where = f"after line {last_line}" if last_line else "before the first line"
+        message = f"truncated gzip file: ended {where}"
+    else:
+        message = f"corrupt gzip data: {err}"
+    return TraceError(BadLine(str(path), last_line + 1, "(gzip)", message))
 
 
 def open_output(path: str | Path) -> IO[bytes]:

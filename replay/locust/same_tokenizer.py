@@ -1,0 +1,62 @@
+"""The master and every worker synthesize prompts from the same tokenizer and chat template.
+
+Each worker makes its prompts from the tokenizer at `--tokenizer` on its own host. One whose
+file differs (another model's, another revision, another template) sends prompts of the wrong
+lengths and with the wrong shared prefixes, and nothing in the records would say so. So the
+master loads its tokenizer in its preflight (an unloadable one is refused there, before any
+worker starts) and sends its fingerprint (replay.synth.tokenizer.tokenizer_fingerprint) in the
+plan; a worker whose own differs refuses its part, which is then recorded as
+`worker failed: tokenizer mismatch: ...` and makes the run's exit code 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from replay.errors import OptionError
+from replay.synth.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+SHORT = 12  # hex digits of a fingerprint shown in messages
+
+
+def short(fingerprint: str) -> str:
+    return fingerprint[:SHORT]
+
+
+def master_fingerprint(tokenizer: str, chat_template: str | None = None) -> str:
+    """Load the tokenizer and its chat template as a worker will, and return their fingerprint.
+
+    Only `load_tokenizer` and the template: the safe vocabulary a worker builds from them
+    takes seconds more and the master makes no prompts. Raises OptionError naming the option.
+    """
+    try:
+        load_tokenizer(tokenizer)
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise OptionError(f"--tokenizer {tokenizer}: cannot load: {_first_line(e)}") from None
+    try:
+        return tokenizer_fingerprint(tokenizer, chat_template)
+    except Exception as e:  # the template: unreadable, bad JSON, a jinja syntax error
+        option = f"--chat-template {chat_template}" if chat_template else f"--tokenizer {tokenizer}"
+        raise OptionError(f"{option}: cannot load the chat template: {_first_line(e)}") from None
+
+
+def check_worker_tokenizer(tokenizer: str, chat_template: str | None, expected: str | None) -> None:
+    """Raise OptionError ("tokenizer mismatch: ...") when this host's tokenizer and template
+    differ from the master's `expected` fingerprint (None: the master sent none, no check)."""
+    if expected is None:
+        return
+    where = f"--tokenizer {Path(tokenizer).absolute()}"  # as given, resolved in this worker's folder
+    if chat_template:
+        where += f" --chat-template {Path(chat_template).absolute()}"
+    try:
+        mine = tokenizer_fingerprint(tokenizer, chat_template)
+    except Exception as e:
+        raise OptionError(f"this worker's {where} cannot be read: {_first_line(e)}") from None
+    if mine != expected:
+        raise OptionError(f"tokenizer mismatch: this worker's {where} has fingerprint {short(mine)} "
+                          f"but the master's is {short(expected)}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,171 @@
+"""Claiming a run's output before anything is sent: its folder writable, no other run writing
+it, and an earlier run's results replaced only when asked (`--overwrite`).
+
+Without this, a bad `--output` surfaced only when the master opened the file at the start of
+the run (a traceback in Locust's test_start, and a run that never ended), two runs on the same
+path interleaved their records, and a rerun silently replaced the results of the last one.
+
+The claim is a lock: `fcntl.flock` on `OUTPUT.lock`, held by the master's process for its
+whole life (the kernel drops it if the process dies, so a left-over lock file never blocks a
+later run) and removed at its exit. flock is per host: on a network file system two masters
+on two hosts may not see each other's lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import os
+import re
+import socket
+from pathlib import Path
+
+from replay.errors import OptionError
+from replay.results.metadata import meta_path
+
+LOCK_SUFFIX = ".lock"
+MAX_DEFAULT_TRIES = 100  # results/replay-<time>-2.jsonl ... when the default name is taken
+
+
+class OutputTaken(OptionError):
+    """The output is locked by another run, or holds an earlier run's results."""
+
+
+def lock_path(output: str | Path) -> Path:
+    return Path(f"{output}{LOCK_SUFFIX}")
+
+
+def earlier_run_files(output: str | Path) -> list[Path]:
+    """The files a run on `output` writes on this host that exist now: the merged records, the
+    meta file and the per-worker files (any N: an earlier run may have had more workers)."""
+    out = Path(output)
+    files = [p for p in (out, meta_path(out)) if p.exists()]
+    pattern = re.compile(re.escape(out.name) + r"\.worker-\d+\.jsonl")
+    if out.parent.is_dir():
+        files += sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))
+    return files
+
+
+class OutputClaim:
+    """This process's hold on an output: the lock's descriptor, released (and the lock file
+    removed) by `release`, which runs at the process's exit."""
+
+    def __init__(self, output: str, fd: int):
+        self.output = output
+        self.lock_path = lock_path(output)
+        self._fd: int | None = fd
+        self._pid = os.getpid()
+        atexit.register(self.release)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Remove the lock file, then drop the lock (in that order: a run that opened the file
+        just before it went away finds, once it holds the lock, that the path is no longer
+        its file, and tries again). Only in the process that claimed: a forked child inherits
+        the descriptor and this hook, and must not free its parent's claim."""
+        if self._fd is None or os.getpid() != self._pid:
+            return
+        try:
+            os.unlink(self.lock_path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def claim_output(output: str, *, overwrite: bool = False, default: bool = False) -> OutputClaim:
+    """Make `output`'s folder, lock `output` for this process, and refuse an earlier run's
+    results unless `overwrite` (then they are removed now, stale per-worker files included).
+
+    `default`: `output` is the default name, which the user never chose: when it is taken,
+    the next free `NAME-2.jsonl`, `NAME-3.jsonl`, ... is claimed instead, as before the lock
+    two such runs would have written two files (or, in the same second, one).
+
+    Raises OptionError (OutputTaken when another run holds it or results exist), one line
+    naming `--output` and the path.
+    """
+    if not default:
+        return _claim(output, overwrite, "")
+    base = Path(output)
+    for n in range(1, MAX_DEFAULT_TRIES + 1):
+        name = output if n == 1 else str(base.with_name(f"{base.stem}-{n}{base.suffix}"))
+        try:
+            return _claim(name, False, " (the default output; pass --output PATH)")
+        except OutputTaken:
+            continue
+    raise OptionError(f"--output {output}: it and {MAX_DEFAULT_TRIES - 1} numbered variants are all taken; "
+                      f"pass --output PATH")
+
+
+def _claim(output: str, overwrite: bool, hint: str) -> OutputClaim:
+    out = Path(output)
+    if out.is_dir():
+        raise OptionError(f"--output {output}: is a folder; name a file (e.g. {out / 'run.jsonl'}){hint}")
+    _make_folder(output, out.parent, hint)
+    fd = _lock(output, hint)
+    claim = OutputClaim(output, fd)
+    try:
+        earlier = earlier_run_files(out)
+        if earlier and not overwrite:
+            raise OutputTaken(f"--output {output}: {earlier[0]} exists (an earlier run's results); pass --overwrite "
+                              f"to replace them, or choose another --output{hint}")
+        for path in earlier:
+            try:
+                path.unlink()
+            except OSError as e:
+                raise OptionError(f"--output {output}: cannot remove the earlier run's {path}: {e.strerror}") from None
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+
+def _make_folder(output: str, folder: Path, hint: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        # under a regular file mkdir says "File exists" or "Not a directory": name the file
+        blocker = next((p for p in [folder, *folder.parents] if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else e.strerror or str(e)
+        raise OptionError(f"--output {output}: cannot create its folder {folder}: {why}{hint}") from None
+
+
+def _lock(output: str, hint: str) -> int:
+    """A descriptor of OUTPUT.lock holding an exclusive flock, its holder written in it."""
+    path = lock_path(output)
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # a read-only mount, a folder this user cannot write
+            raise OptionError(f"--output {output}: cannot write in {path.parent}: {e.strerror}{hint}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _holder(fd)
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OutputTaken(f"--output {output}: another run is writing it ({holder or 'see ' + str(path)}); "
+                                  f"wait for it to end, or choose another --output{hint}") from None
+            raise OptionError(f"--output {output}: cannot lock {path}: {e.strerror}{hint}") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if not same:  # its holder removed it between our open and our lock: take the new one
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        return fd
+    raise OptionError(f"--output {output}: cannot lock {path}: it keeps being replaced{hint}")
+
+
+def _holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
