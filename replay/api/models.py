@@ -7,27 +7,27 @@ answer) leave the limit to the caller's default.
 
 from __future__ import annotations
 
-import http.client
 import logging
-from urllib.parse import urlsplit
 
-import orjson
-
-from replay.api.client import close_with_reset
+from replay.api.ask import ask_json
 
 logger = logging.getLogger(__name__)
 
 MODELS_TIMEOUT_S = 5.0
 
 
-def served_max_model_len(urls: list[str], model: str | None = None) -> int | None:
+def served_max_model_len(urls: list[str], model: str | None = None,
+                         headers: dict[str, str] | None = None) -> int | None:
     """The smallest `max_model_len` the endpoints report for `model` (or their first model),
-    None when none reports one."""
+    None when none reports one. `headers`: the run's own (a server behind a key wants it)."""
     limits = []
     for url in urls:
         try:
-            models = _get_json(url.rstrip("/") + "/v1/models").get("data") or []
-        except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
+            status, answer = ask_json(url.rstrip("/") + "/v1/models", headers=headers, timeout=MODELS_TIMEOUT_S)
+            if status != 200 or not isinstance(answer, dict):
+                raise ValueError(f"HTTP {status}")
+            models = answer.get("data") or []
+        except (OSError, ValueError) as e:
             logger.info("%s/v1/models: no model information (%s)", url, e)
             continue
         chosen = [m for m in models if isinstance(m, dict) and (model is None or m.get("id") == model)] or models[:1]
@@ -37,21 +37,3 @@ def served_max_model_len(urls: list[str], model: str | None = None) -> int | Non
                 limits.append(value)
     return min(limits) if limits else None
 
-
-def _get_json(url: str) -> dict:
-    """One GET on a connection of its own, closed by reset: the run's servers are not left a
-    connection in TIME_WAIT by a question asked before the run."""
-    parts = urlsplit(url)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = kind(parts.hostname, parts.port, timeout=MODELS_TIMEOUT_S)
-    try:
-        connection.request("GET", parts.path or "/")
-        answer = connection.getresponse()
-        body = answer.read()
-    finally:
-        if connection.sock is not None:
-            close_with_reset(connection.sock)
-        connection.close()
-    if answer.status != 200:
-        raise ValueError(f"HTTP {answer.status}")
-    return orjson.loads(body)

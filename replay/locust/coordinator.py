@@ -27,6 +27,9 @@ from replay.locust.clock import answer_ping
 from replay.locust.options import ReplayOptions, prompt_token_limit
 from replay.locust.plan import Schedule
 from replay.locust.same_tokenizer import master_fingerprint
+from replay.locust.worker import build_off_loop
+from replay.api.headers import parse_headers
+from replay.synth.server_check import Verdict, verify_servers
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
                                     is_failure, unsent_record)
 from replay.results.metadata import coordinator_metadata, write_run_metadata
@@ -130,6 +133,20 @@ class Coordinator:
         if self.schedule.oversized:
             logger.warning("%d rows have prompts over --max-prompt-tokens %d: recorded as %r, never sent",
                            len(self.schedule.oversized), max_prompt_tokens, OVERSIZED)
+        self.server_check = self._verify_server(endpoints or [])
+
+    def _verify_server(self, urls: list[str]) -> dict:
+        """--verify-server: the servers count a sample of this run's prompts as the tokenizer does,
+        or the run is refused here, before any worker starts (replay.synth.server_check)."""
+        options = self.options
+        if options.verify_server == "off" or not urls:
+            return Verdict(skipped="--verify-server off").to_dict()
+        if options.prompt_format == "token-ids":
+            return Verdict(skipped="--prompt-format token-ids: the server counts the ids as given").to_dict()
+        synth = build_off_loop(options, self.trace.block_size).synth
+        return verify_servers(urls, synth, options.tokenizer, mode=options.verify_server, model=options.model,
+                              headers=parse_headers(options.header), lengths=self.schedule.input_lengths,
+                              max_len=self.max_prompt_tokens).to_dict()
 
     def window_seconds(self) -> float:
         return self.schedule.window_s / self.options.scale

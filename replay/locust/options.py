@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from replay.api.adapters import API_NAMES
+from replay.api.ask import check_url
 from replay.api.headers import parse_headers
 from replay.api.models import served_max_model_len
 from replay.results.report import parse_slo
@@ -23,6 +23,9 @@ PARTITIONS = ("round-robin", "session")
 # (exact counts whatever the server's tokenizer does with text; openai-completions only).
 PROMPT_FORMATS = ("text", "token-ids")
 TOKEN_ID_API = "openai-completions"
+# Before the first send, ask each server to count a sample of prompts (replay.synth.server_check):
+# auto checks where the server offers a way, require refuses a server that offers none.
+VERIFY_SERVER = ("auto", "require", "off")
 
 
 def add_arguments(parser) -> None:
@@ -35,6 +38,9 @@ def add_arguments(parser) -> None:
     group.add_argument("--api", choices=API_NAMES, default="openai-chat")
     group.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="text",
                        help=f"send the prompt as text or as a list of token ids (token-ids: --api {TOKEN_ID_API} only)")
+    group.add_argument("--verify-server", choices=VERIFY_SERVER, default="auto",
+                       help="before the first send, compare this tokenizer's prompt counts with the server's own "
+                            "(auto: where the server offers a way; require: refuse a server that offers none)")
     group.add_argument("--model", default=None, help="model name sent in request bodies")
     group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream responses (default on)")
     group.add_argument("--scale", type=float, default=1.0, help="time scale: 2 replays twice as fast")
@@ -65,7 +71,7 @@ def add_arguments(parser) -> None:
 
 # Option names (argparse dests) that travel from the master to workers in the plan.
 OPTION_NAMES = (
-    "trace", "trace_format", "block_size", "tokenizer", "chat_template", "api", "prompt_format", "model", "stream",
+    "trace", "trace_format", "block_size", "tokenizer", "chat_template", "api", "prompt_format", "verify_server", "model", "stream",
     "scale", "start", "duration", "max_requests", "seed", "output", "overwrite", "endpoints", "routing",
     "partition", "max_prompt_tokens", "drain_timeout", "no_ignore_eos", "on_bad_line", "slo", "header",
     "request_id_header",
@@ -85,6 +91,7 @@ class ReplayOptions:
     chat_template: str | None = None
     api: str = "openai-chat"
     prompt_format: str = "text"
+    verify_server: str = "auto"
     model: str | None = None
     stream: bool = True
     scale: float = 1.0
@@ -157,20 +164,7 @@ def prompt_token_limit(options: ReplayOptions, urls: list[str]) -> int | None:
     """--max-prompt-tokens, or the served model's max_model_len, or the default; None: no limit."""
     if options.max_prompt_tokens is not None:
         return options.max_prompt_tokens or None
-    return served_max_model_len(urls, options.model) or DEFAULT_MAX_PROMPT_TOKENS
-
-
-def check_url(option: str, url: str) -> None:
-    """An http(s) server URL with a host and, if any, a valid port (the client sends HTTP only)."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{option} {url}: only http:// and https:// servers can be replayed to")
-    if not parts.hostname:
-        raise ValueError(f"{option} {url}: no host")
-    try:
-        parts.port
-    except ValueError:
-        raise ValueError(f"{option} {url}: the port is not a number in 0-65535") from None
+    return served_max_model_len(urls, options.model, parse_headers(options.header)) or DEFAULT_MAX_PROMPT_TOKENS
 
 
 def apply_config_file(parsed) -> None:

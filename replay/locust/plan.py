@@ -50,6 +50,7 @@ class Schedule:
         cap = float("inf") if max_requests is None else max_requests
         limit = max_prompt_tokens or float("inf")
         in_order, last_time, offset, chosen = True, float("-inf"), 0, 0
+        shortest, longest = 1 << 62, 0
         write, dumps = self._spool.write, orjson.dumps
         add_id, add_time, add_offset, add_length, add_session = (
             self.request_ids.append, self.times.append, self._offsets.append, self._lengths.append,
@@ -68,6 +69,11 @@ class Schedule:
                 if time_s < last_time:
                     in_order = False
                 last_time = time_s
+                length = row.input_length
+                if length < shortest:
+                    shortest = length
+                if length > longest:
+                    longest = length
                 add_id(row.request_id)
                 add_time(time_s)
                 add_offset(offset)
@@ -75,6 +81,8 @@ class Schedule:
                 add_session(-1 if row.session_id is None else self._session_number(row.session_id))
             offset += len(line)
         self._spool.flush()
+        # the window's extremes among sent rows, for the server check's sample (replay.synth.server_check)
+        self.input_lengths = (shortest, longest) if longest else ()
         self._fixups = stream.sessions  # sessions that later rows re-rooted
         if not in_order:  # a stable sort by time keeps file order, i.e. request id order, on ties
             order = sorted(range(len(self.times)), key=self.times.__getitem__)

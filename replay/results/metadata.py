@@ -86,6 +86,7 @@ def run_metadata(
     skipped: list[str] | None = None,
     max_prompt_tokens: int | None = None,
     oversized: int = 0,
+    server_check: dict | None = None,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
@@ -122,6 +123,7 @@ def run_metadata(
         "stream": options.get("stream"),
         "seed": options.get("seed"),
         "endpoints": list(endpoints),
+        "server_check": server_check,  # --verify-server: how each endpoint counted the sample
         "epoch": epoch,
         "started_at": started_at,
         "workers": workers,
@@ -164,6 +166,7 @@ def coordinator_metadata(coordinator) -> dict:
         skipped=[str(bad) for bad in coordinator.trace.skipped],
         max_prompt_tokens=coordinator.max_prompt_tokens,
         oversized=len(coordinator.schedule.oversized),
+        server_check=coordinator.server_check,
     )
 
 

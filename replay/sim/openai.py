@@ -273,3 +273,24 @@ def models(engine: Engine, request: Request) -> Response:
     card = {"id": opts.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
             "root": opts.model, "parent": None, "max_model_len": opts.max_model_len}
     return Response(200, orjson.dumps({"object": "list", "data": [card]}))
+
+
+def tokenize(engine: Engine, request: Request) -> Response:
+    """vLLM's POST /tokenize: a completions prompt (`add_special_tokens`, default true) or chat
+    `messages` (`add_generation_prompt`, default true), counted as a generation request of the
+    same form would be; the replay's --verify-server asks it before a run."""
+    body = parse_body(request)
+    check_model(engine, body)
+    if "messages" in body:
+        kwargs = {**(body.get("chat_template_kwargs") or {}),
+                  "add_generation_prompt": _bool_field(body, "add_generation_prompt", True)}
+        ids = chat_prompt(engine, {**body, "chat_template_kwargs": kwargs})
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError("field 'prompt' is required: a string", param="prompt")
+        hf = engine.tokenizer.tokenizer
+        ids = hf.encode(prompt, add_special_tokens=_bool_field(body, "add_special_tokens", True)).ids
+    strs = [engine.tokenizer.tokenizer.id_to_token(i) for i in ids] if _bool_field(body, "return_token_strs") else None
+    return Response(200, orjson.dumps({"count": len(ids), "max_model_len": engine.options.max_model_len,
+                                       "tokens": ids, "token_strs": strs}))

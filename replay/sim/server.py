@@ -49,11 +49,18 @@ def _reset_prefix_cache(engine: Engine, request: Request) -> Response:
     return Response(200, b"", "text/plain")
 
 
+def _tokenize(engine: Engine, request: Request) -> Response:
+    if not engine.options.tokenize_endpoint:  # as a server without one (TGI's own, older vLLM): 404
+        return _detail(404, "Not Found")
+    return openai.tokenize(engine, request)
+
+
 # path -> (method, handler, error style)
 ROUTES: dict[str, tuple[str, Handler, str]] = {
     "/v1/chat/completions": ("POST", openai.chat_completions, "openai"),
     "/v1/completions": ("POST", openai.completions, "openai"),
     "/v1/models": ("GET", openai.models, "openai"),
+    "/tokenize": ("POST", _tokenize, "openai"),
     "/health": ("GET", _health, "openai"),
     "/metrics": ("GET", _metrics, "openai"),
     "/reset_prefix_cache": ("POST", _reset_prefix_cache, "openai"),

@@ -8,7 +8,11 @@ import sys
 import orjson
 
 from replay.synth.chat_template import ChatTemplateError
+from replay.api.ask import check_url
+from replay.api.headers import parse_headers
+from replay.api.models import served_max_model_len
 from replay.synth.check import check_prompts, rescale_rows
+from replay.synth.server_check import build_samples, check_server, explain
 from replay.synth.prompts import APIS, PromptError, PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import VocabularyError
@@ -40,6 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--token-ids", action="store_true", help="openai-completions prompts as token ids")
     check.add_argument("--limit", type=int, help="check only the first N rows")
     check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--server", action="append", default=[], metavar="URL",
+                       help="also ask this server (repeatable) to count a sample of prompts, as a replay's "
+                            "--verify-server does; exit 1 when it counts otherwise, 2 when it cannot be asked")
+    check.add_argument("--model", help="with --server: the served model name")
+    check.add_argument("--header", action="append", default=[], help="with --server: 'Name: value' ($VAR expanded)")
     check.add_argument("--json", action="store_true", help="print one JSON document")
     check.add_argument("--verbose", "-v", action="store_true", help="list every mismatching request")
     check.set_defaults(func=run_check)
@@ -67,13 +76,44 @@ def run_check(args: argparse.Namespace) -> int:
         return _fail(str(err))
     try:
         result = check_prompts(synth, rows)
+        code = 0 if result["exact"] == result["requests"] else 1
+        if args.server:
+            code = max(code, _check_servers(args, synth, rows, result))
     except ChatTemplateError as err:
+        return _fail(str(err))
+    except ValueError as err:  # --header or --server not usable
         return _fail(str(err))
     if args.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     else:
         print(_format(result, args.verbose))
-    return 0 if result["exact"] == result["requests"] else 1
+    return code
+
+
+def _check_servers(args: argparse.Namespace, synth: PromptSynthesizer, rows: list, result: dict) -> int:
+    """The replay's --verify-server check (replay.synth.server_check) against each --server; its
+    outcome goes in `result["servers"]`. 1 when one counts otherwise, 2 when one cannot be asked."""
+    result["servers"] = []
+    if synth.token_ids:
+        result["servers_note"] = "--token-ids: a server counts the ids as given; not asked"
+        return 0
+    headers = parse_headers(args.header)
+    for url in args.server:
+        check_url("--server", url)
+    lengths = [r.input_length for r in rows if r.messages is None]
+    max_len = served_max_model_len(args.server, args.model, headers)
+    samples = build_samples(synth, (min(lengths), max(lengths)) if lengths else (), max_len)
+    code = 0
+    for url in args.server:
+        check = check_server(url, samples, synth.api, args.model, headers)
+        entry = check.to_dict()
+        if check.mismatch is not None:
+            entry["explanation"] = explain(check, synth, args.tokenizer)
+            code = 1
+        elif check.method is None:
+            code = max(code, 2)
+        result["servers"].append(entry)
+    return code
 
 
 def _format(result: dict, verbose: bool) -> str:
@@ -96,4 +136,14 @@ def _format(result: dict, verbose: bool) -> str:
         )
     if len(shown) < len(result["mismatches"]):
         lines.append(f"  ... {len(result['mismatches']) - len(shown)} more (--verbose lists all)")
+    if "servers_note" in result:
+        lines.append(f"server           {result['servers_note']}")
+    for server in result.get("servers", ()):
+        if server["ok"]:
+            lines.append(f"server           {server['endpoint']}: all {server['prompts']} sample prompts "
+                         f"({server['tokens']} tokens) counted as here (by {server['method']})")
+        elif "explanation" in server:
+            lines.append(f"server           {server['explanation']}")
+        else:
+            lines.append(f"server           {server['endpoint']}: cannot be asked: {server['note']}")
     return "\n".join(lines)

@@ -225,7 +225,7 @@ class PromptSynthesizer:
             ids += self._content_ids(row, n)
             ids.extend(frame.after)
             return Prompt(None, None, ids.tolist(), len(ids))
-        return self._text_prompt(self._content_text(row, n), row.input_length)
+        return self.text_prompt(self._content_text(row, n), row.input_length)
 
     def server_ids(self, row: TraceRow) -> list[int]:
         """The row's prompt as the server's token ids. Built from the proven frame where prompts
@@ -237,7 +237,8 @@ class PromptSynthesizer:
                 return [*frame.before, *self._content_ids(row, n), *frame.after]
         return encode_prompt(self.tokenizer, self.prompt(row))
 
-    def _text_prompt(self, text: str, expected: int) -> Prompt:
+    def text_prompt(self, text: str, expected: int) -> Prompt:
+        """`text` as the api's prompt: the user message of a chat, or a completions/tgi text."""
         if self.api == "openai-chat":
             return Prompt([{"role": "user", "content": text}], None, None, expected)
         return Prompt(None, text, None, expected)
@@ -249,7 +250,7 @@ class PromptSynthesizer:
         best = None
         for _ in range(FIX_UP_ROUNDS):
             tried.add(n)
-            prompt = self._text_prompt(self._content_text(row, n), 0)
+            prompt = self.text_prompt(self._content_text(row, n), 0)
             prompt.expected_tokens = server_count(self.tokenizer, prompt)
             error = prompt.expected_tokens - row.input_length
             if error == 0:

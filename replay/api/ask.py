@@ -1,0 +1,63 @@
+"""One question to a server before the run, on a connection of its own.
+
+The master asks the endpoints what they serve (`GET /v1/models`) and how they count tokens
+(`POST /tokenize`) before anything is sent. Each question gets a fresh connection closed by
+reset, so the run's servers are not left a connection in TIME_WAIT, and a short timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+from urllib.parse import urlsplit
+
+import orjson
+
+from replay.api.client import close_with_reset
+
+ASK_TIMEOUT_S = 30.0  # a /tokenize of a long prompt on a busy CPU server takes seconds
+
+
+class Unanswered(OSError):
+    """The server could not be reached or answered no HTTP."""
+
+
+def ask_json(url: str, body: dict | None = None, headers: dict[str, str] | None = None,
+             timeout: float = ASK_TIMEOUT_S) -> tuple[int, object]:
+    """GET `url` (POST `body` as JSON when given); (status, the answer's JSON or None when it is
+    not JSON). Raises Unanswered when no HTTP answer came."""
+    parts = urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(parts.hostname, parts.port, timeout=timeout)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    sent = dict(headers or {})
+    try:
+        if body is None:
+            connection.request("GET", path, headers=sent)
+        else:
+            sent["Content-Type"] = "application/json"
+            connection.request("POST", path, body=orjson.dumps(body), headers=sent)
+        answer = connection.getresponse()
+        data = answer.read()
+    except (OSError, http.client.HTTPException) as e:
+        raise Unanswered(f"{url}: {e or type(e).__name__}") from None
+    finally:
+        if connection.sock is not None:
+            close_with_reset(connection.sock)
+        connection.close()
+    try:
+        return answer.status, orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return answer.status, None
+
+
+def check_url(option: str, url: str) -> None:
+    """An http(s) server URL with a host and, if any, a valid port (the client sends HTTP only)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{option} {url}: only http:// and https:// servers can be replayed to")
+    if not parts.hostname:
+        raise ValueError(f"{option} {url}: no host")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"{option} {url}: the port is not a number in 0-65535") from None

@@ -1,0 +1,352 @@
+"""Does the server count prompts as this tokenizer does? Asked before a run sends anything.
+
+Prompts are exact by construction against tokenizer.json, but a server does not always
+tokenize the way tokenizer.json does: a `tokenizer_class` in tokenizer_config.json can make
+transformers build another tokenizer from the same files (a byte-level BPE loaded as
+`LlamaTokenizer` drops the spaces: +1,058 tokens a prompt on average in one run), or the server
+renders another chat template or adds other special tokens. Every request then succeeds while
+every count and every shared prefix of the run is wrong. So before the first send the master
+asks each endpoint to count a sample of prompts built exactly as the run's are:
+
+- the whole safe vocabulary (every word a synthesized prompt can contain), VOCAB_WORDS words a
+  prompt, inside the chat template where the run uses one;
+- synthetic rows across the template frame and block boundaries: the shortest exact row, rows
+  a token either side of one and two blocks, several blocks, and the window's shortest and
+  longest rows.
+
+The sample uses a seed of its own, so no block of the run enters the server's prefix cache.
+Ways to ask, in order: `POST /tokenize` (vLLM: prompt and messages forms; SGLang: prompt form;
+TGI: `{"inputs"}`), which gives ids; else a `max_tokens: 1` request reading
+`usage.prompt_tokens` (counts only; OpenAI APIs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from replay.api.ask import Unanswered, ask_json
+from replay.synth.prompts import Prompt, PromptSynthesizer, encode_prompt
+from replay.trace.record import TraceRow
+
+logger = logging.getLogger(__name__)
+
+VOCAB_WORDS = 2048  # words per vocabulary prompt
+MAX_SAMPLE_TOKENS = 1 << 17  # the longest sample prompt (a longer row is built the same way)
+SAMPLE_SEED = 0x7E51  # added to the run's seed: the sample's blocks are none of the run's
+SHOWN_TOKENS = 6  # tokens shown either side of the first difference
+EDGE_TOKENS = 8  # a difference this small at the start or end is the frame's, not the tokenizer's
+NOT_OFFERED = frozenset({400, 404, 405, 422, 501})  # "no such endpoint" or "not this form"
+# tokenizer_class names of sentencepiece-style tokenizers: transformers builds them its own way
+SENTENCEPIECE_CLASSES = ("Llama", "Gemma", "T5", "Mistral", "XLNet", "Albert")
+TOKENIZE = "tokenize"
+USAGE = "usage"
+
+
+@dataclass(slots=True)
+class Sample:
+    label: str  # what it covers, as the error message says it
+    prompt: Prompt
+    ids: list[int]  # the prompt's ids by the server's rule, as this tokenizer has them
+
+
+@dataclass
+class Mismatch:
+    sample: Sample
+    server_ids: list[int] | None  # None: the server gave a count only
+    server_count: int
+    server_strs: list[str] | None = None
+
+
+@dataclass
+class ServerCheck:
+    """One endpoint's answer: `method` None when it offered no way to count (see `note`)."""
+
+    endpoint: str
+    method: str | None = None
+    prompts: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    mismatch: Mismatch | None = None
+    note: str = ""
+    mismatches: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.method is not None and self.mismatch is None
+
+    def to_dict(self) -> dict:
+        """For the run's meta file: how the server was checked, and how it ended."""
+        return {"endpoint": self.endpoint, "method": self.method, "prompts": self.prompts, "tokens": self.tokens,
+                "mismatches": self.mismatches, "ok": self.ok, "note": self.note, "seconds": round(self.seconds, 3)}
+
+
+class ServerCountsDiffer(ValueError):
+    """A server counts the sample otherwise than the tokenizer: the run's counts would be wrong."""
+
+
+def build_samples(synth: PromptSynthesizer, lengths: Iterable[int] = (), max_len: int | None = None) -> list[Sample]:
+    """The prompts the servers are asked to count (the module's docstring says which).
+
+    `synth` is the run's synthesizer (tokenizer, api, block size); the sample gets its own seed.
+    `lengths`: input lengths of the run's own rows to include (its shortest and longest).
+    `max_len`: the server's context; prompts are kept a token under it (the usage way asks for
+    one output token).
+    """
+    sample = PromptSynthesizer(synth.tokenizer, synth.api, synth.block_size, synth.seed + SAMPLE_SEED)
+    cap = min(max_len or MAX_SAMPLE_TOKENS, MAX_SAMPLE_TOKENS) - 1
+    samples = _vocabulary_samples(sample, cap)
+    frame, size = sample.frame.overhead, sample.blocks.block_size
+    wanted = [frame + 1, frame + 2, frame + size - 1, frame + size, frame + size + 1, frame + 2 * size + 1,
+              frame + 5 * size + size // 2, *lengths]
+    if sample.short_frame is not None:
+        wanted.insert(0, sample.short_frame.overhead + 1)
+    seen: set[int] = set()
+    for n, length in enumerate(wanted):
+        if length in seen or length > cap or length < sample.min_overhead_tokens:
+            continue
+        seen.add(length)
+        blocks = -(-max(length - frame, 1) // size)
+        row = TraceRow(request_id=n, timestamp_s=0.0, input_length=length, output_length=1,
+                       hash_ids=tuple(range(blocks)))
+        prompt = sample.prompt(row)
+        samples.append(Sample(f"a {length}-token prompt ({blocks} block(s) of {size})", prompt,
+                              encode_prompt(sample.tokenizer, prompt)))
+    return samples
+
+
+def _vocabulary_samples(sample: PromptSynthesizer, cap: int) -> list[Sample]:
+    vocab = sample.vocab
+    words = max(1, min(VOCAB_WORDS, cap - sample.frame.overhead - 2))
+    order = list(range(len(vocab)))
+    random.Random(sample.seed).shuffle(order)
+    samples = []
+    for start in range(0, len(order), words):
+        chunk = order[start : start + words]
+        lead = start // words % vocab.lead_count  # a prompt's first word goes bare: one that has a bare form
+        text = vocab.texts[lead][1:] + "".join(vocab.texts[i] for i in chunk)
+        prompt = sample.text_prompt(text, 0)
+        ids = encode_prompt(sample.tokenizer, prompt)
+        prompt.expected_tokens = len(ids)
+        samples.append(Sample(f"vocabulary prompt {start // words + 1} ({len(chunk) + 1} words)", prompt, ids))
+    return samples
+
+
+def check_server(url: str, samples: list[Sample], api: str, model: str | None = None,
+                 headers: dict[str, str] | None = None) -> ServerCheck:
+    """Ask `url` to count every sample; the first mismatch is kept (all are counted)."""
+    result = ServerCheck(url)
+    started = time.perf_counter()
+    try:
+        for sample in samples:
+            answer = _count(url, sample.prompt, api, model, headers, result)
+            if answer is None:
+                break
+            ids, count, strs = answer
+            result.prompts += 1
+            result.tokens += count
+            same = ids == sample.ids if ids is not None else count == len(sample.ids)
+            if not same:
+                result.mismatches += 1
+                if result.mismatch is None:
+                    result.mismatch = Mismatch(sample, ids, count, strs)
+    except Unanswered as e:
+        result.method, result.note = None, f"no answer: {e}"
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _count(url: str, prompt: Prompt, api: str, model: str | None, headers: dict | None,
+           result: ServerCheck) -> tuple[list[int] | None, int, list[str] | None] | None:
+    """(ids or None, count, the server's token texts or None) by the endpoint's way, found on its
+    first prompt; None when it offers none (`result.note` says why)."""
+    if result.method in (None, TOKENIZE):
+        status, answer = ask_json(url.rstrip("/") + "/tokenize", _tokenize_body(prompt, api, model), headers)
+        ids, strs = _tokenize_ids(answer) if status == 200 else (None, None)
+        if ids is not None:
+            result.method = TOKENIZE
+            return ids, len(ids), strs
+        if result.method == TOKENIZE:  # it answered before: this is an error, not a missing endpoint
+            raise Unanswered(f"POST /tokenize answered HTTP {status}: {_said(answer)}")
+        if status not in NOT_OFFERED:
+            raise Unanswered(f"POST /tokenize answered HTTP {status}: {_said(answer)}")
+    path, body = _usage_request(prompt, api, model)
+    if path is None:
+        result.note = f"no POST /tokenize (HTTP {status}), and --api {api} reports no prompt token count"
+        return None
+    status, answer = ask_json(url.rstrip("/") + path, body, headers)
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if status != 200 or not isinstance(count, int):
+        if result.method == USAGE:
+            raise Unanswered(f"POST {path} answered HTTP {status}: {_said(answer)}")
+        result.note = f"no POST /tokenize, and POST {path} answered HTTP {status} without usage.prompt_tokens"
+        return None
+    result.method = USAGE
+    return None, count, None
+
+
+def _tokenize_body(prompt: Prompt, api: str, model: str | None) -> dict:
+    if api == "tgi":
+        return {"inputs": prompt.text}
+    body: dict = {"model": model} if model else {}
+    if prompt.messages is not None:
+        body.update(messages=prompt.messages, add_generation_prompt=True)
+        if prompt.tools:
+            body["tools"] = prompt.tools
+    else:
+        body.update(prompt=prompt.text, add_special_tokens=True)
+    body["return_token_strs"] = True
+    return body
+
+
+def _tokenize_ids(answer) -> tuple[list[int] | None, list[str] | None]:
+    """vLLM/SGLang: {"tokens": [ids], "token_strs": [...]}; TGI: [{"id": .., "text": ..}, ...]."""
+    if isinstance(answer, dict) and isinstance(answer.get("tokens"), list):
+        tokens = answer["tokens"]
+        if all(isinstance(t, int) for t in tokens):
+            strs = answer.get("token_strs")
+            return tokens, strs if isinstance(strs, list) else None
+    if isinstance(answer, list) and all(isinstance(t, dict) and isinstance(t.get("id"), int) for t in answer):
+        return [t["id"] for t in answer], [str(t.get("text", "")) for t in answer]
+    return None, None
+
+
+def _usage_request(prompt: Prompt, api: str, model: str | None) -> tuple[str | None, dict]:
+    base: dict = {"model": model} if model else {}
+    base.update(max_tokens=1, stream=False)
+    if api == "openai-chat":
+        body = {**base, "messages": prompt.messages}
+        if prompt.tools:
+            body["tools"] = prompt.tools
+        return "/v1/chat/completions", body
+    if api == "openai-completions":
+        return "/v1/completions", {**base, "prompt": prompt.text}
+    return None, {}
+
+
+def _said(answer) -> str:
+    text = json.dumps(answer)[:200] if answer is not None else "(no JSON)"
+    return text
+
+
+# -- the message --------------------------------------------------------------------------------
+
+
+def explain(check: ServerCheck, synth: PromptSynthesizer, tokenizer_path: str) -> str:
+    """The refusal: which server, which prompt, local vs server tokens, and the likely cause."""
+    m = check.mismatch
+    assert m is not None
+    lines = [f"{check.endpoint} does not count prompts as --tokenizer {tokenizer_path} does "
+             f"({check.mismatches} of {check.prompts} sample prompts differ; asked by "
+             f"{'POST /tokenize' if check.method == TOKENIZE else 'usage.prompt_tokens'})",
+             f"  first: {m.sample.label}: {len(m.sample.ids)} tokens here, {m.server_count} on the server"]
+    tok = synth.tokenizer.tokenizer
+    if m.server_ids is not None:
+        local, server = m.sample.ids, m.server_ids
+        at = next((i for i, (a, b) in enumerate(zip(local, server)) if a != b), min(len(local), len(server)))
+        lo, hi = max(0, at - SHOWN_TOKENS), at + SHOWN_TOKENS
+        server_strs = m.server_strs[lo:hi] if m.server_strs else [tok.id_to_token(i) or f"#{i}" for i in server[lo:hi]]
+        lines += [f"  first difference at token {at}, in the text {tok.decode(local[lo:hi])!r}",
+                  f"    here:   {' '.join(repr(tok.id_to_token(i) or f'#{i}') for i in local[lo:hi])}",
+                  f"    server: {' '.join(repr(s) for s in server_strs)}"]
+    lines.append(f"  likely cause: {likely_cause(m, synth, tokenizer_path)}")
+    remedy = "  no request of the trace was sent. Serve this tokenizer and template, or pass the server's with " \
+             "--tokenizer/--chat-template"
+    if synth.api == "openai-completions":
+        remedy += "; --prompt-format token-ids sends the prompts as ids, exact whatever the server does with text"
+    lines.append(remedy + "; --verify-server off sends anyway (counts will be off)")
+    return "\n".join(lines)
+
+
+def likely_cause(m: Mismatch, synth: PromptSynthesizer, tokenizer_path: str) -> str:
+    """A guess from where the counts differ: only around the content (template, special tokens)
+    or inside it (the tokenizer itself)."""
+    local = m.sample.ids
+    if m.server_ids is not None:
+        server = m.server_ids
+        shorter = min(len(local), len(server))
+        head = next((i for i, (a, b) in enumerate(zip(local, server)) if a != b), shorter)
+        tail = next((i for i, (a, b) in enumerate(zip(reversed(local), reversed(server))) if a != b), shorter)
+        # the ids differ only where the frame is (before or after the content), in a few tokens
+        at_edge = head <= len(synth.frame.before) + 1 or tail <= len(synth.frame.after) + 1
+        edges_only = at_edge and max(len(local), len(server)) - min(head + tail, shorter) <= EDGE_TOKENS
+    else:
+        edges_only = abs(m.server_count - len(local)) <= EDGE_TOKENS
+    folder = _folder(tokenizer_path)
+    named = _json(folder / "tokenizer_config.json").get("tokenizer_class")
+    if edges_only:
+        if synth.api == "openai-chat":
+            return ("the chat template: the server puts other tokens around the message than this template "
+                    f"({synth.frame.overhead} here); serve with this template, or pass the server's with --chat-template")
+        return ("special tokens: the server adds other tokens around the text (BOS/EOS: add_bos_token in "
+                "tokenizer_config.json, or another tokenizer_config.json)")
+    if isinstance(named, str) and any(n in named for n in SENTENCEPIECE_CLASSES) and _byte_level(folder):
+        return (f"tokenizer_config.json names tokenizer_class {named!r} for a byte-level BPE tokenizer.json: the "
+                "server's transformers builds that (sentencepiece-style) class from the files instead of using "
+                "tokenizer.json as it is, and it drops or moves the spaces; name PreTrainedTokenizerFast there, "
+                "or remove the line, on the server")
+    hint = f" (or its tokenizer_config.json's tokenizer_class {named!r} makes it build another)" if named else ""
+    return f"the server's tokenizer is not this tokenizer.json: another model or revision{hint}"
+
+
+def _folder(tokenizer_path: str) -> Path:
+    p = Path(tokenizer_path)
+    return p if p.is_dir() else p.parent
+
+
+def _byte_level(folder: Path) -> bool:
+    """tokenizer.json splits bytes (GPT-2 style: Qwen, Llama 3), not sentencepiece pieces."""
+    spec = _json(folder / "tokenizer.json")
+    return "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass
+class Verdict:
+    """The outcome over a fleet, for the run's meta file and the log."""
+
+    checks: list[ServerCheck] = field(default_factory=list)
+    skipped: str = ""  # why nothing was asked (e.g. --verify-server off)
+
+    def to_dict(self) -> dict:
+        return {"skipped": self.skipped, "endpoints": [c.to_dict() for c in self.checks]}
+
+
+def verify_servers(urls: list[str], synth: PromptSynthesizer, tokenizer_path: str, *, mode: str = "auto",
+                   model: str | None = None, headers: dict[str, str] | None = None, lengths: Iterable[int] = (),
+                   max_len: int | None = None) -> Verdict:
+    """Check every endpoint (a fleet may mix servers). Raises ServerCountsDiffer on a mismatch,
+    and, with mode "require", for an endpoint that offers no way to count."""
+    if mode == "off":
+        return Verdict(skipped="--verify-server off")
+    if synth.token_ids:
+        return Verdict(skipped="--prompt-format token-ids: the server counts the ids as given")
+    samples = build_samples(synth, lengths, max_len)
+    verdict = Verdict()
+    for url in urls:
+        check = check_server(url, samples, synth.api, model, headers)
+        verdict.checks.append(check)
+        if check.mismatch is not None:
+            raise ServerCountsDiffer(explain(check, synth, tokenizer_path))
+        if check.method is None:
+            if mode == "require":
+                raise ServerCountsDiffer(f"--verify-server require: {url} offers no way to count prompts: {check.note}")
+            logger.warning("--verify-server: %s not checked (%s); its prompt counts are assumed right", url, check.note)
+            continue
+        logger.info("--verify-server: %s counts all %d sample prompts (%d tokens) as this tokenizer does "
+                    "(by %s, %.1f s)", url, check.prompts, check.tokens,
+                    "POST /tokenize" if check.method == TOKENIZE else "usage.prompt_tokens", check.seconds)
+    return verdict

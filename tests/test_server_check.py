@@ -1,0 +1,153 @@
+"""--verify-server and `replay prompts check --server`: the server counts a sample of prompts as
+the tokenizer does, or nothing of the trace is sent.
+
+A server that tokenizes otherwise is a real `replay sim` serving a tokenizer.json whose
+normalizer removes spaces: the same vocabulary and ids, text split otherwise, as vLLM does
+with a byte-level tokenizer.json loaded as LlamaTokenizer (tests/test_verify_vllm.py has that
+real case). `--no-tokenize-endpoint` makes the sim a server without POST /tokenize.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import REPO, check_records, free_port, mooncake_trace, replay_args, run_locust
+from replay.results.metadata import meta_path
+from replay.sim.process import sim_process
+
+ROWS = 40
+
+
+def spaceless_tokenizer(source: Path, folder: Path) -> Path:
+    """`source`'s tokenizer with a normalizer that drops every space: same ids, other counts."""
+    shutil.copytree(source, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": ""}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_dir(toy_tokenizer_dir, tmp_path_factory) -> Path:
+    return spaceless_tokenizer(toy_tokenizer_dir, tmp_path_factory.mktemp("spaceless") / "tok")
+
+
+@pytest.fixture
+def trace(tmp_path) -> Path:
+    return mooncake_trace(tmp_path / "trace.jsonl", ROWS, gap_ms=5)
+
+
+def sim_with(tokenizer: Path, *args: str):
+    return sim_process(tokenizer, "--block-size", "16", "--ttft-ms", "5", "--itl-ms", "1", *args)
+
+
+def generation_requests(url: str) -> int:
+    """Generation requests the sim has seen (its ledger counts every one at arrival)."""
+    return requests.get(f"{url}/debug/requests", timeout=10).json()["total"]
+
+
+def server_check(output: Path) -> dict:
+    return json.loads(meta_path(output).read_text())["server_check"]
+
+
+@pytest.mark.parametrize("api", ["openai-chat", "openai-completions"])
+def test_a_server_that_counts_alike_is_checked_then_replayed(api, toy_tokenizer_dir, trace, tmp_path):
+    output = tmp_path / "run.jsonl"
+    with sim_with(toy_tokenizer_dir) as sim:
+        run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--api", api), tmp_path)
+        assert generation_requests(sim.url) == ROWS  # the check asked /tokenize, never generated
+    check_records(output, trace)
+    [endpoint] = server_check(output)["endpoints"]
+    assert endpoint["ok"] and endpoint["method"] == "tokenize" and endpoint["mismatches"] == 0
+    assert endpoint["prompts"] >= 5 and endpoint["tokens"] > 0
+
+
+@pytest.mark.parametrize("api", ["openai-chat", "openai-completions"])
+def test_a_server_that_tokenizes_otherwise_is_refused_before_any_request(api, toy_tokenizer_dir,
+                                                                        other_tokenizer_dir, trace, tmp_path):
+    output = tmp_path / "run.jsonl"
+    with sim_with(other_tokenizer_dir) as sim:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--api", api), tmp_path,
+                          exit_code=2)
+        assert generation_requests(sim.url) == 0
+    err = proc.stderr
+    assert f"{sim.url} does not count prompts as --tokenizer {toy_tokenizer_dir} does" in err
+    assert "tokens here," in err and "on the server" in err
+    assert "first difference at token" in err and "likely cause:" in err
+    assert "no request of the trace was sent" in err
+    assert ("--prompt-format token-ids" in err) == (api == "openai-completions")
+    assert not output.exists()
+
+
+def test_token_id_prompts_are_exact_against_that_server(toy_tokenizer_dir, other_tokenizer_dir, trace, tmp_path):
+    output = tmp_path / "run.jsonl"
+    with sim_with(other_tokenizer_dir) as sim:
+        run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--api", "openai-completions",
+                               "--prompt-format", "token-ids"), tmp_path)
+    check_records(output, trace)  # every prompt_tokens == input_length: the ids are counted as given
+    assert server_check(output)["skipped"].startswith("--prompt-format token-ids")
+
+
+def test_without_tokenize_the_usage_counts_are_checked(toy_tokenizer_dir, other_tokenizer_dir, trace, tmp_path):
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    with sim_with(toy_tokenizer_dir, "--no-tokenize-endpoint") as sim:
+        run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, good), tmp_path)
+    check_records(good, trace)
+    [endpoint] = server_check(good)["endpoints"]
+    assert endpoint["ok"] and endpoint["method"] == "usage"
+    with sim_with(other_tokenizer_dir, "--no-tokenize-endpoint") as sim:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, bad), tmp_path, exit_code=2)
+    assert "asked by usage.prompt_tokens" in proc.stderr and "likely cause:" in proc.stderr
+
+
+def test_a_server_with_no_way_to_count_is_skipped_by_auto_and_refused_by_require(toy_tokenizer_dir, trace,
+                                                                                tmp_path):
+    """TGI's protocol reports no prompt count, and this sim has no /tokenize."""
+    auto, require = tmp_path / "auto.jsonl", tmp_path / "require.jsonl"
+    with sim_with(toy_tokenizer_dir, "--no-tokenize-endpoint") as sim:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, auto, "--api", "tgi"), tmp_path)
+        assert "not checked" in proc.stderr
+        [endpoint] = server_check(auto)["endpoints"]
+        assert endpoint["method"] is None and not endpoint["ok"] and "no POST /tokenize" in endpoint["note"]
+        seen = generation_requests(sim.url)
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, require, "--api", "tgi",
+                                      "--verify-server", "require"), tmp_path, exit_code=2)
+        assert generation_requests(sim.url) == seen
+    assert f"--verify-server require: {sim.url} offers no way to count prompts" in proc.stderr
+    check_records(auto, trace, exact_prompt=False)  # tgi records carry no prompt count
+
+
+def test_fleet_every_endpoint_is_checked(toy_tokenizer_dir, other_tokenizer_dir, trace, tmp_path):
+    """One server of two tokenizes otherwise: the run is refused, naming that one."""
+    output = tmp_path / "run.jsonl"
+    with sim_with(toy_tokenizer_dir) as good, sim_with(other_tokenizer_dir) as bad:
+        args = replay_args(trace, toy_tokenizer_dir, good.url, output, "--endpoints", f"{good.url},{bad.url}")
+        proc = run_locust(args, tmp_path, exit_code=2)
+        assert generation_requests(good.url) == generation_requests(bad.url) == 0
+    assert f"{bad.url} does not count prompts" in proc.stderr
+
+
+def prompts_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay", "prompts", "check", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_prompts_check_server(toy_tokenizer_dir, other_tokenizer_dir, trace):
+    base = ["--trace", str(trace), "--block-size", "16", "--tokenizer", str(toy_tokenizer_dir), "--model", "sim"]
+    with sim_with(toy_tokenizer_dir) as good, sim_with(other_tokenizer_dir) as bad:
+        ok = prompts_check(*base, "--server", good.url)
+        differs = prompts_check(*base, "--server", bad.url, "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert f"server           {good.url}: all " in ok.stdout and "counted as here (by tokenize)" in ok.stdout
+    assert differs.returncode == 1, differs.stderr
+    [server] = json.loads(differs.stdout)["servers"]
+    assert not server["ok"] and server["mismatches"] > 0 and "likely cause:" in server["explanation"]
+    unreachable = prompts_check(*base, "--server", f"http://127.0.0.1:{free_port()}")
+    assert unreachable.returncode == 2 and "cannot be asked: no answer" in unreachable.stdout
