@@ -75,6 +75,20 @@ def mooncake_trace(path: Path, rows: int, gap_ms: float, output_length=(4, 12), 
     return path
 
 
+def mooncake_slice(out_dir: Path, rows: int, block: int, time_scale: float) -> Path:
+    """The first `rows` rows of ../shared's Mooncake trace, rescaled to `block`-token blocks and
+    sped up `time_scale` times (`replay trace convert`), for runs against real vLLM."""
+    source = shared_path("traces", "mooncake_synthetic_trace.jsonl")
+    out = out_dir / f"mooncake-{rows}-b{block}.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "replay", "trace", "convert", str(source), str(out), "--max-rows", str(rows),
+         "--block-size-to", str(block), "--time-scale", str(time_scale)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 def replay_args(trace: Path, tokenizer: Path, url: str, output: Path, *extra: str) -> list[str]:
     return ["--headless", "--host", url, "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer",
             str(tokenizer), "--model", "sim", "--output", str(output), "--loglevel", "INFO", *extra]

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import shared_path
+from conftest import mooncake_slice, run_locust, shared_path
+from replay.results.metadata import read_run_metadata
 from replay.results.records import read_records
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
-from conftest import run_locust
 from vllm_server import reset_prefix_cache, vllm_qwen2  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(560)]
@@ -46,15 +46,7 @@ def tokenizer_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory) -> Path:
-    source = shared_path("traces", "mooncake_synthetic_trace.jsonl")
-    out = tmp_path_factory.mktemp("e2e") / f"mooncake-{ROWS}-b{BLOCK}.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "replay", "trace", "convert", str(source), str(out), "--max-rows", str(ROWS),
-         "--block-size-to", str(BLOCK), "--time-scale", str(TIME_SCALE)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return mooncake_slice(tmp_path_factory.mktemp("e2e"), ROWS, BLOCK, TIME_SCALE)
 
 
 def replay(url: str, trace: Path, tokenizer_dir: Path, api: str, output: Path) -> list[dict]:
@@ -66,6 +58,9 @@ def replay(url: str, trace: Path, tokenizer_dir: Path, api: str, output: Path) -
     assert sorted(r["request_id"] for r in records) == list(range(ROWS))
     failed = [r for r in records if not r["ok"]]
     assert not failed, failed[:3]
+    # --verify-server (default auto): vLLM counted the sample exactly as the unchanged tokenizer does
+    [check] = read_run_metadata(output)["server_check"]["endpoints"]
+    assert check["ok"] and check["method"] == "tokenize" and check["prompts"] >= 20, check
     return records
 
 

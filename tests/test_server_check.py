@@ -80,7 +80,8 @@ def test_a_server_that_tokenizes_otherwise_is_refused_before_any_request(api, to
     err = proc.stderr
     assert f"{sim.url} does not count prompts as --tokenizer {toy_tokenizer_dir} does" in err
     assert "tokens here," in err and "on the server" in err
-    assert "first difference at token" in err and "likely cause:" in err
+    assert "first difference at token" in err
+    assert "likely cause: the server's tokens carry no space marker where this tokenizer's do" in err
     assert "no request of the trace was sent" in err
     assert ("--prompt-format token-ids" in err) == (api == "openai-completions")
     assert not output.exists()

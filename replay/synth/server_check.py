@@ -32,6 +32,7 @@ from typing import Iterable
 
 from replay.api.ask import Unanswered, ask_json
 from replay.synth.prompts import Prompt, PromptSynthesizer, encode_prompt
+from replay.synth.vocab import SPACE_MARKERS
 from replay.trace.record import TraceRow
 
 logger = logging.getLogger(__name__)
@@ -286,13 +287,25 @@ def likely_cause(m: Mismatch, synth: PromptSynthesizer, tokenizer_path: str) -> 
                     f"({synth.frame.overhead} here); serve with this template, or pass the server's with --chat-template")
         return ("special tokens: the server adds other tokens around the text (BOS/EOS: add_bos_token in "
                 "tokenizer_config.json, or another tokenizer_config.json)")
+    if m.server_ids is not None and _spaces_dropped(m, synth):
+        return ("the server's tokens carry no space marker where this tokenizer's do: it reads this byte-level "
+                "tokenizer.json as a sentencepiece-style tokenizer, as transformers does when the server's "
+                "tokenizer_config.json names a tokenizer_class such as LlamaTokenizerFast; name "
+                "PreTrainedTokenizerFast there, or remove the line, on the server")
     if isinstance(named, str) and any(n in named for n in SENTENCEPIECE_CLASSES) and _byte_level(folder):
-        return (f"tokenizer_config.json names tokenizer_class {named!r} for a byte-level BPE tokenizer.json: the "
-                "server's transformers builds that (sentencepiece-style) class from the files instead of using "
-                "tokenizer.json as it is, and it drops or moves the spaces; name PreTrainedTokenizerFast there, "
-                "or remove the line, on the server")
-    hint = f" (or its tokenizer_config.json's tokenizer_class {named!r} makes it build another)" if named else ""
-    return f"the server's tokenizer is not this tokenizer.json: another model or revision{hint}"
+        return (f"this tokenizer_config.json names tokenizer_class {named!r} for a byte-level BPE tokenizer.json: "
+                "the server's transformers builds that (sentencepiece-style) class from the files instead of using "
+                "tokenizer.json as it is; name PreTrainedTokenizerFast there, or remove the line, on the server")
+    return "the server's tokenizer is not this tokenizer.json: another model or revision, or loaded otherwise"
+
+
+def _spaces_dropped(m: Mismatch, synth: PromptSynthesizer) -> bool:
+    """Most of our tokens start with a space marker ('Ġ', '▁') and almost none of the server's do."""
+    tok = synth.tokenizer.tokenizer
+    ours = sum(1 for i in m.sample.ids if (tok.id_to_token(i) or "")[:1] in SPACE_MARKERS)
+    theirs_texts = m.server_strs or [tok.id_to_token(i) or "" for i in m.server_ids or ()]
+    theirs = sum(1 for t in theirs_texts if t[:1] in SPACE_MARKERS)
+    return ours >= len(m.sample.ids) // 2 and theirs * 10 < ours
 
 
 def _folder(tokenizer_path: str) -> Path:
