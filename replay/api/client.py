@@ -24,6 +24,7 @@ TTFT is the server's alone.
 from __future__ import annotations
 
 import errno
+import http.client
 import socket
 import struct
 import time
@@ -421,6 +422,27 @@ def close_with_reset(sock) -> None:
     except OSError:
         pass
     sock.close()
+
+
+def http_get(url: str, timeout: float) -> bytes:
+    """One GET on a connection of its own, closed by reset, for the master's questions to a
+    server (its models, its metrics): the servers are not left a connection in TIME_WAIT, and
+    nothing is shared with the workers' pools. Raises OSError, http.client.HTTPException, or
+    ValueError("HTTP <status>") for an answer other than 200."""
+    parts = urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(parts.hostname, parts.port, timeout=timeout)
+    try:
+        connection.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
+        answer = connection.getresponse()
+        body = answer.read()
+    finally:
+        if connection.sock is not None:
+            close_with_reset(connection.sock)
+        connection.close()
+    if answer.status != 200:
+        raise ValueError(f"HTTP {answer.status}")
+    return body
 
 
 def _release(endpoint: Endpoint, response) -> None:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import http.client
 import logging
-from urllib.parse import urlsplit
 
 import orjson
 
-from replay.api.client import close_with_reset
+from replay.api.client import http_get
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +38,4 @@ def served_max_model_len(urls: list[str], model: str | None = None) -> int | Non
 
 
 def _get_json(url: str) -> dict:
-    """One GET on a connection of its own, closed by reset: the run's servers are not left a
-    connection in TIME_WAIT by a question asked before the run."""
-    parts = urlsplit(url)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = kind(parts.hostname, parts.port, timeout=MODELS_TIMEOUT_S)
-    try:
-        connection.request("GET", parts.path or "/")
-        answer = connection.getresponse()
-        body = answer.read()
-    finally:
-        if connection.sock is not None:
-            close_with_reset(connection.sock)
-        connection.close()
-    if answer.status != 200:
-        raise ValueError(f"HTTP {answer.status}")
-    return orjson.loads(body)
+    return orjson.loads(http_get(url, MODELS_TIMEOUT_S))

@@ -27,6 +27,7 @@ class SimOptions:
     drop_rate: float = 0.0
     eos_prob: float = 0.002
     seed: int = 0
+    metrics: bool = True
 
 
 HELP = {
@@ -49,6 +50,7 @@ HELP = {
     "drop_rate": "fraction of streams whose connection is closed mid-way",
     "eos_prob": "per-token chance of an early stop when the request does not set ignore_eos",
     "seed": "seed of every random choice (faults, jitter, output tokens and lengths)",
+    "metrics": "serve /metrics (--no-metrics: 404, as a server without Prometheus metrics)",
 }
 
 
@@ -57,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "tokenizer":
             parser.add_argument(flag, required=True, help=HELP[f.name])
+            continue
+        if str(f.type) == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f"{HELP[f.name]} (default: {f.default})")
             continue
         kind = {"int": int, "float": float}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=f.default, help=f"{HELP[f.name]} (default: {f.default})")
