@@ -72,9 +72,12 @@ def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
     counts: dict[str, int] = defaultdict(int)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in wanted and not math.isnan(sample.value):
-                sums[sample.name] += sample.value
-                counts[sample.name] += 1
+            name = sample.name
+            if name not in wanted and family.type == "counter" and name == family.name + "_total":
+                name = family.name  # the parser names every counter sample NAME_total; TGI's have no _total
+            if name in wanted and not math.isnan(sample.value):
+                sums[name] += sample.value
+                counts[name] += 1
     return {name: (sums[name] / counts[name] if name in FRACTIONS else sums[name]) for name in sums}
 
 
