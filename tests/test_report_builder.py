@@ -125,6 +125,7 @@ def old_build_report(records: list[dict], slo: dict | None = None, cache: dict |
         report["goodput_rps"] = None
     report["cache"] = cache
     report["endpoints"] = old_endpoint_breakdown(records)
+    report["server"] = None
     return report
 
 

@@ -126,7 +126,7 @@ class ReportBuilder:
         """design.md's summary keys, the totals vLLM prints, failure breakdowns, goodput, the
         `cache` section as given (replay.results.fidelity's) and the per-endpoint lines. The
         `server` section (replay.results.server_metrics) needs the per-endpoint lines: the
-        caller adds it."""
+        caller fills it in."""
         report = self.summary.summary()
         report["failures_by_status"] = self.summary.failures.most_common()[1]
         report["requests_unsent"] = self.summary.requests - self.summary.requests_sent
@@ -144,6 +144,7 @@ class ReportBuilder:
             report["goodput_rps"] = None
         report["cache"] = cache
         report["endpoints"] = {endpoint: self.endpoints[endpoint].entry() for endpoint in sorted(self.endpoints)}
+        report["server"] = None  # the run's server-metrics samples, when it has some (see above)
         return report
 
 
