@@ -17,7 +17,7 @@ import orjson
 from replay.results.metadata import file_sha256, read_run_metadata
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
-from replay.results.server_metrics import read_server_section
+from replay.results.server_metrics import metrics_path, read_samples, read_server_section
 
 
 def register(subparsers) -> None:
@@ -150,7 +150,8 @@ def run(args) -> int:
         from replay.results.html import PlottingMissing, write_html
 
         try:
-            write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir)
+            samples = list(read_samples(metrics_path(args.results))) if report["server"] else None
+            write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir, samples=samples)
         except PlottingMissing as e:
             print(f"replay report: {e}", file=sys.stderr)
             return 1
