@@ -70,7 +70,15 @@ def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
     wanted = set(wanted)
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    for family in text_string_to_metric_families(text):
+    # Only the wanted samples' lines go to the parser: vLLM's page is mostly histogram buckets,
+    # and on a single process (--processes 1, the local runner) parsing shares the dispatcher's
+    # core. Without their # TYPE lines the samples parse as untyped, under the names as written.
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")
+             and line.split("{", 1)[0].split(" ", 1)[0] in wanted]  # fmt: skip
+    if not lines:  # none of ours: still the format? (a proxy's HTML page is not)
+        for _ in text_string_to_metric_families(text):
+            pass
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             name = sample.name
             if name not in wanted and family.type == "counter" and name == family.name + "_total":
