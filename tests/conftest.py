@@ -177,3 +177,19 @@ def sim(toy_tokenizer_dir):
     with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "30", "--itl-ms", "2",
                      "--prefill-ms-per-1k", "0") as server:
         yield server
+
+
+# -- the server's side of a run (OUTPUT.server-metrics.jsonl) -------------------------------------
+
+
+def server_samples(output: Path) -> list[dict]:
+    """Every line of a run's server-metrics file, each parsed (a line that does not parse fails)."""
+    path = Path(f"{output}.server-metrics.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def counter_change(samples: list[dict], endpoint: str, name: str) -> float:
+    """Last minus first value of a counter at `endpoint` (the tests' servers never restart)."""
+    values = [s["metrics"][name] for s in samples if s["endpoint"] == endpoint and s["ok"]]
+    assert len(values) >= 2, f"{endpoint}: {len(values)} samples of {name}"
+    return values[-1] - values[0]

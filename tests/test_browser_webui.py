@@ -108,6 +108,10 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
             svg = browser.find_element("id", f"chart-{chart}")
             assert int(svg.get_attribute("data-points")) >= 3, chart
             assert svg.find_elements("css selector", "polyline.series"), chart
+        for chart in ("requests", "kv", "cache"):  # the endpoint's own side, from the master's /metrics scrapes
+            svg = browser.find_element("id", f"chart-server-0-{chart}")
+            assert int(svg.get_attribute("data-points")) >= 3, chart
+        assert browser.find_elements("css selector", "#chart-server-0-cache polyline.series")
         assert float(text(browser, "legend-ttft_p50_ms")) >= 25  # the sim's TTFT is 30 ms
         table = [[td.text for td in tr.find_elements("tag name", "td")]
                  for tr in browser.find_elements("css selector", "#workers tbody tr")]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mooncake_slice, run_locust, shared_path
+from conftest import counter_change, mooncake_slice, run_locust, server_samples, shared_path
 from replay.results.metadata import read_run_metadata
 from replay.results.records import read_records
 from replay.synth.prompts import PromptSynthesizer
@@ -49,11 +49,12 @@ def trace(tmp_path_factory) -> Path:
     return mooncake_slice(tmp_path_factory.mktemp("e2e"), ROWS, BLOCK, TIME_SCALE)
 
 
-def replay(url: str, trace: Path, tokenizer_dir: Path, api: str, output: Path) -> list[dict]:
+def replay(url: str, trace: Path, tokenizer_dir: Path, api: str, output: Path, *extra: str) -> tuple[list[dict], str]:
+    """The run's records and its end-of-run summary (stdout)."""
     reset_prefix_cache(url)
-    run_locust(["--headless", "--host", url, "--trace", str(trace), "--tokenizer", str(tokenizer_dir), "--api", api,
-                "--model", "tiny", "--output", str(output), "--loglevel", "INFO", "--drain-timeout", str(DRAIN_TIMEOUT_S)],
-               output.parent, timeout=480)  # fmt: skip
+    proc = run_locust(["--headless", "--host", url, "--trace", str(trace), "--tokenizer", str(tokenizer_dir), "--api",
+                       api, "--model", "tiny", "--output", str(output), "--loglevel", "INFO", "--drain-timeout",
+                       str(DRAIN_TIMEOUT_S), *extra], output.parent, timeout=480)  # fmt: skip
     records = list(read_records(output))
     assert sorted(r["request_id"] for r in records) == list(range(ROWS))
     failed = [r for r in records if not r["ok"]]
@@ -61,7 +62,7 @@ def replay(url: str, trace: Path, tokenizer_dir: Path, api: str, output: Path) -
     # --verify-server (default auto): vLLM counted the sample exactly as the unchanged tokenizer does
     [check] = read_run_metadata(output)["server_check"]["endpoints"]
     assert check["ok"] and check["method"] == "tokenize" and check["prompts"] >= 20, check
-    return records
+    return records, proc.stdout
 
 
 def report(results: Path, trace: Path, tokenizer_dir: Path) -> tuple[dict, str]:
@@ -90,9 +91,31 @@ def check_cache_fidelity(summary: dict, text: str, records: list[dict]) -> None:
     assert "Prefix Cache Fidelity" in text
 
 
+def check_server_metrics(url: str, results: Path, records: list[dict]) -> None:
+    """vLLM's own counters over the run, scraped by the master, against the records. vLLM v1
+    counts prefix_cache_queries (request.num_tokens) and prefix_cache_hits (the hit tokens) once
+    per request, when the scheduler admits it (Scheduler.schedule -> record_prefix_cache_stats;
+    a preempted request's second lookup is kept apart, in stats never exported), and exports them
+    with each engine step's stats, so the change over the run equals the records' sums exactly."""
+    samples = server_samples(results)
+    assert samples and all(s["ok"] and s["endpoint"] == url for s in samples), samples[:2]
+    assert samples[0]["t"] < min(r["sent_at"] for r in records)
+    assert samples[-1]["t"] > max(r["finished_at"] for r in records)
+    hits = counter_change(samples, url, "vllm:prefix_cache_hits_total")
+    queries = counter_change(samples, url, "vllm:prefix_cache_queries_total")
+    print(f"vLLM counters over the run: {hits:.0f} hit of {queries:.0f} queried tokens, "
+          f"{counter_change(samples, url, 'vllm:num_preemptions_total'):.0f} preemptions, {len(samples)} samples")
+    assert hits == sum(r["cached_tokens"] for r in records) > 0
+    assert queries == sum(r["prompt_tokens"] for r in records)
+    assert counter_change(samples, url, "vllm:prompt_tokens_total") == queries
+    assert max(s["metrics"]["vllm:num_requests_running"] for s in samples) >= 1
+
+
 def test_completions_replay_is_exact(vllm_qwen2, trace, tokenizer_dir, tmp_path):
     results = tmp_path / "completions.jsonl"
-    records = replay(vllm_qwen2, trace, tokenizer_dir, "openai-completions", results)
+    records, end_of_run = replay(vllm_qwen2, trace, tokenizer_dir, "openai-completions", results,
+                                 "--server-block-size", str(BLOCK))
+    check_server_metrics(vllm_qwen2, results, records)
     wrong_prompt = [r for r in records if r["prompt_tokens"] != r["input_length"]]
     wrong_output = [r for r in records if r["output_tokens"] != r["output_length"]]
     assert not wrong_prompt, wrong_prompt[:3]
@@ -101,6 +124,10 @@ def test_completions_replay_is_exact(vllm_qwen2, trace, tokenizer_dir, tmp_path)
     assert summary["requests_ok"] == ROWS and summary["requests_failed"] == 0
     check_cache_fidelity(summary, text, records)
     assert summary["cache"]["requests_prompt_mismatch"] == 0
+    # the master's own summary carried the same fidelity section (--server-block-size)
+    assert "Prefix Cache Fidelity" in end_of_run
+    assert json.loads(Path(f"{results}.summary.json").read_text())["cache"] == summary["cache"]
+    assert summary["server"]["endpoints"][vllm_qwen2]["prompt_tokens_difference"] == 0
 
 
 def test_chat_replay_is_exact_where_the_template_permits(vllm_qwen2, trace, tokenizer_dir, tmp_path):
@@ -108,7 +135,7 @@ def test_chat_replay_is_exact_where_the_template_permits(vllm_qwen2, trace, toke
     shortest = synth.min_overhead_tokens + 1  # one content token inside the smallest frame
     empty = synth.short_frame.empty_tokens if synth.short_frame else synth.frame.empty_tokens
     results = tmp_path / "chat.jsonl"
-    records = replay(vllm_qwen2, trace, tokenizer_dir, "openai-chat", results)
+    records, _ = replay(vllm_qwen2, trace, tokenizer_dir, "openai-chat", results)
     long_enough = [r for r in records if r["input_length"] >= shortest]
     too_short = [r for r in records if r["input_length"] < shortest]
     print(f"chat: {len(long_enough)} rows of >= {shortest} tokens, {len(too_short)} shorter (the template's minimum "

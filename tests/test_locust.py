@@ -277,6 +277,8 @@ def test_bad_input_is_a_clear_error(tmp_path, toy_tokenizer_dir):
     (["--duration", "nan"], "--duration nan: must be a finite number of seconds >= 0"),
     (["--max-requests", "0"], "no rows to replay in the window"),
     (["--start", "3600"], "no rows to replay in the window"),
+    (["--server-metrics-interval", "-1"], "--server-metrics-interval -1.0: must be a finite number of seconds >= 0"),
+    (["--server-block-size", "0"], "--server-block-size 0: must be >= 1"),
 ])  # fmt: skip
 def test_bad_options_refused_on_the_master(tmp_path, toy_tokenizer_dir, flags, message):
     """Checked once, before any worker starts or anything is sent (they used to fail on every

@@ -20,9 +20,10 @@ import requests
 
 from conftest import LOCUST, check_records, finish, mooncake_trace, replay_args, run_locust, spawn_locust
 from replay.errors import OptionError
-from replay.results.metadata import meta_path, read_run_metadata
+from replay.results.metadata import meta_path, read_run_metadata, summary_path
 from replay.results.output import OutputTaken, claim_output, earlier_run_files, lock_path
 from replay.results.records import worker_path
+from replay.results.server_metrics import metrics_path
 
 # -- claim_output -------------------------------------------------------------------------------
 
@@ -74,7 +75,8 @@ def test_earlier_results_are_refused_without_overwrite(tmp_path):
 
 def test_overwrite_removes_the_earlier_runs_files_and_only_those(tmp_path):
     output = tmp_path / "run.jsonl"
-    earlier = [output, meta_path(output), *(worker_path(output, i) for i in (0, 1, 7, 12))]
+    earlier = [output, meta_path(output), summary_path(output), metrics_path(output),
+               *(worker_path(output, i) for i in (0, 1, 7, 12))]
     others = [tmp_path / "run.jsonl.worker-x.jsonl", tmp_path / "run.jsonl.bak", tmp_path / "other.jsonl",
               tmp_path / "other.jsonl.worker-0.jsonl", tmp_path / "xrun.jsonl.worker-0.jsonl"]
     for p in earlier + others:
@@ -228,7 +230,8 @@ def test_an_earlier_runs_results_need_overwrite(tmp_path, toy_tokenizer_dir, sim
     run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--replay-config", str(config)), tmp_path)
     check_records(output, trace)
     assert not stale.exists()
-    assert earlier_run_files(output) == [output, meta_path(output), worker_path(output, 0)]
+    assert earlier_run_files(output) == [output, meta_path(output), summary_path(output), metrics_path(output),
+                                         worker_path(output, 0)]
     assert read_run_metadata(output)["run_id"] not in kept[1].decode()
 
 
@@ -238,7 +241,9 @@ def test_default_output_is_unchanged(tmp_path, toy_tokenizer_dir, sim):
     args = args[: args.index("--output")] + args[args.index("--output") + 2 :]
     proc = run_locust(args, tmp_path)
     outputs = sorted((tmp_path / "results").iterdir())
-    assert [p.name for p in outputs if p.name.endswith(".jsonl") and ".worker-" not in p.name] == [outputs[0].name]
+    records = [p.name for p in outputs if p.name.endswith(".jsonl") and ".worker-" not in p.name
+               and ".server-metrics." not in p.name]  # fmt: skip
+    assert records == [outputs[0].name]
     assert outputs[0].name.startswith("replay-") and f"-> {Path('results') / outputs[0].name}" in proc.stdout
     check_records(outputs[0], trace)
     assert not list((tmp_path / "results").glob("*.lock"))

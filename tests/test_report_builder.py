@@ -99,6 +99,8 @@ def old_endpoint_breakdown(records: list[dict]) -> dict:
         for key in ("ttft_ms", "e2e_ms"):
             values = sorted(r[key] for r in ok if r.get(key) is not None)
             entry[key] = {"p50": old_percentile(values, 50), "p99": old_percentile(values, 99)}
+        entry["prompt_tokens"] = sum(r.get("prompt_tokens") or 0 for r in recs)
+        entry["cached_tokens"] = sum(r.get("cached_tokens") or 0 for r in recs)
         out[endpoint] = entry
     return out
 
@@ -123,6 +125,7 @@ def old_build_report(records: list[dict], slo: dict | None = None, cache: dict |
         report["goodput_rps"] = None
     report["cache"] = cache
     report["endpoints"] = old_endpoint_breakdown(records)
+    report["server"] = None
     return report
 
 

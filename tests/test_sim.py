@@ -415,7 +415,8 @@ def test_eviction_under_small_cache(toy_tokenizer_dir):
         m = metrics(sim)
         assert m["vllm:prefix_cache_hits_total"] == 48
         assert m["vllm:prefix_cache_queries_total"] == 4 * 41
-        assert 0 < m["vllm:kv_cache_usage_perc"] <= 1
+        # as vLLM's: blocks running requests hold (none now); cached blocks nobody uses count as free
+        assert m["vllm:kv_cache_usage_perc"] == 0
 
 
 # -- scheduling, latency, faults --------------------------------------------------------------------

@@ -131,7 +131,15 @@ def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers)
     assert latest["ideal_cache_hit_ratio"] == pytest.approx(ideal, abs=1e-4)
     assert 0 < observed and 0 < ideal
     assert latest["in_flight"] == 0
+    # the endpoint's own side: the master's /metrics scrapes, beside the clients' view
+    assert final["servers"] == [{"endpoint": sim.url, "scraped": True, "metrics": True}]
+    (server,) = latest["servers"]
+    assert server["cache_hit_ratio"] == latest["cache_hit_ratio"]
+    assert server["ideal_cache_hit_ratio"] == latest["ideal_cache_hit_ratio"]
+    assert server["server_hit_ratio"] == pytest.approx(observed, abs=1e-4)  # the sim counts as it reports
+    assert server["running"] == server["waiting"] == 0 and server["kv_cache_usage"] == 0
     points = final["history"]
+    assert any(p["servers"][0]["running"] is not None for p in points)
     assert len(points) >= 3 and all(p["t"] > q["t"] for p, q in zip(points[1:], points))
     assert any(p["ttft_p50_ms"] and p["ttft_p99_ms"] >= p["ttft_p50_ms"] >= 25 for p in points)
     assert any(p["output_tokens_per_s"] > 0 and p["input_tokens_per_s"] > p["output_tokens_per_s"] for p in points)

@@ -1,7 +1,8 @@
-"""One question to a server before the run, on a connection of its own.
+"""The master's questions to a server, each on a connection of its own.
 
 The master asks the endpoints what they serve (`GET /v1/models`) and how they count tokens
-(`POST /tokenize`) before anything is sent. Each question gets a fresh connection closed by
+(`POST /tokenize`) before anything is sent, and scrapes their `/metrics` during the run; none of
+it shares the workers' connection pools. Each question gets a fresh connection closed by
 reset, so the run's servers are not left a connection in TIME_WAIT, and a short timeout.
 """
 
@@ -21,10 +22,10 @@ class Unanswered(OSError):
     """The server could not be reached or answered no HTTP."""
 
 
-def ask_json(url: str, body: dict | None = None, headers: dict[str, str] | None = None,
-             timeout: float = ASK_TIMEOUT_S) -> tuple[int, object]:
-    """GET `url` (POST `body` as JSON when given); (status, the answer's JSON or None when it is
-    not JSON). Raises Unanswered when no HTTP answer came."""
+def ask(url: str, body: dict | None = None, headers: dict[str, str] | None = None,
+        timeout: float = ASK_TIMEOUT_S) -> tuple[int, bytes]:
+    """GET `url` (POST `body` as JSON when given); (status, the answer's bytes). Raises
+    Unanswered when no HTTP answer came."""
     parts = urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
@@ -37,17 +38,23 @@ def ask_json(url: str, body: dict | None = None, headers: dict[str, str] | None 
             sent["Content-Type"] = "application/json"
             connection.request("POST", path, body=orjson.dumps(body), headers=sent)
         answer = connection.getresponse()
-        data = answer.read()
+        return answer.status, answer.read()
     except (OSError, http.client.HTTPException) as e:
         raise Unanswered(f"{url}: {e or type(e).__name__}") from None
     finally:
         if connection.sock is not None:
             close_with_reset(connection.sock)
         connection.close()
+
+
+def ask_json(url: str, body: dict | None = None, headers: dict[str, str] | None = None,
+             timeout: float = ASK_TIMEOUT_S) -> tuple[int, object]:
+    """`ask`, the answer read as JSON (None when it is not JSON)."""
+    status, data = ask(url, body, headers, timeout)
     try:
-        return answer.status, orjson.loads(data)
+        return status, orjson.loads(data)
     except orjson.JSONDecodeError:
-        return answer.status, None
+        return status, None
 
 
 def check_url(option: str, url: str) -> None:

@@ -36,4 +36,3 @@ def served_max_model_len(urls: list[str], model: str | None = None,
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 limits.append(value)
     return min(limits) if limits else None
-

@@ -32,7 +32,10 @@ from replay.api.headers import parse_headers
 from replay.synth.server_check import Verdict, verify_servers
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
                                     is_failure, unsent_record)
-from replay.results.metadata import coordinator_metadata, write_run_metadata
+from replay.locust.scraper import Scraper
+from replay.results.cli import end_of_run_cache
+from replay.results.metadata import coordinator_metadata, write_run_metadata, write_summary
+from replay.results.server_metrics import read_server_section
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.store import REAL, RecordStore
 from replay.trace.reader import TraceStream
@@ -99,6 +102,11 @@ class Coordinator:
         self.finished = Event()
         self._ending: gevent.Greenlet | None = None
         self._supervisor: gevent.Greenlet | None = None
+        # the servers' /metrics, scraped by the master from the start of the run to its end
+        self.scraper: Scraper | None = None
+        if options.server_metrics_interval > 0:
+            self.scraper = Scraper(options.endpoint_urls(environment.host), self.output,
+                                   options.server_metrics_interval, options.server_metric)
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         # Registered first: asking the server below yields, and workers' hellos may come meanwhile.
@@ -164,6 +172,8 @@ class Coordinator:
             return
         self.started_at = time.time()
         self.store = RecordStore(self.output, *self.schedule.request_id_range())
+        if self.scraper is not None:
+            self.scraper.start()
         self._record_oversized()
         parts = self.schedule.partition(len(workers), self.options.partition)
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
@@ -244,6 +254,8 @@ class Coordinator:
         live = [w for w in self.workers.values() if not w.lost]
         if not force and not all(w.ready for w in live):
             return
+        if not force and self.scraper is not None and not self.scraper.first_round.is_set():
+            return  # the servers' counters are read once before the first send
         self.epoch = time.time() + GO_LEAD_S
         self.last_due = self.epoch + self.window_seconds()
         for w in live:
@@ -371,6 +383,17 @@ class Coordinator:
                       f"{len(self.schedule.oversized)}\n")
         return notes
 
+    def _cache_fidelity(self, sent: list[dict] | None, meta: dict) -> dict | None:
+        """--server-block-size: the Prefix Cache Fidelity section, as `replay report` makes it;
+        a failure to compute it is logged and leaves the summary without it."""
+        if sent is None:
+            return None
+        try:
+            return end_of_run_cache(self.output, sent, meta, self.options.server_block_size, self.options.api)
+        except (ValueError, OSError) as e:
+            logger.error("cache fidelity: %s", e)
+            return None
+
     def _finalize(self) -> dict:
         """Account for every row, write the merged file sorted by request_id, print the summary,
         and set the exit code: 1 when any row failed for a reason other than the user's stop.
@@ -390,20 +413,28 @@ class Coordinator:
             self._fill(held, state.index, NO_RECORD)
             self._fill(state.positions, state.index, never_sent)  # never delivered to the worker
         self._fill(range(len(self.schedule)), None, never_sent)  # rows never assigned (no worker at all)
+        if self.scraper is not None:
+            self.scraper.stop()  # its last round is after the last answer; the file is complete
         builder = ReportBuilder(parse_slo(self.options.slo))
         failed = 0
+        sent: list[dict] | None = [] if self.options.server_block_size else None  # for the cache check
 
         def each(record: dict) -> None:
             nonlocal failed
             builder.add(record)
             failed += is_failure(record)
+            if sent is not None and record["sent_at"] is not None:
+                sent.append(record)
             for listener in self.final_listeners:
                 listener(record)
 
         count = self.store.finish(each)
         self.schedule.close()
-        write_run_metadata(self.output, coordinator_metadata(self))
-        report = builder.report()
+        meta = coordinator_metadata(self)
+        write_run_metadata(self.output, meta)
+        report = builder.report(self._cache_fidelity(sent, meta))
+        report["server"] = read_server_section(self.output, report["endpoints"], self.options.server_metric or ())
+        write_summary(self.output, report)
         sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {self.output}\n" + self._trace_notes())
         sys.stdout.flush()
         if failed:

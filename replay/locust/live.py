@@ -7,7 +7,8 @@ runs on a worker's dispatch path.
 
 Latencies, token rates and drift (also each worker's) are over the records that arrived in
 the last WINDOW_S seconds; once the run has ended a worker's drift p99 is over its whole run.
-The cache hit ratios are cumulative over the run so far. The ideal ratio is the
+The cache hit ratios are cumulative over the run so far. Per endpoint (`servers`, in
+--endpoints order) the view adds the server's own figures from the master's /metrics scraper. The ideal ratio is the
 trace's own (replay.trace.prefix, an infinite cache over trace blocks, starting empty at the
 window's first row) taken over exactly the rows behind the observed ratio: answered rows
 whose server reported both prompt_tokens and cached_tokens.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import gevent
 
+from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile
 from replay.trace.prefix import hit_tokens, prefix_hits
 
@@ -38,6 +40,7 @@ IDEAL_MAX_ROWS = 500_000  # windows up to this many rows get the ideal cache lin
 LATEST_KEYS = (
     "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tokens_per_s",
     "input_tokens_per_s", "in_flight", "drift_p50_ms", "drift_p99_ms", "cache_hit_ratio", "ideal_cache_hit_ratio",
+    "servers",
 )  # fmt: skip
 
 
@@ -91,6 +94,9 @@ class LiveStats:
         self.errors: Counter[str] = Counter()
         self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
         self.ideal = ideal_hit_tokens(coordinator)
+        self.servers = ServerView(coordinator.options.endpoint_urls(coordinator.environment.host))
+        if coordinator.scraper is not None:
+            coordinator.scraper.listeners.append(self.servers.on_round)
         self._final = FinalCounts()
         coordinator.final_listeners.append(self._final.add)
         self.latest: dict = dict.fromkeys(LATEST_KEYS)
@@ -112,10 +118,12 @@ class LiveStats:
             if not r["ok"]:
                 self.errors[failure_reason(r)] += 1
             if r["ok"] and r["prompt_tokens"] is not None and r["cached_tokens"] is not None:
+                ideal = self.ideal.get(r["request_id"], 0)
                 self.cached += r["cached_tokens"]
                 self.prompt += r["prompt_tokens"]
-                self.ideal_cached += self.ideal.get(r["request_id"], 0)
+                self.ideal_cached += ideal
                 self.ideal_prompt += r["input_length"]
+                self.servers.add_record(r, ideal)
 
     def on_stop(self) -> None:
         """After the coordinator's finalize: the figures become exact and stop changing."""
@@ -160,6 +168,7 @@ class LiveStats:
             "drift_p50_ms": _round(percentile(drift, 50)), "drift_p99_ms": _round(percentile(drift, 99)),
             "cache_hit_ratio": _round(_ratio(self.cached, self.prompt), 4),
             "ideal_cache_hit_ratio": _round(_ratio(self.ideal_cached, self.ideal_prompt), 4),
+            "servers": self.servers.latest(),
         }  # fmt: skip
 
     def _in_flight(self) -> int:
@@ -262,12 +271,66 @@ class LiveStats:
             "history": history,
             "errors": dict(self.errors.most_common()),
             "run": self.run_info(now),
+            "servers": self.servers.info(self.coordinator.scraper is not None),
         }
 
     def run_ticks(self) -> None:
         while self.final is None:
             gevent.sleep(TICK_S)
             self.tick()
+
+
+class ServerView:
+    """Per endpoint, in --endpoints order: the server's own figures from the master's last
+    /metrics scrape (replay.locust.scraper) beside the clients' view of its prefix cache.
+
+    Three hit ratios, cumulative over the run: the server's counters (prefix-cache hits over
+    queried tokens since the first scrape), the records' cached_tokens over prompt_tokens, and
+    the trace's ideal over the same records (as the run-wide ideal line)."""
+
+    def __init__(self, endpoints: list[str]):
+        self.endpoints = endpoints
+        self.metrics: dict[str, dict | None] = {}  # the last scrape, None: it failed
+        self.first: dict[str, tuple[float, float]] = {}  # counters at the first scrape: hits, queries
+        self.clients: dict[str, list[int]] = {url: [0, 0, 0, 0] for url in endpoints}  # cached, prompt, ideal x2
+
+    def on_round(self, t: float, results: dict[str, dict | None]) -> None:
+        for url, metrics in results.items():
+            self.metrics[url] = metrics
+            hits = pick(metrics or {}, COUNTERS["prefix_cache_hits"])
+            queries = pick(metrics or {}, COUNTERS["prefix_cache_queries"])
+            if url not in self.first and hits is not None and queries is not None:
+                self.first[url] = (hits, queries)
+
+    def add_record(self, r: dict, ideal: int) -> None:
+        counts = self.clients.setdefault(r["endpoint"], [0, 0, 0, 0])
+        counts[0] += r["cached_tokens"]
+        counts[1] += r["prompt_tokens"]
+        counts[2] += ideal
+        counts[3] += r["input_length"]
+
+    def latest(self) -> list[dict]:
+        out = []
+        for url in self.endpoints:
+            m = self.metrics.get(url) or {}
+            hits, queries = pick(m, COUNTERS["prefix_cache_hits"]), pick(m, COUNTERS["prefix_cache_queries"])
+            server_ratio = None
+            if url in self.first and hits is not None and queries is not None:
+                server_ratio = _ratio(hits - self.first[url][0], queries - self.first[url][1])
+            cached, prompt, ideal, ideal_prompt = self.clients.get(url, [0, 0, 0, 0])
+            out.append({
+                "running": pick(m, GAUGES["running"]), "waiting": pick(m, GAUGES["waiting"]),
+                "kv_cache_usage": _round(pick(m, GAUGES["kv_cache_usage"]), 4),
+                "server_hit_ratio": _round(server_ratio, 4),
+                "cache_hit_ratio": _round(_ratio(cached, prompt), 4),
+                "ideal_cache_hit_ratio": _round(_ratio(ideal, ideal_prompt), 4),
+            })  # fmt: skip
+        return out
+
+    def info(self, scraped: bool) -> list[dict]:
+        """Which endpoint each `latest()["servers"]` entry is, and whether its /metrics answers."""
+        return [{"endpoint": url, "scraped": scraped, "metrics": self.metrics.get(url) is not None}
+                for url in self.endpoints]  # fmt: skip
 
 
 class FinalCounts:

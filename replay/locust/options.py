@@ -64,6 +64,13 @@ def add_arguments(parser) -> None:
     group.add_argument("--header", action="append", default=[], help="'Name: value' ($VAR expanded); repeatable")
     group.add_argument("--request-id-header", action=argparse.BooleanOptionalAction, default=True,
                        help="send X-Request-Id: <run id>-<request_id> with every request (default on)")
+    group.add_argument("--server-metrics-interval", type=float, default=1.0, metavar="S",
+                       help="scrape every endpoint's Prometheus /metrics every S seconds, from the master "
+                            "(default 1; 0: off); samples in OUTPUT.server-metrics.jsonl")
+    group.add_argument("--server-metric", action="append", default=[], metavar="NAME",
+                       help="also keep this /metrics series (a sample name, e.g. vllm:num_requests_swapped); repeatable")
+    group.add_argument("--server-block-size", type=int, default=None, metavar="N",
+                       help="the server's KV-cache block size: the end-of-run summary adds the cache fidelity section")
     group.add_argument("--web-user", default=None, metavar="USER:PASSWORD",
                        help="the web UI's login (turns on --web-login); $VAR in it is read from the environment")
     group.add_argument("--replay-config", default=None, help="YAML file of these options (flags win)")
@@ -74,7 +81,7 @@ OPTION_NAMES = (
     "trace", "trace_format", "block_size", "tokenizer", "chat_template", "api", "prompt_format", "verify_server", "model", "stream",
     "scale", "start", "duration", "max_requests", "seed", "output", "overwrite", "endpoints", "routing",
     "partition", "max_prompt_tokens", "drain_timeout", "no_ignore_eos", "on_bad_line", "slo", "header",
-    "request_id_header",
+    "request_id_header", "server_metrics_interval", "server_metric", "server_block_size",
 )  # fmt: skip
 
 # Options the master (or a single process) uses itself: never shipped to workers nor written
@@ -111,6 +118,9 @@ class ReplayOptions:
     slo: str | None = None
     header: list | None = None
     request_id_header: bool = True
+    server_metrics_interval: float = 1.0
+    server_metric: list | None = None
+    server_block_size: int | None = None
 
     @classmethod
     def from_parsed(cls, parsed) -> "ReplayOptions":
@@ -155,6 +165,11 @@ class ReplayOptions:
             raise ValueError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0: no limit)")
         if self.max_requests is not None and self.max_requests < 0:
             raise ValueError(f"--max-requests {self.max_requests}: must be >= 0")
+        if not (math.isfinite(self.server_metrics_interval) and self.server_metrics_interval >= 0):
+            raise ValueError(f"--server-metrics-interval {self.server_metrics_interval}: must be a finite number of "
+                             "seconds >= 0 (0: off)")
+        if self.server_block_size is not None and self.server_block_size < 1:
+            raise ValueError(f"--server-block-size {self.server_block_size}: must be >= 1")
         if self.slo:
             parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
         parse_headers(self.header)  # here, not on every worker

@@ -6,6 +6,7 @@ run's metadata beside the results (RESULTS.jsonl.meta.json) unless given as flag
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections import Counter
@@ -16,6 +17,7 @@ import orjson
 from replay.results.metadata import file_sha256, read_run_metadata
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
+from replay.results.server_metrics import metrics_path, read_samples, read_server_section
 
 
 def register(subparsers) -> None:
@@ -99,6 +101,20 @@ def cache_section(args, records: list[dict], meta: dict | None, trace_path: str,
     )
 
 
+def end_of_run_cache(results: str, records: list[dict], meta: dict, server_block_size: int,
+                     api: str) -> dict | None:
+    """The cache section a run's master prints at its end (--server-block-size): exactly what
+    `replay report RESULTS --server-block-size N` computes, by the same arguments, from the
+    run's metadata (just written) and its sent records."""
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["report", str(results), "--server-block-size", str(server_block_size)])
+    trace_path = cache_trace(args, meta)
+    if trace_path is None:
+        return None
+    return cache_section(args, records, meta, trace_path, api)[0]
+
+
 def run(args) -> int:
     try:
         meta = read_run_metadata(args.results)
@@ -124,6 +140,8 @@ def run(args) -> int:
         print(f"replay report: {e}", file=sys.stderr)
         return 2
     report = builder.report(cache)
+    extra = ((meta or {}).get("options") or {}).get("server_metric") or ()
+    report["server"] = read_server_section(args.results, report["endpoints"], extra)
     print(format_report(report))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +150,8 @@ def run(args) -> int:
         from replay.results.html import PlottingMissing, write_html
 
         try:
-            write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir)
+            samples = list(read_samples(metrics_path(args.results))) if report["server"] else None
+            write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir, samples=samples)
         except PlottingMissing as e:
             print(f"replay report: {e}", file=sys.stderr)
             return 1

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from replay.results.report import format_report
+from replay.results.server_metrics import COUNTERS, GAUGES, pick
 
 EXTRA_HINT = "pip install 'tracereplay[report]'"
 PLOTS = (
@@ -60,8 +61,69 @@ def _bin_width(span: float) -> float:
     return max(1.0, span / 120.0)
 
 
-def render_figures(records: list[dict], report: dict, checks=None, meta: dict | None = None) -> dict:
-    """{plot id: matplotlib Figure}, one per entry of PLOTS."""
+def cumulative_ratio(events: list[tuple[float, float, float]]) -> tuple[list[float], list[float]]:
+    """(x, hit ratio so far) from (x, hit tokens, looked-up tokens) events, in x order."""
+    xs, ys, hit, total = [], [], 0.0, 0.0
+    for x, h, n in sorted(events):
+        hit, total = hit + h, total + n
+        if total:
+            xs.append(x)
+            ys.append(hit / total)
+    return xs, ys
+
+
+def server_figures(Figure, samples: list[dict], records: list[dict], checks, t0: float, scale: float) -> dict:
+    """Per endpoint with metrics: running and waiting requests with KV-cache usage, and the
+    prefix-cache hit ratio three ways (the server's counters since the first sample, the
+    records' cached_tokens, the ideal of an infinite cache when the cache check ran), all
+    cumulative and over trace time, like the latency plot."""
+    figures = {}
+    expected = {c.request_id: c.expected for c in checks or ()}
+    endpoints = sorted({s["endpoint"] for s in samples if s.get("ok")})
+    for n, url in enumerate(endpoints):
+        mine = [s for s in samples if s["endpoint"] == url and s.get("ok")]
+        x = [(s["t"] - t0) * scale for s in mine]
+        fig = Figure(figsize=(9, 5.2), layout="constrained")
+        a, b = fig.subplots(2, 1, sharex=True)
+        for roles, label in ((GAUGES["running"], "running"), (GAUGES["waiting"], "waiting")):
+            a.step(x, [pick(s["metrics"], roles) for s in mine], where="post", label=label)
+        a.set(ylabel="requests", title=url)
+        usage = [pick(s["metrics"], GAUGES["kv_cache_usage"]) for s in mine]
+        handles = a.get_lines()
+        if any(u is not None for u in usage):
+            a2 = a.twinx()
+            a2.plot(x, [None if u is None else 100 * u for u in usage], color="tab:green", label="KV-cache usage %")
+            a2.set_ylabel("KV-cache usage %")
+            handles = [*handles, *a2.get_lines()]
+        a.legend(handles=handles, loc="upper left")
+        hits = [pick(s["metrics"], COUNTERS["prefix_cache_hits"]) for s in mine]
+        queries = [pick(s["metrics"], COUNTERS["prefix_cache_queries"]) for s in mine]
+        if hits and hits[0] is not None and queries[0] is not None:
+            pts = [(xi, (h - hits[0]) / (q - queries[0])) for xi, h, q in zip(x, hits, queries)
+                   if h is not None and q is not None and q > queries[0]]  # fmt: skip
+            b.plot([p[0] for p in pts], [p[1] for p in pts], label="server (prefix-cache counters)")
+        answered = [r for r in records if r.get("endpoint") == url and r.get("ok") and r.get("prompt_tokens")
+                    and r.get("cached_tokens") is not None and r.get("finished_at")]  # fmt: skip
+        at = [((r["finished_at"] - t0) * scale, r) for r in answered]
+        b.plot(*cumulative_ratio([(xi, r["cached_tokens"], r["prompt_tokens"]) for xi, r in at]),
+               label="clients (cached_tokens)")  # fmt: skip
+        if expected:
+            b.plot(*cumulative_ratio([(xi, expected.get(r["request_id"], 0), r["prompt_tokens"]) for xi, r in at]),
+                   linestyle="--", label="ideal (infinite cache)")  # fmt: skip
+        b.set(xlabel=f"trace time (s){'' if scale == 1 else f', run time x {scale:g}'}", ylabel="prefix hit ratio",
+              ylim=(0, 1))  # fmt: skip
+        b.legend(loc="lower right")
+        for ax in (a, b):
+            ax.grid(alpha=0.3)
+        fig.set_label(f"Server {url}: requests, KV-cache usage, prefix-cache hit ratio")  # the caption
+        figures[f"server-{n}"] = fig
+    return figures
+
+
+def render_figures(records: list[dict], report: dict, checks=None, meta: dict | None = None,
+                   samples: list[dict] | None = None) -> dict:
+    """{plot id: matplotlib Figure}, one per entry of PLOTS, then one per endpoint whose
+    /metrics was scraped (`samples`: replay.results.server_metrics' lines)."""
     Figure = _matplotlib()
     scale = float((meta or {}).get("scale") or 1.0)
     ok = [r for r in records if r.get("ok")]
@@ -156,6 +218,7 @@ def render_figures(records: list[dict], report: dict, checks=None, meta: dict | 
     ax.set(xlabel="expected cached tokens", ylabel="observed cached tokens")
     ax.grid(alpha=0.3)
     figures["cache-scatter"] = fig
+    figures.update(server_figures(Figure, samples or [], records, checks, t0, scale))
     return figures
 
 
@@ -196,9 +259,10 @@ svg {{ max-width: 100%; height: auto; }}
 def render_html(records: list[dict], report: dict, checks=None, meta: dict | None = None, figures=None) -> str:
     figures = figures or render_figures(records, report, checks, meta)
     parts = []
-    for name, caption in PLOTS:
+    for name, fig in figures.items():
+        caption = dict(PLOTS).get(name) or fig.get_label()
         parts.append(f'<figure id="plot-{name}" class="plot"><figcaption>{html.escape(caption)}</figcaption>\n'
-                     f"{figure_svg(figures[name])}</figure>")  # fmt: skip
+                     f"{figure_svg(fig)}</figure>")  # fmt: skip
     meta = meta or {}
     trace = (meta.get("trace") or {}).get("path")
     subtitle = " | ".join(
@@ -215,8 +279,8 @@ def render_html(records: list[dict], report: dict, checks=None, meta: dict | Non
 
 
 def write_html(path: str | Path, report: dict, records: list[dict], checks=None, meta: dict | None = None,
-               png_dir: str | Path | None = None) -> Path:  # fmt: skip
-    figures = render_figures(records, report, checks, meta)
+               png_dir: str | Path | None = None, samples: list[dict] | None = None) -> Path:  # fmt: skip
+    figures = render_figures(records, report, checks, meta, samples)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(records, report, checks, meta, figures), encoding="utf-8")

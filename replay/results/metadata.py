@@ -17,6 +17,7 @@ from pathlib import Path
 import orjson
 
 META_SUFFIX = ".meta.json"
+SUMMARY_SUFFIX = ".summary.json"  # the end-of-run summary, as `replay report --json` writes it
 META_VERSION = 1
 MAX_SKIPPED_LISTED = 100
 
@@ -172,10 +173,22 @@ def coordinator_metadata(coordinator) -> dict:
 
 def write_run_metadata(output: str | Path, meta: dict) -> Path:
     """Write OUTPUT.meta.json (atomically: a report never reads half a file)."""
-    path = meta_path(output)
+    return _write_atomically(meta_path(output), orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+
+
+def summary_path(output: str | Path) -> Path:
+    return Path(f"{output}{SUMMARY_SUFFIX}")
+
+
+def write_summary(output: str | Path, report: dict) -> Path:
+    """Write OUTPUT.summary.json, the end-of-run summary (atomically, as the metadata)."""
+    return _write_atomically(summary_path(output), orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def _write_atomically(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+    tmp.write_bytes(data)
     tmp.replace(path)
     return path
 

@@ -22,7 +22,8 @@ import socket
 from pathlib import Path
 
 from replay.errors import OptionError
-from replay.results.metadata import meta_path
+from replay.results.metadata import meta_path, summary_path
+from replay.results.server_metrics import metrics_path
 
 LOCK_SUFFIX = ".lock"
 MAX_DEFAULT_TRIES = 100  # results/replay-<time>-2.jsonl ... when the default name is taken
@@ -38,9 +39,10 @@ def lock_path(output: str | Path) -> Path:
 
 def earlier_run_files(output: str | Path) -> list[Path]:
     """The files a run on `output` writes on this host that exist now: the merged records, the
-    meta file and the per-worker files (any N: an earlier run may have had more workers)."""
+    meta, summary and server-metrics files and the per-worker files (any N: an earlier run may
+    have had more workers)."""
     out = Path(output)
-    files = [p for p in (out, meta_path(out)) if p.exists()]
+    files = [p for p in (out, meta_path(out), summary_path(out), metrics_path(out)) if p.exists()]
     pattern = re.compile(re.escape(out.name) + r"\.worker-\d+\.jsonl")
     if out.parent.is_dir():
         files += sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from typing import Iterable
 
+from replay.results.server_metrics import format_server
 from replay.results.summary import SummaryBuilder, percentile, sorted_array
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
@@ -65,17 +66,22 @@ def meets_slo(record: dict, slo: dict[str, float]) -> bool:
 
 
 class EndpointStats:
-    """One server of a fleet: its requests, how many were ok, and the TTFT and E2E values of
-    the ok ones (array('d'), for p50/p99)."""
+    """One server of a fleet: its requests, how many were ok, the TTFT and E2E values of the
+    ok ones (array('d'), for p50/p99), and the prompt and cached tokens it reported (to set
+    against its own counters: replay.results.server_metrics)."""
 
     def __init__(self) -> None:
         self.requests = 0
         self.requests_ok = 0
         self.ttft = array("d")
         self.e2e = array("d")
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
 
     def add(self, record: dict) -> None:
         self.requests += 1
+        self.prompt_tokens += record.get("prompt_tokens") or 0
+        self.cached_tokens += record.get("cached_tokens") or 0
         if record.get("ok"):
             self.requests_ok += 1
             for key, values in (("ttft_ms", self.ttft), ("e2e_ms", self.e2e)):
@@ -88,6 +94,8 @@ class EndpointStats:
                  "requests_failed": self.requests - self.requests_ok}  # fmt: skip
         for key, values in (("ttft_ms", self.ttft), ("e2e_ms", self.e2e)):
             entry[key] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+        entry["prompt_tokens"] = self.prompt_tokens
+        entry["cached_tokens"] = self.cached_tokens
         return entry
 
 
@@ -116,7 +124,9 @@ class ReportBuilder:
 
     def report(self, cache: dict | None = None) -> dict:
         """design.md's summary keys, the totals vLLM prints, failure breakdowns, goodput, the
-        `cache` section as given (replay.results.fidelity's) and the per-endpoint lines."""
+        `cache` section as given (replay.results.fidelity's) and the per-endpoint lines. The
+        `server` section (replay.results.server_metrics) needs the per-endpoint lines: the
+        caller fills it in."""
         report = self.summary.summary()
         report["failures_by_status"] = self.summary.failures.most_common()[1]
         report["requests_unsent"] = self.summary.requests - self.summary.requests_sent
@@ -134,6 +144,7 @@ class ReportBuilder:
             report["goodput_rps"] = None
         report["cache"] = cache
         report["endpoints"] = {endpoint: self.endpoints[endpoint].entry() for endpoint in sorted(self.endpoints)}
+        report["server"] = None  # the run's server-metrics samples, when it has some (see above)
         return report
 
 
@@ -190,6 +201,8 @@ def format_report(report: dict) -> str:
         out.extend(format_cache(cache))
     if report.get("endpoints"):
         out.extend(format_endpoints(report["endpoints"]))
+    if report.get("server"):
+        out.extend(format_server(report["server"], WIDTH))
     out.append("=" * WIDTH)
     return "\n".join(out)
 

@@ -64,9 +64,11 @@ class PrefixCache:
             hashes = block_hashes(token_ids, self.block_size)
         return hit_blocks(hashes, self._blocks, len(token_ids), self.block_size) * self.block_size
 
-    def schedule(self, token_ids: Sequence[int]) -> int:
-        """Look the prompt up, then insert all its full blocks; returns the cached tokens."""
-        hashes = block_hashes(token_ids, self.block_size)
+    def schedule(self, token_ids: Sequence[int], hashes: Sequence[int] | None = None) -> int:
+        """Look the prompt up, then insert all its full blocks; returns the cached tokens.
+        `hashes`: the prompt's block_hashes, when the caller has them already."""
+        if hashes is None:
+            hashes = block_hashes(token_ids, self.block_size)
         cached = self.cached_tokens(token_ids, hashes)
         if self.capacity <= 0:
             return cached

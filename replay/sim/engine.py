@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from gevent.event import Event
 
-from replay.sim.cache import PrefixCache
+from replay.sim.cache import PrefixCache, block_hashes
 from replay.sim.ledger import Ledger
 from replay.sim.options import SimOptions
 from replay.sim.vocab import OutputVocabulary
@@ -35,6 +35,8 @@ class Plan:
     itl_s: list[float]  # gap before token i+1, len(token_ids) - 1 entries
     drop_at: int | None  # close the stream after this many tokens (fault injection)
     seed: int
+    blocks: list[int] = field(default_factory=list)  # its full prompt blocks' hashes (shared with others)
+    own_blocks: int = 0  # blocks no other request shares: its last partial prompt block and its output
 
     @property
     def completion_tokens(self) -> int:
@@ -54,6 +56,7 @@ class Counters:
     success: dict[str, int] = field(default_factory=lambda: {"length": 0, "stop": 0, "abort": 0})
     errors: dict[int, int] = field(default_factory=dict)
     dropped: int = 0
+    preemptions: int = 0  # the sim never preempts: a request that is scheduled runs to its end
 
 
 class Engine:
@@ -66,6 +69,10 @@ class Engine:
         self.ledger = Ledger()
         self.rng = random.Random(options.seed)
         self.running = 0
+        # KV blocks the running requests hold: shared prompt blocks by hash (reference counts,
+        # as vLLM shares a prefix's blocks), plus each one's own blocks
+        self._held: Counter[int] = Counter()
+        self._own_blocks = 0
         self._waiting: deque[Event] = deque()
         self._serial = 0
 
@@ -77,6 +84,14 @@ class Engine:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the block pool (--cache-blocks) the running requests hold, as vLLM's
+        kv_cache_usage_perc (1 - free / total, where cached blocks nobody uses count as free).
+        A request's whole output is counted from its start (vLLM allocates it as it goes)."""
+        capacity = self.options.cache_blocks
+        return min(1.0, (len(self._held) + self._own_blocks) / capacity) if capacity else 0.0
 
     # -- faults ----------------------------------------------------------------
     def inject_error(self) -> bool:
@@ -115,7 +130,8 @@ class Engine:
         """Called once the request holds a slot: look up and fill the cache, draw the output."""
         opts = self.options
         prompt_len = len(prompt_ids)
-        cached = self.cache.schedule(prompt_ids)
+        hashes = block_hashes(prompt_ids, opts.block_size)
+        cached = self.cache.schedule(prompt_ids, hashes)
         c = self.counters
         c.prompt_tokens += prompt_len
         c.cache_queries += prompt_len
@@ -144,9 +160,18 @@ class Engine:
         drop_at = None
         if stream and opts.drop_rate > 0 and rng.random() < opts.drop_rate:
             drop_at = rng.randint(1, n) if n > 1 else 1
-        return Plan(prompt_len, cached, token_ids, finish, time.monotonic(), ttft_s, itl_s, drop_at, seed)
+        tail = prompt_len - len(hashes) * opts.block_size
+        own = -(-(tail + n) // opts.block_size)
+        self._held.update(hashes)
+        self._own_blocks += own
+        return Plan(prompt_len, cached, token_ids, finish, time.monotonic(), ttft_s, itl_s, drop_at, seed, hashes, own)
 
     def finish(self, plan: Plan, emitted: int, completed: bool) -> None:
+        self._held.subtract(plan.blocks)
+        for h in plan.blocks:
+            if self._held[h] <= 0:
+                del self._held[h]
+        self._own_blocks -= plan.own_blocks
         c = self.counters
         c.generation_tokens += emitted
         if completed:

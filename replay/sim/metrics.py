@@ -5,6 +5,11 @@ vLLM (vllm/v1/metrics/loggers.py) exports prometheus_client counters, which gain
 prompt tokens looked up and vllm:prefix_cache_hits the tokens found (PrefixCacheStats.record
 is called with request.num_tokens and the hit tokens). Counters vLLM does not have are
 prefixed `sim:`.
+
+The gauges are the engine's own state at the moment of the scrape: requests running (holding
+one of --max-num-seqs) and waiting, and the share of the --cache-blocks pool the running
+requests hold (Engine.kv_cache_usage). The sim never preempts, so vllm:num_preemptions_total
+stays 0. With --no-metrics there is no /metrics (404), as from a server that serves none.
 """
 
 from __future__ import annotations
@@ -28,9 +33,8 @@ def render(engine: Engine) -> bytes:
            [("", engine.running)])
     metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
            [("", engine.waiting)])
-    cap = engine.options.cache_blocks
     metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-           [("", len(engine.cache) / cap if cap else 0.0)])
+           [("", engine.kv_cache_usage)])
     metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
            [("", c.cache_queries)])
     metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
@@ -38,6 +42,8 @@ def render(engine: Engine) -> bytes:
     metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", [("", c.prompt_tokens)])
     metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
            [("", c.generation_tokens)])
+    metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
+           [("", c.preemptions)])
     metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
            [(f'finished_reason="{r}"', n) for r, n in sorted(c.success.items())])
     metric("sim:request_errors_total", "counter", "Requests answered with an HTTP error, by status.",

@@ -28,6 +28,7 @@ class SimOptions:
     eos_prob: float = 0.002
     seed: int = 0
     tokenize_endpoint: bool = True
+    metrics: bool = True
 
 
 HELP = {
@@ -51,6 +52,7 @@ HELP = {
     "eos_prob": "per-token chance of an early stop when the request does not set ignore_eos",
     "seed": "seed of every random choice (faults, jitter, output tokens and lengths)",
     "tokenize_endpoint": "serve vLLM's POST /tokenize (--no-tokenize-endpoint: answer 404, as a server without one)",
+    "metrics": "serve /metrics (--no-metrics: 404, as a server without Prometheus metrics)",
 }
 
 

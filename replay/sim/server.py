@@ -36,6 +36,8 @@ def _health(engine: Engine, request: Request) -> Response:
 
 
 def _metrics(engine: Engine, request: Request) -> Response:
+    if not engine.options.metrics:
+        return _detail(404, "Not Found")
     return Response(200, metrics.render(engine), "text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -1,0 +1,106 @@
+"""The master's scraper of the servers' Prometheus `/metrics` (the server's side of the run).
+
+One greenlet for the whole fleet, on the master (or the local runner), never on a worker: a
+scrape round asks every endpoint at once, each on a connection of its own with a short
+timeout, so a slow or dead server delays neither the others nor anything else the master does.
+Each round writes one line per endpoint to OUTPUT.server-metrics.jsonl (the format is
+replay.results.server_metrics'), all with the round's `t` (the master's time.time()), and
+hands the round to `listeners` (the Replay view).
+
+The first round is taken before the first request is sent (the coordinator waits for it), and
+a last one after the last answer, so counters' changes cover exactly the run. A server without
+`/metrics`, or one that fails, is logged once (and again once it answers); the run goes on.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import gevent
+from gevent.event import Event
+
+from replay.api.ask import ask
+from replay.results.server_metrics import KNOWN, metrics_path, parse, sample_line
+
+logger = logging.getLogger(__name__)
+
+MAX_TIMEOUT_S = 2.0  # a scrape's own limit: never more than this, never more than the interval
+
+
+class Scraper:
+    def __init__(self, endpoints: list[str], output: str | Path, interval: float, extra: list[str] | None = None):
+        self.endpoints = list(endpoints)
+        self.interval = interval
+        self.names = tuple(dict.fromkeys((*KNOWN, *(extra or ()))))
+        self.timeout = min(MAX_TIMEOUT_S, max(interval, 0.5))
+        self.path = metrics_path(output)
+        self.listeners: list[Callable[[float, dict[str, dict | None]], None]] = []  # (t, {url: metrics or None})
+        self.first_round = Event()  # set once the first round is written
+        self._failing: dict[str, str] = {}  # endpoint -> the error last logged
+        self._file = None
+        self._loop: gevent.Greenlet | None = None
+        self._stopping = Event()
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "wb")
+        self._loop = gevent.spawn(self._run)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            self.scrape()
+            self._stopping.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def _one(self, url: str) -> tuple[dict | None, str | None]:
+        try:
+            status, data = ask(url.rstrip("/") + "/metrics", timeout=self.timeout)
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            return parse(data.decode("utf-8", "replace"), self.names), None
+        except (OSError, http.client.HTTPException, ValueError, gevent.Timeout) as e:
+            return None, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+
+    def scrape(self) -> None:
+        """One round: every endpoint at once, written in endpoint order."""
+        t = time.time()
+        jobs = [gevent.spawn(self._one, url) for url in self.endpoints]
+        gevent.joinall(jobs, timeout=self.timeout + 1.0)
+        results: dict[str, dict | None] = {}
+        for url, job in zip(self.endpoints, jobs):
+            metrics, error = job.value if job.successful() else (None, "no answer in time")
+            if not job.ready():
+                job.kill(block=False)
+            self._log(url, error)
+            results[url] = metrics
+            if self._file is not None:
+                self._file.write(sample_line(t, url, metrics, error))
+        if self._file is not None:
+            self._file.flush()
+        self.first_round.set()
+        for listener in self.listeners:
+            listener(t, results)
+
+    def _log(self, url: str, error: str | None) -> None:
+        if error is None:
+            if self._failing.pop(url, None) is not None:
+                logger.info("server metrics: %s/metrics answers again", url)
+            return
+        if url not in self._failing:
+            logger.warning("server metrics: %s/metrics: %s (the run goes on; noted once)", url, error)
+            self._failing[url] = error
+
+    def stop(self) -> None:
+        """Take a last round, end the loop and close the file, complete and flushed."""
+        if self._loop is None or self._file is None:
+            return
+        self._stopping.set()
+        self._loop.join(timeout=self.timeout + 2.0)
+        self._loop.kill()
+        self.scrape()
+        self._file.close()
+        self._file = None
