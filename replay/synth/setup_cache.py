@@ -112,21 +112,22 @@ def cached(tokenizer: ServerTokenizer, api: str, build: Callable[[], Measured]) 
     data = tokenizer_json(tokenizer.path).read_bytes()
     key = _key_of(tokenizer, data, api)
     path = entry_path(key)
+    problem = None  # why the entry was not used (None: there was none), for the one log line
     try:
         measured = read_entry(path, key, data)
-    except FileNotFoundError:
-        measured = None
-    except (OSError, CacheError) as e:
-        log.warning("set-up cache %s not used (%s); building the set-up instead", path, e)
-        measured = None
-    if measured is not None:
         log.debug("set-up of %s (%s) read from %s", tokenizer.name, api, path)
         return measured, True
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except (OSError, CacheError) as e:
+        problem = f"not used ({e})"
     measured = build()
     try:
         write_entry(path, key, measured)
     except OSError as e:
-        log.warning("set-up cache: cannot write %s (%s); the next start builds again", path, e)
+        problem = f"{problem + ', and ' if problem else ''}cannot be written ({e})"
+    if problem:
+        log.warning("set-up cache %s %s; the set-up was built instead", path, problem)
     else:
         log.info("set-up of %s (%s) saved to %s", tokenizer.name, api, path)
     return measured, False
