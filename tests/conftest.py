@@ -42,6 +42,22 @@ def shared_path(*parts: str) -> Path:
     return p
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_set_up_cache(tmp_path_factory) -> Path:
+    """An empty set-up cache (replay/synth/setup_cache.py) for each test session, never the
+    user's ~/.cache: a session's first set-up of each tokenizer is cold, so cold-start bugs are
+    not hidden behind entries an earlier session wrote. Child processes (locust, replay sim)
+    inherit it. Tests about the cache itself use a folder of their own."""
+    path = tmp_path_factory.mktemp("setup-cache")
+    before = os.environ.get("TRACEREPLAY_CACHE_DIR")
+    os.environ["TRACEREPLAY_CACHE_DIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("TRACEREPLAY_CACHE_DIR", None)
+    else:
+        os.environ["TRACEREPLAY_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def toy_tokenizer_dir(tmp_path_factory) -> Path:
     """A tokenizer.json + tokenizer_config.json (ChatML) trained by the project itself."""

@@ -241,11 +241,13 @@ def test_slow_worker_set_up_keeps_heartbeats(tmp_path):
 
 
 @pytest.mark.parametrize("off_loop", [True, False], ids=["thread", "inline"])
-def test_worker_set_up_leaves_the_event_loop_running(off_loop):
+def test_worker_set_up_leaves_the_event_loop_running(off_loop, tmp_path, monkeypatch):
     """The gap a real tokenizer's set-up leaves in a worker's event loop: inline it is the whole
-    set-up (seconds on a loaded machine: missed heartbeats), in a thread a few ms at a time."""
+    set-up (seconds on a loaded machine: missed heartbeats), in a thread a few ms at a time.
+    Cold (an empty set-up cache of its own): that is the costly set-up."""
     import gevent
 
+    monkeypatch.setenv("TRACEREPLAY_CACHE_DIR", str(tmp_path / "cache"))
     from replay.locust.options import ReplayOptions
     from replay.locust.worker import Builder, build_off_loop
 

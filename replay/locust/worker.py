@@ -84,20 +84,30 @@ class RowBuffer:
 
 
 class Builder:
-    """Turns trace rows into request bodies (prompt synthesis + serialization)."""
+    """Turns trace rows into request bodies (prompt synthesis + serialization).
+
+    Its set-up comes from the disk cache when this host has one for the tokenizer
+    (replay/synth/setup_cache.py); the tokenizer itself is then loaded only if a prompt needs
+    encoding (rows with their own messages, templates that touch the content).
+    """
 
     def __init__(self, options: ReplayOptions, block_size: int | None):
         from replay.synth.bodies import build_body
         from replay.synth.prompts import PromptSynthesizer
         from replay.synth.tokenizer import ServerTokenizer
 
-        tokenizer = ServerTokenizer.load(options.tokenizer, options.chat_template)
+        tokenizer = ServerTokenizer.load(options.tokenizer, options.chat_template, lazy=True)
         self._build_body = build_body
         self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or 512, seed=options.seed,
                                        token_ids=options.prompt_format == "token-ids")
+        if self.synth.verified:  # every prompt is encoded: load the tokenizer now, off the loop
+            tokenizer.tokenizer
         self.options = options
 
     def body(self, row: TraceRow) -> bytes:
+        tokenizer = self.synth.tokenizer
+        if row.messages is not None and not tokenizer.loaded:  # counted by encoding: load it, off the loop
+            gevent.get_hub().threadpool.apply(lambda: tokenizer.tokenizer)
         prompt = self.synth.prompt(row)
         return self._build_body(
             self.options.api,
@@ -109,11 +119,19 @@ class Builder:
         )
 
 
-def build_off_loop(options: ReplayOptions, block_size: int | None) -> Builder:
-    """A Builder made in a thread: it costs seconds of CPU for a real tokenizer (safe vocabulary,
-    template measurement), and meanwhile this process must keep answering Locust's heartbeats,
-    or the master drops it as missing. The GIL still passes to the event loop every few ms."""
-    return gevent.get_hub().threadpool.apply(Builder, (options, block_size))
+def _checked_builder(options: ReplayOptions, block_size: int | None, fingerprint: str | None) -> Builder:
+    # the master's tokenizer, proved before the set-up (OptionError "tokenizer mismatch: ...")
+    check_worker_tokenizer(options.tokenizer, options.chat_template, fingerprint)
+    return Builder(options, block_size)
+
+
+def build_off_loop(options: ReplayOptions, block_size: int | None, fingerprint: str | None = None) -> Builder:
+    """A Builder made in a thread, after checking this host's tokenizer against the master's
+    `fingerprint` (None: no check). Cold, it costs seconds of CPU for a real tokenizer (safe
+    vocabulary, template measurement); from the set-up cache tens of ms, still file reads and
+    hashing. Meanwhile this process must keep answering Locust's heartbeats, or the master
+    drops it as missing. The GIL still passes to the event loop every few ms."""
+    return gevent.get_hub().threadpool.apply(_checked_builder, (options, block_size, fingerprint))
 
 
 class WorkerPart:
@@ -238,10 +256,9 @@ class WorkerPart:
         self.headers = {"Content-Type": "application/json", **parse_headers(opts.header)}
         self.endpoints = [Endpoint(url) for url in self.endpoint_urls]
         self.route = make_router(opts.routing, self.endpoints)
-        # the master's tokenizer, proved before the costly build
-        check_worker_tokenizer(opts.tokenizer, opts.chat_template, self.master_fingerprint)
+        # in a thread: the tokenizer check against the master's, then the set-up
+        self.builder = build_off_loop(opts, self.block_size, self.master_fingerprint)
         self.writer = RecordWriter(worker_path(self.output, self.index))
-        self.builder = build_off_loop(opts, self.block_size)
         if not self.local:
             self.offset = self.clock.measure()
         self._greenlets.append(gevent.spawn(self._build_ahead))

@@ -22,32 +22,25 @@ adds the space back itself.
 from __future__ import annotations
 
 import logging
-import random
 import weakref
 from array import array
 from dataclasses import dataclass
 
+from replay.synth import setup_cache
 from replay.synth.blocks import TOKEN_ID, BlockSource
-from replay.synth.tokenizer import ChatTemplateError, ServerTokenizer
+from replay.synth.frames import EMPTY_SYSTEM, USER_ONLY, Frame, Measured, PromptError, chat_messages, measure
+from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import SafeVocab, build_safe_vocab
+
+__all__ = ["APIS", "Prompt", "PromptError", "PromptSynthesizer", "encode_prompt", "safe_vocab", "server_count",
+           "set_up"]
 from replay.trace.record import TraceRow
 
 APIS = ("openai-chat", "openai-completions", "tgi")
-PROBE_LENGTHS = (8, 1, 2, 3, 5, 17, 64, 257)
-# How a synthesized chat prompt is laid out as messages. The first is what most clients send;
-# the second (an empty system message) replaces a template's default system prompt, which
-# lets rows shorter than that prompt still be exact (Qwen's adds 29 tokens, this 13).
-USER_ONLY = ("user",)
-EMPTY_SYSTEM = ("system", "user")
-PROBE_SEED = 0xF4A3E
 FIX_UP_ROUNDS = 8
 
 log = logging.getLogger(__name__)
 _vocab_cache: "weakref.WeakKeyDictionary[ServerTokenizer, SafeVocab]" = weakref.WeakKeyDictionary()
-
-
-class PromptError(ValueError):
-    """Exact prompts cannot be built for this tokenizer / template / api."""
 
 
 @dataclass(slots=True)
@@ -59,19 +52,6 @@ class Prompt:
     tools: list | None = None  # the row's own tools (chat), sent along with its messages
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """The tokens a server puts around the content: before + content + after, always."""
-
-    before: tuple[int, ...]
-    after: tuple[int, ...]
-    empty_tokens: int  # what an empty content really counts (templates may strip or merge)
-
-    @property
-    def overhead(self) -> int:
-        return len(self.before) + len(self.after)
-
-
 def safe_vocab(tokenizer: ServerTokenizer) -> SafeVocab:
     """The tokenizer's safe vocabulary, built once per loaded tokenizer (it takes about a second)."""
     vocab = _vocab_cache.get(tokenizer)
@@ -81,15 +61,12 @@ def safe_vocab(tokenizer: ServerTokenizer) -> SafeVocab:
     return vocab
 
 
-def chat_messages(layout: tuple[str, ...], content: str) -> list[dict]:
-    """The layout's messages, with the content in the user message and empty others."""
-    return [{"role": role, "content": content if role == "user" else ""} for role in layout]
-
-
-def _server_encoder(tokenizer: ServerTokenizer, api: str, layout: tuple[str, ...]):
-    if api == "openai-chat":
-        return lambda content: tokenizer.encode_chat(chat_messages(layout, content))
-    return tokenizer.encode_text
+def set_up(tokenizer: ServerTokenizer, api: str) -> tuple[Measured, bool]:
+    """The tokenizer's set-up for `api` and whether it came from the disk cache: read from it
+    when a verified entry is there, else measured (and saved for the next process)."""
+    measured, from_cache = setup_cache.cached(tokenizer, api, lambda: measure(tokenizer, api, safe_vocab(tokenizer)))
+    _vocab_cache.setdefault(tokenizer, measured.vocab)
+    return measured, from_cache
 
 
 def encode_prompt(tokenizer: ServerTokenizer, prompt: Prompt) -> list[int]:
@@ -104,42 +81,6 @@ def encode_prompt(tokenizer: ServerTokenizer, prompt: Prompt) -> list[int]:
 def server_count(tokenizer: ServerTokenizer, prompt: Prompt) -> int:
     """Prompt tokens as vLLM counts them."""
     return len(encode_prompt(tokenizer, prompt))
-
-
-def _probe(vocab: SafeVocab, rng: random.Random, length: int) -> tuple[str, list[int]]:
-    """A random content of `length` safe words: its text (first word bare) and its server ids."""
-    first = rng.randrange(vocab.lead_count)
-    rest = [rng.randrange(len(vocab)) for _ in range(length - 1)]
-    text = vocab.texts[first][1:] + "".join(vocab.texts[i] for i in rest)
-    return text, [vocab.lead_ids[first]] + [vocab.ids[i] for i in rest]
-
-
-def _find(haystack: list[int], needle: list[int]) -> int:
-    for start in range(len(haystack) - len(needle) + 1):
-        if haystack[start : start + len(needle)] == needle:
-            return start
-    return -1
-
-
-def measure_frame(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab, layout: tuple[str, ...] = USER_ONLY) -> Frame:
-    """Locate the content inside a server-encoded probe, then prove the frame on other lengths."""
-    encode = _server_encoder(tokenizer, api, layout)
-    rng = random.Random(PROBE_SEED)
-    what = f"{tokenizer.name} ({api}"
-    if api == "openai-chat":
-        what += f", template {tokenizer.chat_template.sha256[:12]}, messages {'+'.join(layout)}"
-    what += ")"
-    text, ids = _probe(vocab, rng, PROBE_LENGTHS[0])
-    encoded = encode(text)
-    start = _find(encoded, ids)
-    if start < 0:
-        raise PromptError(f"{what}: the content's tokens change when framed by the server; cannot build exact prompts")
-    frame = Frame(tuple(encoded[:start]), tuple(encoded[start + len(ids) :]), len(encode("")))
-    for length in PROBE_LENGTHS[1:]:
-        text, ids = _probe(vocab, rng, length)
-        if encode(text) != [*frame.before, *ids, *frame.after]:
-            raise PromptError(f"{what}: a {length}-word content does not encode to before + content + after")
-    return frame
 
 
 class PromptSynthesizer:
@@ -168,38 +109,23 @@ class PromptSynthesizer:
         self.block_size = block_size
         self.seed = seed
         self.token_ids = token_ids
-        self.vocab = safe_vocab(tokenizer)
+        measured, self.set_up_from_cache = set_up(tokenizer, api)
+        if measured.frame_error is not None and token_ids:
+            raise PromptError(measured.frame_error)
+        self.vocab = measured.vocab
         self.blocks = BlockSource(self.vocab, block_size, seed, cache_blocks)
+        self.frame = measured.frame
         # verified: the frame could not be proven, so each prompt is encoded and fixed up (slow)
-        self.verified = False
-        try:
-            self.frame = measure_frame(tokenizer, api, self.vocab)
-        except PromptError as err:
-            if token_ids:
-                raise
-            self.frame = self._estimated_frame()
-            self.verified = True
-            log.warning("%s; each prompt will be encoded and fixed up instead (about 300k tokens/s)", err)
-        self.short_frame = self._short_frame() if api == "openai-chat" and not self.verified else None
+        self.verified = measured.frame_error is not None
+        if self.verified:
+            log.warning("%s; each prompt will be encoded and fixed up instead (about 300k tokens/s)",
+                        measured.frame_error)
+        self.short_frame = measured.short_frame
+        self._empty_text_ids = list(measured.empty_text_ids)
         self.template_overhead_tokens = self.frame.overhead
         # rows longer than this are always exact; shorter ones get an empty content and a warning
         self.min_overhead_tokens = min(self.frame.overhead, self.short_frame.overhead if self.short_frame else 1 << 30)
         self.warnings = 0
-
-    def _estimated_frame(self) -> Frame:
-        """A frame of the right size with unknown tokens, for templates that touch the content."""
-        encode = _server_encoder(self.tokenizer, self.api, USER_ONLY)
-        text, ids = _probe(self.vocab, random.Random(PROBE_SEED), PROBE_LENGTHS[0])
-        overhead = max(0, len(encode(text)) - len(ids))
-        return Frame((), (0,) * overhead, len(encode("")))
-
-    def _short_frame(self) -> Frame | None:
-        """The empty-system layout's frame when it is smaller (templates with a default system prompt)."""
-        try:
-            frame = measure_frame(self.tokenizer, self.api, self.vocab, EMPTY_SYSTEM)
-        except (PromptError, ChatTemplateError):  # e.g. a template that refuses system messages
-            return None
-        return frame if frame.overhead < self.frame.overhead else None
 
     def _layout(self, row: TraceRow) -> tuple[Frame, tuple[str, ...], int]:
         """The frame and message layout a row is built with, and its content tokens (<= 0: the
@@ -309,7 +235,7 @@ class PromptSynthesizer:
                     row.request_id, row.line, row.input_length, frame.overhead, self.api, expected,
                 )
         if self.token_ids:
-            ids = self.tokenizer.encode_text("")
+            ids = list(self._empty_text_ids)
             return Prompt(None, None, ids, len(ids))
         if self.api == "openai-chat":
             return Prompt(chat_messages(layout, ""), None, None, expected)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from functools import cached_property
 from pathlib import Path
 
@@ -150,23 +151,55 @@ def tokenizer_fingerprint(tokenizer_path: str | Path, chat_template_path: str | 
     hundreds. The template is the one ServerTokenizer.load would use (--chat-template, else
     the folder's own), so a worker whose tokenizer_config.json differs is told apart too.
     """
-    digest = hashlib.sha256(tokenizer_json(tokenizer_path).read_bytes()).hexdigest()
-    template = load_chat_template(tokenizer_path, chat_template_path)
+    data = tokenizer_json(tokenizer_path).read_bytes()
+    return fingerprint_of(data, load_chat_template(tokenizer_path, chat_template_path))
+
+
+def fingerprint_of(tokenizer_bytes: bytes, template: ChatTemplate | None) -> str:
+    """tokenizer_fingerprint of a tokenizer.json already read and a template already loaded."""
+    digest = hashlib.sha256(tokenizer_bytes).hexdigest()
     both = f"tokenizer.json sha256 {digest}\nchat template sha256 {template.sha256 if template else 'no chat template'}"
     return hashlib.sha256(both.encode()).hexdigest()
 
 
 class ServerTokenizer:
-    """A tokenizer plus chat template, counting tokens as the server will."""
+    """A tokenizer plus chat template, counting tokens as the server will.
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, name: str = ""):
-        self.tokenizer = tokenizer
+    With `load(..., lazy=True)` the tokenizer itself is loaded when first used: a worker whose
+    set-up comes from the disk cache (replay/synth/setup_cache.py) builds its prompts from the
+    safe vocabulary and the frames alone, and loading a real tokenizer costs 0.1-0.35 s of CPU
+    and 40-170 MB.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None, name: str = "",
+                 path: str | Path | None = None):
+        if tokenizer is None and path is None:
+            raise ValueError("ServerTokenizer needs a tokenizer or the path to load it from")
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
         self.chat_template = chat_template
         self.name = name
+        self.path = Path(path) if path is not None else None  # where `load` found it (the cache's key needs it)
 
     @classmethod
-    def load(cls, tokenizer_path: str | Path, chat_template_path: str | Path | None = None) -> "ServerTokenizer":
-        return cls(load_tokenizer(tokenizer_path), load_chat_template(tokenizer_path, chat_template_path), str(tokenizer_path))
+    def load(cls, tokenizer_path: str | Path, chat_template_path: str | Path | None = None,
+             lazy: bool = False) -> "ServerTokenizer":
+        tokenizer_json(tokenizer_path)  # a missing file fails here, also when lazy
+        tokenizer = None if lazy else load_tokenizer(tokenizer_path)
+        return cls(tokenizer, load_chat_template(tokenizer_path, chat_template_path), str(tokenizer_path), tokenizer_path)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            with self._lock:  # the builder's thread and the event loop may both ask first
+                if self._tokenizer is None:
+                    self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the tokenizer itself is in memory (using it would not load it)."""
+        return self._tokenizer is not None
 
     @cached_property
     def vocab_size(self) -> int:

@@ -1,0 +1,200 @@
+"""Start-up cost: a worker's set-up cold and warm, and what a whole short replay costs per request.
+
+1. Set-up: a fresh process builds a worker's `Builder` (tokenizer, safe vocabulary, template
+   frames) for each tokenizer, cold (an empty set-up cache, $TRACEREPLAY_CACHE_DIR) and warm
+   (the cache the cold run wrote). Wall and CPU seconds of the set-up itself, and the
+   process's peak RSS (imports included).
+2. Replay: a real `locust -f locustfile.py --headless` (one process: master and worker parts)
+   replays a --rows-row, --seconds-s trace against `replay sim` (each on a core of its own),
+   to completion; CPU seconds (user + system) and peak RSS from wait4 on the reaped child,
+   start-up included. CPU per request = that CPU / rows. The first run starts with an empty
+   cache (cold), the others reuse it (warm).
+
+Median of --runs. Exits 1 when a run fails, a row is not ok or not exact, or a warm set-up
+did not read the cache.
+
+    .venv/bin/python bench/startup.py [--tokenizers qwen2,llama3,llama2] [--runs 5]
+                                      [--rows 250] [--seconds 60] [--replay-runs 3] [--no-replay]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+from common import split_cores  # noqa: E402
+from replay.results.records import read_records  # noqa: E402
+from replay.sim.process import sim_process  # noqa: E402
+
+SHARED = REPO.parent / "shared"
+BLOCK = 32
+CACHE_ENV = "TRACEREPLAY_CACHE_DIR"
+
+SET_UP = """
+import json, resource, sys, time
+import gevent, locust  # a worker has these loaded before its set-up
+from replay.locust.options import ReplayOptions
+from replay.locust.worker import Builder
+options = ReplayOptions(trace="unused", tokenizer=sys.argv[1], api=sys.argv[2], model="m")
+wall, cpu = time.perf_counter(), time.process_time()
+builder = Builder(options, 512)
+wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+cached = getattr(builder.synth, "set_up_from_cache", None)
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "cached": cached,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def tokenizer_dir(name: str) -> Path:
+    if name == "toy":
+        from replay.synth.toy import build_toy_tokenizer
+
+        return build_toy_tokenizer(Path(tempfile.mkdtemp(prefix="toy-tokenizer-")))
+    return SHARED / "tokenizers" / name
+
+
+def set_up_once(tokenizer: Path, api: str, cache: Path, cpu: int | None) -> dict:
+    preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    env = {**os.environ, CACHE_ENV: str(cache)}
+    out = subprocess.run([sys.executable, "-c", SET_UP, str(tokenizer), api], capture_output=True, text=True,
+                         env=env, preexec_fn=preexec, cwd=REPO)
+    if out.returncode != 0:
+        raise RuntimeError(f"set-up failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_set_up(names: list[str], api: str, runs: int, cpu: int | None) -> list[str]:
+    problems = []
+    print(f"worker set-up (Builder, api {api}), median of {runs} runs, one process each, on cpu {cpu}")
+    print(f"{'tokenizer':<10} {'cold wall s':>11} {'cold cpu s':>10} {'cold RSS MiB':>12} "
+          f"{'warm wall s':>11} {'warm cpu s':>10} {'warm RSS MiB':>12}  loadavg")
+    for name in names:
+        tokenizer = tokenizer_dir(name)
+        if not tokenizer.exists():
+            print(f"{name:<10} skipped: {tokenizer} is absent")
+            continue
+        cold, warm = [], []
+        for _ in range(runs):
+            with tempfile.TemporaryDirectory(prefix="bench-cache-") as cache:
+                cold.append(set_up_once(tokenizer, api, Path(cache), cpu))
+                warm.append(set_up_once(tokenizer, api, Path(cache), cpu))
+        if any(r["cached"] is True for r in cold) or any(r["cached"] is False for r in warm):
+            problems.append(f"{name}: a cold set-up read the cache or a warm one did not")
+
+        def med(rs: list[dict], key: str) -> float:
+            return statistics.median(r[key] for r in rs)
+
+        print(f"{name:<10} {med(cold, 'wall_s'):11.3f} {med(cold, 'cpu_s'):10.3f} {med(cold, 'peak_rss_mib'):12.0f} "
+              f"{med(warm, 'wall_s'):11.3f} {med(warm, 'cpu_s'):10.3f} {med(warm, 'peak_rss_mib'):12.0f}  "
+              f"{open('/proc/loadavg').read().split()[0]}", flush=True)
+    return problems
+
+
+def write_trace(path: Path, rows: int, seconds: float, seed: int = 0) -> None:
+    """Mooncake rows at uniform random times over `seconds`: 1-40 blocks, half of them behind
+    one of a few shared prefixes, as a production trace's system prompts and sessions."""
+    rng = random.Random(seed)
+    times = sorted(rng.uniform(0, seconds * 1000) for _ in range(rows))
+    next_id = 10_000
+    with open(path, "w") as f:
+        for t in times:
+            blocks = rng.randint(1, 40)
+            shared = min(blocks, rng.randint(0, 20)) if rng.random() < 0.5 else 0
+            family = 1000 * rng.randrange(4)
+            ids = [family + k for k in range(shared)] + list(range(next_id, next_id + blocks - shared))
+            next_id += blocks - shared
+            row = {"timestamp": round(t, 3), "input_length": blocks * BLOCK - rng.randrange(BLOCK),
+                   "output_length": rng.randint(10, 60), "hash_ids": ids}
+            f.write(json.dumps(row) + "\n")
+
+
+def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, cpu: int | None) -> dict:
+    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless", "--host", url,
+           "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
+           "--api", "openai-completions", "--output", str(out), "--overwrite", "--loglevel", "WARNING",
+           "--only-summary"]
+    preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    env = {**os.environ, CACHE_ENV: str(cache)}
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        text = log.read()
+    records = list(read_records(out)) if out.exists() else []
+    problems = []
+    if proc.returncode != 0:
+        problems.append(f"locust exit {proc.returncode}: {text[-1500:]}")
+    bad = [r for r in records if not r["ok"] or r["prompt_tokens"] != r["input_length"]]
+    if bad:
+        problems.append(f"{len(bad)} of {len(records)} records not ok or not exact, e.g. {bad[0]}")
+    cpu_s = usage.ru_utime + usage.ru_stime
+    return {"cpu_s": cpu_s, "cpu_ms_per_req": cpu_s * 1000.0 / max(1, len(records)),
+            "peak_rss_mib": usage.ru_maxrss / 1024, "records": len(records), "problems": problems}
+
+
+def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | None, server: int | None) -> list[str]:
+    tokenizer = tokenizer_dir(name)
+    if not tokenizer.exists():
+        print(f"replay skipped: {tokenizer} is absent")
+        return []
+    print(f"replay: {rows} rows over {seconds:g} s, {name}, openai-completions, locust --headless on cpu {client}, "
+          f"sim on cpu {server}; run 1 cold (empty cache), then warm")
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
+        tmp = Path(tmp)
+        trace = tmp / "trace.jsonl"
+        write_trace(trace, rows, seconds)
+        results = []
+        with sim_process(tokenizer, "--block-size", str(BLOCK), "--ttft-ms", "20", "--itl-ms", "2",
+                         "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000", cpu=server) as sim:
+            for k in range(runs + 1):
+                r = replay_once(tokenizer, sim.url, trace, tmp / "run.jsonl", tmp / "cache", client)
+                results.append(r)
+                problems += r["problems"]
+                print(f"  run {k + 1} ({'cold' if k == 0 else 'warm'}): {r['records']} records, CPU {r['cpu_s']:.2f} s "
+                      f"= {r['cpu_ms_per_req']:.2f} ms/request, peak RSS {r['peak_rss_mib']:.0f} MiB  "
+                      f"loadavg {open('/proc/loadavg').read().split()[0]}", flush=True)
+    warm = results[1:]
+    print(f"median of {len(warm)} warm runs: CPU {statistics.median(r['cpu_ms_per_req'] for r in warm):.2f} ms/request "
+          f"(target <= 5), peak RSS {statistics.median(r['peak_rss_mib'] for r in warm):.0f} MiB (target <= 200 MB); "
+          f"cold run: {results[0]['cpu_ms_per_req']:.2f} ms/request, {results[0]['peak_rss_mib']:.0f} MiB")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokenizers", default="qwen2,llama3,llama2")
+    parser.add_argument("--api", default="openai-chat")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--replay-tokenizer", default="qwen2")
+    parser.add_argument("--rows", type=int, default=250)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--replay-runs", type=int, default=3, help="warm replays (after one cold)")
+    parser.add_argument("--no-replay", action="store_true")
+    parser.add_argument("--no-set-up", action="store_true")
+    args = parser.parse_args()
+    client, server = split_cores()
+    problems = []
+    if not args.no_set_up:
+        problems += bench_set_up(args.tokenizers.split(","), args.api, args.runs, client)
+    if not args.no_replay:
+        problems += bench_replay(args.replay_tokenizer, args.rows, args.seconds, args.replay_runs, client, server)
+    for p in problems:
+        print(f"PROBLEM: {p}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""A tokenizer's set-up (safe vocabulary + frames) kept on disk, so that a process's second
+start costs milliseconds, not the seconds of CPU the build takes (qwen2: ~1 s on one core,
+more on a loaded machine, long enough for a worker to miss Locust heartbeats).
+
+The set-up is a pure function of its inputs, and the key names all of them: the tokenizer
+and template fingerprint (sha256 of tokenizer.json's bytes and of the template source), the
+special tokens the template is rendered with, the api, the versions of `tokenizers`, jinja2
+and Python, and a digest of the source of the modules that compute it (so changing how the
+vocabulary or the frames are built never reads an older result). FORMAT is the file layout.
+
+A file is one header line (JSON: format, key, the body's length and sha256) and the body
+(JSON of `Measured`). Nothing read is trusted blindly; before use:
+
+- the header's key must equal this process's key (not only its file name);
+- the body must have the header's length and sha256 (a truncated or damaged file fails);
+- the vocabulary must be well formed (as many texts as ids, distinct ids, each text a space
+  + ASCII letters, lead ids for the first lead_count words, frames of ints);
+- a spot check against this host's tokenizer.json: SPOT_CHECKS words spread over the
+  vocabulary must be in its vocab under the cached ids (the marker + word for a word, and
+  the bare or marked word for its lead id).
+
+Anything off, or a cache folder that cannot be read or written, logs one line and the set-up
+is built as without a cache: a run never fails, and prompts are never inexact, because of it.
+Writes go to a temporary file in the folder, renamed over the entry (atomic on POSIX), so
+workers starting together on one host never read half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import re
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Callable
+
+import jinja2
+import orjson
+import tokenizers
+
+from replay.synth.frames import Frame, Measured
+from replay.synth.tokenizer import ServerTokenizer, fingerprint_of, tokenizer_json
+from replay.synth.vocab import SPACE_MARKERS, SafeVocab
+
+FORMAT = 1
+ENV = "TRACEREPLAY_CACHE_DIR"
+SPOT_CHECKS = 32
+TEXT = re.compile(r" [A-Za-z]+")
+# The modules whose code computes the cached value: any change to them is a new key.
+SOURCES = ("vocab.py", "frames.py", "tokenizer.py", "chat_template.py")
+
+log = logging.getLogger(__name__)
+
+
+class CacheError(ValueError):
+    """A cache entry that must not be used (the reason is logged, the set-up rebuilt)."""
+
+
+def cache_dir() -> Path:
+    """$TRACEREPLAY_CACHE_DIR, else $XDG_CACHE_HOME/tracereplay, else ~/.cache/tracereplay."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "tracereplay"
+    return Path.home() / ".cache" / "tracereplay"
+
+
+@cache
+def code_digest() -> str:
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def cache_key(fingerprint: str, template_specials: dict, api: str) -> dict:
+    """Everything the cached set-up depends on."""
+    specials = orjson.dumps(template_specials, option=orjson.OPT_SORT_KEYS)
+    return {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "template_special_tokens": hashlib.sha256(specials).hexdigest(),
+        "api": api,
+        "tokenizers": tokenizers.__version__,
+        "jinja2": jinja2.__version__,
+        "python": ".".join(platform.python_version_tuple()[:2]),
+        "code": code_digest(),
+    }
+
+
+def entry_path(key: dict) -> Path:
+    name = hashlib.sha256(orjson.dumps(key, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+    return cache_dir() / f"setup-v{FORMAT}-{name}.json"
+
+
+def _key_of(tokenizer: ServerTokenizer, data: bytes, api: str) -> dict:
+    template = tokenizer.chat_template
+    return cache_key(fingerprint_of(data, template), template.special_tokens if template else {}, api)
+
+
+def cached(tokenizer: ServerTokenizer, api: str, build: Callable[[], Measured]) -> tuple[Measured, bool]:
+    """(the set-up, True) from a verified cache entry, else (build(), False), saved for next time.
+
+    A tokenizer made without a path (not by ServerTokenizer.load) has no file to key on and
+    is always built."""
+    if tokenizer.path is None:
+        return build(), False
+    data = tokenizer_json(tokenizer.path).read_bytes()
+    key = _key_of(tokenizer, data, api)
+    path = entry_path(key)
+    problem = None  # why the entry was not used (None: there was none), for the one log line
+    try:
+        measured = read_entry(path, key, data)
+        log.debug("set-up of %s (%s) read from %s", tokenizer.name, api, path)
+        return measured, True
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except (OSError, CacheError) as e:
+        problem = f"not used ({e})"
+    measured = build()
+    try:
+        write_entry(path, key, measured)
+    except OSError as e:
+        problem = f"{problem + ', and ' if problem else ''}cannot be written ({e})"
+    if problem:
+        log.warning("set-up cache %s %s; the set-up was built instead", path, problem)
+    else:
+        log.info("set-up of %s (%s) saved to %s", tokenizer.name, api, path)
+    return measured, False
+
+
+def loaded_before(fingerprint: str, template_specials: dict, api: str) -> bool:
+    """Whether this host has a cache entry's header for this key: the tokenizer loaded here
+    with this `tokenizers` version, so a master's preflight need not load it again to know."""
+    key = cache_key(fingerprint, template_specials, api)
+    try:
+        with open(entry_path(key), "rb") as f:
+            return orjson.loads(f.readline()).get("key") == key
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+# -- the file ---------------------------------------------------------------------------------
+
+
+def _frame_json(frame: Frame | None) -> list | None:
+    return None if frame is None else [list(frame.before), list(frame.after), frame.empty_tokens]
+
+
+def encode_entry(key: dict, measured: Measured) -> bytes:
+    vocab = measured.vocab
+    body = orjson.dumps({
+        "ids": list(vocab.ids), "texts": list(vocab.texts), "lead_ids": list(vocab.lead_ids),
+        "lead_count": vocab.lead_count, "frame": _frame_json(measured.frame),
+        "short_frame": _frame_json(measured.short_frame), "frame_error": measured.frame_error,
+        "empty_text_ids": list(measured.empty_text_ids),
+    })
+    header = {"format": FORMAT, "key": key, "length": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    return orjson.dumps(header) + b"\n" + body
+
+
+def write_entry(path: Path, key: dict, measured: Measured) -> None:
+    """Atomically: a temporary file in the same folder, renamed over `path`."""
+    data = encode_entry(key, measured)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_entry(path: Path, key: dict, tokenizer_bytes: bytes) -> Measured:
+    """The entry at `path`, verified (see the module's docstring); CacheError says what is off."""
+    raw = path.read_bytes()
+    head, sep, body = raw.partition(b"\n")
+    try:
+        header = orjson.loads(head)
+    except orjson.JSONDecodeError:
+        raise CacheError("unreadable header") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CacheError(f"format {header.get('format') if isinstance(header, dict) else '?'}, expected {FORMAT}")
+    if header.get("key") != key:
+        raise CacheError("written for another tokenizer, template, api or version")
+    if not sep or len(body) != header.get("length") or hashlib.sha256(body).hexdigest() != header.get("sha256"):
+        raise CacheError("damaged or truncated (length or sha256 differs from its header)")
+    try:
+        measured = _measured(orjson.loads(body))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CacheError(f"malformed: {e}") from None
+    spot_check(measured.vocab, tokenizer_bytes)
+    return measured
+
+
+def _ints(value, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(v) is int and 0 <= v < 1 << 31 for v in value):
+        raise ValueError(f"{what} is not a list of token ids")
+    return tuple(value)
+
+
+def _frame(value, what: str) -> Frame | None:
+    if value is None:
+        return None
+    before, after, empty = value
+    if type(empty) is not int or empty < 0:
+        raise ValueError(f"{what}: bad empty_tokens")
+    return Frame(_ints(before, what), _ints(after, what), empty)
+
+
+def _measured(body: dict) -> Measured:
+    ids, lead_ids = _ints(body["ids"], "ids"), _ints(body["lead_ids"], "lead_ids")
+    texts, lead_count = body["texts"], body["lead_count"]
+    if not isinstance(texts, list) or len(texts) != len(ids) or len(set(ids)) != len(ids):
+        raise ValueError("ids and texts do not pair up")
+    if not all(isinstance(t, str) and TEXT.fullmatch(t) for t in texts):
+        raise ValueError("a text is not a space + ASCII letters")
+    if type(lead_count) is not int or not 0 < lead_count <= len(ids) or len(lead_ids) != lead_count:
+        raise ValueError("bad lead ids")
+    frame = _frame(body["frame"], "frame")
+    if frame is None:
+        raise ValueError("no frame")
+    error = body["frame_error"]
+    if error is not None and not isinstance(error, str):
+        raise ValueError("bad frame_error")
+    vocab = SafeVocab(ids=ids, texts=tuple(texts), lead_ids=lead_ids, lead_count=lead_count)
+    return Measured(vocab, frame, _frame(body["short_frame"], "short_frame"), error,
+                    _ints(body["empty_text_ids"], "empty_text_ids"))
+
+
+def _in_vocab(data: bytes, tokens: list[str], token_id: int) -> bool:
+    """Whether tokenizer.json's vocab maps one of `tokens` to `token_id`: `"token": id` with
+    or without a space, the id not followed by another digit (words are ASCII letters, the
+    markers are written unescaped, as `tokenizers` writes them)."""
+    digits = str(token_id).encode()
+    for token in tokens:
+        for sep in (b'":', b'": '):
+            needle = b'"' + token.encode() + sep + digits
+            at = data.find(needle)
+            if at >= 0 and not data[at + len(needle): at + len(needle) + 1].isdigit():
+                return True
+    return False
+
+
+def spot_check(vocab: SafeVocab, tokenizer_bytes: bytes) -> None:
+    """SPOT_CHECKS words spread over the cached vocabulary are this tokenizer.json's tokens
+    under the cached ids (a ~10 ms look at the file instead of loading the tokenizer)."""
+    count = len(vocab)
+    for k in range(SPOT_CHECKS):
+        i = k * (count - 1) // max(1, SPOT_CHECKS - 1)
+        word = vocab.texts[i][1:]
+        if not _in_vocab(tokenizer_bytes, [m + word for m in SPACE_MARKERS], vocab.ids[i]):
+            raise CacheError(f"spot check: {vocab.texts[i]!r} is not token {vocab.ids[i]} of this tokenizer.json")
+        if i < vocab.lead_count and not _in_vocab(tokenizer_bytes, [word, *(m + word for m in SPACE_MARKERS)],
+                                                  vocab.lead_ids[i]):
+            raise CacheError(f"spot check: {word!r} is not token {vocab.lead_ids[i]} of this tokenizer.json")
