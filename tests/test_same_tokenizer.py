@@ -52,6 +52,13 @@ def test_fingerprint_is_the_tokenizer_and_its_template(tmp_path, toy_tokenizer_d
     assert tokenizer_fingerprint(retemplated) != mine
     assert master_fingerprint(str(toy_tokenizer_dir)) == mine
 
+    # the same files but for a special token the template sees (it may print bos_token)
+    respecialled = copy_of(toy_tokenizer_dir, tmp_path / "respecialled")
+    config = json.loads((respecialled / "tokenizer_config.json").read_text())
+    config["bos_token"] = "<|im_start|>" if config.get("bos_token") != "<|im_start|>" else "<|im_end|>"
+    (respecialled / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenizer_fingerprint(respecialled) != mine
+
 
 def test_worker_check(toy_tokenizer_dir, other_tokenizer_dir):
     expected = tokenizer_fingerprint(toy_tokenizer_dir)

@@ -145,7 +145,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def tokenizer_fingerprint(tokenizer_path: str | Path, chat_template_path: str | Path | None = None) -> str:
     """What two hosts must share to synthesize the same prompts: the sha256 of (the sha256 of
-    the tokenizer.json bytes, the template's ChatTemplate.sha256 or "no chat template").
+    the tokenizer.json bytes, the template's ChatTemplate.sha256 or "no chat template", and the
+    special tokens tokenizer_config.json hands the template: a `bos_token` the template prints
+    changes every chat prompt).
 
     The bytes, not the loaded tokenizer: hashing a 7 MB file takes about 20 ms, loading it
     hundreds. The template is the one ServerTokenizer.load would use (--chat-template, else
@@ -158,8 +160,10 @@ def tokenizer_fingerprint(tokenizer_path: str | Path, chat_template_path: str | 
 def fingerprint_of(tokenizer_bytes: bytes, template: ChatTemplate | None) -> str:
     """tokenizer_fingerprint of a tokenizer.json already read and a template already loaded."""
     digest = hashlib.sha256(tokenizer_bytes).hexdigest()
-    both = f"tokenizer.json sha256 {digest}\nchat template sha256 {template.sha256 if template else 'no chat template'}"
-    return hashlib.sha256(both.encode()).hexdigest()
+    parts = f"tokenizer.json sha256 {digest}\nchat template sha256 {template.sha256 if template else 'no chat template'}"
+    if template is not None and template.special_tokens:
+        parts += f"\nspecial tokens {json.dumps(template.special_tokens, sort_keys=True)}"
+    return hashlib.sha256(parts.encode()).hexdigest()
 
 
 class ServerTokenizer:
