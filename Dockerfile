@@ -20,6 +20,7 @@ COPY configs ./configs
 # (training is deterministic), so sim and workers agree on token counts with nothing in ./data.
 # uid 1000: files written to the ./data bind mount belong to the usual first host user.
 RUN pip install . \
+    && python -m replay.locust_help \
     && python -c "from replay.synth.toy import build_toy_tokenizer; build_toy_tokenizer('/opt/tracereplay/toy-tokenizer')" \
     && useradd --create-home --uid 1000 --user-group replay \
     && mkdir -p /app/data/results \

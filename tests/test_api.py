@@ -92,7 +92,7 @@ def test_connection_is_reused_after_a_stream(slow_sim):
     for _ in range(3):
         outcome = send(endpoint, get_adapter("openai-chat"), chat_body(True, 2), True, {"Content-Type": "application/json"})
         assert outcome.ok, outcome.error
-    assert endpoint.http._connection_pool._socket_queue.qsize() == 1
+    assert endpoint.idle() == 1
 
 
 def test_server_errors_and_dropped_streams_become_failed_outcomes(toy_tokenizer_dir):

@@ -36,7 +36,8 @@ from gevent.hub import Waiter
 from gevent.lock import Semaphore
 from gevent.queue import Empty
 from geventhttpclient import HTTPClient
-from geventhttpclient.response import HTTPSocketPoolResponse
+
+from replay.api.gevent_pool import PoolInternals
 
 from replay.api.adapters import Adapter
 from replay.api.sse import DONE, sse_data
@@ -65,9 +66,9 @@ class Endpoint:
 
     Besides blocking sends, it can write a request on an idle kept-alive connection without
     ever yielding (`idle_socket`, `request_bytes`): the dispatcher then sends every row that is
-    due in one go, instead of one per event-loop turn. `warm` keeps such connections ready. The
-    pool's internals are used for this; they are geventhttpclient's own get_socket/return_socket
-    steps, split apart. `opened` counts the connections this endpoint has opened.
+    due in one go, instead of one per event-loop turn. `warm` keeps such connections ready. This
+    takes geventhttpclient's own get_socket/return_socket steps apart (`pool`, a PoolInternals:
+    the only user of the library's private names). `opened` counts the connections opened.
     """
 
     def __init__(self, url: str, network_timeout: float = 3600.0, connection_timeout: float = 30.0):
@@ -100,16 +101,12 @@ class Endpoint:
             network_timeout=network_timeout,
             connection_timeout=connection_timeout,
         )
-
-    @property
-    def pool(self):
-        return self.http._connection_pool
+        self.pool = PoolInternals(self.http)
 
     def _take(self, sock):
         """A socket just taken off the idle queue, if it is still usable (else closed)."""
         since = self._idle_since.pop(id(sock), None)
-        if (since is None or time.monotonic() - since < IDLE_MAX_S) and self.pool._is_socket_alive(sock):
-            self.pool._semaphore.acquire()  # what get_socket does; never waits (the pool is huge)
+        if (since is None or time.monotonic() - since < IDLE_MAX_S) and self.pool.claim(sock):
             return sock
         close_with_reset(sock)
         return None
@@ -126,10 +123,9 @@ class Endpoint:
         if now - self._pruned_at < PRUNE_EVERY_S:
             return
         self._pruned_at = now
-        queue = self.pool._socket_queue
+        pool = self.pool
         kept = []
-        while not queue.empty():  # newest first (a LIFO queue)
-            sock = queue.get(block=False)
+        while (sock := pool.pop_idle()) is not None:  # newest first (a LIFO queue)
             # a connection geventhttpclient returned itself (a body that came with the head) is
             # first seen here: its age counts from now, at most PRUNE_EVERY_S late
             if now - self._idle_since.setdefault(id(sock), now) < IDLE_MAX_S:
@@ -138,19 +134,19 @@ class Endpoint:
                 self._idle_since.pop(id(sock), None)
                 close_with_reset(sock)
         for sock in reversed(kept):
-            queue.put(sock)
+            pool.put_idle(sock)
 
     def idle_socket(self):
         """A kept-alive connection that can be written to now, or None (never yields)."""
-        queue = self.pool._socket_queue
-        while not queue.empty():
-            sock = self._take(queue.get(block=False))
+        pool = self.pool
+        while (sock := pool.pop_idle()) is not None:
+            sock = self._take(sock)
             if sock is not None:
                 return sock
         return None
 
     def idle(self) -> int:
-        return self.pool._socket_queue.qsize()
+        return self.pool.idle_count()
 
     def backing_off(self) -> bool:
         return time.monotonic() < self._backoff_until
@@ -166,13 +162,10 @@ class Endpoint:
 
     def _open(self):
         """Open one connection, holding a connect slot (blocks while connecting)."""
-        pool = self.pool
         self.connecting += 1
-        pool._semaphore.acquire()  # geventhttpclient's count of sockets out of the pool; never waits
         try:
-            sock = pool._create_socket()
+            sock = self.pool.open()
         except BaseException as e:
-            pool._semaphore.release()
             if isinstance(e, Exception):
                 self.failed(e)
             raise
@@ -186,7 +179,6 @@ class Endpoint:
         """An idle connection, else a new one (blocks while connecting or waiting, see the module
         docstring); raises the connect error, or TimeoutError when none came in time."""
         deadline = time.monotonic() + self.connection_timeout
-        queue = self.pool._socket_queue
         while True:
             sock = self.idle_socket()
             if sock is not None:
@@ -211,7 +203,7 @@ class Endpoint:
             else:
                 continue
             try:  # until the backoff ends: a connection another request hands back
-                sock = self._take(queue.get(timeout=min(deadline, self._backoff_until) - now))
+                sock = self._take(self.pool.wait_idle(min(deadline, self._backoff_until) - now))
             except Empty:
                 continue
             if sock is not None:
@@ -220,9 +212,8 @@ class Endpoint:
     def warm(self, idle: int) -> None:
         """Open connections until `idle` wait in the pool (blocks while connecting); opens none
         while the endpoint backs off, nor beyond the free connect slots."""
-        pool = self.pool
         self.prune()
-        while pool._socket_queue.qsize() < idle and not self.backing_off() and self._slots.acquire(blocking=False):
+        while self.pool.idle_count() < idle and not self.backing_off() and self._slots.acquire(blocking=False):
             try:
                 sock = self._open()
             finally:
@@ -246,9 +237,8 @@ class Endpoint:
         """Close the idle connections with a reset (SO_LINGER 0) rather than a FIN: a connection
         the client closes first otherwise holds its source port in TIME_WAIT for a minute, and
         the next run against the same server may need every port. Only once nothing is in flight."""
-        queue = self.pool._socket_queue
-        while not queue.empty():
-            close_with_reset(queue.get(block=False))
+        while (sock := self.pool.pop_idle()) is not None:
+            close_with_reset(sock)
         self._idle_since.clear()
         self.http.close()
 
@@ -321,8 +311,8 @@ class _BodyReader:
 
     def __init__(self, response, on_read):
         self.response = response
-        self.buf = response._body_buffer  # geventhttpclient's de-chunked body, grown in place by feed()
-        self.sock = response._sock._sock  # the non-blocking _socket.socket under gevent's
+        self.buf = PoolInternals.body(response)  # the de-chunked body, grown in place by feed()
+        self.sock = PoolInternals.raw_socket(response)  # the non-blocking _socket.socket under gevent's
         self.on_read = on_read
         self.sizes: list[int] = []  # body bytes so far after each read
         self.times: list[float] = []  # and when that read arrived (unix seconds)
@@ -375,8 +365,8 @@ def _receive(response, on_read=_nothing) -> tuple[bytes, list[int], list[float],
     No per-read timeout while streaming; a server that stops answering is cut off by
     --drain-timeout instead. Lines are split and parsed after the stream ends.
     """
-    if response._sock is None:  # the whole body came with the headers
-        buf = response._body_buffer
+    if PoolInternals.socket(response) is None:  # the whole body came with the headers
+        buf = PoolInternals.body(response)
         return bytes(buf), [len(buf)] if buf else [], [time.time()] if buf else [], None
     reader = _BodyReader(response, on_read)
     reader.read()
@@ -426,12 +416,12 @@ def close_with_reset(sock) -> None:
 def _release(endpoint: Endpoint, response) -> None:
     """Return the connection to the pool only when its response was read to the end."""
     if response.message_complete:
-        if response._sock is not None:
-            endpoint._idle_since[id(response._sock)] = time.monotonic()
+        sock = PoolInternals.socket(response)
+        if sock is not None:
+            endpoint._idle_since[id(sock)] = time.monotonic()
         response.release()
         return
-    pool, sock = response._pool, response._sock
-    response._pool = response._sock = None
+    pool, sock = PoolInternals.detach(response)
     if pool is not None and sock is not None:
         pool.release_socket(sock)
 
@@ -527,6 +517,4 @@ def read(endpoint: Endpoint, adapter: Adapter, stream: bool, sent: Sent) -> Outc
         sent.outcome.finished_at = time.time()
         endpoint.in_flight -= 1
         return sent.outcome
-    pool = endpoint.pool
-    return _answer(endpoint, adapter, stream, sent.outcome,
-                   lambda: HTTPSocketPoolResponse(sent.sock, pool, block_size=endpoint.http.block_size, method="POST"))
+    return _answer(endpoint, adapter, stream, sent.outcome, lambda: endpoint.pool.response(sent.sock))

@@ -37,7 +37,7 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome, keep_itl: bool = True) -> dict:
+def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome) -> dict:
     """The record of a request that was sent; `outcome` is a replay.api.Outcome."""
     return {
         "request_id": row.request_id,
@@ -52,7 +52,7 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "ttft_ms": _ms(outcome.ttft_ms),
         "tpot_ms": _ms(outcome.tpot_ms),
         "e2e_ms": _ms(outcome.e2e_ms),
-        "itl_ms": [round(x, 3) for x in outcome.itl_ms] if keep_itl and outcome.streamed else None,
+        "itl_ms": [round(x, 3) for x in outcome.itl_ms] if outcome.streamed else None,  # always kept: no opt-out
         "status": outcome.status,
         "ok": outcome.ok,
         "error": outcome.error,

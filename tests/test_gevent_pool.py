@@ -1,0 +1,58 @@
+"""geventhttpclient's private names, used by the client, are checked when it is imported."""
+
+import pytest
+from geventhttpclient import HTTPClient
+from geventhttpclient.connectionpool import ConnectionPool
+from geventhttpclient.response import HTTPSocketPoolResponse
+
+from replay.api import gevent_pool
+from replay.api.gevent_pool import TESTED, require, self_check
+
+
+def without(cls, name):
+    """A stand-in for `cls` lacking the class attribute `name` (the library's class is untouched)."""
+    return type(cls.__name__, (), {k: v for k, v in vars(cls).items() if k != name})
+
+
+class PoolWithoutQueue(ConnectionPool):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        del self._socket_queue
+
+
+class ClientWithoutQueue(HTTPClient):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._connection_pool.__class__ = PoolWithoutQueue
+        del self._connection_pool._socket_queue
+
+
+class ResponseWithoutBuffer(HTTPSocketPoolResponse):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        del self._body_buffer
+
+
+def test_installed_version_passes_and_is_in_the_pinned_range():
+    assert self_check() is None
+    major, minor = (int(x) for x in gevent_pool.GEVENTHTTPCLIENT_VERSION.split(".")[:2])
+    assert TESTED == f">={major}.{minor},<{major}.{minor + 1}"
+    pyproject = open(__file__.rsplit("/tests/", 1)[0] + "/pyproject.toml").read()
+    assert f'"geventhttpclient{TESTED}"' in pyproject
+
+
+@pytest.mark.parametrize("classes, name", [
+    ({"pool_cls": without(ConnectionPool, "_create_socket")}, "ConnectionPool._create_socket()"),
+    ({"pool_cls": without(ConnectionPool, "_is_socket_alive")}, "ConnectionPool._is_socket_alive()"),
+    ({"response_cls": without(HTTPSocketPoolResponse, "feed")}, "HTTPSocketPoolResponse.feed()"),
+    ({"client_cls": ClientWithoutQueue, "pool_cls": PoolWithoutQueue}, "PoolWithoutQueue._socket_queue"),
+    ({"response_cls": ResponseWithoutBuffer}, "ResponseWithoutBuffer._body_buffer"),
+])
+def test_a_missing_name_fails_loudly(classes, name):
+    assert self_check(**classes) == name
+    with pytest.raises(ImportError) as raised:
+        require(**classes)
+    message = str(raised.value)
+    assert name in message
+    assert f"geventhttpclient {gevent_pool.GEVENTHTTPCLIENT_VERSION}" in message
+    assert f"geventhttpclient{TESTED}" in message
