@@ -95,7 +95,7 @@ def signal_mid_run(targets: list, signum: int, log: Path, procs: list) -> float:
     returns how long they took."""
     try:
         wait_for_text(log, "replay starts at", procs[0])
-        time.sleep(2.0)
+        time.sleep(2.0)  # the scenario: the run goes on 2 s before the signal
         for target in targets:
             target.send_signal(signum)
         signalled = time.monotonic()
@@ -143,7 +143,7 @@ def test_worker_joining_mid_run_idles(tmp_path, toy_tokenizer_dir, fast_sim):
     master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), port=port)
     try:
         wait_for_text(tmp_path / "master.log", "replay starts at", master)
-        time.sleep(1.5)
+        time.sleep(1.5)  # the scenario: a worker joins 1.5 s into the run
         procs.append(spawn_worker(tmp_path, port, "late"))
         finish([master, *procs], timeout=90)
     finally:
