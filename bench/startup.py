@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import os
 import random
 import statistics
@@ -119,11 +120,12 @@ def write_trace(path: Path, rows: int, seconds: float, seed: int = 0) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, cpu: int | None) -> dict:
+def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, cpu: int | None,
+                extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless", "--host", url,
            "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
            "--api", "openai-completions", "--output", str(out), "--overwrite", "--loglevel", "WARNING",
-           "--only-summary"]
+           "--only-summary", *extra]
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     env = {**os.environ, CACHE_ENV: str(cache)}
     with tempfile.TemporaryFile("w+") as log:
@@ -144,13 +146,14 @@ def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, 
             "peak_rss_mib": usage.ru_maxrss / 1024, "records": len(records), "problems": problems}
 
 
-def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | None, server: int | None) -> list[str]:
+def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | None, server: int | None,
+                 extra: list[str] = ()) -> list[str]:
     tokenizer = tokenizer_dir(name)
     if not tokenizer.exists():
         print(f"replay skipped: {tokenizer} is absent")
         return []
     print(f"replay: {rows} rows over {seconds:g} s, {name}, openai-completions, locust --headless on cpu {client}, "
-          f"sim on cpu {server}; run 1 cold (empty cache), then warm")
+          f"sim on cpu {server}; run 1 cold (empty cache), then warm{'; ' + ' '.join(extra) if extra else ''}")
     problems = []
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         tmp = Path(tmp)
@@ -160,7 +163,7 @@ def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | 
         with sim_process(tokenizer, "--block-size", str(BLOCK), "--ttft-ms", "20", "--itl-ms", "2",
                          "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000", cpu=server) as sim:
             for k in range(runs + 1):
-                r = replay_once(tokenizer, sim.url, trace, tmp / "run.jsonl", tmp / "cache", client)
+                r = replay_once(tokenizer, sim.url, trace, tmp / "run.jsonl", tmp / "cache", client, list(extra))
                 results.append(r)
                 problems += r["problems"]
                 print(f"  run {k + 1} ({'cold' if k == 0 else 'warm'}): {r['records']} records, CPU {r['cpu_s']:.2f} s "
@@ -183,6 +186,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--replay-runs", type=int, default=3, help="warm replays (after one cold)")
     parser.add_argument("--no-replay", action="store_true")
+    parser.add_argument("--replay-args", default="", help="more locust flags for the replay, e.g. "
+                        "'--verify-server off --server-metrics-interval 0' to leave those parts out")
     parser.add_argument("--no-set-up", action="store_true")
     args = parser.parse_args()
     client, server = split_cores()
@@ -190,7 +195,8 @@ def main() -> int:
     if not args.no_set_up:
         problems += bench_set_up(args.tokenizers.split(","), args.api, args.runs, client)
     if not args.no_replay:
-        problems += bench_replay(args.replay_tokenizer, args.rows, args.seconds, args.replay_runs, client, server)
+        problems += bench_replay(args.replay_tokenizer, args.rows, args.seconds, args.replay_runs, client, server,
+                                 shlex.split(args.replay_args))
     for p in problems:
         print(f"PROBLEM: {p}")
     return 1 if problems else 0

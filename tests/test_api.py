@@ -36,11 +36,16 @@ def test_ttft_is_first_content_token_not_role_chunk(slow_sim):
     endpoint = Endpoint(slow_sim.url)
     outcome = send(endpoint, get_adapter("openai-chat"), chat_body(True), True, {"Content-Type": "application/json"})
     assert outcome.ok, outcome.error
-    assert 290 <= outcome.ttft_ms < 450, outcome.ttft_ms
+    # Bounds a loaded 2-core machine meets (precise figures: bench/dispatch.py). The role chunk
+    # comes at once, the first token after 300 ms: timed from the role chunk, TTFT would be ~0.
+    assert 290 <= outcome.ttft_ms < 1000, outcome.ttft_ms
     assert outcome.output_tokens == 6 and outcome.events_tokens == 6
-    assert len(outcome.itl_ms) == 5 and all(10 < gap < 80 for gap in outcome.itl_ms)
+    # The server spaces the 5 gaps 20 ms apart (100 ms). Two tokens may share a read on a busy
+    # machine (a gap of 0), but tokens timed when parsed rather than when read would all but
+    # share one time (a span near 0).
+    assert len(outcome.itl_ms) == 5 and 50 < sum(outcome.itl_ms) < 1000, outcome.itl_ms
     assert outcome.prompt_tokens > 0 and outcome.cached_tokens is not None
-    assert 15 < outcome.tpot_ms < 40
+    assert 10 < outcome.tpot_ms < 200, outcome.tpot_ms
     assert endpoint.in_flight == 0
 
 
@@ -69,7 +74,8 @@ def test_each_read_calls_the_hook_in_the_loop_which_can_wake_a_waiting_greenlet(
     waiting.join(1)
     alarm.close()
     assert outcome.ok, outcome.error
-    assert woke and reads and 0 <= woke[0] - reads[0] < 0.1
+    # woken by the read, not by its own deadline 30 s away (1 s: a loaded machine's bound)
+    assert woke and reads and 0 <= woke[0] - reads[0] < 1.0, (woke[:1], reads[:1])
     assert reads == sorted(reads) and len(reads) >= 4 and all(in_loop)
     # token times are the arrival times of the reads that brought them (the last read ends the
     # stream and calls no hook)
@@ -148,7 +154,9 @@ def test_after_a_refused_connect_later_sends_back_off_then_recover(toy_tokenizer
         outcomes.append(send(endpoint, chat, chat_body(False), False, {}))
     assert all(not o.ok and o.error.startswith("ConnectionRefusedError") for o in outcomes)
     tried = [o for o in outcomes if "backing off" not in o.error]
-    assert 2 <= len(tried) <= 5, len(tried)  # at 0, ~0.05, ~0.15, ~0.35 s; before: all 51
+    # at 0, ~0.05, ~0.15, ~0.35 s (~0.75, ~1.55 s if the sleeps run long on a busy machine);
+    # before: all 51
+    assert 2 <= len(tried) <= 7, len(tried)
     with sim_process(toy_tokenizer_dir, "--port", str(port), "--ttft-ms", "0", "--itl-ms", "0"):
         deadline = time.monotonic() + 5
         while not (outcome := send(endpoint, chat, chat_body(False), False, {})).ok:

@@ -20,9 +20,7 @@ import pytest
 import requests
 
 from replay.results.records import read_records
-from test_html import BROWSERS, CHROMIUM_FLAGS, need
-from conftest import finish, free_port, mooncake_trace
-from test_webui import start_web_locust, wait_for, web_args
+from conftest import BROWSERS, CHROMIUM_FLAGS, finish, free_port, mooncake_trace, need, start_web_locust, wait_for, web_args
 
 # The README's picture is refreshed only on request (TRACEREPLAY_SCREENSHOT=docs/replay-view.png),
 # so a test run leaves the checkout clean.

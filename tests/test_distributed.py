@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from conftest import (BLOCK, bailian_trace, check_records, finish, free_port, master_and_workers, mooncake_trace,
-                      replay_args, run_locust, shared_path, spawn_locust, spawn_worker, trace_ids)
+                      replay_args, run_locust, shared_path, spawn_locust, spawn_worker, trace_ids, wait_for_text)
 from replay.locust.coordinator import CHUNK_ROWS
 from replay.locust.messages import HOLD_ROWS
 from replay.results.metadata import read_run_metadata
@@ -50,14 +50,6 @@ def assert_each_sent_once(output: Path, sim_url: str, request_ids) -> None:
     twice = {k: v for k, v in seen.items() if v != 1}
     assert not twice, f"{len(twice)} ids received more than once, e.g. {list(twice.items())[:5]}"
     assert set(seen) == expected, (len(seen), len(expected), sorted(set(expected) - set(seen))[:5])
-
-
-def wait_for(log: Path, text: str, proc, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert proc.poll() is None, f"exited {proc.returncode} before {text!r}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {text!r} in {log}:\n{log.read_text()[-3000:]}"
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -102,8 +94,8 @@ def signal_mid_run(targets: list, signum: int, log: Path, procs: list) -> float:
     """Send `signum` to `targets` 2 s into the replay (as `log` tells), wait for `procs` to exit;
     returns how long they took."""
     try:
-        wait_for(log, "replay starts at", procs[0])
-        time.sleep(2.0)
+        wait_for_text(log, "replay starts at", procs[0])
+        time.sleep(2.0)  # the scenario: the run goes on 2 s before the signal
         for target in targets:
             target.send_signal(signum)
         signalled = time.monotonic()
@@ -150,8 +142,8 @@ def test_worker_joining_mid_run_idles(tmp_path, toy_tokenizer_dir, fast_sim):
     port = free_port()
     master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), port=port)
     try:
-        wait_for(tmp_path / "master.log", "replay starts at", master)
-        time.sleep(1.5)
+        wait_for_text(tmp_path / "master.log", "replay starts at", master)
+        time.sleep(1.5)  # the scenario: a worker joins 1.5 s into the run
         procs.append(spawn_worker(tmp_path, port, "late"))
         finish([master, *procs], timeout=90)
     finally:

@@ -27,7 +27,7 @@ from replay.results.metadata import read_run_metadata
 from replay.results.records import read_records
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
-from vllm_server import reset_prefix_cache, vllm_qwen2  # noqa: F401
+from vllm_server import reset_prefix_cache
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(560)]
 

@@ -19,20 +19,7 @@ from pathlib import Path
 import pytest
 
 from replay.results.html import PLOTS
-from conftest import mooncake_trace
-from test_report import T0, ok_record, record
-
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--enable-logging=stderr", "--v=0")  # fmt: skip
-
-
-def need(what: str, hint: str) -> None:
-    message = f"{what} is not installed ({hint})"
-    if IN_CI:
-        pytest.fail(message + "; CI must install it", pytrace=False)
-    pytest.skip(message)
+from conftest import BROWSERS, CHROMIUM_FLAGS, T0, mooncake_trace, need, ok_record, record
 
 
 @pytest.fixture(scope="module")

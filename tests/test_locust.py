@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from conftest import (BLOCK, LOCUST, bailian_trace, check_records, finish, free_port, master_and_workers,
-                      mooncake_trace, replay_args, run_locust, trace_ids)
+                      mooncake_trace, replay_args, run_locust, trace_ids, wait_for, wait_for_text)
 from replay.results.metadata import read_run_metadata
 from replay.results.records import DRAIN_TIMEOUT, OVERSIZED, RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.results.summary import percentile
@@ -50,7 +50,9 @@ def test_processes_two_workers(tmp_path, toy_tokenizer_dir, sim):
     records = check_records(output, trace)
     by_worker = {w: sum(r["worker"] == w for r in records) for w in (0, 1)}
     assert by_worker == {0: 30, 1: 30}  # round-robin
-    assert percentile(sorted(r["drift_ms"] for r in records), 99) < 20
+    # on schedule (precise drift: bench/dispatch.py); a worker that sent late, e.g. after its
+    # set-up or behind the other's rows, would be hundreds of ms late
+    assert percentile(sorted(r["drift_ms"] for r in records), 99) < 100
 
 
 def test_master_and_two_workers(tmp_path, toy_tokenizer_dir, sim):
@@ -75,8 +77,11 @@ def test_open_loop_slow_server(tmp_path, toy_tokenizer_dir):
     records = check_records(output, trace)
     drift = sorted(r["drift_ms"] for r in records)
     ttft = sorted(r["ttft_ms"] for r in records)
-    assert percentile(drift, 99) < 5, drift[-5:]
-    assert 1950 < percentile(ttft, 50) < 2300 and ttft[-1] < 2600, (ttft[:3], ttft[-3:])
+    # Open loop: a send waiting on an earlier answer would be >= 2000 ms late (precise drift,
+    # p99 ~1-2 ms: bench/dispatch.py). 500 ms is what a loaded 2-core machine stays under.
+    assert percentile(drift, 99) < 500, drift[-5:]
+    # TTFT is the server's 2 s from the send, never a wait for a connection (>= 4 s)
+    assert 1950 < percentile(ttft, 50) < 2500 and ttft[-1] < 3500, (ttft[:3], ttft[-3:])
 
 
 def test_500_concurrent_streams_one_worker(tmp_path, toy_tokenizer_dir):
@@ -90,8 +95,9 @@ def test_500_concurrent_streams_one_worker(tmp_path, toy_tokenizer_dir):
     ttft = sorted(r["ttft_ms"] for r in records)
     # every request was sent before the first answer began: all 500 were in flight together
     assert max(r["sent_at"] for r in records) < min(r["sent_at"] + r["ttft_ms"] / 1000 for r in records)
-    assert 1350 < percentile(ttft, 50) < 1650, percentile(ttft, 50)
-    assert percentile(ttft, 90) < 1650, percentile(ttft, 90)
+    # TTFT is the server's 1.5 s: a request queued behind another would wait a second 1.5 s
+    assert 1350 < percentile(ttft, 50) < 2000, percentile(ttft, 50)
+    assert percentile(ttft, 90) < 2500, percentile(ttft, 90)
 
 
 def _peak_in_flight(records: list[dict]) -> int:
@@ -123,8 +129,8 @@ def test_connections_opened_follow_in_flight_demand(tmp_path, toy_tokenizer_dir)
     with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "500", "--itl-ms", "1",
                      "--prefill-ms-per-1k", "0", "--max-num-seqs", "1000") as server:
         run_locust(replay_args(trace, toy_tokenizer_dir, server.url, output), tmp_path)
-        time.sleep(0.2)
-        lingering = _time_wait_to(server.port)
+        # a connection closed with a FIN stays in TIME_WAIT for 60 s: a few seconds' polling hides none
+        wait_for(lambda: _time_wait_to(server.port) == 0, "no connection to the sim left in TIME_WAIT", 5)
         metrics = requests.get(server.url + "/metrics", timeout=5).text
         seen = requests.get(server.url + "/debug/requests", timeout=5).json()
     records = check_records(output, trace)
@@ -134,7 +140,6 @@ def test_connections_opened_follow_in_flight_demand(tmp_path, toy_tokenizer_dir)
     due_within_warm = int(WARM_S / 0.005) + 1
     assert 90 <= peak <= 130, peak  # 200 req/s x 0.5 s
     assert opened <= peak + due_within_warm + MIN_SPARE + 20, (opened, peak)  # before: 202 for 102
-    assert lingering == 0, lingering
     assert seen["total"] == 300 and seen["without_id"] == 0 and set(seen["ids"].values()) == {1}
 
 
@@ -165,11 +170,8 @@ def test_killed_worker_rows_are_accounted_for(tmp_path, toy_tokenizer_dir, sim):
     output = tmp_path / "run.jsonl"
     master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, sim.url, output))
     try:
-        deadline = time.monotonic() + 60
-        while "replay starts at" not in (tmp_path / "master.log").read_text():
-            assert time.monotonic() < deadline and master.poll() is None, (tmp_path / "master.log").read_text()
-            time.sleep(0.1)
-        time.sleep(2.0)
+        wait_for_text(tmp_path / "master.log", "replay starts at", master)
+        time.sleep(2.0)  # the scenario: a worker lost 2 s into a 6 s run
         victim = workers[1]
         victim.send_signal(signal.SIGKILL)
         victim.wait()

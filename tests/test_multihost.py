@@ -194,8 +194,10 @@ def test_worker_with_a_skewed_clock(tmp_path, toy_tokenizer_dir, network):
                               worker_env={1: {"PYTHONPATH": str(skew)}})
     check_records(tmp_path / "results" / "run.jsonl", trace)
     offsets = sorted(float(m) for m in re.findall(r"worker \d ready \(clock offset (-?[\d.]+) ms", log))
-    assert len(offsets) == 2 and -2510 < offsets[0] < -2490 and abs(offsets[1]) < 10, offsets
+    # the 2.5 s skew measured and applied: bounds a loaded machine meets (a ping's half round
+    # trip is the error), far inside the 2500 ms an unapplied offset would show
+    assert len(offsets) == 2 and -2600 < offsets[0] < -2400 and abs(offsets[1]) < 100, offsets
     drift = sorted(r["drift_ms"] for r in records)
-    assert drift[0] > -1 and percentile(drift, 99) < 20, drift[-5:]
+    assert drift[0] > -100 and percentile(drift, 99) < 250, drift[-5:]
     master_clock_start = min(r["scheduled_at"] for r in records)
     assert all(0 <= r["sent_at"] - master_clock_start < 2.0 for r in records)  # the 1.6 s trace, one clock

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import LOCUST, check_records, finish, mooncake_trace, replay_args, run_locust, spawn_locust
+from conftest import (LOCUST, check_records, finish, mooncake_trace, replay_args, run_locust, spawn_locust,
+                      wait_for_text)
 from replay.errors import OptionError
 from replay.results.metadata import meta_path, read_run_metadata, summary_path
 from replay.results.output import OutputTaken, claim_output, earlier_run_files, lock_path
@@ -185,14 +186,6 @@ def test_output_on_a_read_only_mount_is_refused(tmp_path, toy_tokenizer_dir, rea
     message = (f"--output {output}: cannot write in {ro}: Read-only file system" if where == "in" else
                f"--output {output}: cannot create its folder {output.parent}: Read-only file system")
     refused(replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", output), tmp_path, message, prefix)
-
-
-def wait_for_text(log: Path, text: str, proc, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert proc.poll() is None, f"exited {proc.returncode} before {text!r}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {text!r} in {log}"
-        time.sleep(0.1)
 
 
 def test_a_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_path, toy_tokenizer_dir, sim):

@@ -9,39 +9,12 @@ import random
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from replay.results.records import RECORD_FIELDS, RUN_STOPPED, WORKER_LOST
+from replay.results.records import RUN_STOPPED, WORKER_LOST
 from replay.results.report import ReportError, build_report, format_report, parse_slo
-
-T0 = 1_700_000_000.0
-
-
-def record(rid: int, **fields) -> dict:
-    r = {k: None for k in RECORD_FIELDS}
-    r.update(request_id=rid, worker=0, endpoint="http://127.0.0.1:1", api="openai-chat", status=200, ok=True,
-             input_length=100, output_length=10)  # fmt: skip
-    r.update(fields)
-    return r
-
-
-def ok_record(rid: int, rng: random.Random) -> dict:
-    scheduled = T0 + rid * 0.1
-    drift = rng.uniform(0.05, 3.0)
-    sent = scheduled + drift / 1000
-    out = rng.randint(1, 40)
-    ttft = rng.uniform(20, 400)
-    itl = [rng.uniform(5, 30) for _ in range(out - 1)]
-    e2e = ttft + sum(itl) + rng.uniform(0, 2)
-    tpot = (e2e - ttft) / (out - 1) if out > 1 else None
-    inp = rng.randint(10, 3000)
-    return record(
-        rid, scheduled_at=scheduled, sent_at=sent, finished_at=sent + e2e / 1000, drift_ms=drift, ttft_ms=ttft,
-        tpot_ms=tpot, e2e_ms=e2e, itl_ms=itl, input_length=inp, output_length=out, prompt_tokens=inp,
-        output_tokens=out, cached_tokens=0,
-    )  # fmt: skip
+from conftest import T0, ok_record, record, write_jsonl
 
 
 @pytest.fixture
@@ -163,11 +136,6 @@ def test_only_unsent_rows():
     assert report["duration_s"] == 0 and report["request_throughput"] == 0 and report["goodput_rps"] == 0
     assert report["ttft_ms"]["p99"] is None and report["drift_ms"]["max"] is None
     assert "n/a" in format_report(report)
-
-
-def write_jsonl(path: Path, recs: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return path
 
 
 def run_report(*args: str) -> subprocess.CompletedProcess:

@@ -5,39 +5,14 @@ from __future__ import annotations
 import gc
 import gzip
 import json
-import math
-import zlib
 
 import pytest
 
+from conftest import (AZURE_HEADER, GZIP_DAMAGES, HUGE, bailian_rows, damaged_gzip, huge_prompt_trace,
+                      mooncake_rows, write_jsonl)
 from replay.trace import FORMATS, BadLine, TraceError, detect_format, prefix_hits, read_trace
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 from replay.trace.formats import parse_datetime
-
-
-def write_jsonl(path, records, gz=False):
-    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
-    if gz:
-        with gzip.open(path, "wt") as f:
-            f.write(text)
-    else:
-        path.write_text(text)
-    return path
-
-
-def mooncake_rows(n=5, block=512):
-    rows = []
-    for i in range(n):
-        length = 700 + 300 * i
-        rows.append(
-            {
-                "timestamp": 250 * i,
-                "input_length": length,
-                "output_length": 10 + i,
-                "hash_ids": [0] + [100 * i + k for k in range(1, math.ceil(length / block))],
-            }
-        )
-    return rows
 
 
 # --- formats -------------------------------------------------------------------------------
@@ -76,23 +51,6 @@ def test_gzip_is_read_transparently_even_when_misnamed(tmp_path):
     for name in ("t.jsonl.gz", "t-really-gzip.jsonl"):
         trace = read_trace(write_jsonl(tmp_path / name, rows, gz=True))
         assert len(trace.rows) == 3 and trace.format == "mooncake"
-
-
-def bailian_rows():
-    """Two conversations, one three turns deep, parents before children, interleaved."""
-    def row(chat, parent, t, length, turn):
-        return {
-            "chat_id": chat, "parent_chat_id": parent, "timestamp": t, "input_length": length,
-            "output_length": 7, "type": "text", "turn": turn,
-            "hash_ids": list(range(chat * 1000, chat * 1000 + math.ceil(length / 16))),
-        }
-    return [
-        row(10, -1, 0.0, 40, 1),
-        row(20, -1, 0.5, 16, 1),
-        row(11, 10, 1.25, 90, 2),
-        row(21, 20, 2.0, 33, 2),
-        row(12, 11, 3.5, 170, 3),
-    ]
 
 
 def test_bailian_sessions_are_the_root_of_the_parent_chain(tmp_path):
@@ -312,40 +270,6 @@ def test_skip_mode_keeps_going_and_counts_every_bad_row(tmp_path):
 
 # --- files that cannot be read whole ----------------------------------------------------------
 
-GZIP_DAMAGES = ["truncated", "crc", "magic-then-garbage", "header-then-garbage", "magic-only"]
-
-
-def gzipped_rows(rows: int = 2000) -> bytes:
-    """A gzipped mooncake trace, long enough that a cut lands far into the file."""
-    text = "".join(json.dumps({"timestamp": i, "input_length": 10, "output_length": 1}) + "\n" for i in range(rows))
-    return gzip.compress(text.encode())
-
-
-def damaged_gzip(tmp_path, damage, data=None, name="damaged.jsonl.gz"):
-    """(path, line, message): a gzip file with this damage, and what read_trace must say about it.
-
-    The line is worked out with zlib, not with the gzip module the reader uses: one past the
-    last whole line that can be decompressed at all.
-    """
-    data = data if data is not None else gzipped_rows()
-    if damage == "truncated":
-        body = data[: len(data) // 2]
-        whole = zlib.decompressobj(wbits=31).decompress(body).count(b"\n")
-        line, message = whole + 1, f"truncated gzip file: ended after line {whole}"
-    elif damage == "crc":
-        body = bytearray(data)
-        body[-8] ^= 0xFF  # the CRC-32 is the 8 bytes before the last 4 (the length)
-        line, message = gzip.decompress(data).count(b"\n") + 1, "corrupt gzip data: CRC check failed"
-    elif damage == "magic-then-garbage":
-        body, line, message = b"\x1f\x8bthis is not gzip\n" * 3, 1, "corrupt gzip data: Unknown compression method"
-    elif damage == "header-then-garbage":  # 0xff starts a deflate block of the reserved type 3
-        body, line, message = data[:10] + b"\xff" * 64, 1, "corrupt gzip data: Error -3 while decompressing data"
-    else:
-        body, line, message = b"\x1f\x8b", 1, "truncated gzip file: ended before the first line"
-    path = tmp_path / f"{damage}-{name}"
-    path.write_bytes(bytes(body))
-    return path, line, message
-
 
 def assert_bad(err, path, line, field, message):
     assert (err.value.bad.path, err.value.bad.line, err.value.bad.field) == (str(path), line, field)
@@ -376,9 +300,6 @@ def test_a_damaged_gzip_csv_names_file_and_line(tmp_path, damage):
     with pytest.raises(TraceError) as err:
         read_trace(path, format="azure", on_bad_line="skip")
     assert_bad(err, path, line, "(gzip)", message)
-
-
-AZURE_HEADER = b"TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 
 @pytest.mark.parametrize("gzipped", [False, True], ids=["plain", "gzip"])
@@ -436,32 +357,6 @@ def test_json_bytes_that_are_not_utf8_are_a_bad_row_on_their_line(tmp_path):
 
 
 # --- the prompt length bound ------------------------------------------------------------------
-
-HUGE = 1_000_000_000
-
-
-def huge_prompt_trace(tmp_path, fmt):
-    """(path, line): a four-row trace of this format whose row on `line` asks for 10^9 prompt
-    tokens (bailian without hash ids: with them, 10^9 tokens need 62.5 million ids)."""
-    lengths = [10, 20, HUGE, 30]
-    if fmt == "azure":
-        text = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
-            f"2023-11-16 18:15:4{i},{n},1\n" for i, n in enumerate(lengths))
-    elif fmt == "burstgpt":
-        text = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n" + "".join(
-            f"{i},GPT-4,{n},1,{n + 1},API log\n" for i, n in enumerate(lengths))
-    else:
-        make = {
-            "mooncake": lambda i, n: {"timestamp": 100 * i, "input_length": n, "output_length": 1},
-            "jsonl": lambda i, n: {"session_id": "s", "delay": 100, "input_length": n, "output_length": 1},
-            "bailian": lambda i, n: {"chat_id": i + 1, "parent_chat_id": i or -1, "timestamp": float(i),
-                                     "input_length": n, "output_length": 1, "type": "text"},
-        }[fmt]
-        text = "".join(json.dumps(make(i, n)) + "\n" for i, n in enumerate(lengths))
-    path = tmp_path / f"huge-{fmt}.txt"
-    path.write_text(text)
-    line = lengths.index(HUGE) + (2 if fmt in ("azure", "burstgpt") else 1)
-    return path, line
 
 
 def test_the_default_prompt_bound():

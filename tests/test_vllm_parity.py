@@ -22,7 +22,7 @@ from conftest import shared_path
 from replay.sim.process import sim_process
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import SafeVocab, build_safe_vocab
-from vllm_server import KV_BYTES_PER_TOKEN, metric_total, reset_prefix_cache, vllm_qwen2  # noqa: F401
+from vllm_server import KV_BYTES_PER_TOKEN, metric_total, reset_prefix_cache
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 

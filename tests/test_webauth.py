@@ -11,9 +11,8 @@ import subprocess
 import pytest
 import requests
 
-from conftest import finish, free_port, mooncake_trace, run_locust, spawn_locust
+from conftest import finish, free_port, mooncake_trace, run_locust, spawn_locust, start_web_locust, wait_for, web_args
 from replay.locust.webauth import Credentials, parse_web_user, safe_next
-from test_webui import start_web_locust, wait_for, web_args
 
 PASSWORD = "s3cret:with-colon"  # a ':' in the password is the password's
 

@@ -5,9 +5,7 @@ the merged JSONL the run wrote."""
 from __future__ import annotations
 
 import signal
-import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import requests
@@ -15,33 +13,8 @@ import requests
 from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.trace import read_trace
 from replay.trace.prefix import hit_tokens, prefix_hits
-from conftest import BLOCK, finish, free_port, master_and_workers, mooncake_trace, replay_args, run_locust, spawn_locust
-
-
-def web_args(trace: Path, tokenizer: Path, url: str, output: Path, port: int) -> list[str]:
-    args = [a for a in replay_args(trace, tokenizer, url, output) if a != "--headless"]
-    return [*args, "--web-host", "127.0.0.1", "--web-port", str(port)]
-
-
-def wait_for(check, what: str, timeout: float = 60.0, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = check()
-        except requests.ConnectionError:
-            value = None
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
-
-
-def start_web_locust(tmp_path: Path, args: list[str], workers: int) -> list:
-    """workers=0: one local process (logs to master.log); else a master and its workers."""
-    if workers == 0:
-        return [spawn_locust(args, tmp_path, tmp_path / "master.log")]
-    master, procs = master_and_workers(tmp_path, args, workers)
-    return [master, *procs]
+from conftest import (BLOCK, finish, free_port, mooncake_trace, replay_args, run_locust, start_web_locust,
+                      wait_for, web_args)
 
 
 def start_swarm(base: str, host: str) -> dict:

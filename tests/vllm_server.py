@@ -4,7 +4,8 @@ Token counts and prefix-cache behaviour depend on the tokenizer, the chat templa
 block size, never on the weights, so a 2-layer Llama with random weights (`--load-format
 dummy`) stands in for any model. vLLM lives in its own venv (`make vllm`, .ci/install-vllm)
 because it pins its own torch and transformers; the tests only talk to it over HTTP.
-Recipe and measured facts: ../shared/notes/vllm-cpu.md.
+Recipe and measured facts: ../shared/notes/vllm-cpu.md. The shared server fixture
+(`vllm_qwen2`) is in conftest.py, built from the helpers here.
 
 Policy when vLLM is not installed: with ../shared present (CI, or a full checkout) the test
 FAILS and says `make vllm`, because a silent skip would hide the only check against a real
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, SHARED, free_port, shared_path
+from conftest import REPO, SHARED, free_port
 
 VLLM_VENV = Path(os.environ.get("TRACEREPLAY_VLLM_VENV", REPO / ".venv-vllm"))
 SKIP_ENV = "TRACEREPLAY_SKIP_VLLM"
@@ -239,20 +240,3 @@ def metric_total(metrics_text: str, name: str) -> float | None:
             total += float(m.group(3))
             seen = True
     return total if seen else None
-
-
-@pytest.fixture(scope="module")
-def vllm_qwen2(tmp_path_factory) -> Iterator[str]:
-    """One vLLM serving the tiny model with the Qwen2 tokenizer, block size 32, per test module.
-
-    Import it into a test module (`from vllm_server import vllm_qwen2`); start-up takes about
-    40-60 s, so a module starts it once and resets its prefix cache itself. While developing,
-    TRACEREPLAY_VLLM_URL=http://127.0.0.1:PORT reuses a server already started this way.
-    """
-    if os.environ.get(REUSE_ENV):
-        yield os.environ[REUSE_ENV].rstrip("/")
-        return
-    require_vllm()
-    model = make_tiny_model(shared_path("tokenizers", "qwen2"), tmp_path_factory.mktemp("tiny-qwen2"))
-    with vllm_server(model, block_size=32, kv_cache_gib=1) as url:
-        yield url

@@ -1,7 +1,9 @@
-"""Server-sent events, one line at a time.
+"""Server-sent events: the payload of one `data:` line.
 
-A token's arrival time is the time its line arrives, so the stream is read line by line
-(never in fixed-size chunks, which would smear TTFT toward the end of the response).
+The client (replay.api.client) does not read the stream line by line: each read takes up to
+16 KiB, whatever has arrived, and notes when. Lines are split only after the stream ends, and
+each event is timed by the read that completed its line, so an event is timed when its bytes
+arrived, never when a later parse got to it.
 """
 
 from __future__ import annotations

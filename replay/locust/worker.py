@@ -156,7 +156,6 @@ class WorkerPart:
         self.in_flight: dict[int, tuple[TraceRow, float, str, gevent.Greenlet]] = {}
         self.sends = Group()
         self.outbox: list[dict] = []
-        self.recorded = 0
         self.sent = 0
         self.failed = 0
         self.writer: RecordWriter | None = None
@@ -168,7 +167,6 @@ class WorkerPart:
         self._stopped = False
         self._chunks: dict[int, list] = {}
         self._next_chunk = 0
-        self._greenlets: list[gevent.Greenlet] = []
         self.alarm = Alarm()  # the dispatcher's wake-up, rung early by stream readers
         self.clock = ClockSync(link)
         self.record_window = messages.Window(lambda payload: link.to_master(messages.RECORDS, payload))
@@ -192,7 +190,7 @@ class WorkerPart:
         self.endpoint_urls = data["endpoints"]  # resolved on the master: --host may not have reached us yet
         self.run_id = data["run_id"] if self.options.request_id_header else None
         self.master_fingerprint = data.get("tokenizer_fingerprint")  # checked in _set_up
-        self._greenlets.append(gevent.spawn(self._prepare))
+        gevent.spawn(self._prepare)
 
     def on_rows(self, data: dict, sender: str) -> None:
         # Chunks may come twice (resent) or out of order (one resent after later ones): apply
@@ -223,7 +221,7 @@ class WorkerPart:
     def on_go(self, data: dict, sender: str) -> None:
         self.epoch = data["epoch"]
         self.go.set()
-        self._greenlets.append(gevent.spawn(self.run))
+        gevent.spawn(self.run)
 
     def on_idle(self, data: dict, sender: str) -> None:
         logger.warning("this worker idles: %s", data["reason"])
@@ -258,12 +256,13 @@ class WorkerPart:
         self.route = make_router(opts.routing, self.endpoints)
         # in a thread: the tokenizer check against the master's, then the set-up
         self.builder = build_off_loop(opts, self.block_size, self.master_fingerprint)
+        # open for the process's life (records come until a stop is over); each batch is flushed
         self.writer = RecordWriter(worker_path(self.output, self.index))
         if not self.local:
             self.offset = self.clock.measure()
-        self._greenlets.append(gevent.spawn(self._build_ahead))
-        self._greenlets.append(gevent.spawn(self._flush_loop))
-        self._greenlets.append(gevent.spawn(self._keep_connections))
+        gevent.spawn(self._build_ahead)
+        gevent.spawn(self._flush_loop)
+        gevent.spawn(self._keep_connections)
 
     def due(self, row: TraceRow) -> float:
         """Scheduled time in master clock (unix seconds)."""
@@ -437,7 +436,6 @@ class WorkerPart:
 
     def _record(self, record: dict) -> None:
         self.outbox.append(record)
-        self.recorded += 1
         if not record["ok"]:
             self.failed += 1
 
@@ -503,9 +501,3 @@ class WorkerPart:
             self.writer.write(batch)
         return batch
 
-    def close(self) -> None:
-        for g in self._greenlets:
-            g.kill(block=False)
-        self.record_window.close()
-        # The writer stays open: Locust fires `quitting` before it stops the run, and the
-        # stop still writes records. Each batch is flushed; the file closes with the process.

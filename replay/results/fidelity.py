@@ -21,7 +21,7 @@ request sent within the window after it came first.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -180,7 +180,3 @@ def cache_fidelity(
     if reorder_window_ms:
         method += f"; sends within {reorder_window_ms:g} ms may swap"
     return summarize_cache(checks, method, ideal_trace_hits(rows, trace_block_size)), checks
-
-
-def per_request(checks: list[CacheCheck]) -> list[dict]:
-    return [asdict(c) for c in checks]

@@ -87,12 +87,12 @@ def is_failure(record: dict) -> bool:
 
 
 class RecordWriter:
-    """Appends records to a JSONL file, flushed per batch so the file survives a crash."""
+    """Writes records to a fresh JSONL file batch by batch, flushed per batch so the file survives a crash."""
 
-    def __init__(self, path: str | Path, append: bool = False):
+    def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab" if append else "wb")
+        self._file = open(self.path, "wb")
         self.count = 0
 
     def write(self, records: Iterable[dict]) -> None:
@@ -108,19 +108,6 @@ class RecordWriter:
 
     def close(self) -> None:
         self._file.close()
-
-
-def write_records(path: str | Path, records: Iterable[dict]) -> int:
-    """Write records sorted by request_id (a fresh file); returns how many."""
-    ordered = sorted(records, key=lambda r: r["request_id"])
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for r in ordered:
-            f.write(orjson.dumps(r) + b"\n")
-    tmp.replace(p)
-    return len(ordered)
 
 
 def read_records(path: str | Path) -> Iterator[dict]:

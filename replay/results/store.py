@@ -39,9 +39,6 @@ class RecordStore:
     def has(self, request_id: int) -> bool:
         return self._state[request_id - self.first] != NONE
 
-    def is_placeholder(self, request_id: int) -> bool:
-        return self._state[request_id - self.first] == PLACEHOLDER
-
     def add(self, records: Iterable[dict], placeholder: bool = False) -> list[dict]:
         """Store the records that are new (or replace a placeholder); returns those stored."""
         fresh, lines = [], []

@@ -1,5 +1,7 @@
-"""The end-of-run summary, computed from records. Percentiles are computed here and only here
-(numpy's default linear interpolation, as vLLM's benchmark reports them).
+"""The end-of-run summary, computed from records. `percentile` here is the one every run
+figure uses (the summary, reports, the live view): numpy's default linear interpolation, as
+vLLM's benchmark reports them. `replay trace stats` ranks trace lengths by nearest rank
+instead (replay.trace.stats), so a token count stays a count.
 
 A run can have millions of records, so the summary is built in one pass (`SummaryBuilder`):
 records are not kept, only counters and the values that need percentiles, 8 bytes each in

@@ -167,7 +167,6 @@ class _Frames:
     """Fixed byte frames with the token text spliced in: serializing 50k events/s in JSON would not keep up."""
 
     object_stream = ""
-    object_full = ""
 
     def __init__(self, engine: Engine, rid: str, with_usage: bool):
         self.engine = engine

@@ -21,6 +21,7 @@ adds the space back itself.
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from array import array
@@ -38,6 +39,7 @@ from replay.trace.record import TraceRow
 
 APIS = ("openai-chat", "openai-completions", "tgi")
 FIX_UP_ROUNDS = 8
+RESEEDED_CACHE_BLOCKS = 256  # a reseeded synthesizer makes a few dozen prompts
 
 log = logging.getLogger(__name__)
 _vocab_cache: "weakref.WeakKeyDictionary[ServerTokenizer, SafeVocab]" = weakref.WeakKeyDictionary()
@@ -126,6 +128,15 @@ class PromptSynthesizer:
         # rows longer than this are always exact; shorter ones get an empty content and a warning
         self.min_overhead_tokens = min(self.frame.overhead, self.short_frame.overhead if self.short_frame else 1 << 30)
         self.warnings = 0
+
+    def reseeded(self, seed: int) -> "PromptSynthesizer":
+        """The same set-up (vocabulary, frames) with blocks of another seed: prompts of the same
+        shapes that share no block with this synthesizer's (the server check's sample)."""
+        other = copy.copy(self)
+        other.seed = seed
+        other.blocks = BlockSource(self.vocab, self.block_size, seed, RESEEDED_CACHE_BLOCKS)
+        other.warnings = 0
+        return other
 
     def _layout(self, row: TraceRow) -> tuple[Frame, tuple[str, ...], int]:
         """The frame and message layout a row is built with, and its content tokens (<= 0: the

@@ -14,6 +14,10 @@ asks each endpoint to count a sample of prompts built exactly as the run's are:
   a token either side of one and two blocks, several blocks, and the window's shortest and
   longest rows.
 
+Each is compared with the ids the replay takes it to be: built from the proven frame and the
+vocabulary's ids, as the synthesizer builds its prompts (encoded only where the replay itself
+encodes, for templates that touch the content).
+
 The sample uses a seed of its own, so no block of the run enters the server's prefix cache.
 Ways to ask, in order: `POST /tokenize` (vLLM: prompt and messages forms; SGLang: prompt form;
 TGI: `{"inputs"}`), which gives ids; else a `max_tokens: 1` request reading
@@ -99,7 +103,7 @@ def build_samples(synth: PromptSynthesizer, lengths: Iterable[int] = (), max_len
     `max_len`: the server's context; prompts are kept a token under it (the usage way asks for
     one output token).
     """
-    sample = PromptSynthesizer(synth.tokenizer, synth.api, synth.block_size, synth.seed + SAMPLE_SEED)
+    sample = synth.reseeded(synth.seed + SAMPLE_SEED)
     cap = min(max_len or MAX_SAMPLE_TOKENS, MAX_SAMPLE_TOKENS) - 1
     samples = _vocabulary_samples(sample, cap)
     frame, size = sample.frame.overhead, sample.blocks.block_size
@@ -115,9 +119,8 @@ def build_samples(synth: PromptSynthesizer, lengths: Iterable[int] = (), max_len
         blocks = -(-max(length - frame, 1) // size)
         row = TraceRow(request_id=n, timestamp_s=0.0, input_length=length, output_length=1,
                        hash_ids=tuple(range(blocks)))
-        prompt = sample.prompt(row)
-        samples.append(Sample(f"a {length}-token prompt ({blocks} block(s) of {size})", prompt,
-                              encode_prompt(sample.tokenizer, prompt)))
+        samples.append(Sample(f"a {length}-token prompt ({blocks} block(s) of {size})", sample.prompt(row),
+                              sample.server_ids(row)))
     return samples
 
 
@@ -132,7 +135,11 @@ def _vocabulary_samples(sample: PromptSynthesizer, cap: int) -> list[Sample]:
         lead = start // words % vocab.lead_count  # a prompt's first word goes bare: one that has a bare form
         text = vocab.texts[lead][1:] + "".join(vocab.texts[i] for i in chunk)
         prompt = sample.text_prompt(text, 0)
-        ids = encode_prompt(sample.tokenizer, prompt)
+        if sample.verified:  # no proven frame: the replay encodes its prompts, and so does the check
+            ids = encode_prompt(sample.tokenizer, prompt)
+        else:  # the ids the replay takes this prompt to be (no tokenizer needed: it may be loaded lazily)
+            frame = sample.frame
+            ids = [*frame.before, vocab.lead_ids[lead], *(vocab.ids[i] for i in chunk), *frame.after]
         prompt.expected_tokens = len(ids)
         samples.append(Sample(f"vocabulary prompt {start // words + 1} ({len(chunk) + 1} words)", prompt, ids))
     return samples
