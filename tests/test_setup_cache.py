@@ -49,7 +49,9 @@ def rows(count: int = 60) -> list[TraceRow]:
 
 
 def synth(tokenizer_dir: Path, api: str = "openai-chat", token_ids: bool = False) -> PromptSynthesizer:
-    """A fresh set-up, as a new process makes it (a new ServerTokenizer: no in-memory vocabulary)."""
+    """A fresh set-up, as a new process makes it (a new ServerTokenizer: no in-memory vocabulary,
+    and none of this process's earlier set-ups)."""
+    setup_cache.forget()
     return PromptSynthesizer(ServerTokenizer.load(tokenizer_dir, lazy=True), api, block_size=BLOCK, seed=5,
                              token_ids=token_ids)
 
@@ -75,6 +77,19 @@ def entries(cache: Path) -> list[Path]:
 
 def cache_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == setup_cache.__name__ and r.levelno >= logging.WARNING]
+
+
+def test_a_second_set_up_in_one_process_reads_nothing(cache, toy_tokenizer_dir):
+    """A single process sets up twice (the master's server check, then its worker part): the
+    second is the first's, even with the disk entry gone; other files or api are set up anew."""
+    first = synth(toy_tokenizer_dir)
+    for entry in entries(cache):
+        entry.unlink()
+    again = PromptSynthesizer(ServerTokenizer.load(toy_tokenizer_dir, lazy=True), "openai-chat", block_size=BLOCK, seed=9)
+    assert again.set_up_from_cache and again.vocab is first.vocab and not entries(cache)
+    other = PromptSynthesizer(ServerTokenizer.load(toy_tokenizer_dir, lazy=True), "openai-completions",
+                              block_size=BLOCK, seed=9)
+    assert not other.set_up_from_cache and other.vocab is not first.vocab
 
 
 def test_written_on_the_first_set_up_and_read_on_the_second(cache, toy_tokenizer_dir):

@@ -42,13 +42,16 @@ gevent.config.track_greenlet_tree = False
 
 GUARD_FACTOR = 3.0  # the builder starts no body closer to a send than this many build times
 AHEAD_S = 10.0  # build bodies up to this far (wall seconds) ahead of their send
+BUILD_IDLE_S = 0.5  # the builder's longest sleep when it is AHEAD_S ahead (a check costs CPU; 0.5 s of 10 nothing)
 AHEAD_ROWS = 2000  # and at most this many rows ahead
 FLUSH_S = 0.2  # records are written and shipped in batches this often
 FLUSH_GAP_S = 0.004  # each batch waits for this long a gap before the next send
 FLUSH_GAP_TRIES = 50  # for up to about this many ms
 BATCH = 500
 WARM_S = 0.25  # idle connections kept for the sends due within this much time
-WARM_TICK_S = 0.02
+# How often the idle connections are sized to the sends due within WARM_S: well inside WARM_S, and
+# no more often, since an idle process's CPU is these ticks (0.02 s cost 0.2 s of CPU a minute)
+WARM_TICK_S = 0.1
 MIN_SPARE = 8  # and this many more per endpoint
 MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
 
@@ -302,7 +305,10 @@ class WorkerPart:
                     gevent.sleep(max(gap, 0.0) + 0.0002)
                     continue
                 self.primed.set()
-                gevent.sleep(0.05 if ahead_rows >= AHEAD_ROWS else min(0.05, max(ahead_s - AHEAD_S, 0.001)))
+                if ahead_rows >= AHEAD_ROWS:  # held back by rows: sends free them at the trace's rate
+                    gevent.sleep(0.05)
+                else:  # held back by time: nothing to build until the next row is AHEAD_S from its send
+                    gevent.sleep(min(BUILD_IDLE_S, max(ahead_s - AHEAD_S, 0.001)))
             started = time.perf_counter()
             try:
                 self.bodies[pos] = self.builder.body(row)

@@ -53,6 +53,7 @@ TEXT = re.compile(r" [A-Za-z]+")
 SOURCES = ("vocab.py", "frames.py", "tokenizer.py", "chat_template.py")
 
 log = logging.getLogger(__name__)
+_in_process: dict[tuple, Measured] = {}  # this process's set-ups (cached(): a second one of the same files is free)
 
 
 class CacheError(ValueError):
@@ -104,12 +105,30 @@ def _key_of(tokenizer: ServerTokenizer, data: bytes, api: str) -> dict:
 
 def cached(tokenizer: ServerTokenizer, api: str, build: Callable[[], Measured]) -> tuple[Measured, bool]:
     """(the set-up, True) from a verified cache entry, else (build(), False), saved for next time.
+    Kept in memory too, for this process's next set-up of the same files.
 
     A tokenizer made without a path (not by ServerTokenizer.load) has no file to key on and
     is always built."""
     if tokenizer.path is None:
         return build(), False
-    data = tokenizer_json(tokenizer.path).read_bytes()
+    file = tokenizer_json(tokenizer.path)
+    stat = file.stat()
+    template = tokenizer.chat_template
+    here = (str(cache_dir()), str(file.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, api,
+            template.sha256 if template else None, repr(sorted(template.special_tokens.items())) if template else None)
+    if here in _in_process:  # a second set-up in this process (a single process's master check, then its worker)
+        return _in_process[here], True
+    measured, from_cache = _cached(tokenizer, file.read_bytes(), api, build)
+    _in_process[here] = measured
+    return measured, from_cache
+
+
+def forget() -> None:
+    """Drop this process's set-ups, so the next one reads the disk cache (tests of that cache)."""
+    _in_process.clear()
+
+
+def _cached(tokenizer: ServerTokenizer, data: bytes, api: str, build: Callable[[], Measured]) -> tuple[Measured, bool]:
     key = _key_of(tokenizer, data, api)
     path = entry_path(key)
     problem = None  # why the entry was not used (None: there was none), for the one log line
