@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from replay.sim.cache import block_hashes, hit_blocks
+from replay.rules.prefix_cache import block_hashes, hit_blocks
 from replay.synth.prompts import PromptSynthesizer
+from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.prefix import ideal_hits
 from replay.trace.record import TraceRow
 
@@ -171,7 +172,7 @@ def cache_fidelity(
 
     token_ids = prompt_format == "token-ids"
     synth = PromptSynthesizer(ServerTokenizer.load(tokenizer, chat_template), api=api,
-                              block_size=trace_block_size or 512, seed=seed, token_ids=token_ids)  # fmt: skip
+                              block_size=trace_block_size or DEFAULT_BLOCK_SIZE, seed=seed, token_ids=token_ids)  # fmt: skip
     checks = check_cache(records, {row.request_id: row for row in rows}, synth, server_block_size, reorder_window_ms)
     what = f"{api} token-id" if token_ids else api
     method = (f"re-synthesized {what} prompts ({Path(str(tokenizer)).name}, seed {seed}, trace block "
