@@ -33,6 +33,12 @@ OVERSIZED = "prompt over --max-prompt-tokens"  # never synthesized nor sent (" (
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
 
 
+def prompt_tokens_of(record: dict) -> int:
+    """A record's prompt tokens: the server's count, else the trace's (a server that reports no
+    usage); 0 when neither is known."""
+    return record.get("prompt_tokens") or record.get("input_length") or 0
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 

@@ -16,6 +16,8 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from typing import Iterable, Sequence
 
+from replay.results.records import prompt_tokens_of
+
 DISTRIBUTION_KEYS = ("mean", "median", "std", "p25", "p50", "p75", "p90", "p99")
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")  # each a distribution over ok records
 SORT_RUN = 1 << 16  # how many values sorted_array turns into Python floats at once (~2.5 MB)
@@ -23,7 +25,9 @@ MERGE_WINDOW_MIN = 1024  # bounds the rounds of a merge of many runs, and their 
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float | None:
-    """Linear interpolation between closest ranks; `sorted_values` must be sorted."""
+    """Linear interpolation between closest ranks (numpy's default); `sorted_values` must be
+    sorted. The percentile of every run figure (latencies, drift); a trace's own statistics use
+    replay.trace.stats.nearest_rank instead, so that token counts stay values of the data."""
     n = len(sorted_values)
     if n == 0:
         return None
@@ -158,7 +162,7 @@ class SummaryBuilder:
                     self.drift_max = drift
         if record.get("ok"):
             self.requests_ok += 1
-            self.input_tokens += record.get("prompt_tokens") or record.get("input_length") or 0
+            self.input_tokens += prompt_tokens_of(record)
             self.output_tokens += record.get("output_tokens") or 0
             for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
                 value = record.get(key)
