@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from replay.results.records import Record
 from replay.rules.prefix_cache import block_hashes, hit_blocks
 from replay.synth.prompts import PromptSynthesizer
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
@@ -56,14 +57,14 @@ class CacheCheck:
         return self.observed is not None and self.low <= self.observed <= self.high
 
 
-def _scheduled(record: dict) -> bool:
+def _scheduled(record: Record) -> bool:
     """Did the server take this request in (and so cache its prompt)?"""
     status = record.get("status") or 0
     return record.get("sent_at") is not None and (bool(record.get("ok")) or 200 <= status < 300)
 
 
 def check_cache(
-    records: Iterable[dict],
+    records: Iterable[Record],
     rows: dict[int, TraceRow],
     synth: PromptSynthesizer,
     server_block_size: int,
@@ -152,7 +153,7 @@ def ideal_trace_hits(rows: list[TraceRow], block_size: int | None) -> dict:
 
 
 def cache_fidelity(
-    records: list[dict],
+    records: list[Record],
     rows: list[TraceRow],
     *,
     tokenizer: str,

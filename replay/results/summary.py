@@ -16,7 +16,7 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from typing import Iterable, Sequence
 
-from replay.results.records import prompt_tokens_of
+from replay.results.records import Record, prompt_tokens_of
 
 DISTRIBUTION_KEYS = ("mean", "median", "std", "p25", "p50", "p75", "p90", "p99")
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")  # each a distribution over ok records
@@ -91,7 +91,7 @@ def distribution(sorted_values: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
-def failure_reason(record: dict) -> str:
+def failure_reason(record: Record) -> str:
     """One label per failed record: 'HTTP 503' for error statuses, else the error text's head."""
     status = record.get("status") or 0
     if status and not 200 <= status < 300:
@@ -107,7 +107,7 @@ class FailureCounts:
         self.by_reason: Counter[str] = Counter()
         self.by_status: Counter[str] = Counter()
 
-    def add(self, record: dict) -> None:
+    def add(self, record: Record) -> None:
         if not record.get("ok"):
             self.by_reason[failure_reason(record)] += 1
             self.by_status[str(record.get("status") or 0)] += 1
@@ -117,7 +117,7 @@ class FailureCounts:
         return dict(self.by_reason.most_common()), dict(self.by_status.most_common())
 
 
-def failures(records: Iterable[dict]) -> tuple[dict[str, int], dict[str, int]]:
+def failures(records: Iterable[Record]) -> tuple[dict[str, int], dict[str, int]]:
     """Failed records counted by reason and by HTTP status (0 = no response)."""
     counts = FailureCounts()
     for r in records:
@@ -144,7 +144,7 @@ class SummaryBuilder:
         self.drift = array("d")  # of sent records
         self.drift_max: float | None = None  # as given (an int stays an int), not as stored
 
-    def add(self, record: dict) -> None:
+    def add(self, record: Record) -> None:
         self.requests += 1
         self.failures.add(record)
         sent_at = record.get("sent_at")
@@ -200,7 +200,7 @@ class SummaryBuilder:
         return out
 
 
-def summarize(records: Iterable[dict]) -> dict:
+def summarize(records: Iterable[Record]) -> dict:
     """design.md's summary keys that records alone can give (goodput and cache come later)."""
     builder = SummaryBuilder()
     for r in records:
