@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import shared_path
-from replay.locust.config import ConfigError, apply_config, config_keys, load_config
+from replay.locust.config import ConfigError, apply_config, config_keys, load_config, replay_options
 from replay.locust.options import LOCAL_OPTION_NAMES, ReplayOptions, add_arguments
 from replay.sim.process import sim_process
 from conftest import LOCUST, bailian_trace, check_records
@@ -94,7 +94,7 @@ def test_flags_win_even_when_they_repeat_the_default(tmp_path):
     parsed = parse(["--replay-config", str(path), "--routing", "round-robin", "--scale=2", "--header", "B: 2"])
     assert (parsed.trace, parsed.routing, parsed.scale, parsed.seed, parsed.header) == \
         ("file.jsonl", "round-robin", 2.0, 3, ["B: 2"])
-    options = ReplayOptions.from_parsed(parsed)  # the plugin's path: applying twice changes nothing
+    options = replay_options(parsed)  # the plugin's path: applying twice changes nothing
     assert (options.trace, options.routing, options.scale) == ("file.jsonl", "round-robin", 2.0)
 
 

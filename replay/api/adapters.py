@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from replay.rules.apis import API_NAMES
+
 Usage = dict[str, int | None]
 Read = tuple[int, Usage | None, str | None]
-
-API_NAMES = ("openai-chat", "openai-completions", "tgi")
 
 
 def _openai_usage(obj: dict) -> Usage | None:

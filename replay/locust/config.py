@@ -3,8 +3,9 @@
 The keys are the replay's option names without the leading dashes (`block-size`; the
 underscore spelling `block_size` is accepted too, both at once is an error), so a file
 reads like the command line it replaces. The valid keys, their types and choices come
-from the parser itself (replay.locust.options.add_arguments), never from a second list
-that could drift from it. Paths in the file mean what they would mean as flags: relative
+from the parser itself (replay.locust.options.add_arguments, derived from the options
+dataclass), never from a second list that could drift from it. This module imports
+options, never the reverse. Paths in the file mean what they would mean as flags: relative
 to the working directory, not to the file.
 """
 
@@ -18,7 +19,9 @@ from typing import Any, Sequence
 
 import yaml
 
-CONFIG_DEST = "replay_config"
+from replay.locust.options import CONFIG_FLAG, ReplayOptions, add_arguments
+
+CONFIG_DEST = CONFIG_FLAG[2:].replace("-", "_")
 _APPLIED = "_replay_config_applied"
 
 
@@ -38,8 +41,6 @@ class Key:
 
 
 def _replay_parser(**kwargs) -> argparse.ArgumentParser:
-    from replay.locust.options import add_arguments
-
     parser = argparse.ArgumentParser(add_help=False, **kwargs)
     add_arguments(parser)
     return parser
@@ -174,3 +175,9 @@ def apply_config(parsed: argparse.Namespace, argv: Sequence[str] | None = None) 
         applied[dest] = value
     setattr(parsed, _APPLIED, path)  # once: a second call must not undo changes made since
     return applied
+
+
+def replay_options(parsed: argparse.Namespace) -> ReplayOptions:
+    """The run's options: --replay-config merged into `parsed` (flags win), then read."""
+    apply_config(parsed)
+    return ReplayOptions.from_parsed(parsed)

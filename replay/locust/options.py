@@ -1,14 +1,17 @@
 """The replay's command-line options, added to Locust's own parser (design.md's list).
 
-Every option is also a key of `--replay-config FILE.yaml` (keys = option names without
-dashes); `apply_config_file` is the hook where that file is merged, flags winning.
+One list: the fields of `ReplayOptions` (and `LocalOptions`) carry each flag's help and
+choices; `add_arguments`, `OPTION_NAMES` and the config keys are derived from them. Every
+option is also a key of `--replay-config FILE.yaml` (keys = option names without dashes);
+replay.locust.config merges that file, flags winning.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 from replay.api.adapters import API_NAMES
 from replay.api.ask import check_url
@@ -28,103 +31,79 @@ TOKEN_ID_API = "openai-completions"
 VERIFY_SERVER = ("auto", "require", "off")
 
 
-def add_arguments(parser) -> None:
-    group = parser.add_argument_group("trace replay")
-    group.add_argument("--trace", help="trace file to replay")
-    group.add_argument("--trace-format", default=None, help="mooncake, bailian, jsonl, azure, burstgpt (auto-detected)")
-    group.add_argument("--block-size", type=int, default=None, help="tokens per hash id block (format default)")
-    group.add_argument("--tokenizer", help="tokenizer.json or a folder holding it (and tokenizer_config.json)")
-    group.add_argument("--chat-template", default=None, help="tokenizer_config.json or .jinja; overrides the tokenizer's")
-    group.add_argument("--api", choices=API_NAMES, default="openai-chat")
-    group.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="text",
-                       help=f"send the prompt as text or as a list of token ids (token-ids: --api {TOKEN_ID_API} only)")
-    group.add_argument("--verify-server", choices=VERIFY_SERVER, default="auto",
-                       help="before the first send, compare this tokenizer's prompt counts with the server's own "
-                            "(auto: where the server offers a way; require: refuse a server that offers none)")
-    group.add_argument("--model", default=None, help="model name sent in request bodies")
-    group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream responses (default on)")
-    group.add_argument("--scale", type=float, default=1.0, help="time scale: 2 replays twice as fast")
-    group.add_argument("--start", type=float, default=None, help="start of the trace window, trace seconds")
-    group.add_argument("--duration", type=float, default=None, help="length of the trace window, trace seconds")
-    group.add_argument("--max-requests", type=int, default=None, help="replay at most N rows of the window")
-    group.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
-    group.add_argument("--output", default=None, help="merged per-request JSONL (default results/replay-<time>.jsonl)")
-    group.add_argument("--overwrite", action="store_true",
-                       help="replace an earlier run's --output (and its .meta.json, .worker-N.jsonl); default: refuse")
-    group.add_argument("--endpoints", default=None, help="comma-separated server URLs (a fleet); default --host")
-    group.add_argument("--routing", choices=ROUTINGS, default="round-robin")
-    group.add_argument("--max-prompt-tokens", type=int, default=None,
-                       help="rows with longer prompts are recorded, never sent (default: the server's max_model_len "
-                            f"from /v1/models, else {DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)")
-    group.add_argument("--partition", choices=PARTITIONS, default="round-robin", help="how rows are split across workers")
-    group.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for answers after the last send")
-    group.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early (default: exact output length)")
-    group.add_argument("--on-bad-line", choices=("fail", "skip"), default="fail")
-    group.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=..")
-    group.add_argument("--header", action="append", default=[], help="'Name: value' ($VAR expanded); repeatable")
-    group.add_argument("--request-id-header", action=argparse.BooleanOptionalAction, default=True,
-                       help="send X-Request-Id: <run id>-<request_id> with every request (default on)")
-    group.add_argument("--server-metrics-interval", type=float, default=1.0, metavar="S",
-                       help="scrape every endpoint's Prometheus /metrics every S seconds, from the master "
-                            "(default 1; 0: off); samples in OUTPUT.server-metrics.jsonl")
-    group.add_argument("--server-metric", action="append", default=[], metavar="NAME",
-                       help="also keep this /metrics series (a sample name, e.g. vllm:num_requests_swapped); repeatable")
-    group.add_argument("--server-block-size", type=int, default=None, metavar="N",
-                       help="the server's KV-cache block size: the end-of-run summary adds the cache fidelity section")
-    group.add_argument("--web-user", default=None, metavar="USER:PASSWORD",
-                       help="the web UI's login (turns on --web-login); $VAR in it is read from the environment")
-    group.add_argument("--replay-config", default=None, help="YAML file of these options (flags win)")
+def _option(default: Any = None, help: str | None = None, *, parser_default: Any = None, **argparse_kwargs: Any) -> Any:
+    """A field of the options and its flag, --<field name with dashes>. The field's type implies
+    the argparse type or action (`_implied`); `help` and what the type cannot say (choices,
+    metavar, `parser_default` where the parser's differs from the field's) ride in its metadata."""
+    if parser_default is not None:
+        argparse_kwargs["default"] = parser_default
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
-# Option names (argparse dests) that travel from the master to workers in the plan.
-OPTION_NAMES = (
-    "trace", "trace_format", "block_size", "tokenizer", "chat_template", "api", "prompt_format", "verify_server", "model", "stream",
-    "scale", "start", "duration", "max_requests", "seed", "output", "overwrite", "endpoints", "routing",
-    "partition", "max_prompt_tokens", "drain_timeout", "no_ignore_eos", "on_bad_line", "slo", "header",
-    "request_id_header", "server_metrics_interval", "server_metric", "server_block_size",
-)  # fmt: skip
-
-# Options the master (or a single process) uses itself: never shipped to workers nor written
-# to the run's metadata, since the web UI's login holds a password (replay.locust.webauth).
-LOCAL_OPTION_NAMES = ("web_user",)
+def _implied(f: Field) -> dict[str, Any]:
+    """The argparse keywords a field's type and default imply: int/float parse as such, a bool
+    defaulting on gets --x/--no-x, one defaulting off is a plain switch, a list repeats."""
+    base = str(f.type).split("|")[0].strip()
+    if base == "bool":
+        return {"action": argparse.BooleanOptionalAction if f.default else "store_true", "default": f.default}
+    if base == "list":
+        return {"action": "append", "default": f.default}
+    return {"type": {"int": int, "float": float}.get(base), "default": f.default}
 
 
 @dataclass
 class ReplayOptions:
-    trace: str | None = None
-    trace_format: str | None = None
-    block_size: int | None = None
-    tokenizer: str | None = None
-    chat_template: str | None = None
-    api: str = "openai-chat"
-    prompt_format: str = "text"
-    verify_server: str = "auto"
-    model: str | None = None
-    stream: bool = True
-    scale: float = 1.0
-    start: float | None = None
-    duration: float | None = None
-    max_requests: int | None = None
-    seed: int = 0
-    output: str | None = None
-    overwrite: bool = False
-    endpoints: str | None = None
-    routing: str = "round-robin"
-    partition: str = "round-robin"
-    max_prompt_tokens: int | None = None
-    drain_timeout: float = 60.0
-    no_ignore_eos: bool = False
-    on_bad_line: str = "fail"
-    slo: str | None = None
-    header: list | None = None
-    request_id_header: bool = True
-    server_metrics_interval: float = 1.0
-    server_metric: list | None = None
-    server_block_size: int | None = None
+    """The replay's options, in `--help` order: each field is a flag, a key of --replay-config
+    and a name of the plan the master ships to its workers (`OPTION_NAMES`)."""
+
+    trace: str | None = _option(help="trace file to replay")
+    trace_format: str | None = _option(help="mooncake, bailian, jsonl, azure, burstgpt (auto-detected)")
+    block_size: int | None = _option(help="tokens per hash id block (format default)")
+    tokenizer: str | None = _option(help="tokenizer.json or a folder holding it (and tokenizer_config.json)")
+    chat_template: str | None = _option(help="tokenizer_config.json or .jinja; overrides the tokenizer's")
+    api: str = _option("openai-chat", choices=API_NAMES)
+    prompt_format: str = _option("text", "send the prompt as text or as a list of token ids (token-ids: --api "
+                                         f"{TOKEN_ID_API} only)", choices=PROMPT_FORMATS)
+    verify_server: str = _option("auto", "before the first send, compare this tokenizer's prompt counts with the "
+                                         "server's own (auto: where the server offers a way; require: refuse a server "
+                                         "that offers none)", choices=VERIFY_SERVER)
+    model: str | None = _option(help="model name sent in request bodies")
+    stream: bool = _option(True, "stream responses (default on)")
+    scale: float = _option(1.0, "time scale: 2 replays twice as fast")
+    start: float | None = _option(help="start of the trace window, trace seconds")
+    duration: float | None = _option(help="length of the trace window, trace seconds")
+    max_requests: int | None = _option(help="replay at most N rows of the window")
+    seed: int = _option(0, "prompt synthesis seed")
+    output: str | None = _option(help="merged per-request JSONL (default results/replay-<time>.jsonl)")
+    overwrite: bool = _option(False, "replace an earlier run's --output (and its .meta.json, .worker-N.jsonl); "
+                                     "default: refuse")
+    endpoints: str | None = _option(help="comma-separated server URLs (a fleet); default --host")
+    routing: str = _option("round-robin", choices=ROUTINGS)
+    max_prompt_tokens: int | None = _option(help="rows with longer prompts are recorded, never sent (default: the "
+                                                 "server's max_model_len from /v1/models, else "
+                                                 f"{DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)")
+    partition: str = _option("round-robin", "how rows are split across workers", choices=PARTITIONS)
+    drain_timeout: float = _option(60.0, "seconds to wait for answers after the last send")
+    no_ignore_eos: bool = _option(False, "let the model stop early (default: exact output length)")
+    on_bad_line: str = _option("fail", choices=("fail", "skip"))
+    slo: str | None = _option(help="ttft_ms=..,tpot_ms=..,e2e_ms=..")
+    # A repeatable flag's parser default is [] (append adds to it); ReplayOptions() has None.
+    header: list | None = _option(help="'Name: value' ($VAR expanded); repeatable", parser_default=[])
+    request_id_header: bool = _option(True, "send X-Request-Id: <run id>-<request_id> with every request "
+                                            "(default on)")
+    server_metrics_interval: float = _option(1.0, "scrape every endpoint's Prometheus /metrics every S seconds, "
+                                                  "from the master (default 1; 0: off); samples in "
+                                                  "OUTPUT.server-metrics.jsonl", metavar="S")
+    server_metric: list | None = _option(help="also keep this /metrics series (a sample name, e.g. "
+                                              "vllm:num_requests_swapped); repeatable", parser_default=[],
+                                         metavar="NAME")
+    server_block_size: int | None = _option(help="the server's KV-cache block size: the end-of-run summary adds the "
+                                                 "cache fidelity section", metavar="N")
 
     @classmethod
     def from_parsed(cls, parsed) -> "ReplayOptions":
-        apply_config_file(parsed)
+        """The options as parsed; a --replay-config file is merged first by the caller
+        (replay.locust.config.replay_options), so this module needs nothing from config."""
         return cls(**{name: getattr(parsed, name, getattr(cls, name, None)) for name in OPTION_NAMES})
 
     @classmethod
@@ -175,15 +154,35 @@ class ReplayOptions:
         parse_headers(self.header)  # here, not on every worker
 
 
+@dataclass
+class LocalOptions:
+    """Options the master (or a single process) uses itself: never shipped to workers nor
+    written to the run's metadata, since the web UI's login holds a password
+    (replay.locust.webauth). A dataclass only so their flags are declared as the others are."""
+
+    web_user: str | None = _option(help="the web UI's login (turns on --web-login); $VAR in it is read from the "
+                                        "environment", metavar="USER:PASSWORD")
+
+
+# Option names (argparse dests) that travel from the master to workers in the plan.
+OPTION_NAMES = tuple(f.name for f in fields(ReplayOptions))
+LOCAL_OPTION_NAMES = tuple(f.name for f in fields(LocalOptions))
+CONFIG_FLAG = "--replay-config"  # not an option but a file of them (replay.locust.config)
+
+
+def add_arguments(parser) -> None:
+    """The replay's flags on Locust's parser (or any argparse parser), from the two dataclasses."""
+    group = parser.add_argument_group("trace replay")
+    for f in (*fields(ReplayOptions), *fields(LocalOptions)):
+        kwargs = {**_implied(f), **{k: v for k, v in f.metadata.items() if v is not None}}
+        if kwargs.get("type") is None:
+            kwargs.pop("type", None)
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    group.add_argument(CONFIG_FLAG, default=None, help="YAML file of these options (flags win)")
+
+
 def prompt_token_limit(options: ReplayOptions, urls: list[str]) -> int | None:
     """--max-prompt-tokens, or the served model's max_model_len, or the default; None: no limit."""
     if options.max_prompt_tokens is not None:
         return options.max_prompt_tokens or None
     return served_max_model_len(urls, options.model, parse_headers(options.header)) or DEFAULT_MAX_PROMPT_TOKENS
-
-
-def apply_config_file(parsed) -> None:
-    """Merge --replay-config into `parsed` (YAML keys = option names without dashes; flags win)."""
-    from replay.locust.config import apply_config  # config builds its key list from add_arguments
-
-    apply_config(parsed)

@@ -15,7 +15,8 @@ from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
 from replay.locust import messages
 from replay.locust.coordinator import Coordinator, default_output
-from replay.locust.options import ReplayOptions, add_arguments
+from replay.locust.config import replay_options
+from replay.locust.options import add_arguments
 from replay.locust.worker import WorkerPart
 from replay.results.output import OutputClaim, claim_output
 from replay.results.records import MASTER_LOST, RUN_STOPPED
@@ -43,7 +44,7 @@ def _coordinator(environment, link: messages.Link, part: WorkerPart | None = Non
     """The master's preflight, before any worker gets anything: every error is one line, exit 2."""
     claim: OutputClaim | None = None
     try:
-        options = ReplayOptions.from_parsed(environment.parsed_options)
+        options = replay_options(environment.parsed_options)
         options.check()
         urls = options.endpoint_urls(environment.host)
         # The output is decided and locked here (held until this process exits), before the

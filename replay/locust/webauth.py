@@ -31,7 +31,7 @@ from flask_login import LoginManager, UserMixin, current_user, login_user
 from locust import events
 from locust.runners import WorkerRunner
 
-from replay.locust.options import apply_config_file
+from replay.locust.config import apply_config
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
         return  # no UI (headless, workers): nothing to protect
     parsed = environment.parsed_options
     try:
-        apply_config_file(parsed)  # `web-user:` may come from --replay-config
+        apply_config(parsed)  # `web-user:` may come from --replay-config
         value = getattr(parsed, "web_user", None)
         credentials = parse_web_user(value) if value else None
     except ValueError as e:

@@ -32,6 +32,7 @@ from replay.locust.timing import Alarm, QuietCollector
 from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
                                     unsent_record, worker_path)
 from replay.synth.chat_template import ChatTemplateError
+from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Builder:
 
         tokenizer = ServerTokenizer.load(options.tokenizer, options.chat_template, lazy=True)
         self._build_body = build_body
-        self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or 512, seed=options.seed,
+        self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=options.seed,
                                        token_ids=options.prompt_format == "token-ids")
         if self.synth.verified:  # every prompt is encoded: load the tokenizer now, off the loop
             tokenizer.tokenizer

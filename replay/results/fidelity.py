@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from replay.sim.cache import block_hashes, hit_blocks
+from replay.results.records import Record
+from replay.rules.prefix_cache import block_hashes, hit_blocks
 from replay.synth.prompts import PromptSynthesizer
+from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.prefix import ideal_hits
 from replay.trace.record import TraceRow
 
@@ -55,14 +57,14 @@ class CacheCheck:
         return self.observed is not None and self.low <= self.observed <= self.high
 
 
-def _scheduled(record: dict) -> bool:
+def _scheduled(record: Record) -> bool:
     """Did the server take this request in (and so cache its prompt)?"""
     status = record.get("status") or 0
     return record.get("sent_at") is not None and (bool(record.get("ok")) or 200 <= status < 300)
 
 
 def check_cache(
-    records: Iterable[dict],
+    records: Iterable[Record],
     rows: dict[int, TraceRow],
     synth: PromptSynthesizer,
     server_block_size: int,
@@ -151,7 +153,7 @@ def ideal_trace_hits(rows: list[TraceRow], block_size: int | None) -> dict:
 
 
 def cache_fidelity(
-    records: list[dict],
+    records: list[Record],
     rows: list[TraceRow],
     *,
     tokenizer: str,
@@ -171,7 +173,7 @@ def cache_fidelity(
 
     token_ids = prompt_format == "token-ids"
     synth = PromptSynthesizer(ServerTokenizer.load(tokenizer, chat_template), api=api,
-                              block_size=trace_block_size or 512, seed=seed, token_ids=token_ids)  # fmt: skip
+                              block_size=trace_block_size or DEFAULT_BLOCK_SIZE, seed=seed, token_ids=token_ids)  # fmt: skip
     checks = check_cache(records, {row.request_id: row for row in rows}, synth, server_block_size, reorder_window_ms)
     what = f"{api} token-id" if token_ids else api
     method = (f"re-synthesized {what} prompts ({Path(str(tokenizer)).name}, seed {seed}, trace block "

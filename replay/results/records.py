@@ -7,18 +7,39 @@ unknown), so that records + trace rows always add up and tools can rely on the k
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, TypedDict
 
 import orjson
 
-RECORD_FIELDS = (
-    "request_id", "session_id", "worker", "endpoint", "api",
-    "scheduled_at", "sent_at", "finished_at", "drift_ms",
-    "ttft_ms", "tpot_ms", "e2e_ms", "itl_ms",
-    "status", "ok", "error",
-    "input_length", "output_length",
-    "prompt_tokens", "output_tokens", "cached_tokens",
-)  # fmt: skip
+
+class Record(TypedDict):
+    """One request's record: the one field list (design.md), in the order written to disk. A
+    type for readers and checkers only: records stay plain dicts, on disk and on the wire."""
+
+    request_id: int  # the row's index in the trace file
+    session_id: str | None
+    worker: int | None
+    endpoint: str | None
+    api: str
+    scheduled_at: float | None  # epoch seconds
+    sent_at: float | None
+    finished_at: float | None
+    drift_ms: float | None  # sent_at - scheduled_at
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+    itl_ms: list[float] | None  # every gap of a streamed answer
+    status: int
+    ok: bool
+    error: str | None  # a failure's reason, or why the row has no answer (the labels below)
+    input_length: int  # the trace's counts
+    output_length: int
+    prompt_tokens: int | None  # the server's counts (usage), when it gave them
+    output_tokens: int | None
+    cached_tokens: int | None
+
+
+RECORD_FIELDS = tuple(Record.__annotations__)
 
 # Why a row has no answer. Only the first two come from the user's own stop (Stop, --run-time,
 # Ctrl-C, SIGTERM); every other label is a failure and makes the exit code non-zero.
@@ -33,11 +54,17 @@ OVERSIZED = "prompt over --max-prompt-tokens"  # never synthesized nor sent (" (
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
 
 
+def prompt_tokens_of(record: Record) -> int:
+    """A record's prompt tokens: the server's count, else the trace's (a server that reports no
+    usage); 0 when neither is known."""
+    return record.get("prompt_tokens") or record.get("input_length") or 0
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome) -> dict:
+def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome) -> Record:
     """The record of a request that was sent; `outcome` is a replay.api.Outcome."""
     return {
         "request_id": row.request_id,
@@ -65,10 +92,10 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
 
 
 def unsent_record(row, *, worker: int | None, api: str, scheduled_at: float | None, reason: str,
-                  endpoint: str | None = None, sent_at: float | None = None) -> dict:
+                  endpoint: str | None = None, sent_at: float | None = None) -> Record:
     """The record of a row that never got an answer: ok=false and the reason as error. A request
     that was sent keeps when and where (`sent_at`, `endpoint`, `drift_ms`): it loaded the server."""
-    record = dict.fromkeys(RECORD_FIELDS)  # every field present, null when unknown
+    record: Record = dict.fromkeys(RECORD_FIELDS)  # type: ignore[assignment]  # every field present, null when unknown
     record.update(
         request_id=row.request_id, session_id=row.session_id, worker=worker, endpoint=endpoint, api=api,
         scheduled_at=scheduled_at, status=0, ok=False, error=reason,
@@ -81,7 +108,7 @@ def unsent_record(row, *, worker: int | None, api: str, scheduled_at: float | No
     return record
 
 
-def is_failure(record: dict) -> bool:
+def is_failure(record: Record) -> bool:
     """Not ok for a reason other than the user's own stop: what makes a run's exit code 1."""
     return not record["ok"] and record["error"] not in USER_STOPPED
 
@@ -95,7 +122,7 @@ class RecordWriter:
         self._file = open(self.path, "wb")
         self.count = 0
 
-    def write(self, records: Iterable[dict]) -> None:
+    def write(self, records: Iterable[Record]) -> None:
         # Each line straight into the file's buffer: a list of orjson.dumps results would hold
         # about 4 KB apiece (orjson's smallest buffer), 10 KB a row at a stop of 20,000 rows.
         write, count = self._file.write, self.count
@@ -110,7 +137,7 @@ class RecordWriter:
         self._file.close()
 
 
-def read_records(path: str | Path) -> Iterator[dict]:
+def read_records(path: str | Path) -> Iterator[Record]:
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if line.strip():

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from typing import Iterable
 
+from replay.results.records import Record
 from replay.results.server_metrics import format_server
 from replay.results.summary import SummaryBuilder, percentile, sorted_array
 
@@ -52,7 +53,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
-def meets_slo(record: dict, slo: dict[str, float]) -> bool:
+def meets_slo(record: Record, slo: dict[str, float]) -> bool:
     """Succeeded and within every limit of `slo` (see the module's docstring for goodput)."""
     if not record.get("ok"):
         return False
@@ -78,7 +79,7 @@ class EndpointStats:
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
-    def add(self, record: dict) -> None:
+    def add(self, record: Record) -> None:
         self.requests += 1
         self.prompt_tokens += record.get("prompt_tokens") or 0
         self.cached_tokens += record.get("cached_tokens") or 0
@@ -115,7 +116,7 @@ class ReportBuilder:
         self.requests_good = 0
         self.endpoints: dict[str, EndpointStats] = {}
 
-    def add(self, record: dict) -> None:
+    def add(self, record: Record) -> None:
         self.summary.add(record)
         if self.slo and meets_slo(record, self.slo):
             self.requests_good += 1
@@ -148,7 +149,7 @@ class ReportBuilder:
         return report
 
 
-def build_report(records: Iterable[dict], slo: dict[str, float] | None = None, cache: dict | None = None) -> dict:
+def build_report(records: Iterable[Record], slo: dict[str, float] | None = None, cache: dict | None = None) -> dict:
     """ReportBuilder's report of `records` (a list, or a stream read once)."""
     builder = ReportBuilder(slo)
     for record in records:

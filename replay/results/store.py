@@ -15,6 +15,8 @@ from typing import Callable, Iterable
 
 import orjson
 
+from replay.results.records import Record
+
 NONE, REAL, PLACEHOLDER = 0, 1, 2
 
 
@@ -39,7 +41,7 @@ class RecordStore:
     def has(self, request_id: int) -> bool:
         return self._state[request_id - self.first] != NONE
 
-    def add(self, records: Iterable[dict], placeholder: bool = False) -> list[dict]:
+    def add(self, records: Iterable[Record], placeholder: bool = False) -> list[Record]:
         """Store the records that are new (or replace a placeholder); returns those stored."""
         fresh, lines = [], []
         offset = self._file.seek(0, os.SEEK_END)
@@ -62,7 +64,7 @@ class RecordStore:
             self._file.flush()
         return fresh
 
-    def finish(self, each: Callable[[dict], None] | None = None) -> int:
+    def finish(self, each: Callable[[Record], None] | None = None) -> int:
         """Rewrite the file sorted by request_id (each row's latest record); returns how many.
         `each` sees every record in that order (the end-of-run summary)."""
         self._file.flush()

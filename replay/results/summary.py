@@ -16,6 +16,8 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from typing import Iterable, Sequence
 
+from replay.results.records import Record, prompt_tokens_of
+
 DISTRIBUTION_KEYS = ("mean", "median", "std", "p25", "p50", "p75", "p90", "p99")
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")  # each a distribution over ok records
 SORT_RUN = 1 << 16  # how many values sorted_array turns into Python floats at once (~2.5 MB)
@@ -23,7 +25,9 @@ MERGE_WINDOW_MIN = 1024  # bounds the rounds of a merge of many runs, and their 
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float | None:
-    """Linear interpolation between closest ranks; `sorted_values` must be sorted."""
+    """Linear interpolation between closest ranks (numpy's default); `sorted_values` must be
+    sorted. The percentile of every run figure (latencies, drift); a trace's own statistics use
+    replay.trace.stats.nearest_rank instead, so that token counts stay values of the data."""
     n = len(sorted_values)
     if n == 0:
         return None
@@ -87,7 +91,7 @@ def distribution(sorted_values: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
-def failure_reason(record: dict) -> str:
+def failure_reason(record: Record) -> str:
     """One label per failed record: 'HTTP 503' for error statuses, else the error text's head."""
     status = record.get("status") or 0
     if status and not 200 <= status < 300:
@@ -103,7 +107,7 @@ class FailureCounts:
         self.by_reason: Counter[str] = Counter()
         self.by_status: Counter[str] = Counter()
 
-    def add(self, record: dict) -> None:
+    def add(self, record: Record) -> None:
         if not record.get("ok"):
             self.by_reason[failure_reason(record)] += 1
             self.by_status[str(record.get("status") or 0)] += 1
@@ -113,7 +117,7 @@ class FailureCounts:
         return dict(self.by_reason.most_common()), dict(self.by_status.most_common())
 
 
-def failures(records: Iterable[dict]) -> tuple[dict[str, int], dict[str, int]]:
+def failures(records: Iterable[Record]) -> tuple[dict[str, int], dict[str, int]]:
     """Failed records counted by reason and by HTTP status (0 = no response)."""
     counts = FailureCounts()
     for r in records:
@@ -140,7 +144,7 @@ class SummaryBuilder:
         self.drift = array("d")  # of sent records
         self.drift_max: float | None = None  # as given (an int stays an int), not as stored
 
-    def add(self, record: dict) -> None:
+    def add(self, record: Record) -> None:
         self.requests += 1
         self.failures.add(record)
         sent_at = record.get("sent_at")
@@ -158,7 +162,7 @@ class SummaryBuilder:
                     self.drift_max = drift
         if record.get("ok"):
             self.requests_ok += 1
-            self.input_tokens += record.get("prompt_tokens") or record.get("input_length") or 0
+            self.input_tokens += prompt_tokens_of(record)
             self.output_tokens += record.get("output_tokens") or 0
             for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
                 value = record.get(key)
@@ -196,7 +200,7 @@ class SummaryBuilder:
         return out
 
 
-def summarize(records: Iterable[dict]) -> dict:
+def summarize(records: Iterable[Record]) -> dict:
     """design.md's summary keys that records alone can give (goodput and cache come later)."""
     builder = SummaryBuilder()
     for r in records:

@@ -1,11 +1,7 @@
 """A block-granular prefix cache that answers cached_tokens the way vLLM v1 does.
 
-vLLM hashes each *full* block of prompt token ids chained to its parent block's hash
-(vllm/v1/core/kv_cache_utils.py hash_block_tokens), so a block only matches when the
-whole prefix before it matches too. A hit never covers the last prompt token:
-vllm/v1/core/kv_cache_manager.py, KVCacheManager.get_computed_blocks sets
-``max_cache_hit_length = request.num_tokens - 1`` ("we must recompute the last token to
-obtain logits"), and the hit is counted in whole blocks. So a 1978-token prompt sent twice
+The hit rule (chained full-block hashes, never the last prompt token, whole blocks) is
+replay.rules.prefix_cache's, shared with the fidelity check. So a 1978-token prompt sent twice
 with block size 32 reports (1977 // 32) * 32 = 1952 cached tokens, as real vLLM on CPU does.
 
 When blocks enter the cache: KVCacheManager.allocate_slots calls cache_blocks() for
@@ -26,27 +22,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from replay.rules.prefix_cache import block_hashes, hit_blocks
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chain hashes of the full blocks: hash i covers tokens [0, (i+1)*block_size)."""
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
-        hashes.append(parent)
-    return hashes
-
-
-def hit_blocks(hashes: Sequence[int], cached, num_tokens: int, block_size: int) -> int:
-    """Leading blocks of a prompt found in `cached` (anything supporting `in`): the first miss
-    ends the hit (chain hashes), and a hit never covers the last prompt token."""
-    usable = max(num_tokens - 1, 0) // block_size
-    hit = 0
-    for h in hashes[:usable]:
-        if h not in cached:
-            break
-        hit += 1
-    return hit
+__all__ = ["PrefixCache", "block_hashes", "hit_blocks"]
 
 
 class PrefixCache:

@@ -3,14 +3,16 @@
 A 40k-token prompt takes ~100 ms to encode; done inline it would stall every stream the
 sim is pacing (visible as a fake ITL spike in the replay's records). Long texts are encoded
 in gevent's thread pool with encode_batch, which releases the GIL, so the hub keeps
-serving. The rules are ServerTokenizer's (tests check the counts agree): chat text is the
-rendered template encoded without added specials, completions text gets the specials.
+serving. The special-token rule is replay.rules.tokens', as ServerTokenizer's (tests check the
+counts agree): chat text is the rendered template without added specials, completions text
+gets the specials.
 """
 
 from __future__ import annotations
 
 from gevent import get_hub
 
+from replay.rules.tokens import CHAT_ADD_SPECIAL_TOKENS, TEXT_ADD_SPECIAL_TOKENS
 from replay.synth.tokenizer import ServerTokenizer
 
 # Below this many characters the thread hop costs more than the stall it avoids.
@@ -27,8 +29,9 @@ def _encode(tokenizer: ServerTokenizer, text: str, add_special_tokens: bool) -> 
 
 def chat_ids(tokenizer: ServerTokenizer, messages: list[dict], tools: list | None,
              chat_template_kwargs: dict | None = None) -> list[int]:
-    return _encode(tokenizer, tokenizer.render_chat(messages, tools, chat_template_kwargs), add_special_tokens=False)
+    return _encode(tokenizer, tokenizer.render_chat(messages, tools, chat_template_kwargs),
+                   add_special_tokens=CHAT_ADD_SPECIAL_TOKENS)
 
 
 def text_ids(tokenizer: ServerTokenizer, text: str) -> list[int]:
-    return _encode(tokenizer, text, add_special_tokens=True)
+    return _encode(tokenizer, text, add_special_tokens=TEXT_ADD_SPECIAL_TOKENS)

@@ -16,6 +16,7 @@ from replay.synth.server_check import build_samples, check_server, explain
 from replay.synth.prompts import APIS, PromptError, PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import VocabularyError
+from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.formats import FORMATS
 from replay.trace.reader import read_trace
 from replay.trace.record import TraceError
@@ -63,7 +64,7 @@ def run_check(args: argparse.Namespace) -> int:
     try:
         trace = read_trace(args.trace, args.format, args.block_size)
         rows = trace.rows[: args.limit] if args.limit is not None else trace.rows
-        block_size = trace.block_size or 512
+        block_size = trace.block_size or DEFAULT_BLOCK_SIZE
         if args.block_size_to is not None:
             if args.block_size_to < 1:
                 return _fail(f"--block-size-to must be >= 1, got {args.block_size_to}")

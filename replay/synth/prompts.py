@@ -27,6 +27,7 @@ import weakref
 from array import array
 from dataclasses import dataclass
 
+from replay.rules.apis import API_NAMES
 from replay.synth import setup_cache
 from replay.synth.blocks import TOKEN_ID, BlockSource
 from replay.synth.frames import EMPTY_SYSTEM, USER_ONLY, Frame, Measured, PromptError, chat_messages, measure
@@ -35,9 +36,10 @@ from replay.synth.vocab import SafeVocab, build_safe_vocab
 
 __all__ = ["APIS", "Prompt", "PromptError", "PromptSynthesizer", "encode_prompt", "safe_vocab", "server_count",
            "set_up"]
+from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow
 
-APIS = ("openai-chat", "openai-completions", "tgi")
+APIS = API_NAMES  # the name synth has always exported
 FIX_UP_ROUNDS = 8
 RESEEDED_CACHE_BLOCKS = 256  # a reseeded synthesizer makes a few dozen prompts
 
@@ -95,7 +97,7 @@ class PromptSynthesizer:
         self,
         tokenizer: ServerTokenizer,
         api: str = "openai-chat",
-        block_size: int = 512,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         seed: int = 0,
         token_ids: bool = False,
         cache_blocks: int = 8192,

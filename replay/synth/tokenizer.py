@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from replay.rules.tokens import CHAT_ADD_SPECIAL_TOKENS, TEXT_ADD_SPECIAL_TOKENS
 from replay.synth.chat_template import DEFAULT, ChatTemplate, ChatTemplateError
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "ServerTokenizer", "load_chat_template", "load_tokenizer"]
@@ -224,11 +225,11 @@ class ServerTokenizer:
         self, messages: list[dict], tools: list | None = None, chat_template_kwargs: dict | None = None
     ) -> list[int]:
         text = self.render_chat(messages, tools, chat_template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=CHAT_ADD_SPECIAL_TOKENS).ids
 
     def encode_text(self, text: str) -> list[int]:
         """A completions prompt: the tokenizer adds its own special tokens (BOS), as vLLM does."""
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return self.tokenizer.encode(text, add_special_tokens=TEXT_ADD_SPECIAL_TOKENS).ids
 
     def count_chat(
         self, messages: list[dict], tools: list | None = None, chat_template_kwargs: dict | None = None

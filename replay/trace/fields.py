@@ -6,6 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+DEFAULT_BLOCK_SIZE = 512
+"""Tokens per hash id when a trace does not say (Mooncake's published traces): the formats'
+default, and what synth, the workers and the fidelity check assume when a trace has none; one
+constant, since a prompt built at one block size and checked at another breaks fidelity."""
+
 DEFAULT_MAX_PROMPT_TOKENS = 1_048_576
 """Longest prompt, in tokens, that a row may ask for when the server reports no max_model_len.
 

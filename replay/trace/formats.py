@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable
 
-from replay.trace.fields import (RowError, check_blocks, require, required_int, required_time, to_hash_ids,
-                                 to_int, to_time)
+from replay.trace.fields import (DEFAULT_BLOCK_SIZE, RowError, check_blocks, require, required_int, required_time,
+                                 to_hash_ids, to_int, to_time)
 from replay.trace.record import TraceRow
 
 
@@ -289,9 +289,9 @@ class Format:
 
 
 FORMATS: dict[str, Format] = {
-    "mooncake": Format("mooncake", 512, None, lambda b, d: JsonRows(b, d, extended=False)),
+    "mooncake": Format("mooncake", DEFAULT_BLOCK_SIZE, None, lambda b, d: JsonRows(b, d, extended=False)),
     "bailian": Format("bailian", 16, None, BailianRows),
-    "jsonl": Format("jsonl", 512, None, lambda b, d: JsonRows(b, d, extended=True)),
+    "jsonl": Format("jsonl", DEFAULT_BLOCK_SIZE, None, lambda b, d: JsonRows(b, d, extended=True)),
     "azure": Format("azure", None, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), AzureRows),
     "burstgpt": Format("burstgpt", None, ("Timestamp", "Request tokens", "Response tokens"), BurstGptRows),
 }

@@ -10,23 +10,28 @@ from replay.trace.prefix import ideal_hits
 from replay.trace.record import Trace
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile: always a value of the data (token counts stay integers)."""
+def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile: always a value of the data, so a trace's token counts and turns
+    stay integers in `replay trace stats`. Not results.summary.percentile (linear interpolation,
+    the usual definition for latencies): the two answer different questions and their figures
+    are published, so each keeps its own, under a name that says which."""
     if not sorted_values:
         raise ValueError("percentile of no values")
     rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
     return sorted_values[rank - 1]
 
 
-def summarize(values: Sequence[float]) -> dict | None:
+def length_stats(values: Sequence[float]) -> dict | None:
+    """mean, nearest-rank p50/p90/p99 and max of a trace's values (None for none); the run's
+    summary of records is results.summary.summarize."""
     if not values:
         return None
     ordered = sorted(values)
     return {
         "mean": sum(ordered) / len(ordered),
-        "p50": percentile(ordered, 50),
-        "p90": percentile(ordered, 90),
-        "p99": percentile(ordered, 99),
+        "p50": nearest_rank(ordered, 50),
+        "p90": nearest_rank(ordered, 90),
+        "p99": nearest_rank(ordered, 99),
         "max": ordered[-1],
     }
 
@@ -49,15 +54,15 @@ def trace_stats(trace: Trace) -> dict:
         "duration_s": duration,
         "mean_rps": len(rows) / duration if duration > 0 else None,
         "peak_rps_1s": max(per_second.values()) if per_second else 0,
-        "input_length": summarize([r.input_length for r in rows]),
-        "output_length": summarize([r.output_length for r in rows]),
+        "input_length": length_stats([r.input_length for r in rows]),
+        "output_length": length_stats([r.output_length for r in rows]),
         "input_tokens": sum(r.input_length for r in rows),
         "output_tokens": sum(r.output_length for r in rows),
         "rows_with_hash_ids": len(with_hashes),
         "rows_with_messages": sum(1 for r in rows if r.messages is not None),
         "distinct_hash_ids": len({h for r in with_hashes for h in r.hash_ids}),
         "sessions": len(sessions) if sessions else None,
-        "turns_per_session": summarize(list(sessions.values())) if sessions else None,
+        "turns_per_session": length_stats(list(sessions.values())) if sessions else None,
     }
     stats.update(ideal_prefix_hit_ratios(trace))
     return stats
