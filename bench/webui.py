@@ -19,9 +19,9 @@ from pathlib import Path
 import orjson
 from locust.env import Environment
 
-from replay.locust.coordinator import Coordinator, WorkerState
-from replay.locust.live import WINDOW_S, LiveStats
-from replay.locust.messages import LocalLink, Window
+from replay.engine.coordinator import Coordinator, WorkerState
+from replay.engine.live import WINDOW_S, LiveStats
+from replay.engine.transport import LocalLink, Window
 from replay.locust.options import ReplayOptions
 from replay.results.store import RecordStore
 from replay.synth.toy import build_toy_tokenizer

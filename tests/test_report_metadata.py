@@ -24,8 +24,8 @@ T0 = 1_700_000_000.0
 COORDINATOR = """
 import sys
 from types import SimpleNamespace
-from replay.locust.coordinator import Coordinator, WorkerState
-from replay.locust.messages import LocalLink
+from replay.engine.coordinator import Coordinator, WorkerState
+from replay.engine.transport import LocalLink
 from replay.locust.options import ReplayOptions
 from replay.results.metadata import coordinator_metadata, write_run_metadata
 

@@ -13,10 +13,11 @@ import gevent
 from locust import events
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
-from replay.locust import messages
-from replay.locust.coordinator import Coordinator, default_output
+from replay.engine import transport
+from replay.engine.coordinator import Coordinator, default_output
+from replay.locust.link import RunnerLink
 from replay.locust.options import ReplayOptions, add_arguments
-from replay.locust.worker import WorkerPart
+from replay.engine.dispatcher import Dispatcher
 from replay.results.output import OutputClaim, claim_output
 from replay.results.records import MASTER_LOST, RUN_STOPPED
 from replay.trace.record import TraceError
@@ -31,7 +32,7 @@ class Replay:
     """What this process plays: the coordinator (master/local), the part (worker/local)."""
 
     coordinator: Coordinator | None = None
-    part: WorkerPart | None = None
+    part: Dispatcher | None = None
 
 
 @events.init_command_line_parser.add_listener
@@ -39,7 +40,7 @@ def _add_options(parser) -> None:
     add_arguments(parser)
 
 
-def _coordinator(environment, link: messages.Link, part: WorkerPart | None = None) -> Coordinator:
+def _coordinator(environment, link: transport.Link, part: Dispatcher | None = None) -> Coordinator:
     """The master's preflight, before any worker gets anything: every error is one line, exit 2."""
     claim: OutputClaim | None = None
     try:
@@ -63,17 +64,17 @@ def _coordinator(environment, link: messages.Link, part: WorkerPart | None = Non
 def _on_init(environment, runner=None, **kwargs) -> None:
     runner = runner or environment.runner
     if isinstance(runner, MasterRunner):
-        link = messages.RunnerLink(runner)
+        link = RunnerLink(runner)
         environment.replay = Replay(coordinator=_coordinator(environment, link))
         _stop_on_signals(environment.replay.coordinator)
     elif isinstance(runner, WorkerRunner):
-        link = messages.RunnerLink(runner)
-        environment.replay = Replay(part=WorkerPart(environment, link))
-        link.to_master(messages.HELLO, {})
+        link = RunnerLink(runner)
+        environment.replay = Replay(part=Dispatcher(environment, link))
+        link.to_master(transport.HELLO, {})
         gevent.spawn(_watch_master, environment, runner, environment.replay.part)
     elif isinstance(runner, LocalRunner):
-        link = messages.LocalLink()
-        part = WorkerPart(environment, link, local=True)
+        link = transport.LocalLink()
+        part = Dispatcher(environment, link, local=True)
         environment.replay = Replay(coordinator=_coordinator(environment, link, part), part=part)
         _stop_on_signals(environment.replay.coordinator)
     else:
@@ -98,7 +99,7 @@ def _stop_on_signals(coordinator: Coordinator) -> None:
         gevent.signal_handler(signum, stop)
 
 
-def _watch_master(environment, runner: WorkerRunner, part: WorkerPart) -> None:
+def _watch_master(environment, runner: WorkerRunner, part: Dispatcher) -> None:
     """Stop sending within seconds of losing the master (Locust's own check waits 60 s, and
     the worker would replay its whole part to nobody): record what is left as "master lost"
     and quit with exit code 1."""
@@ -119,7 +120,7 @@ def _watch_master(environment, runner: WorkerRunner, part: WorkerPart) -> None:
 def _participants(runner) -> list[tuple[str, int]]:
     if isinstance(runner, MasterRunner):
         return [(c.id, runner.get_worker_index(c.id)) for c in runner.clients.all if c.state != "missing"]
-    return [(messages.LOCAL_CLIENT, 0)]
+    return [(transport.LOCAL_CLIENT, 0)]
 
 
 @events.test_start.add_listener

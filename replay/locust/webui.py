@@ -4,7 +4,7 @@
 Locust's React UI can add tabs, but only tables (`extended_tabs`), so the charts live on a
 page of their own served by Locust's Flask app: one static file drawing SVG with plain
 JavaScript, nothing to build or install. Headless runs serve nothing and compute nothing;
-only workers send their one small message a second (replay.locust.live).
+only workers send their one small message a second (replay.engine.live).
 
 A replay is one pass over the trace: the Start button runs it through ReplayShape (Locust
 hides the user count form for a shape with use_common_options=False), and a second Start
@@ -25,8 +25,9 @@ from flask import Response, jsonify, request
 from locust import events
 from locust.runners import STATE_RUNNING, STATE_SPAWNING, MasterRunner, WorkerRunner
 
-from replay.locust import live, webauth
-from replay.locust.live import LiveStats
+from replay.engine import live
+from replay.engine.live import LiveStats
+from replay.locust import webauth
 
 PAGE = Path(__file__).resolve().parent / "static" / "replay.html"
 TAB = "replay"

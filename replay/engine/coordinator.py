@@ -22,17 +22,17 @@ from typing import Iterable, Iterator
 import gevent
 from gevent.event import Event
 
-from replay.locust import messages
-from replay.locust.clock import answer_ping
+from replay.engine import transport
+from replay.engine.clock import answer_ping
 from replay.locust.options import ReplayOptions, prompt_token_limit
-from replay.locust.plan import Schedule
-from replay.locust.same_tokenizer import master_fingerprint
-from replay.locust.worker import build_off_loop
+from replay.engine.plan import Schedule
+from replay.engine.same_tokenizer import master_fingerprint
+from replay.engine.dispatcher import build_off_loop
 from replay.api.headers import parse_headers
 from replay.synth.server_check import Verdict, verify_servers
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
                                     is_failure, unsent_record)
-from replay.locust.scraper import Scraper
+from replay.engine.scraper import Scraper
 from replay.results.cli import end_of_run_cache
 from replay.results.metadata import coordinator_metadata, write_run_metadata, write_summary
 from replay.results.server_metrics import read_server_section
@@ -56,7 +56,7 @@ class WorkerState:
     client_id: str
     index: int
     positions: array  # its rows' places in the schedule, in send order
-    window: messages.Window
+    window: transport.Window
     ready: bool = False
     lost: bool = False
     clock_offset_ms: float | None = None
@@ -84,7 +84,7 @@ def default_output() -> str:
 
 
 class Coordinator:
-    def __init__(self, environment, link: messages.Link, options: ReplayOptions, local_part=None,
+    def __init__(self, environment, link: transport.Link, options: ReplayOptions, local_part=None,
                  endpoints: list[str] | None = None):
         """`endpoints` are asked for the served model's max_model_len (--max-prompt-tokens' default)."""
         self.environment = environment
@@ -110,11 +110,11 @@ class Coordinator:
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         # Registered first: asking the server below yields, and workers' hellos may come meanwhile.
-        link.on(messages.ROWS_ACK, self.on_rows_ack)
-        link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender))
-        link.on(messages.READY, self.on_ready)
-        link.on(messages.HELLO, self.on_hello)
-        link.on(messages.RECORDS, self.on_records)
+        link.on(transport.ROWS_ACK, self.on_rows_ack)
+        link.on(transport.PING, lambda data, sender: answer_ping(link, data, sender))
+        link.on(transport.READY, self.on_ready)
+        link.on(transport.HELLO, self.on_hello)
+        link.on(transport.RECORDS, self.on_records)
         # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
         # --tokenizer is refused before any worker starts; the
         # fingerprint goes in the plan, for each worker to prove it has the same (same_tokenizer).
@@ -179,15 +179,15 @@ class Coordinator:
         parts = self.schedule.partition(len(workers), self.options.partition)
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
             chunks = row_chunks(self.schedule, positions)
-            window = messages.Window(
-                lambda payload, cid=client_id: self.link.to_worker(cid, messages.ROWS, payload), source=chunks,
-                limit=messages.HOLD_ROWS // CHUNK_ROWS,
+            window = transport.Window(
+                lambda payload, cid=client_id: self.link.to_worker(cid, transport.ROWS, payload), source=chunks,
+                limit=transport.HOLD_ROWS // CHUNK_ROWS,
             )
             state = WorkerState(client_id, index, positions, window)
             self.workers[client_id] = state
             self.link.to_worker(
                 client_id,
-                messages.PLAN,
+                transport.PLAN,
                 {
                     "worker": index,
                     "rows": len(positions),
@@ -230,7 +230,7 @@ class Coordinator:
             return
         reason = "it connected after the replay began; the trace is split only among the workers present at the start"
         logger.warning("worker %s gets no rows: %s", sender, reason)
-        self.link.to_worker(sender, messages.IDLE, {"reason": reason})
+        self.link.to_worker(sender, transport.IDLE, {"reason": reason})
 
     def on_ready(self, data: dict, sender: str) -> None:
         state = self.workers.get(sender)
@@ -260,13 +260,13 @@ class Coordinator:
         self.epoch = time.time() + GO_LEAD_S
         self.last_due = self.epoch + self.window_seconds()
         for w in live:
-            self.link.to_worker(w.client_id, messages.GO, {"epoch": self.epoch})
+            self.link.to_worker(w.client_id, transport.GO, {"epoch": self.epoch})
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - time.time())
 
     # -- records ------------------------------------------------------------------------------------
 
     def on_records(self, data: dict, sender: str) -> None:
-        self.link.to_worker(sender, messages.RECORDS_ACK, {"seq": data["seq"]})
+        self.link.to_worker(sender, transport.RECORDS_ACK, {"seq": data["seq"]})
         self.ingest(data["records"])
 
     def ingest(self, records: list[dict], placeholder: bool = False) -> None:
@@ -363,7 +363,7 @@ class Coordinator:
             self.local_part.abort(reason)  # its records come through the link like a worker's
         else:
             for w in live:
-                self.link.to_worker(w.client_id, messages.ABORT, {"reason": reason})
+                self.link.to_worker(w.client_id, transport.ABORT, {"reason": reason})
 
         ids = self.schedule.request_ids
         missing = [ids[p] for w in live for i, p in enumerate(w.positions) if w.holds(i)]
