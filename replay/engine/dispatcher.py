@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from typing import Callable
 
 import gevent
 from gevent.event import Event
@@ -143,8 +144,11 @@ class Dispatcher:
     of its own: no Locust user owns it, so a rebalance that moves or stops users never stops a
     replay."""
 
-    def __init__(self, environment, link: transport.Link, local: bool = False):
-        self.environment = environment
+    def __init__(self, link: transport.Link, local: bool = False,
+                 on_request: Callable[[dict], None] | None = None):
+        """`on_request` is called with each answered request's record, as it is recorded (the
+        Locust adapter feeds Locust's own request statistics with it)."""
+        self.on_request = on_request
         self.link = link
         self.local = local
         self.index: int | None = None
@@ -406,14 +410,8 @@ class Dispatcher:
         record = sent_record(row, worker=self.index, endpoint=endpoint.url, api=self.options.api,
                              scheduled_at=scheduled, outcome=outcome)
         self._record(record)
-        self.environment.events.request.fire(
-            request_type=self.options.api,
-            name=endpoint.url,
-            response_time=record["e2e_ms"] or 0.0,
-            response_length=record["output_tokens"] or 0,
-            exception=None if record["ok"] else RuntimeError(record["error"] or f"HTTP {record['status']}"),
-            context={"request_id": row.request_id},
-        )
+        if self.on_request is not None:
+            self.on_request(record)
 
     def _keep_connections(self) -> None:
         """Keep idle connections open for the sends due within the next WARM_S, read off the

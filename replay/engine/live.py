@@ -94,7 +94,7 @@ class LiveStats:
         self.errors: Counter[str] = Counter()
         self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
         self.ideal = ideal_hit_tokens(coordinator)
-        self.servers = ServerView(coordinator.options.endpoint_urls(coordinator.environment.host))
+        self.servers = ServerView(coordinator.endpoint_urls())
         if coordinator.scraper is not None:
             coordinator.scraper.listeners.append(self.servers.on_round)
         self._final = FinalCounts()
