@@ -32,7 +32,7 @@ SHARED = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 def coordinator_for(trace: Path, folder: Path, workers: int = 4) -> Coordinator:
     tokenizer = build_toy_tokenizer(folder / "tok")
-    c = Coordinator(LocalLink(), ReplayOptions(trace=str(trace), tokenizer=str(tokenizer)))
+    c = Coordinator(LocalLink(), ReplayOptions(trace=str(trace), tokenizer=str(tokenizer)), host=lambda: "http://127.0.0.1:9")
     c.store = RecordStore(folder / "run.jsonl", *c.schedule.request_id_range())
     for i, positions in enumerate(c.schedule.partition(workers)):
         state = WorkerState(f"host{i}_abc", i, positions, Window(lambda payload: None))
