@@ -59,7 +59,7 @@ def write_trace(path: Path, rate: float, seconds: float, output_tokens: int, see
 NOISE_PROBE = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from replay.locust.timing import wait_until
+from replay.engine.timing import wait_until
 late, t = [], time.time() + 0.05
 for _ in range(400):
     t += 0.005

@@ -1,6 +1,6 @@
 """Start-up cost: a worker's set-up cold and warm, and what a whole short replay costs per request.
 
-1. Set-up: a fresh process builds a worker's `Builder` (tokenizer, safe vocabulary, template
+1. Set-up: a fresh process builds a worker's `BodyBuilder` (tokenizer, safe vocabulary, template
    frames) for each tokenizer, cold (an empty set-up cache, $TRACEREPLAY_CACHE_DIR) and warm
    (the cache the cold run wrote). Wall and CPU seconds of the set-up itself, and the
    process's peak RSS (imports included).
@@ -46,10 +46,10 @@ SET_UP = """
 import json, resource, sys, time
 import gevent, locust  # a worker has these loaded before its set-up
 from replay.locust.options import ReplayOptions
-from replay.locust.worker import Builder
+from replay.engine.dispatcher import BodyBuilder
 options = ReplayOptions(trace="unused", tokenizer=sys.argv[1], api=sys.argv[2], model="m")
 wall, cpu = time.perf_counter(), time.process_time()
-builder = Builder(options, 512)
+builder = BodyBuilder(options, 512)
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 cached = getattr(builder.synth, "set_up_from_cache", None)
 print(json.dumps({"wall_s": wall, "cpu_s": cpu, "cached": cached,
@@ -77,7 +77,7 @@ def set_up_once(tokenizer: Path, api: str, cache: Path, cpu: int | None) -> dict
 
 def bench_set_up(names: list[str], api: str, runs: int, cpu: int | None) -> list[str]:
     problems = []
-    print(f"worker set-up (Builder, api {api}), median of {runs} runs, one process each, on cpu {cpu}")
+    print(f"worker set-up (BodyBuilder, api {api}), median of {runs} runs, one process each, on cpu {cpu}")
     print(f"{'tokenizer':<10} {'cold wall s':>11} {'cold cpu s':>10} {'cold RSS MiB':>12} "
           f"{'warm wall s':>11} {'warm cpu s':>10} {'warm RSS MiB':>12}  loadavg")
     for name in names:

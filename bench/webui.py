@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 import orjson
-from locust.env import Environment
 
-from replay.locust.coordinator import Coordinator, WorkerState
-from replay.locust.live import WINDOW_S, LiveStats
-from replay.locust.messages import LocalLink, Window
+from replay.engine.coordinator import Coordinator, WorkerState
+from replay.engine.live import WINDOW_S, LiveStats
+from replay.engine.transport import LocalLink, Window
 from replay.locust.options import ReplayOptions
 from replay.results.store import RecordStore
 from replay.synth.toy import build_toy_tokenizer
@@ -33,7 +32,7 @@ SHARED = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 def coordinator_for(trace: Path, folder: Path, workers: int = 4) -> Coordinator:
     tokenizer = build_toy_tokenizer(folder / "tok")
-    c = Coordinator(Environment(), LocalLink(), ReplayOptions(trace=str(trace), tokenizer=str(tokenizer)))
+    c = Coordinator(LocalLink(), ReplayOptions(trace=str(trace), tokenizer=str(tokenizer)), host=lambda: "http://127.0.0.1:9")
     c.store = RecordStore(folder / "run.jsonl", *c.schedule.request_id_range())
     for i, positions in enumerate(c.schedule.partition(workers)):
         state = WorkerState(f"host{i}_abc", i, positions, Window(lambda payload: None))

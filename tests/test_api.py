@@ -14,7 +14,7 @@ from conftest import free_port
 from replay.api import Endpoint, get_adapter, parse_headers, send
 from replay.api.client import MAX_CONNECTING
 from replay.api.sse import DONE, sse_data
-from replay.locust.timing import Alarm
+from replay.engine.timing import Alarm
 from replay.sim.process import sim_process
 
 

@@ -67,7 +67,7 @@ def in_repo(path: str) -> Path:
 
 
 def locust_parser():
-    import replay.locust  # noqa: F401  (registers the replay options with Locust's parser)
+    import replay.locust.plugin  # noqa: F401  (registers the replay options with Locust's parser)
     from locust.argument_parser import get_parser
 
     return get_parser()

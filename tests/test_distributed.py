@@ -20,8 +20,8 @@ import requests
 
 from conftest import (BLOCK, bailian_trace, check_records, finish, free_port, master_and_workers, mooncake_trace,
                       replay_args, run_locust, shared_path, spawn_locust, spawn_worker, trace_ids, wait_for_text)
-from replay.locust.coordinator import CHUNK_ROWS
-from replay.locust.messages import HOLD_ROWS
+from replay.engine.coordinator import CHUNK_ROWS
+from replay.engine.transport import HOLD_ROWS
 from replay.results.metadata import read_run_metadata
 from replay.results.records import MASTER_LOST, RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, read_records
 from replay.sim.process import sim_process
@@ -241,7 +241,7 @@ def test_worker_set_up_leaves_the_event_loop_running(off_loop, tmp_path, monkeyp
 
     monkeypatch.setenv("TRACEREPLAY_CACHE_DIR", str(tmp_path / "cache"))
     from replay.locust.options import ReplayOptions
-    from replay.locust.worker import Builder, build_off_loop
+    from replay.engine.dispatcher import BodyBuilder, build_off_loop
 
     options = ReplayOptions(trace="unused", tokenizer=str(shared_path("tokenizers", "qwen2")), model="m")
     ticks: list[float] = []
@@ -254,7 +254,7 @@ def test_worker_set_up_leaves_the_event_loop_running(off_loop, tmp_path, monkeyp
     ticker = gevent.spawn(tick)
     gevent.sleep(0.05)
     started = time.monotonic()
-    builder = build_off_loop(options, 512) if off_loop else Builder(options, 512)
+    builder = build_off_loop(options, 512) if off_loop else BodyBuilder(options, 512)
     took = time.monotonic() - started
     gevent.sleep(0.05)
     ticker.kill()

@@ -122,7 +122,7 @@ def test_connections_opened_follow_in_flight_demand(tmp_path, toy_tokenizer_dir)
     due within WARM_S: not a multiple of it (a rate measured over 20 ms ticks overshot it, and
     the first warm-up opened a whole second of sends), and leaves none in TIME_WAIT. The sim
     receives every row exactly once."""
-    from replay.locust.worker import MIN_SPARE, WARM_S
+    from replay.engine.dispatcher import MIN_SPARE, WARM_S
 
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=5, output_length=(2, 3))  # 200 req/s
     output = tmp_path / "run.jsonl"

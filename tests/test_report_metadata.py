@@ -23,21 +23,19 @@ T0 = 1_700_000_000.0
 
 COORDINATOR = """
 import sys
-from types import SimpleNamespace
-from replay.locust.coordinator import Coordinator, WorkerState
-from replay.locust.messages import LocalLink
+from replay.engine.coordinator import Coordinator, WorkerState
+from replay.engine.transport import LocalLink
 from replay.locust.options import ReplayOptions
-from replay.results.metadata import coordinator_metadata, write_run_metadata
+from replay.results.metadata import write_run_metadata
 
 trace, tokenizer, output, t0 = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 options = ReplayOptions(trace=trace, block_size=16, tokenizer=tokenizer, api="openai-completions", model="m",
                         prompt_format="token-ids", scale=2.0, seed=7, slo="e2e_ms=1000", output=output,
                         header=["Authorization: Bearer secret"])
-env = SimpleNamespace(host="http://127.0.0.1:9", runner=None, parsed_options=None)
-c = Coordinator(env, LocalLink(), options)
+c = Coordinator(LocalLink(), options, host=lambda: "http://127.0.0.1:9")
 c.workers["local"] = WorkerState("local", 0, c.schedule.partition(1)[0], window=None, ready=True, clock_offset_ms=0.25, rtt_ms=0.1)
 c.epoch, c.started_at = t0 + 0.5, t0
-print(write_run_metadata(output, coordinator_metadata(c)))
+print(write_run_metadata(output, c.metadata()))
 """
 
 

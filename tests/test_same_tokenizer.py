@@ -20,7 +20,7 @@ import requests
 
 from conftest import (LOCUST, finish, free_port, mooncake_trace, replay_args, spawn_locust, spawn_worker, trace_ids)
 from replay.errors import OptionError
-from replay.locust.same_tokenizer import check_worker_tokenizer, master_fingerprint, short
+from replay.engine.same_tokenizer import check_worker_tokenizer, master_fingerprint, short
 from replay.results.records import WORKER_FAILED, read_records
 from replay.synth.tokenizer import tokenizer_fingerprint
 from replay.synth.toy import build_toy_tokenizer

@@ -17,8 +17,8 @@ import orjson
 import pytest
 
 from replay.locust.options import ReplayOptions
-from replay.locust.same_tokenizer import master_fingerprint
-from replay.locust.worker import Builder
+from replay.engine.same_tokenizer import master_fingerprint
+from replay.engine.dispatcher import BodyBuilder
 from replay.synth import setup_cache
 from replay.synth.bodies import build_body
 from replay.synth.prompts import PromptSynthesizer, server_count
@@ -312,8 +312,8 @@ def test_the_master_knows_a_tokenizer_that_loaded_before(cache, toy_tokenizer_di
 
 def test_a_warm_worker_loads_its_tokenizer_only_for_rows_with_messages(cache, toy_tokenizer_dir):
     options = ReplayOptions(trace="unused", tokenizer=str(toy_tokenizer_dir), model="m")
-    Builder(options, BLOCK)
-    builder = Builder(options, BLOCK)
+    BodyBuilder(options, BLOCK)
+    builder = BodyBuilder(options, BLOCK)
     tokenizer = builder.synth.tokenizer
     assert builder.synth.set_up_from_cache and not tokenizer.loaded
     builder.body(rows()[3])

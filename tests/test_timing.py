@@ -1,4 +1,4 @@
-"""The dispatcher's wake-up and garbage-collection helpers (replay/locust/timing.py).
+"""The dispatcher's wake-up and garbage-collection helpers (replay/engine/timing.py).
 
 What is asserted is behaviour, not speed (speed is bench/dispatch.py's): an Alarm never
 returns before its deadline, a ring cuts a long wait short, and the quiet collector keeps
@@ -12,7 +12,7 @@ import time
 
 import gevent
 
-from replay.locust.timing import Alarm, QuietCollector, wait_until
+from replay.engine.timing import Alarm, QuietCollector, wait_until
 
 
 def test_alarm_never_returns_before_its_deadline():

@@ -28,7 +28,6 @@ from typing import Mapping
 
 from flask import Response, redirect, request, session, url_for
 from flask_login import LoginManager, UserMixin, current_user, login_user
-from locust import events
 from locust.runners import WorkerRunner
 
 from replay.locust.config import apply_config
@@ -89,9 +88,9 @@ def safe_next(target: str | None, base: str) -> str | None:
     return target
 
 
-@events.init.add_listener
-def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
-    if web_ui is None or isinstance(runner or environment.runner, WorkerRunner):
+def register(environment, runner, web_ui) -> None:
+    """Called by replay.locust.plugin's init listener: the login, when this process serves a UI."""
+    if web_ui is None or isinstance(runner, WorkerRunner):
         return  # no UI (headless, workers): nothing to protect
     parsed = environment.parsed_options
     try:

@@ -4,15 +4,15 @@
 Locust's React UI can add tabs, but only tables (`extended_tabs`), so the charts live on a
 page of their own served by Locust's Flask app: one static file drawing SVG with plain
 JavaScript, nothing to build or install. Headless runs serve nothing and compute nothing;
-only workers send their one small message a second (replay.locust.live).
+only workers send their one small message a second (replay.engine.live).
 
 A replay is one pass over the trace: the Start button runs it through ReplayShape (Locust
 hides the user count form for a shape with use_common_options=False), and a second Start
 after it ended is refused with a message, since the coordinator, output file and records
 belong to that one run.
 
-Every route follows Locust's login (`--web-login`, set up by replay.locust.webauth, whose init
-listener is registered by the import below, before this module's).
+Every route follows Locust's login (`--web-login`, set up by replay.locust.webauth). Both are
+set up by replay.locust.plugin's init listener, the login first, once `environment.replay` is set.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from pathlib import Path
 import gevent
 import orjson
 from flask import Response, jsonify, request
-from locust import events
 from locust.runners import STATE_RUNNING, STATE_SPAWNING, MasterRunner, WorkerRunner
 
-from replay.locust import live, webauth
-from replay.locust.live import LiveStats
+from replay.engine import live
+from replay.engine.live import LiveStats
+from replay.locust import webauth
 
 PAGE = Path(__file__).resolve().parent / "static" / "replay.html"
 TAB = "replay"
@@ -43,16 +43,12 @@ LINK = (
 )
 
 
-@events.init.add_listener
-def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
-    runner = runner or environment.runner
-    replay = getattr(environment, "replay", None)  # set by plugin's init listener, which runs first
-    if replay is None:
-        return
+def register(environment, runner, web_ui) -> None:
+    """Called by replay.locust.plugin's init listener once `environment.replay` is set: the
+    master's (or local runner's) live figures and, with a web UI, the view's routes."""
+    replay = environment.replay
     if isinstance(runner, WorkerRunner):
-        if replay.part is not None:
-            gevent.spawn(live.report_loop, replay.part)
-        return
+        return  # a worker's part, its report loop, is started by the plugin
     coordinator = replay.coordinator
     if coordinator is None:
         return
@@ -63,7 +59,7 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
     stats = LiveStats(coordinator, local_part=None if isinstance(runner, MasterRunner) else replay.part)
     if isinstance(runner, MasterRunner):
         coordinator.link.on(live.LIVE, stats.on_report)
-    # Registered now, so after plugin's test_stop listener: the coordinator has finalized.
+    # Added now, from plugin's init listener, so after plugin's test_stop listener: the coordinator has finalized.
     environment.events.test_stop.add_listener(lambda **kw: stats.on_stop())
     add_routes(web_ui, stats, base=getattr(environment.parsed_options, "web_base_path", None) or "")
     gevent.spawn(stats.run_ticks)

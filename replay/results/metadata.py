@@ -133,44 +133,6 @@ def run_metadata(
     }
 
 
-def coordinator_metadata(coordinator) -> dict:
-    """The metadata of a run from its replay.locust Coordinator (master or local runner)."""
-    runner = getattr(coordinator.environment, "runner", None)
-    clients = getattr(runner, "clients", None)
-    workers = []
-    for state in sorted(coordinator.workers.values(), key=lambda w: w.index):
-        node = clients.get(state.client_id) if clients is not None else None
-        workers.append({
-            "index": state.index,
-            "client_id": state.client_id,
-            "host": getattr(node, "hostname", None) or platform.node(),
-            "clock_offset_ms": state.clock_offset_ms,
-            "rtt_ms": state.rtt_ms,
-            "rows_assigned": len(state.positions),
-            "lost": state.lost,
-        })  # fmt: skip
-    options = coordinator.options
-    return run_metadata(
-        options.to_dict(),
-        trace_path=str(coordinator.trace.path),
-        trace_format=coordinator.trace.format,
-        block_size=coordinator.trace.block_size,
-        rows=coordinator.total,
-        origin=coordinator.origin,
-        window_s=coordinator.window_seconds(),
-        endpoints=options.endpoint_urls(coordinator.environment.host),
-        workers=workers,
-        epoch=coordinator.epoch,
-        started_at=coordinator.started_at,
-        run_id=coordinator.run_id,
-        trace_rows=coordinator.schedule.trace_rows,
-        skipped=[str(bad) for bad in coordinator.trace.skipped],
-        max_prompt_tokens=coordinator.max_prompt_tokens,
-        oversized=len(coordinator.schedule.oversized),
-        server_check=coordinator.server_check,
-    )
-
-
 def write_run_metadata(output: str | Path, meta: dict) -> Path:
     """Write OUTPUT.meta.json (atomically: a report never reads half a file)."""
     return _write_atomically(meta_path(output), orjson.dumps(meta, option=orjson.OPT_INDENT_2))

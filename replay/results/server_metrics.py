@@ -1,6 +1,6 @@
 """The server's side of a run: what each endpoint's Prometheus `/metrics` said during it.
 
-The master scrapes every endpoint (replay.locust.scraper) and writes one JSON line per scrape
+The master scrapes every endpoint (replay.engine.scraper) and writes one JSON line per scrape
 per endpoint to OUTPUT.server-metrics.jsonl:
 
     {"t": <unix s, master clock>, "endpoint": URL, "ok": true|false, "metrics": {name: value}}

@@ -94,7 +94,7 @@ class LiveStats:
         self.errors: Counter[str] = Counter()
         self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
         self.ideal = ideal_hit_tokens(coordinator)
-        self.servers = ServerView(coordinator.options.endpoint_urls(coordinator.environment.host))
+        self.servers = ServerView(coordinator.endpoint_urls())
         if coordinator.scraper is not None:
             coordinator.scraper.listeners.append(self.servers.on_round)
         self._final = FinalCounts()
@@ -282,7 +282,7 @@ class LiveStats:
 
 class ServerView:
     """Per endpoint, in --endpoints order: the server's own figures from the master's last
-    /metrics scrape (replay.locust.scraper) beside the clients' view of its prefix cache.
+    /metrics scrape (replay.engine.scraper) beside the clients' view of its prefix cache.
 
     Three hit ratios, cumulative over the run: the server's counters (prefix-cache hits over
     queried tokens since the first scrape), the records' cached_tokens over prompt_tokens, and

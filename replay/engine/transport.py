@@ -1,4 +1,5 @@
-"""Master <-> worker messaging: one interface for Locust's ZeroMQ messages and for a local run.
+"""Master <-> worker messaging: one interface (`Link`) for a runner's messages (Locust's ZeroMQ
+ones: replay.locust.link.RunnerLink) and for a local run (`LocalLink`).
 
 ZeroMQ drops master->worker messages past its high-water mark without a word, so bulk data
 (trace rows one way, records the other) goes through `Window`: numbered chunks, at most
@@ -39,7 +40,7 @@ Handler = Callable[[Any, str], None]  # (data, sender client id) -> None
 
 
 class Link:
-    """Sends and receives replay messages. `to_worker` takes a Locust client id."""
+    """Sends and receives replay messages. `to_worker` takes the runner's client id of a worker."""
 
     def on(self, msg_type: str, handler: Handler) -> None:
         raise NotImplementedError
@@ -49,22 +50,6 @@ class Link:
 
     def to_master(self, msg_type: str, data: Any) -> None:
         raise NotImplementedError
-
-
-class RunnerLink(Link):
-    """Locust's own custom messages (MasterRunner or WorkerRunner)."""
-
-    def __init__(self, runner):
-        self.runner = runner
-
-    def on(self, msg_type: str, handler: Handler) -> None:
-        self.runner.register_message(msg_type, lambda environment, msg, **kw: handler(msg.data, msg.node_id))
-
-    def to_worker(self, client_id: str, msg_type: str, data: Any) -> None:
-        self.runner.send_message(msg_type, data, client_id=client_id)
-
-    def to_master(self, msg_type: str, data: Any) -> None:
-        self.runner.send_message(msg_type, data)
 
 
 LOCAL_CLIENT = "local"

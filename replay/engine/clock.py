@@ -11,11 +11,11 @@ import time
 import gevent
 from gevent.event import Event
 
-from replay.locust import messages
+from replay.engine import transport
 
 
 class ClockSync:
-    def __init__(self, link: messages.Link):
+    def __init__(self, link: transport.Link):
         self.link = link
         self.best_rtt = float("inf")
         self.offset = 0.0
@@ -35,7 +35,7 @@ class ClockSync:
         (a busy master answers late, and a late answer says little); returns the offset in seconds."""
         for _ in range(rounds):
             for _ in range(samples):
-                self.link.to_master(messages.PING, {"t0": time.time()})
+                self.link.to_master(transport.PING, {"t0": time.time()})
                 gevent.sleep(spacing_s)
             self._got.wait(timeout_s)
             gevent.sleep(spacing_s * 5)  # let the last answers land
@@ -44,6 +44,6 @@ class ClockSync:
         return self.offset
 
 
-def answer_ping(link: messages.Link, data: dict, sender: str) -> None:
+def answer_ping(link: transport.Link, data: dict, sender: str) -> None:
     """Master side: stamp and return at once."""
-    link.to_worker(sender, messages.PONG, {"t0": data["t0"], "tm": time.time()})
+    link.to_worker(sender, transport.PONG, {"t0": data["t0"], "tm": time.time()})

@@ -5,7 +5,7 @@ Timing: nothing heavy is on the dispatch path. Bodies are built ahead by a looka
 greenlet, which builds in the gaps between sends. Idle connections are kept open ahead of
 demand, so a due request is written at once without connecting or yielding, and its answer
 is read by a greenlet of its own: a slow server never delays a later send. The dispatcher
-wakes on a high-priority timer (replay.locust.timing), and every stream reader checks after
+wakes on a high-priority timer (replay.engine.timing), and every stream reader checks after
 each read whether a send has fallen due and if so wakes it there and then, so sends are not
 held back behind a busy turn of the event loop.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from typing import Callable
 
 import gevent
 from gevent.event import Event
@@ -22,13 +23,13 @@ from gevent.pool import Group
 
 from replay.api import Endpoint, Sent, get_adapter, parse_headers, read, send, write
 from replay.errors import OptionError
-from replay.locust import messages
-from replay.locust.clock import ClockSync
+from replay.engine import transport
+from replay.engine.clock import ClockSync
 from replay.locust.options import ReplayOptions
-from replay.locust.plan import decode_row, send_offset_s
-from replay.locust.routing import make_router
-from replay.locust.same_tokenizer import check_worker_tokenizer
-from replay.locust.timing import Alarm, QuietCollector
+from replay.engine.plan import decode_row, send_offset_s
+from replay.engine.routing import make_router
+from replay.engine.same_tokenizer import check_worker_tokenizer
+from replay.engine.timing import Alarm, QuietCollector
 from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
                                     unsent_record, worker_path)
 from replay.synth.chat_template import ChatTemplateError
@@ -59,7 +60,7 @@ MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect 
 
 class RowBuffer:
     """A worker's rows by position in its part, holding only those not yet sent: the master
-    ships them a bounded distance ahead (messages.HOLD_ROWS), and sent ones are let go."""
+    ships them a bounded distance ahead (transport.HOLD_ROWS), and sent ones are let go."""
 
     def __init__(self):
         self._rows: list[TraceRow] = []
@@ -87,7 +88,7 @@ class RowBuffer:
             self._base = position
 
 
-class Builder:
+class BodyBuilder:
     """Turns trace rows into request bodies (prompt synthesis + serialization).
 
     Its set-up comes from the disk cache when this host has one for the tokenizer
@@ -123,14 +124,14 @@ class Builder:
         )
 
 
-def _checked_builder(options: ReplayOptions, block_size: int | None, fingerprint: str | None) -> Builder:
+def _checked_builder(options: ReplayOptions, block_size: int | None, fingerprint: str | None) -> BodyBuilder:
     # the master's tokenizer, proved before the set-up (OptionError "tokenizer mismatch: ...")
     check_worker_tokenizer(options.tokenizer, options.chat_template, fingerprint)
-    return Builder(options, block_size)
+    return BodyBuilder(options, block_size)
 
 
-def build_off_loop(options: ReplayOptions, block_size: int | None, fingerprint: str | None = None) -> Builder:
-    """A Builder made in a thread, after checking this host's tokenizer against the master's
+def build_off_loop(options: ReplayOptions, block_size: int | None, fingerprint: str | None = None) -> BodyBuilder:
+    """A BodyBuilder made in a thread, after checking this host's tokenizer against the master's
     `fingerprint` (None: no check). Cold, it costs seconds of CPU for a real tokenizer (safe
     vocabulary, template measurement); from the set-up cache tens of ms, still file reads and
     hashing. Meanwhile this process must keep answering Locust's heartbeats, or the master
@@ -138,12 +139,17 @@ def build_off_loop(options: ReplayOptions, block_size: int | None, fingerprint: 
     return gevent.get_hub().threadpool.apply(_checked_builder, (options, block_size, fingerprint))
 
 
-class WorkerPart:
-    """The worker side. The dispatcher (`run`) starts on the master's go, in a greenlet of its
-    own: no Locust user owns it, so a rebalance that moves or stops users never stops a replay."""
+class Dispatcher:
+    """The worker side: receives its part of the trace, builds bodies ahead, sends each row on
+    time, records every outcome. The send loop (`run`) starts on the master's go, in a greenlet
+    of its own: no Locust user owns it, so a rebalance that moves or stops users never stops a
+    replay."""
 
-    def __init__(self, environment, link: messages.Link, local: bool = False):
-        self.environment = environment
+    def __init__(self, link: transport.Link, local: bool = False,
+                 on_request: Callable[[dict], None] | None = None):
+        """`on_request` is called with each answered request's record, as it is recorded (the
+        Locust adapter feeds Locust's own request statistics with it)."""
+        self.on_request = on_request
         self.link = link
         self.local = local
         self.index: int | None = None
@@ -173,14 +179,14 @@ class WorkerPart:
         self._next_chunk = 0
         self.alarm = Alarm()  # the dispatcher's wake-up, rung early by stream readers
         self.clock = ClockSync(link)
-        self.record_window = messages.Window(lambda payload: link.to_master(messages.RECORDS, payload))
-        link.on(messages.PLAN, self.on_plan)
-        link.on(messages.ROWS, self.on_rows)
-        link.on(messages.PONG, self.clock.on_pong)
-        link.on(messages.GO, self.on_go)
-        link.on(messages.RECORDS_ACK, lambda data, sender: self.record_window.ack(data["seq"]))
-        link.on(messages.ABORT, lambda data, sender: self.abort(data.get("reason", RUN_STOPPED)))
-        link.on(messages.IDLE, self.on_idle)
+        self.record_window = transport.Window(lambda payload: link.to_master(transport.RECORDS, payload))
+        link.on(transport.PLAN, self.on_plan)
+        link.on(transport.ROWS, self.on_rows)
+        link.on(transport.PONG, self.clock.on_pong)
+        link.on(transport.GO, self.on_go)
+        link.on(transport.RECORDS_ACK, lambda data, sender: self.record_window.ack(data["seq"]))
+        link.on(transport.ABORT, lambda data, sender: self.abort(data.get("reason", RUN_STOPPED)))
+        link.on(transport.IDLE, self.on_idle)
 
     # -- messages from the master -------------------------------------------------------------
 
@@ -207,11 +213,11 @@ class WorkerPart:
             while self._next_chunk in self._chunks:
                 self.rows.extend(decode_row(r) for r in self._chunks.pop(self._next_chunk))
                 self._next_chunk += 1
-        self.link.to_master(messages.ROWS_ACK, {"seq": seq, "want": self._want()})
+        self.link.to_master(transport.ROWS_ACK, {"seq": seq, "want": self._want()})
 
     def _want(self) -> int:
         """How many of its rows this worker takes so far: a bounded distance past its sends."""
-        self._wanted = self.dispatch_pos + messages.HOLD_ROWS
+        self._wanted = self.dispatch_pos + transport.HOLD_ROWS
         return self._wanted
 
     def _ask_for_rows(self) -> None:
@@ -219,8 +225,8 @@ class WorkerPart:
         self.rows.release(self.dispatch_pos)
         if self._stopped or self._wanted >= self.total:
             return
-        if self.dispatch_pos + messages.HOLD_ROWS - self._wanted >= messages.HOLD_ROWS // 8:
-            self.link.to_master(messages.ROWS_ACK, {"seq": None, "want": self._want()})
+        if self.dispatch_pos + transport.HOLD_ROWS - self._wanted >= transport.HOLD_ROWS // 8:
+            self.link.to_master(transport.ROWS_ACK, {"seq": None, "want": self._want()})
 
     def on_go(self, data: dict, sender: str) -> None:
         self.epoch = data["epoch"]
@@ -238,7 +244,7 @@ class WorkerPart:
         except Exception as e:  # tell the master, or it would wait for this worker forever
             logger.exception("worker %s cannot start", self.index)
             error = str(e) if isinstance(e, OptionError) else f"{type(e).__name__}: {e}"  # OptionError: one line
-            self.link.to_master(messages.READY, {"worker": self.index, "error": error})
+            self.link.to_master(transport.READY, {"worker": self.index, "error": error})
             return
         self.primed.wait()
         self.warmed.wait(10.0)
@@ -247,7 +253,7 @@ class WorkerPart:
         gc.collect()
         gc.freeze()
         self.link.to_master(
-            messages.READY,
+            transport.READY,
             {"worker": self.index, "clock_offset_ms": self.offset * 1000.0, "rtt_ms": self.clock.best_rtt * 1000.0
              if self.clock.best_rtt != float("inf") else 0.0},
         )
@@ -405,14 +411,8 @@ class WorkerPart:
         record = sent_record(row, worker=self.index, endpoint=endpoint.url, api=self.options.api,
                              scheduled_at=scheduled, outcome=outcome)
         self._record(record)
-        self.environment.events.request.fire(
-            request_type=self.options.api,
-            name=endpoint.url,
-            response_time=record["e2e_ms"] or 0.0,
-            response_length=record["output_tokens"] or 0,
-            exception=None if record["ok"] else RuntimeError(record["error"] or f"HTTP {record['status']}"),
-            context={"request_id": row.request_id},
-        )
+        if self.on_request is not None:
+            self.on_request(record)
 
     def _keep_connections(self) -> None:
         """Keep idle connections open for the sends due within the next WARM_S, read off the

@@ -11,30 +11,31 @@ worker held but never reported are "no record from worker".
 from __future__ import annotations
 
 import logging
+import platform
 import sys
 import time
 import uuid
 from itertools import islice
 from dataclasses import dataclass, field
 from array import array
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import gevent
 from gevent.event import Event
 
-from replay.locust import messages
-from replay.locust.clock import answer_ping
+from replay.engine import transport
+from replay.engine.clock import answer_ping
 from replay.locust.options import ReplayOptions, prompt_token_limit
-from replay.locust.plan import Schedule
-from replay.locust.same_tokenizer import master_fingerprint
-from replay.locust.worker import build_off_loop
+from replay.engine.plan import Schedule
+from replay.engine.same_tokenizer import master_fingerprint
+from replay.engine.dispatcher import build_off_loop
 from replay.api.headers import parse_headers
 from replay.synth.server_check import Verdict, verify_servers
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
                                     is_failure, unsent_record)
-from replay.locust.scraper import Scraper
+from replay.engine.scraper import Scraper
 from replay.results.cli import end_of_run_cache
-from replay.results.metadata import coordinator_metadata, write_run_metadata, write_summary
+from replay.results.metadata import run_metadata, write_run_metadata, write_summary
 from replay.results.server_metrics import read_server_section
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.store import REAL, RecordStore
@@ -56,7 +57,7 @@ class WorkerState:
     client_id: str
     index: int
     positions: array  # its rows' places in the schedule, in send order
-    window: messages.Window
+    window: transport.Window
     ready: bool = False
     lost: bool = False
     clock_offset_ms: float | None = None
@@ -83,11 +84,38 @@ def default_output() -> str:
     return time.strftime("results/replay-%Y%m%d-%H%M%S.jsonl", time.gmtime())
 
 
+def _no_host() -> str | None:
+    return None
+
+
+def _never_gone(client_id: str) -> bool:
+    return False
+
+
+def _no_hostname(client_id: str) -> str | None:
+    return None
+
+
+def _ignore_exit_code(code: int) -> None:
+    pass
+
+
 class Coordinator:
-    def __init__(self, environment, link: messages.Link, options: ReplayOptions, local_part=None,
-                 endpoints: list[str] | None = None):
+    """The master's side. What it needs of the runner it is given, not looked up: `host` (the
+    runner's target host, read when needed: a web UI's start form may set it), `worker_gone`
+    (whether the runner lost a worker, by client id), `worker_host` (a worker's host name, for
+    the metadata; None: this host's) and `on_exit_code` (called with 1 when any row failed)."""
+
+    def __init__(self, link: transport.Link, options: ReplayOptions, local_part=None,
+                 endpoints: list[str] | None = None, *, host: Callable[[], str | None] = _no_host,
+                 worker_gone: Callable[[str], bool] = _never_gone,
+                 worker_host: Callable[[str], str | None] = _no_hostname,
+                 on_exit_code: Callable[[int], None] = _ignore_exit_code):
         """`endpoints` are asked for the served model's max_model_len (--max-prompt-tokens' default)."""
-        self.environment = environment
+        self.host = host
+        self.worker_gone = worker_gone
+        self.worker_host = worker_host
+        self.on_exit_code = on_exit_code
         self.link = link
         self.options = options
         self.local_part = local_part
@@ -105,16 +133,16 @@ class Coordinator:
         # the servers' /metrics, scraped by the master from the start of the run to its end
         self.scraper: Scraper | None = None
         if options.server_metrics_interval > 0:
-            self.scraper = Scraper(options.endpoint_urls(environment.host), self.output,
+            self.scraper = Scraper(self.endpoint_urls(), self.output,
                                    options.server_metrics_interval, options.server_metric)
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         # Registered first: asking the server below yields, and workers' hellos may come meanwhile.
-        link.on(messages.ROWS_ACK, self.on_rows_ack)
-        link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender))
-        link.on(messages.READY, self.on_ready)
-        link.on(messages.HELLO, self.on_hello)
-        link.on(messages.RECORDS, self.on_records)
+        link.on(transport.ROWS_ACK, self.on_rows_ack)
+        link.on(transport.PING, lambda data, sender: answer_ping(link, data, sender))
+        link.on(transport.READY, self.on_ready)
+        link.on(transport.HELLO, self.on_hello)
+        link.on(transport.RECORDS, self.on_records)
         # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
         # --tokenizer is refused before any worker starts; the
         # fingerprint goes in the plan, for each worker to prove it has the same (same_tokenizer).
@@ -157,6 +185,10 @@ class Coordinator:
                               headers=parse_headers(options.header), lengths=self.schedule.input_lengths,
                               max_len=self.max_prompt_tokens).to_dict()
 
+    def endpoint_urls(self) -> list[str]:
+        """The servers this run sends to: --endpoints, or the runner's host."""
+        return self.options.endpoint_urls(self.host())
+
     def window_seconds(self) -> float:
         return self.schedule.window_s / self.options.scale
 
@@ -179,15 +211,15 @@ class Coordinator:
         parts = self.schedule.partition(len(workers), self.options.partition)
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
             chunks = row_chunks(self.schedule, positions)
-            window = messages.Window(
-                lambda payload, cid=client_id: self.link.to_worker(cid, messages.ROWS, payload), source=chunks,
-                limit=messages.HOLD_ROWS // CHUNK_ROWS,
+            window = transport.Window(
+                lambda payload, cid=client_id: self.link.to_worker(cid, transport.ROWS, payload), source=chunks,
+                limit=transport.HOLD_ROWS // CHUNK_ROWS,
             )
             state = WorkerState(client_id, index, positions, window)
             self.workers[client_id] = state
             self.link.to_worker(
                 client_id,
-                messages.PLAN,
+                transport.PLAN,
                 {
                     "worker": index,
                     "rows": len(positions),
@@ -195,7 +227,7 @@ class Coordinator:
                     "block_size": self.trace.block_size,
                     "output": self.output,
                     "run_id": self.run_id,
-                    "endpoints": self.options.endpoint_urls(self.environment.host),
+                    "endpoints": self.endpoint_urls(),
                     "options": self.options.to_dict(),
                     "tokenizer_fingerprint": self.tokenizer_fingerprint,
                 },
@@ -230,7 +262,7 @@ class Coordinator:
             return
         reason = "it connected after the replay began; the trace is split only among the workers present at the start"
         logger.warning("worker %s gets no rows: %s", sender, reason)
-        self.link.to_worker(sender, messages.IDLE, {"reason": reason})
+        self.link.to_worker(sender, transport.IDLE, {"reason": reason})
 
     def on_ready(self, data: dict, sender: str) -> None:
         state = self.workers.get(sender)
@@ -260,13 +292,13 @@ class Coordinator:
         self.epoch = time.time() + GO_LEAD_S
         self.last_due = self.epoch + self.window_seconds()
         for w in live:
-            self.link.to_worker(w.client_id, messages.GO, {"epoch": self.epoch})
+            self.link.to_worker(w.client_id, transport.GO, {"epoch": self.epoch})
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - time.time())
 
     # -- records ------------------------------------------------------------------------------------
 
     def on_records(self, data: dict, sender: str) -> None:
-        self.link.to_worker(sender, messages.RECORDS_ACK, {"seq": data["seq"]})
+        self.link.to_worker(sender, transport.RECORDS_ACK, {"seq": data["seq"]})
         self.ingest(data["records"])
 
     def ingest(self, records: list[dict], placeholder: bool = False) -> None:
@@ -298,16 +330,9 @@ class Coordinator:
 
     # -- supervision --------------------------------------------------------------------------------
 
-    def _worker_gone(self, state: WorkerState) -> bool:
-        clients = getattr(self.environment.runner, "clients", None)
-        if clients is None:  # local runner
-            return False
-        node = clients.get(state.client_id)
-        return node is None or node.state == "missing"
-
     def _check_workers(self) -> None:
         for state in self.workers.values():
-            if not state.lost and self._worker_gone(state):
+            if not state.lost and self.worker_gone(state.client_id):
                 state.lost = True
                 state.window.close()
                 # placeholders: replaced if the worker's own records still arrive
@@ -363,7 +388,7 @@ class Coordinator:
             self.local_part.abort(reason)  # its records come through the link like a worker's
         else:
             for w in live:
-                self.link.to_worker(w.client_id, messages.ABORT, {"reason": reason})
+                self.link.to_worker(w.client_id, transport.ABORT, {"reason": reason})
 
         ids = self.schedule.request_ids
         missing = [ids[p] for w in live for i, p in enumerate(w.positions) if w.holds(i)]
@@ -431,7 +456,7 @@ class Coordinator:
 
         count = self.store.finish(each)
         self.schedule.close()
-        meta = coordinator_metadata(self)
+        meta = self.metadata()
         write_run_metadata(self.output, meta)
         report = builder.report(self._cache_fidelity(sent, meta))
         report["server"] = read_server_section(self.output, report["endpoints"], self.options.server_metric or ())
@@ -440,5 +465,36 @@ class Coordinator:
         sys.stdout.flush()
         if failed:
             logger.error("%d of %d rows failed: exit code 1", failed, count)
-            self.environment.process_exit_code = 1
+            self.on_exit_code(1)
         return report
+
+    def metadata(self) -> dict:
+        """The run's metadata (OUTPUT.meta.json, replay.results.metadata.run_metadata)."""
+        workers = [{
+            "index": state.index,
+            "client_id": state.client_id,
+            "host": self.worker_host(state.client_id) or platform.node(),
+            "clock_offset_ms": state.clock_offset_ms,
+            "rtt_ms": state.rtt_ms,
+            "rows_assigned": len(state.positions),
+            "lost": state.lost,
+        } for state in sorted(self.workers.values(), key=lambda w: w.index)]  # fmt: skip
+        return run_metadata(
+            self.options.to_dict(),
+            trace_path=str(self.trace.path),
+            trace_format=self.trace.format,
+            block_size=self.trace.block_size,
+            rows=self.total,
+            origin=self.origin,
+            window_s=self.window_seconds(),
+            endpoints=self.endpoint_urls(),
+            workers=workers,
+            epoch=self.epoch,
+            started_at=self.started_at,
+            run_id=self.run_id,
+            trace_rows=self.schedule.trace_rows,
+            skipped=[str(bad) for bad in self.trace.skipped],
+            max_prompt_tokens=self.max_prompt_tokens,
+            oversized=len(self.schedule.oversized),
+            server_check=self.server_check,
+        )
