@@ -30,7 +30,7 @@ from replay.engine.plan import Schedule
 from replay.engine.same_tokenizer import master_fingerprint
 from replay.engine.dispatcher import build_off_loop
 from replay.api.headers import parse_headers
-from replay.synth.server_check import Verdict, verify_servers
+from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
                                     is_failure, unsent_record)
 from replay.engine.scraper import Scraper
@@ -176,10 +176,9 @@ class Coordinator:
         """--verify-server: the servers count a sample of this run's prompts as the tokenizer does,
         or the run is refused here, before any worker starts (replay.synth.server_check)."""
         options = self.options
-        if options.verify_server == "off" or not urls:
-            return Verdict(skipped="--verify-server off").to_dict()
-        if options.prompt_format == "token-ids":
-            return Verdict(skipped="--prompt-format token-ids: the server counts the ids as given").to_dict()
+        skipped = skip_reason(options.verify_server, options.prompt_format == "token-ids")
+        if skipped or not urls:
+            return Verdict(skipped=skipped or "no server").to_dict()
         synth = build_off_loop(options, self.trace.block_size).synth
         return verify_servers(urls, synth, options.tokenizer, mode=options.verify_server, model=options.model,
                               headers=parse_headers(options.header), lengths=self.schedule.input_lengths,

@@ -36,6 +36,7 @@ from typing import Iterable
 
 from replay.api.ask import Unanswered, ask_json
 from replay.synth.prompts import Prompt, PromptSynthesizer, encode_prompt
+from replay.synth.tokenizer import tokenizer_json
 from replay.synth.vocab import SPACE_MARKERS
 from replay.trace.record import TraceRow
 
@@ -179,9 +180,8 @@ def _count(url: str, prompt: Prompt, api: str, model: str | None, headers: dict 
         if ids is not None:
             result.method = TOKENIZE
             return ids, len(ids), strs
-        if result.method == TOKENIZE:  # it answered before: this is an error, not a missing endpoint
-            raise Unanswered(f"POST /tokenize answered HTTP {status}: {_said(answer)}")
-        if status not in NOT_OFFERED:
+        # it answered before, or answered what no server without the endpoint says: an error
+        if result.method == TOKENIZE or status not in NOT_OFFERED:
             raise Unanswered(f"POST /tokenize answered HTTP {status}: {_said(answer)}")
     path, body = _usage_request(prompt, api, model)
     if path is None:
@@ -239,8 +239,7 @@ def _usage_request(prompt: Prompt, api: str, model: str | None) -> tuple[str | N
 
 
 def _said(answer) -> str:
-    text = json.dumps(answer)[:200] if answer is not None else "(no JSON)"
-    return text
+    return json.dumps(answer)[:200] if answer is not None else "(no JSON)"
 
 
 # -- the message --------------------------------------------------------------------------------
@@ -257,7 +256,7 @@ def explain(check: ServerCheck, synth: PromptSynthesizer, tokenizer_path: str) -
     tok = synth.tokenizer.tokenizer
     if m.server_ids is not None:
         local, server = m.sample.ids, m.server_ids
-        at = next((i for i, (a, b) in enumerate(zip(local, server)) if a != b), min(len(local), len(server)))
+        at = _same_prefix(local, server)
         lo, hi = max(0, at - SHOWN_TOKENS), at + SHOWN_TOKENS
         server_strs = m.server_strs[lo:hi] if m.server_strs else [tok.id_to_token(i) or f"#{i}" for i in server[lo:hi]]
         lines += [f"  first difference at token {at}, in the text {tok.decode(local[lo:hi])!r}",
@@ -279,14 +278,13 @@ def likely_cause(m: Mismatch, synth: PromptSynthesizer, tokenizer_path: str) -> 
     if m.server_ids is not None:
         server = m.server_ids
         shorter = min(len(local), len(server))
-        head = next((i for i, (a, b) in enumerate(zip(local, server)) if a != b), shorter)
-        tail = next((i for i, (a, b) in enumerate(zip(reversed(local), reversed(server))) if a != b), shorter)
+        head, tail = _same_prefix(local, server), _same_prefix(local[::-1], server[::-1])
         # the ids differ only where the frame is (before or after the content), in a few tokens
         at_edge = head <= len(synth.frame.before) + 1 or tail <= len(synth.frame.after) + 1
         edges_only = at_edge and max(len(local), len(server)) - min(head + tail, shorter) <= EDGE_TOKENS
     else:
         edges_only = abs(m.server_count - len(local)) <= EDGE_TOKENS
-    folder = _folder(tokenizer_path)
+    folder = tokenizer_json(tokenizer_path).parent
     named = _json(folder / "tokenizer_config.json").get("tokenizer_class")
     if edges_only:
         if synth.api == "openai-chat":
@@ -306,6 +304,11 @@ def likely_cause(m: Mismatch, synth: PromptSynthesizer, tokenizer_path: str) -> 
     return "the server's tokenizer is not this tokenizer.json: another model or revision, or loaded otherwise"
 
 
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids two lists share (the first difference's index)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _spaces_dropped(m: Mismatch, synth: PromptSynthesizer) -> bool:
     """Most of our tokens start with a space marker ('Ġ', '▁') and almost none of the server's do."""
     tok = synth.tokenizer.tokenizer
@@ -313,11 +316,6 @@ def _spaces_dropped(m: Mismatch, synth: PromptSynthesizer) -> bool:
     theirs_texts = m.server_strs or [tok.id_to_token(i) or "" for i in m.server_ids or ()]
     theirs = sum(1 for t in theirs_texts if t[:1] in SPACE_MARKERS)
     return ours >= len(m.sample.ids) // 2 and theirs * 10 < ours
-
-
-def _folder(tokenizer_path: str) -> Path:
-    p = Path(tokenizer_path)
-    return p if p.is_dir() else p.parent
 
 
 def _byte_level(folder: Path) -> bool:
@@ -345,15 +343,22 @@ class Verdict:
         return {"skipped": self.skipped, "endpoints": [c.to_dict() for c in self.checks]}
 
 
+def skip_reason(mode: str, token_ids: bool) -> str | None:
+    """Why a run asks no server, or None: `--verify-server off`, or token-id prompts, which a server
+    counts as given."""
+    if mode == "off":
+        return "--verify-server off"
+    if token_ids:
+        return "--prompt-format token-ids: the server counts the ids as given"
+    return None
+
+
 def verify_servers(urls: list[str], synth: PromptSynthesizer, tokenizer_path: str, *, mode: str = "auto",
                    model: str | None = None, headers: dict[str, str] | None = None, lengths: Iterable[int] = (),
                    max_len: int | None = None) -> Verdict:
     """Check every endpoint (a fleet may mix servers). Raises ServerCountsDiffer on a mismatch,
-    and, with mode "require", for an endpoint that offers no way to count."""
-    if mode == "off":
-        return Verdict(skipped="--verify-server off")
-    if synth.token_ids:
-        return Verdict(skipped="--prompt-format token-ids: the server counts the ids as given")
+    and, with mode "require", for an endpoint that offers no way to count. Ask `skip_reason`
+    first: it decides before the synthesizer `synth` is built."""
     samples = build_samples(synth, lengths, max_len)
     verdict = Verdict()
     for url in urls:
