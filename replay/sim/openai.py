@@ -18,6 +18,7 @@ from replay.sim.engine import Engine, Plan
 from replay.sim.errors import ApiError, context_length_error
 from replay.sim.generation import GenRequest, respond
 from replay.sim.http import Request, Response, Stream
+from replay.rules.tokens import TEXT_ADD_SPECIAL_TOKENS
 from replay.sim.tokens import chat_ids, text_ids
 from replay.synth.chat_template import ChatTemplateError
 
@@ -288,8 +289,7 @@ def tokenize(engine: Engine, request: Request) -> Response:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise ApiError("field 'prompt' is required: a string", param="prompt")
-        hf = engine.tokenizer.tokenizer
-        ids = hf.encode(prompt, add_special_tokens=_bool_field(body, "add_special_tokens", True)).ids
+        ids = text_ids(engine.tokenizer, prompt, _bool_field(body, "add_special_tokens", TEXT_ADD_SPECIAL_TOKENS))
     strs = [engine.tokenizer.tokenizer.id_to_token(i) for i in ids] if _bool_field(body, "return_token_strs") else None
     return Response(200, orjson.dumps({"count": len(ids), "max_model_len": engine.options.max_model_len,
                                        "tokens": ids, "token_strs": strs}))

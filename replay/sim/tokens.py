@@ -33,5 +33,7 @@ def chat_ids(tokenizer: ServerTokenizer, messages: list[dict], tools: list | Non
                    add_special_tokens=CHAT_ADD_SPECIAL_TOKENS)
 
 
-def text_ids(tokenizer: ServerTokenizer, text: str) -> list[int]:
-    return _encode(tokenizer, text, add_special_tokens=TEXT_ADD_SPECIAL_TOKENS)
+def text_ids(tokenizer: ServerTokenizer, text: str, add_special_tokens: bool = TEXT_ADD_SPECIAL_TOKENS) -> list[int]:
+    """A completions text's ids; `add_special_tokens` other than the rule only where a request asks
+    (vLLM's /tokenize takes it)."""
+    return _encode(tokenizer, text, add_special_tokens=add_special_tokens)
