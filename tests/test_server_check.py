@@ -21,6 +21,9 @@ import requests
 from conftest import REPO, check_records, free_port, mooncake_trace, replay_args, run_locust
 from replay.results.metadata import meta_path
 from replay.sim.process import sim_process
+from replay.synth.prompts import PromptSynthesizer
+from replay.synth.server_check import MAX_SAMPLE_TOKENS, build_samples
+from replay.synth.tokenizer import ServerTokenizer
 
 ROWS = 40
 
@@ -152,3 +155,14 @@ def test_prompts_check_server(toy_tokenizer_dir, other_tokenizer_dir, trace):
     assert not server["ok"] and server["mismatches"] > 0 and "likely cause:" in server["explanation"]
     unreachable = prompts_check(*base, "--server", f"http://127.0.0.1:{free_port()}")
     assert unreachable.returncode == 2 and "cannot be asked: no answer" in unreachable.stdout
+
+
+def test_the_sample_stays_under_its_cap_and_the_servers_context(toy_tokenizer_dir):
+    """A window's row longer than MAX_SAMPLE_TOKENS (or than the server's context) is not asked:
+    its prompt is built the same way as the shorter ones, and one of them is asked instead."""
+    synth = PromptSynthesizer(ServerTokenizer.load(toy_tokenizer_dir), "openai-completions", block_size=16)
+    over, under = MAX_SAMPLE_TOKENS + 1000, 3000
+    lengths = {len(s.ids) for s in build_samples(synth, (under, over))}
+    assert under in lengths and over not in lengths and max(lengths) < MAX_SAMPLE_TOKENS
+    small = build_samples(synth, (under,), max_len=512)
+    assert max(len(s.ids) for s in small) < 512 and under not in {len(s.ids) for s in small}
