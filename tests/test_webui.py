@@ -151,7 +151,8 @@ def test_stop_button_mid_run_gives_exact_final_figures(tmp_path, toy_tokenizer_d
     records = list(read_records(output))
     never_sent = [r for r in records if r["error"] == RUN_STOPPED]
     cut_off = [r for r in records if r["error"] == STOPPED_IN_FLIGHT]  # in flight at the stop, if any
-    assert len(records) == 100 and never_sent and len(never_sent) + len(cut_off) < 85
+    # rows_done >= 15 when the stop was sent: at most 85 rows were unfinished then
+    assert len(records) == 100 and never_sent and len(never_sent) + len(cut_off) <= 85
     assert all(r["ok"] for r in records if r not in never_sent and r not in cut_off)
     assert final["progress"]["rows_done"] == 100
     assert final["progress"]["rows_sent"] == sum(r["sent_at"] is not None for r in records)
