@@ -28,7 +28,8 @@ import orjson  # noqa: E402
 from gevent.pool import Group  # noqa: E402
 
 from common import split_cores
-from replay.api import Endpoint, get_adapter, read, send, write  # noqa: E402
+from replay.api import Endpoint, read, send, write  # noqa: E402
+from replay.apis import get_api  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402
 from replay.synth.toy import build_toy_tokenizer  # noqa: E402
 
@@ -41,7 +42,7 @@ def cpu_seconds() -> float:
 
 
 def one_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
-    adapter = get_adapter("openai-chat")
+    api = get_api("openai-chat")
     body = orjson.dumps({"model": "sim", "messages": [{"role": "user", "content": "bada kelo misu ra"}],
                          "max_tokens": output_tokens, "min_tokens": output_tokens, "ignore_eos": True,
                          "stream": True, "stream_options": {"include_usage": True}})
@@ -52,15 +53,15 @@ def one_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
     group = Group()
 
     def collect(sent) -> None:
-        outcomes.append(read(endpoint, adapter, True, sent))
+        outcomes.append(read(endpoint, api, True, sent))
 
     def fallback() -> None:
-        outcomes.append(send(endpoint, adapter, body, True, HEADERS))
+        outcomes.append(send(endpoint, api, body, True, HEADERS))
 
     start_cpu, start = cpu_seconds(), time.time() + 0.05
     for i in range(count):
         gevent.sleep(max(0.0, start + i / rate - time.time()))  # plain pacing: no spin in the CPU figure
-        sent = write(endpoint, adapter, body, True, HEADERS)
+        sent = write(endpoint, api, body, True, HEADERS)
         group.spawn(collect, sent) if sent is not None else group.spawn(fallback)
     group.join()
     cpu = cpu_seconds() - start_cpu

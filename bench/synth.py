@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from replay.synth.bodies import build_body
-from replay.synth.prompts import APIS, PromptSynthesizer
+from replay.apis import API_NAMES
+from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.record import TraceRow
 
@@ -72,7 +73,7 @@ def main() -> None:
     parser.add_argument("--tokenizer")
     parser.add_argument("--trace")
     parser.add_argument("--rows", type=int, default=1000)
-    parser.add_argument("--api", choices=APIS, default="openai-chat")
+    parser.add_argument("--api", choices=API_NAMES, default="openai-chat")
     parser.add_argument("--token-ids", action="store_true")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()

@@ -1,7 +1,7 @@
-"""Protocol adapters: where a request goes and how its response is read, per API."""
+"""The dispatch side of talking to a server: the HTTP client, SSE parsing, headers, and the
+master's own questions (`ask.py`). What differs between APIs is the table's (replay/apis)."""
 
-from replay.api.adapters import API_NAMES, Adapter, get_adapter
 from replay.api.client import Endpoint, Outcome, Sent, read, send, write
 from replay.api.headers import parse_headers
 
-__all__ = ["API_NAMES", "Adapter", "Endpoint", "Outcome", "Sent", "get_adapter", "parse_headers", "read", "send", "write"]
+__all__ = ["Endpoint", "Outcome", "Sent", "parse_headers", "read", "send", "write"]

@@ -38,9 +38,8 @@ from gevent.queue import Empty
 from geventhttpclient import HTTPClient
 
 from replay.api.gevent_pool import PoolInternals
-
-from replay.api.adapters import Adapter
 from replay.api.sse import DONE, sse_data
+from replay.apis import Api
 
 POOL_SIZE = 100_000  # geventhttpclient's own cap: never the limit (see above)
 MAX_CONNECTING = 256  # connects in progress at once, per endpoint
@@ -373,7 +372,7 @@ def _receive(response, on_read=_nothing) -> tuple[bytes, list[int], list[float],
     return bytes(reader.buf), reader.sizes, reader.times, reader.error
 
 
-def _read_stream(response, adapter: Adapter, outcome: Outcome, on_read=_nothing) -> None:
+def _read_stream(response, api: Api, outcome: Outcome, on_read=_nothing) -> None:
     """Time each content event by the read that completed its line."""
     body, sizes, times, outcome.error = _receive(response, on_read)
     pos = 0
@@ -393,7 +392,7 @@ def _read_stream(response, adapter: Adapter, outcome: Outcome, on_read=_nothing)
         except orjson.JSONDecodeError:
             outcome.error = f"unparsable stream event: {data[:ERROR_TEXT_LIMIT].decode(errors='replace')}"
             break
-        count, usage, error = adapter.read_event(obj)
+        count, usage, error = api.read_event(obj)
         if error is not None:
             outcome.error = error[:ERROR_TEXT_LIMIT]
             break
@@ -426,7 +425,7 @@ def _release(endpoint: Endpoint, response) -> None:
         pool.release_socket(sock)
 
 
-def _answer(endpoint: Endpoint, adapter: Adapter, stream: bool, outcome: Outcome, respond) -> Outcome:
+def _answer(endpoint: Endpoint, api: Api, stream: bool, outcome: Outcome, respond) -> Outcome:
     """Read the answer `respond()` gives into `outcome`; never raises for server or network failures."""
     response = None
     try:
@@ -436,10 +435,10 @@ def _answer(endpoint: Endpoint, adapter: Adapter, stream: bool, outcome: Outcome
             text = response.read()
             outcome.error = f"HTTP {outcome.status}: {text[:ERROR_TEXT_LIMIT].decode(errors='replace')}"
         elif stream:
-            _read_stream(response, adapter, outcome, endpoint.on_read)
+            _read_stream(response, api, outcome, endpoint.on_read)
         else:
             obj = orjson.loads(response.read())
-            count, usage, error = adapter.read_body(obj)
+            count, usage, error = api.read_body(obj)
             outcome.events_tokens = count
             outcome.error = error
             outcome.apply_usage(usage)
@@ -458,7 +457,7 @@ def _answer(endpoint: Endpoint, adapter: Adapter, stream: bool, outcome: Outcome
     return outcome
 
 
-def send(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, headers: dict[str, str],
+def send(endpoint: Endpoint, api: Api, body: bytes, stream: bool, headers: dict[str, str],
          request_id: str | None = None) -> Outcome:
     """POST one request on an idle or a new connection and read its answer (blocks)."""
     outcome = Outcome(sent_at=time.time(), streamed=stream)
@@ -472,8 +471,8 @@ def send(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, header
             raise
         outcome.error = _exception_text(e)
         return outcome
-    return read(endpoint, adapter, stream,
-                _write_on(endpoint, sock, outcome, adapter.path(stream), body, headers, request_id))
+    return read(endpoint, api, stream,
+                _write_on(endpoint, sock, outcome, api.path(stream), body, headers, request_id))
 
 
 @dataclass(slots=True)
@@ -500,7 +499,7 @@ def _write_on(endpoint: Endpoint, sock, outcome: Outcome, path: str, body: bytes
     return Sent(outcome, sock)
 
 
-def write(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, headers: dict[str, str],
+def write(endpoint: Endpoint, api: Api, body: bytes, stream: bool, headers: dict[str, str],
           request_id: str | None = None) -> Sent | None:
     """Write the request on an idle connection without yielding; None when no connection is idle."""
     sock = endpoint.idle_socket()
@@ -508,13 +507,13 @@ def write(endpoint: Endpoint, adapter: Adapter, body: bytes, stream: bool, heade
         return None
     outcome = Outcome(sent_at=0.0, streamed=stream)  # stamped as it is written
     endpoint.in_flight += 1
-    return _write_on(endpoint, sock, outcome, adapter.path(stream), body, headers, request_id)
+    return _write_on(endpoint, sock, outcome, api.path(stream), body, headers, request_id)
 
 
-def read(endpoint: Endpoint, adapter: Adapter, stream: bool, sent: Sent) -> Outcome:
+def read(endpoint: Endpoint, api: Api, stream: bool, sent: Sent) -> Outcome:
     """Collect the answer to a request sent by `write` (blocks)."""
     if sent.sock is None:
         sent.outcome.finished_at = time.time()
         endpoint.in_flight -= 1
         return sent.outcome
-    return _answer(endpoint, adapter, stream, sent.outcome, lambda: endpoint.pool.response(sent.sock))
+    return _answer(endpoint, api, stream, sent.outcome, lambda: endpoint.pool.response(sent.sock))

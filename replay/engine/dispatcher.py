@@ -21,7 +21,8 @@ import gevent
 from gevent.event import Event
 from gevent.pool import Group
 
-from replay.api import Endpoint, Sent, get_adapter, parse_headers, read, send, write
+from replay.api import Endpoint, Sent, parse_headers, read, send, write
+from replay.apis import get_api
 from replay.errors import OptionError
 from replay.engine import transport
 from replay.engine.clock import ClockSync
@@ -260,7 +261,7 @@ class Dispatcher:
 
     def _set_up(self) -> None:
         opts = self.options
-        self.adapter = get_adapter(opts.api)
+        self.api = get_api(opts.api)
         self.headers = {"Content-Type": "application/json", **parse_headers(opts.header)}
         self.endpoints = [Endpoint(url) for url in self.endpoint_urls]
         self.route = make_router(opts.routing, self.endpoints)
@@ -383,7 +384,7 @@ class Dispatcher:
                 continue
             endpoint = self.route(row)
             request_id = None if self.run_id is None else f"{self.run_id}-{row.request_id}"
-            sent = write(endpoint, self.adapter, body, self.options.stream, self.headers, request_id)
+            sent = write(endpoint, self.api, body, self.options.stream, self.headers, request_id)
             self.sent += 1
             if sent is not None:  # written already; the answer is read in its own greenlet
                 sent_at = sent.outcome.sent_at
@@ -396,11 +397,11 @@ class Dispatcher:
         return self.next_due
 
     def _send(self, row: TraceRow, body: bytes, scheduled: float, endpoint: Endpoint, request_id: str | None) -> None:
-        outcome = send(endpoint, self.adapter, body, self.options.stream, self.headers, request_id)
+        outcome = send(endpoint, self.api, body, self.options.stream, self.headers, request_id)
         self._done(row, scheduled, endpoint, outcome)
 
     def _read(self, row: TraceRow, scheduled: float, endpoint: Endpoint, sent: Sent) -> None:
-        self._done(row, scheduled, endpoint, read(endpoint, self.adapter, self.options.stream, sent))
+        self._done(row, scheduled, endpoint, read(endpoint, self.api, self.options.stream, sent))
 
     def _done(self, row: TraceRow, scheduled: float, endpoint: Endpoint, outcome) -> None:
         self.in_flight.pop(row.request_id, None)

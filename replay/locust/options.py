@@ -13,10 +13,10 @@ import math
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from replay.api.adapters import API_NAMES
 from replay.api.ask import check_url
 from replay.api.headers import parse_headers
 from replay.api.models import served_max_model_len
+from replay.apis import API_NAMES
 from replay.results.report import parse_slo
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 

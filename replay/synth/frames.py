@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from replay.apis import get_api
 from replay.synth.tokenizer import ChatTemplateError, ServerTokenizer
 from replay.synth.vocab import SafeVocab
 
@@ -63,7 +64,7 @@ def chat_messages(layout: tuple[str, ...], content: str) -> list[dict]:
 
 
 def server_encoder(tokenizer: ServerTokenizer, api: str, layout: tuple[str, ...]):
-    if api == "openai-chat":
+    if get_api(api).chat:
         return lambda content: tokenizer.encode_chat(chat_messages(layout, content))
     return tokenizer.encode_text
 
@@ -88,7 +89,7 @@ def measure_frame(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab, layout
     encode = server_encoder(tokenizer, api, layout)
     rng = random.Random(PROBE_SEED)
     what = f"{tokenizer.name} ({api}"
-    if api == "openai-chat":
+    if get_api(api).chat:
         what += f", template {tokenizer.chat_template.sha256[:12]}, messages {'+'.join(layout)}"
     what += ")"
     text, ids = probe(vocab, rng, PROBE_LENGTHS[0])
@@ -127,6 +128,7 @@ def measure(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab) -> Measured:
         frame, error = measure_frame(tokenizer, api, vocab), None
     except PromptError as err:
         frame, error = _estimated_frame(tokenizer, api, vocab), str(err)
-    short = _short_frame(tokenizer, api, vocab, frame) if api == "openai-chat" and error is None else None
-    empty = tuple(tokenizer.encode_text("")) if api == "openai-completions" else ()
+    spec = get_api(api)
+    short = _short_frame(tokenizer, api, vocab, frame) if spec.chat and error is None else None
+    empty = tuple(tokenizer.encode_text("")) if spec.token_ids else ()
     return Measured(vocab, frame, short, error, empty)

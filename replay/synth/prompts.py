@@ -27,19 +27,18 @@ import weakref
 from array import array
 from dataclasses import dataclass
 
-from replay.rules.apis import API_NAMES
+from replay.apis import API_NAMES, APIS
 from replay.synth import setup_cache
 from replay.synth.blocks import TOKEN_ID, BlockSource
 from replay.synth.frames import EMPTY_SYSTEM, USER_ONLY, Frame, Measured, PromptError, chat_messages, measure
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import SafeVocab, build_safe_vocab
 
-__all__ = ["APIS", "Prompt", "PromptError", "PromptSynthesizer", "encode_prompt", "safe_vocab", "server_count",
+__all__ = ["Prompt", "PromptError", "PromptSynthesizer", "encode_prompt", "safe_vocab", "server_count",
            "set_up"]
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow
 
-APIS = API_NAMES  # the name synth has always exported
 FIX_UP_ROUNDS = 8
 RESEEDED_CACHE_BLOCKS = 256  # a reseeded synthesizer makes a few dozen prompts
 
@@ -102,14 +101,16 @@ class PromptSynthesizer:
         token_ids: bool = False,
         cache_blocks: int = 8192,
     ):
-        if api not in APIS:
-            raise PromptError(f"unknown api {api!r}; expected one of {', '.join(APIS)}")
-        if token_ids and api != "openai-completions":
+        spec = APIS.get(api)
+        if spec is None:
+            raise PromptError(f"unknown api {api!r}; expected one of {', '.join(API_NAMES)}")
+        if token_ids and not spec.token_ids:
             raise PromptError("token-id prompts are only for openai-completions")
-        if api == "openai-chat" and tokenizer.chat_template is None:
+        if spec.chat and tokenizer.chat_template is None:
             raise PromptError(f"tokenizer {tokenizer.name} has no chat template; pass --chat-template")
         self.tokenizer = tokenizer
         self.api = api
+        self.chat = spec.chat  # prompts are a chat's messages (else a text)
         self.block_size = block_size
         self.seed = seed
         self.token_ids = token_ids
@@ -178,7 +179,7 @@ class PromptSynthesizer:
 
     def text_prompt(self, text: str, expected: int) -> Prompt:
         """`text` as the api's prompt: the user message of a chat, or a completions/tgi text."""
-        if self.api == "openai-chat":
+        if self.chat:
             return Prompt([{"role": "user", "content": text}], None, None, expected)
         return Prompt(None, text, None, expected)
 
@@ -250,15 +251,15 @@ class PromptSynthesizer:
         if self.token_ids:
             ids = list(self._empty_text_ids)
             return Prompt(None, None, ids, len(ids))
-        if self.api == "openai-chat":
+        if self.chat:
             return Prompt(chat_messages(layout, ""), None, None, expected)
         return Prompt(None, "", None, expected)
 
     def _given(self, row: TraceRow) -> Prompt:
         """A row with its own messages is sent as it is, counted by the server's rule."""
         tok = self.tokenizer
-        tools = row.tools or None  # an empty list is not sent (bodies.py), so the server renders tools=None
-        if self.api == "openai-chat":
+        tools = row.tools or None  # an empty list is not sent (apis/openai.py), so the server renders tools=None
+        if self.chat:
             return Prompt(row.messages, None, None, tok.count_chat(row.messages, tools), tools)
         if tok.chat_template is not None:
             text = tok.render_chat(row.messages, tools)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Iterable
 
 from replay.api.ask import Unanswered, ask_json
+from replay.apis import Api, get_api
 from replay.synth.prompts import Prompt, PromptSynthesizer, encode_prompt
 from replay.synth.tokenizer import tokenizer_json
 from replay.synth.vocab import SPACE_MARKERS
@@ -150,10 +151,11 @@ def check_server(url: str, samples: list[Sample], api: str, model: str | None = 
                  headers: dict[str, str] | None = None) -> ServerCheck:
     """Ask `url` to count every sample; the first mismatch is kept (all are counted)."""
     result = ServerCheck(url)
+    spec = get_api(api)
     started = time.perf_counter()
     try:
         for sample in samples:
-            answer = _count(url, sample.prompt, api, model, headers, result)
+            answer = _count(url, sample.prompt, spec, model or None, headers, result)
             if answer is None:
                 break
             ids, count, strs = answer
@@ -170,12 +172,12 @@ def check_server(url: str, samples: list[Sample], api: str, model: str | None = 
     return result
 
 
-def _count(url: str, prompt: Prompt, api: str, model: str | None, headers: dict | None,
+def _count(url: str, prompt: Prompt, api: Api, model: str | None, headers: dict | None,
            result: ServerCheck) -> tuple[list[int] | None, int, list[str] | None] | None:
     """(ids or None, count, the server's token texts or None) by the endpoint's way, found on its
-    first prompt; None when it offers none (`result.note` says why)."""
+    first prompt; None when it offers none (`result.note` says why). `model` None: no model field."""
     if result.method in (None, TOKENIZE):
-        status, answer = ask_json(url.rstrip("/") + "/tokenize", _tokenize_body(prompt, api, model), headers)
+        status, answer = ask_json(url.rstrip("/") + "/tokenize", api.tokenize_body(prompt, model), headers)
         ids, strs = _tokenize_ids(answer) if status == 200 else (None, None)
         if ids is not None:
             result.method = TOKENIZE
@@ -183,10 +185,11 @@ def _count(url: str, prompt: Prompt, api: str, model: str | None, headers: dict 
         # it answered before, or answered what no server without the endpoint says: an error
         if result.method == TOKENIZE or status not in NOT_OFFERED:
             raise Unanswered(f"POST /tokenize answered HTTP {status}: {_said(answer)}")
-    path, body = _usage_request(prompt, api, model)
-    if path is None:
-        result.note = f"no POST /tokenize (HTTP {status}), and --api {api} reports no prompt token count"
+    if not api.usage_counts_prompt:
+        result.note = f"no POST /tokenize (HTTP {status}), and --api {api.name} reports no prompt token count"
         return None
+    # the run's own body for one output token, not streamed: its usage counts the prompt as the run's are
+    path, body = api.body_path, api.body(prompt, model=model, max_tokens=1, stream=False, ignore_eos=False)
     status, answer = ask_json(url.rstrip("/") + path, body, headers)
     usage = answer.get("usage") if isinstance(answer, dict) else None
     count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
@@ -199,20 +202,6 @@ def _count(url: str, prompt: Prompt, api: str, model: str | None, headers: dict 
     return None, count, None
 
 
-def _tokenize_body(prompt: Prompt, api: str, model: str | None) -> dict:
-    if api == "tgi":
-        return {"inputs": prompt.text}
-    body: dict = {"model": model} if model else {}
-    if prompt.messages is not None:
-        body.update(messages=prompt.messages, add_generation_prompt=True)
-        if prompt.tools:
-            body["tools"] = prompt.tools
-    else:
-        body.update(prompt=prompt.text, add_special_tokens=True)
-    body["return_token_strs"] = True
-    return body
-
-
 def _tokenize_ids(answer) -> tuple[list[int] | None, list[str] | None]:
     """vLLM/SGLang: {"tokens": [ids], "token_strs": [...]}; TGI: [{"id": .., "text": ..}, ...]."""
     if isinstance(answer, dict) and isinstance(answer.get("tokens"), list):
@@ -223,19 +212,6 @@ def _tokenize_ids(answer) -> tuple[list[int] | None, list[str] | None]:
     if isinstance(answer, list) and all(isinstance(t, dict) and isinstance(t.get("id"), int) for t in answer):
         return [t["id"] for t in answer], [str(t.get("text", "")) for t in answer]
     return None, None
-
-
-def _usage_request(prompt: Prompt, api: str, model: str | None) -> tuple[str | None, dict]:
-    base: dict = {"model": model} if model else {}
-    base.update(max_tokens=1, stream=False)
-    if api == "openai-chat":
-        body = {**base, "messages": prompt.messages}
-        if prompt.tools:
-            body["tools"] = prompt.tools
-        return "/v1/chat/completions", body
-    if api == "openai-completions":
-        return "/v1/completions", {**base, "prompt": prompt.text}
-    return None, {}
 
 
 def _said(answer) -> str:
@@ -265,7 +241,7 @@ def explain(check: ServerCheck, synth: PromptSynthesizer, tokenizer_path: str) -
     lines.append(f"  likely cause: {likely_cause(m, synth, tokenizer_path)}")
     remedy = "  no request of the trace was sent. Serve this tokenizer and template, or pass the server's with " \
              "--tokenizer/--chat-template"
-    if synth.api == "openai-completions":
+    if get_api(synth.api).token_ids:
         remedy += "; --prompt-format token-ids sends the prompts as ids, exact whatever the server does with text"
     lines.append(remedy + "; --verify-server off sends anyway (counts will be off)")
     return "\n".join(lines)
@@ -287,7 +263,7 @@ def likely_cause(m: Mismatch, synth: PromptSynthesizer, tokenizer_path: str) -> 
     folder = tokenizer_json(tokenizer_path).parent
     named = _json(folder / "tokenizer_config.json").get("tokenizer_class")
     if edges_only:
-        if synth.api == "openai-chat":
+        if synth.chat:
             return ("the chat template: the server puts other tokens around the message than this template "
                     f"({synth.frame.overhead} here); serve with this template, or pass the server's with --chat-template")
         return ("special tokens: the server adds other tokens around the text (BOS/EOS: add_bos_token in "

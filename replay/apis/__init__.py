@@ -1,0 +1,63 @@
+"""The APIs a replay speaks, each described once: where its requests go, how its request and
+/tokenize bodies are shaped, and how its replies are read.
+
+Synth builds the bodies ahead of send time, the server check asks /tokenize and the usage
+fallback, dispatch picks the path and reads the replies: all from this one table, so an API
+cannot be described one way where its bodies are built and another where its replies are
+read. Its modules are pure functions (no gevent, no HTTP client, no tokenizer): synth runs
+before dispatch and imports it without pulling in the dispatch side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from replay.apis import openai, tgi
+from replay.apis.reading import Read
+
+if TYPE_CHECKING:
+    from replay.synth.prompts import Prompt
+
+__all__ = ["API_NAMES", "APIS", "Api", "get_api"]
+
+
+@dataclass(frozen=True)
+class Api:
+    name: str
+    stream_path: str
+    body_path: str
+    chat: bool  # its prompt is a chat's messages, rendered by the server's template; else a text
+    token_ids: bool  # it also takes a prompt as token ids (--prompt-format token-ids)
+    usage_counts_prompt: bool  # a reply's usage.prompt_tokens counts the prompt (the server check's fallback)
+    body: Callable[..., dict]  # (prompt, *, model, max_tokens, stream, ignore_eos) -> the request body
+    tokenize_body: Callable[[Prompt, str | None], dict]  # (prompt, model) -> the POST /tokenize body
+    read_event: Callable[[dict], Read]  # one streamed event
+    read_body: Callable[[dict], Read]  # a whole non-streamed reply
+
+    def path(self, stream: bool) -> str:
+        return self.stream_path if stream else self.body_path
+
+
+APIS: dict[str, Api] = {
+    api.name: api
+    for api in (
+        Api("openai-chat", "/v1/chat/completions", "/v1/chat/completions", chat=True, token_ids=False,
+            usage_counts_prompt=True, body=openai.chat_body, tokenize_body=openai.chat_tokenize_body,
+            read_event=openai.read_chat_event, read_body=openai.read_chat_body),
+        Api("openai-completions", "/v1/completions", "/v1/completions", chat=False, token_ids=True,
+            usage_counts_prompt=True, body=openai.completions_body, tokenize_body=openai.completions_tokenize_body,
+            read_event=openai.read_completions_event, read_body=openai.read_completions_body),
+        Api("tgi", "/generate_stream", "/generate", chat=False, token_ids=False,
+            usage_counts_prompt=False, body=tgi.generate_body, tokenize_body=tgi.tokenize_body,
+            read_event=tgi.read_event, read_body=tgi.read_body),
+    )
+}
+API_NAMES = tuple(APIS)  # the --api choices
+
+
+def get_api(name: str) -> Api:
+    try:
+        return APIS[name]
+    except KeyError:
+        raise ValueError(f"--api {name!r}: expected one of {', '.join(API_NAMES)}") from None

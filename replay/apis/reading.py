@@ -1,0 +1,21 @@
+"""What every API's response reader returns, and the error field the APIs share.
+
+A reader returns (content_tokens, usage, error): content_tokens is how many output tokens the
+event carries (0 for role-only or usage-only chunks, so TTFT is taken at the first real
+token), usage is {prompt_tokens, output_tokens, cached_tokens} when the server said so.
+"""
+
+from __future__ import annotations
+
+Usage = dict[str, int | None]
+Read = tuple[int, Usage | None, str | None]
+
+
+def error_text(obj: dict) -> str | None:
+    """The reply's `error`: OpenAI servers send {"message": ...}, TGI a plain string."""
+    err = obj.get("error")
+    if err is None:
+        return None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)
