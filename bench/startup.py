@@ -45,8 +45,8 @@ CACHE_ENV = "TRACEREPLAY_CACHE_DIR"
 SET_UP = """
 import json, resource, sys, time
 import gevent, locust  # a worker has these loaded before its set-up
-from replay.locust.options import ReplayOptions
 from replay.engine.dispatcher import BodyBuilder
+from replay.engine.options import ReplayOptions
 options = ReplayOptions(trace="unused", tokenizer=sys.argv[1], api=sys.argv[2], model="m")
 wall, cpu = time.perf_counter(), time.process_time()
 builder = BodyBuilder(options, 512)

@@ -12,8 +12,8 @@ import gevent
 from conftest import BLOCK, check_records, mooncake_trace
 from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
+from replay.engine.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
-from replay.locust.options import ReplayOptions
 from replay.results.metadata import meta_path, read_run_metadata, summary_path
 
 

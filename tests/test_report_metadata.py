@@ -24,8 +24,8 @@ T0 = 1_700_000_000.0
 COORDINATOR = """
 import sys
 from replay.engine.coordinator import Coordinator, WorkerState
+from replay.engine.options import ReplayOptions
 from replay.engine.transport import LocalLink
-from replay.locust.options import ReplayOptions
 from replay.results.metadata import write_run_metadata
 
 trace, tokenizer, output, t0 = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])

@@ -16,9 +16,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from replay.locust.options import ReplayOptions
-from replay.engine.same_tokenizer import master_fingerprint
 from replay.engine.dispatcher import BodyBuilder
+from replay.engine.options import ReplayOptions
+from replay.engine.same_tokenizer import master_fingerprint
 from replay.synth import setup_cache
 from replay.synth.bodies import build_body
 from replay.synth.prompts import PromptSynthesizer, server_count

@@ -11,7 +11,7 @@ import time
 import gevent
 from gevent.event import Event
 
-from replay.engine import transport
+from replay.engine import messages, transport
 
 
 class ClockSync:
@@ -21,7 +21,7 @@ class ClockSync:
         self.offset = 0.0
         self._got = Event()
 
-    def on_pong(self, data: dict, sender: str) -> None:
+    def on_pong(self, data: messages.Pong, sender: str) -> None:
         t1 = time.time()
         rtt = t1 - data["t0"]
         if rtt < self.best_rtt:
@@ -35,7 +35,7 @@ class ClockSync:
         (a busy master answers late, and a late answer says little); returns the offset in seconds."""
         for _ in range(rounds):
             for _ in range(samples):
-                self.link.to_master(transport.PING, {"t0": time.time()})
+                self.link.to_master(messages.PING, messages.Ping(t0=time.time()))
                 gevent.sleep(spacing_s)
             self._got.wait(timeout_s)
             gevent.sleep(spacing_s * 5)  # let the last answers land
@@ -44,6 +44,6 @@ class ClockSync:
         return self.offset
 
 
-def answer_ping(link: transport.Link, data: dict, sender: str) -> None:
+def answer_ping(link: transport.Link, data: messages.Ping, sender: str) -> None:
     """Master side: stamp and return at once."""
-    link.to_worker(sender, transport.PONG, {"t0": data["t0"], "tm": time.time()})
+    link.to_worker(sender, messages.PONG, messages.Pong(t0=data["t0"], tm=time.time()))

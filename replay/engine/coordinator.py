@@ -23,9 +23,9 @@ from typing import Callable, Iterable, Iterator
 import gevent
 from gevent.event import Event
 
-from replay.engine import transport
+from replay.engine import messages, transport
 from replay.engine.clock import answer_ping
-from replay.locust.options import ReplayOptions, prompt_token_limit
+from replay.engine.options import ReplayOptions, prompt_token_limit
 from replay.engine.plan import Schedule
 from replay.engine.same_tokenizer import master_fingerprint
 from replay.engine.dispatcher import build_off_loop
@@ -71,7 +71,8 @@ class WorkerState:
 
 
 def row_chunks(schedule: Schedule, positions: array) -> Iterator[dict]:
-    """One worker's rows as ROWS payloads, read from the spool only when the window has room.
+    """One worker's rows as ROWS payloads (messages.Rows, less the `seq` the window numbers
+    them with), read from the spool only when the window has room.
 
     A function, not a generator expression in `begin`'s loop: an expression's body reads the
     loop variable late, when it already names the last worker's rows.
@@ -138,11 +139,11 @@ class Coordinator:
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         # Registered first: asking the server below yields, and workers' hellos may come meanwhile.
-        link.on(transport.ROWS_ACK, self.on_rows_ack)
-        link.on(transport.PING, lambda data, sender: answer_ping(link, data, sender))
-        link.on(transport.READY, self.on_ready)
-        link.on(transport.HELLO, self.on_hello)
-        link.on(transport.RECORDS, self.on_records)
+        link.on(messages.ROWS_ACK, self.on_rows_ack)
+        link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender))
+        link.on(messages.READY, self.on_ready)
+        link.on(messages.HELLO, self.on_hello)
+        link.on(messages.RECORDS, self.on_records)
         # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
         # --tokenizer is refused before any worker starts; the
         # fingerprint goes in the plan, for each worker to prove it has the same (same_tokenizer).
@@ -211,26 +212,23 @@ class Coordinator:
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
             chunks = row_chunks(self.schedule, positions)
             window = transport.Window(
-                lambda payload, cid=client_id: self.link.to_worker(cid, transport.ROWS, payload), source=chunks,
+                lambda payload, cid=client_id: self.link.to_worker(cid, messages.ROWS, payload), source=chunks,
                 limit=transport.HOLD_ROWS // CHUNK_ROWS,
             )
             state = WorkerState(client_id, index, positions, window)
             self.workers[client_id] = state
-            self.link.to_worker(
-                client_id,
-                transport.PLAN,
-                {
-                    "worker": index,
-                    "rows": len(positions),
-                    "origin": self.origin,
-                    "block_size": self.trace.block_size,
-                    "output": self.output,
-                    "run_id": self.run_id,
-                    "endpoints": self.endpoint_urls(),
-                    "options": self.options.to_dict(),
-                    "tokenizer_fingerprint": self.tokenizer_fingerprint,
-                },
+            plan = messages.Plan(
+                worker=index,
+                rows=len(positions),
+                origin=self.origin,
+                block_size=self.trace.block_size,
+                output=self.output,
+                run_id=self.run_id,
+                endpoints=self.endpoint_urls(),
+                options=self.options.to_dict(),
+                tokenizer_fingerprint=self.tokenizer_fingerprint,
             )
+            self.link.to_worker(client_id, messages.PLAN, plan)
             window.start()
         logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
         self._supervisor = gevent.spawn(self._supervise)
@@ -241,18 +239,18 @@ class Coordinator:
                    for row in self.schedule.oversized_rows())
         self.ingest(list(records))
 
-    def on_rows_ack(self, data: dict, sender: str) -> None:
+    def on_rows_ack(self, data: messages.RowsAck, sender: str) -> None:
         """A worker holds chunk `seq`, and takes rows up to `want` (its flow control: it holds a
         bounded number of rows ahead of its sends, so a huge part does not fill its memory)."""
         state = self.workers.get(sender)
         if state is not None:
-            if data.get("seq") is not None:
-                state.acked.add(data["seq"])
-                state.window.ack(data["seq"])
-            if data.get("want") is not None:
-                state.window.grant(-(-data["want"] // CHUNK_ROWS))
+            seq = data["seq"]
+            if seq is not None:
+                state.acked.add(seq)
+                state.window.ack(seq)
+            state.window.grant(-(-data["want"] // CHUNK_ROWS))
 
-    def on_hello(self, data: dict, sender: str) -> None:
+    def on_hello(self, data: messages.Hello, sender: str) -> None:
         """A worker that connects once the replay has begun gets no rows: its part of the trace
         would have to be taken from workers already sending it. It is told so, and idles.
         (Answered to the worker's hello, not to Locust's worker_connect: at connect time the
@@ -261,17 +259,18 @@ class Coordinator:
             return
         reason = "it connected after the replay began; the trace is split only among the workers present at the start"
         logger.warning("worker %s gets no rows: %s", sender, reason)
-        self.link.to_worker(sender, transport.IDLE, {"reason": reason})
+        self.link.to_worker(sender, messages.IDLE, messages.Idle(reason=reason))
 
-    def on_ready(self, data: dict, sender: str) -> None:
+    def on_ready(self, data: messages.Ready, sender: str) -> None:
         state = self.workers.get(sender)
         if state is None:
             return
-        if data.get("error"):
-            logger.error("worker %d cannot replay: %s", state.index, data["error"])
+        error = data.get("error")
+        if error:
+            logger.error("worker %d cannot replay: %s", state.index, error)
             state.lost = True
             state.window.close()
-            self._fill(state.positions, state.index, f"{WORKER_FAILED}: {data['error']}")
+            self._fill(state.positions, state.index, f"{WORKER_FAILED}: {error}")
             self._maybe_go()
             return
         state.ready = True
@@ -291,13 +290,13 @@ class Coordinator:
         self.epoch = time.time() + GO_LEAD_S
         self.last_due = self.epoch + self.window_seconds()
         for w in live:
-            self.link.to_worker(w.client_id, transport.GO, {"epoch": self.epoch})
+            self.link.to_worker(w.client_id, messages.GO, messages.Go(epoch=self.epoch))
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - time.time())
 
     # -- records ------------------------------------------------------------------------------------
 
-    def on_records(self, data: dict, sender: str) -> None:
-        self.link.to_worker(sender, transport.RECORDS_ACK, {"seq": data["seq"]})
+    def on_records(self, data: messages.Records, sender: str) -> None:
+        self.link.to_worker(sender, messages.RECORDS_ACK, messages.RecordsAck(seq=data["seq"]))
         self.ingest(data["records"])
 
     def ingest(self, records: list[dict], placeholder: bool = False) -> None:
@@ -387,7 +386,7 @@ class Coordinator:
             self.local_part.abort(reason)  # its records come through the link like a worker's
         else:
             for w in live:
-                self.link.to_worker(w.client_id, transport.ABORT, {"reason": reason})
+                self.link.to_worker(w.client_id, messages.ABORT, messages.Abort(reason=reason))
 
         ids = self.schedule.request_ids
         missing = [ids[p] for w in live for i, p in enumerate(w.positions) if w.holds(i)]

@@ -24,9 +24,9 @@ from gevent.pool import Group
 from replay.api import Endpoint, Sent, parse_headers, read, send, write
 from replay.apis import get_api
 from replay.errors import OptionError
-from replay.engine import transport
+from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
-from replay.locust.options import ReplayOptions
+from replay.engine.options import ReplayOptions
 from replay.engine.plan import decode_row, send_offset_s
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer
@@ -180,18 +180,18 @@ class Dispatcher:
         self._next_chunk = 0
         self.alarm = Alarm()  # the dispatcher's wake-up, rung early by stream readers
         self.clock = ClockSync(link)
-        self.record_window = transport.Window(lambda payload: link.to_master(transport.RECORDS, payload))
-        link.on(transport.PLAN, self.on_plan)
-        link.on(transport.ROWS, self.on_rows)
-        link.on(transport.PONG, self.clock.on_pong)
-        link.on(transport.GO, self.on_go)
-        link.on(transport.RECORDS_ACK, lambda data, sender: self.record_window.ack(data["seq"]))
-        link.on(transport.ABORT, lambda data, sender: self.abort(data.get("reason", RUN_STOPPED)))
-        link.on(transport.IDLE, self.on_idle)
+        self.record_window = transport.Window(lambda payload: link.to_master(messages.RECORDS, payload))
+        link.on(messages.PLAN, self.on_plan)
+        link.on(messages.ROWS, self.on_rows)
+        link.on(messages.PONG, self.clock.on_pong)
+        link.on(messages.GO, self.on_go)
+        link.on(messages.RECORDS_ACK, self.on_records_ack)
+        link.on(messages.ABORT, self.on_abort)
+        link.on(messages.IDLE, self.on_idle)
 
     # -- messages from the master -------------------------------------------------------------
 
-    def on_plan(self, data: dict, sender: str) -> None:
+    def on_plan(self, data: messages.Plan, sender: str) -> None:
         self.options = ReplayOptions.from_dict(data["options"])
         self.index = data["worker"]
         self.total = data["rows"]
@@ -200,10 +200,10 @@ class Dispatcher:
         self.output = data["output"]
         self.endpoint_urls = data["endpoints"]  # resolved on the master: --host may not have reached us yet
         self.run_id = data["run_id"] if self.options.request_id_header else None
-        self.master_fingerprint = data.get("tokenizer_fingerprint")  # checked in _set_up
+        self.master_fingerprint = data["tokenizer_fingerprint"]  # checked in _set_up
         gevent.spawn(self._prepare)
 
-    def on_rows(self, data: dict, sender: str) -> None:
+    def on_rows(self, data: messages.Rows, sender: str) -> None:
         # Chunks may come twice (resent) or out of order (one resent after later ones): apply
         # each once, in sequence order.
         seq = data["seq"]
@@ -214,7 +214,7 @@ class Dispatcher:
             while self._next_chunk in self._chunks:
                 self.rows.extend(decode_row(r) for r in self._chunks.pop(self._next_chunk))
                 self._next_chunk += 1
-        self.link.to_master(transport.ROWS_ACK, {"seq": seq, "want": self._want()})
+        self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=seq, want=self._want()))
 
     def _want(self) -> int:
         """How many of its rows this worker takes so far: a bounded distance past its sends."""
@@ -227,14 +227,20 @@ class Dispatcher:
         if self._stopped or self._wanted >= self.total:
             return
         if self.dispatch_pos + transport.HOLD_ROWS - self._wanted >= transport.HOLD_ROWS // 8:
-            self.link.to_master(transport.ROWS_ACK, {"seq": None, "want": self._want()})
+            self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
 
-    def on_go(self, data: dict, sender: str) -> None:
+    def on_go(self, data: messages.Go, sender: str) -> None:
         self.epoch = data["epoch"]
         self.go.set()
         gevent.spawn(self.run)
 
-    def on_idle(self, data: dict, sender: str) -> None:
+    def on_records_ack(self, data: messages.RecordsAck, sender: str) -> None:
+        self.record_window.ack(data["seq"])
+
+    def on_abort(self, data: messages.Abort, sender: str) -> None:
+        self.abort(data["reason"])
+
+    def on_idle(self, data: messages.Idle, sender: str) -> None:
         logger.warning("this worker idles: %s", data["reason"])
 
     # -- preparation ------------------------------------------------------------------------------
@@ -245,7 +251,7 @@ class Dispatcher:
         except Exception as e:  # tell the master, or it would wait for this worker forever
             logger.exception("worker %s cannot start", self.index)
             error = str(e) if isinstance(e, OptionError) else f"{type(e).__name__}: {e}"  # OptionError: one line
-            self.link.to_master(transport.READY, {"worker": self.index, "error": error})
+            self.link.to_master(messages.READY, messages.Ready(worker=self.index, error=error))
             return
         self.primed.wait()
         self.warmed.wait(10.0)
@@ -253,11 +259,9 @@ class Dispatcher:
         # out of the collector's way, or one full collection stalls dispatch for tens of ms.
         gc.collect()
         gc.freeze()
-        self.link.to_master(
-            transport.READY,
-            {"worker": self.index, "clock_offset_ms": self.offset * 1000.0, "rtt_ms": self.clock.best_rtt * 1000.0
-             if self.clock.best_rtt != float("inf") else 0.0},
-        )
+        rtt_s = self.clock.best_rtt if self.clock.best_rtt != float("inf") else 0.0  # inf: a local run does not ping
+        ready = messages.Ready(worker=self.index, clock_offset_ms=self.offset * 1000.0, rtt_ms=rtt_s * 1000.0)
+        self.link.to_master(messages.READY, ready)
 
     def _set_up(self) -> None:
         opts = self.options
@@ -487,7 +491,7 @@ class Dispatcher:
 
     def _flush(self) -> None:
         batch = self.take_records()
-        for i in range(0, len(batch), BATCH):
+        for i in range(0, len(batch), BATCH):  # RECORDS payloads (messages.Records): the window adds the seq
             self.record_window.put({"worker": self.index, "records": batch[i : i + BATCH]})
 
     def _flush_loop(self) -> None:

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import gevent
 
+from replay.engine import messages
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile
 from replay.trace.prefix import hit_tokens, prefix_hits
 
 logger = logging.getLogger(__name__)
 
-LIVE = "replay_live"  # worker -> master, once a second during a run
 TICK_S = 1.0
 WINDOW_S = 10.0
 HISTORY = 3600  # points kept (an hour at one a second); older ones drop off
@@ -44,10 +44,10 @@ LATEST_KEYS = (
 )  # fmt: skip
 
 
-def worker_report(part) -> dict:
+def worker_report(part) -> messages.Live:
     """What only the worker knows: requests written but not yet answered (no record yet)."""
-    return {"worker": part.index, "host": socket.gethostname(), "sent": part.sent, "in_flight": len(part.in_flight),
-            "failed": part.failed}  # fmt: skip
+    return messages.Live(worker=part.index, host=socket.gethostname(), sent=part.sent, in_flight=len(part.in_flight),
+                         failed=part.failed)
 
 
 def report_loop(part) -> None:
@@ -55,7 +55,7 @@ def report_loop(part) -> None:
     part.go.wait()
     while True:
         done = part.dispatch_pos >= part.total and not part.in_flight
-        part.link.to_master(LIVE, worker_report(part))
+        part.link.to_master(messages.LIVE, worker_report(part))
         if done:
             return
         gevent.sleep(TICK_S)
@@ -106,8 +106,8 @@ class LiveStats:
 
     # -- input ----------------------------------------------------------------------------------
 
-    def on_report(self, data: dict, sender: str) -> None:
-        self.reported[sender] = Reported(data.get("host"), data["sent"], data["in_flight"], data["failed"])
+    def on_report(self, data: messages.Live, sender: str) -> None:
+        self.reported[sender] = Reported(data["host"], data["sent"], data["in_flight"], data["failed"])
 
     def add_records(self, records: list[dict]) -> None:
         now = time.time()

@@ -1,5 +1,6 @@
 """Master <-> worker messaging: one interface (`Link`) for a runner's messages (Locust's ZeroMQ
-ones: replay.locust.link.RunnerLink) and for a local run (`LocalLink`).
+ones: replay.locust.link.RunnerLink) and for a local run (`LocalLink`). What is sent over it,
+message by message, is in replay.engine.messages.
 
 ZeroMQ drops master->worker messages past its high-water mark without a word, so bulk data
 (trace rows one way, records the other) goes through `Window`: numbered chunks, at most
@@ -17,26 +18,11 @@ import gevent
 
 logger = logging.getLogger(__name__)
 
-# Message types (master -> worker)
-PLAN = "replay_plan"
-ROWS = "replay_rows"
-PONG = "replay_pong"
-GO = "replay_go"
-RECORDS_ACK = "replay_records_ack"
-ABORT = "replay_abort"
-IDLE = "replay_idle"  # to a worker that joined after the start: it gets no rows
-# Message types (worker -> master)
-ROWS_ACK = "replay_rows_ack"
-PING = "replay_ping"
-READY = "replay_ready"
-HELLO = "replay_hello"  # a worker's first word, once it can hear replay messages
-RECORDS = "replay_records"
-
 # A worker is shipped at most this many of its rows ahead of its sends; it asks for more as it
-# sends (ROWS_ACK with "want"), so its memory does not grow with its part of the trace.
+# sends (messages.RowsAck.want), so its memory does not grow with its part of the trace.
 HOLD_ROWS = 8_000
 
-Handler = Callable[[Any, str], None]  # (data, sender client id) -> None
+Handler = Callable[[Any, str], None]  # (payload, one of messages' TypedDicts; sender's client id) -> None
 
 
 class Link:
@@ -78,7 +64,8 @@ class LocalLink(Link):
 class Window:
     """Numbered chunks with at most `size` unacknowledged; unacknowledged ones are resent
     after `resend_s`. The receiver acks every chunk (duplicates included) and applies each
-    sequence number once."""
+    sequence number once. The number rides in the payload itself, as its `seq` key
+    (messages.Chunk), so a chunk on the wire is one flat dict."""
 
     def __init__(self, send: Callable[[dict], None], size: int = 8, resend_s: float = 5.0,
                  source: Iterator[dict] | None = None, limit: int | None = None):

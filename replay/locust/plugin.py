@@ -19,13 +19,13 @@ import gevent
 from locust import events
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
-from replay.engine import live, transport
+from replay.engine import live, messages, transport
 from replay.engine.coordinator import Coordinator, default_output
 from replay.engine.dispatcher import Dispatcher
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink
-from replay.locust.config import replay_options
-from replay.locust.options import add_arguments
+from replay.engine.config import replay_options
+from replay.engine.options import add_arguments
 from replay.results.output import OutputClaim, claim_output
 from replay.results.records import MASTER_LOST, RUN_STOPPED
 from replay.trace.record import TraceError
@@ -114,7 +114,7 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
         link = RunnerLink(runner)
         part = Dispatcher(link, on_request=_request_stats(environment))
         environment.replay = Replay(part=part)
-        link.to_master(transport.HELLO, {})
+        link.to_master(messages.HELLO, messages.Hello())
         gevent.spawn(_watch_master, environment, runner, part)
         gevent.spawn(live.report_loop, part)  # the master's live view: one small message a second
     elif isinstance(runner, LocalRunner):

@@ -30,7 +30,7 @@ from flask import Response, redirect, request, session, url_for
 from flask_login import LoginManager, UserMixin, current_user, login_user
 from locust.runners import WorkerRunner
 
-from replay.locust.config import apply_config
+from replay.engine.config import apply_config
 
 logger = logging.getLogger(__name__)
 

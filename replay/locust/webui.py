@@ -24,7 +24,7 @@ import orjson
 from flask import Response, jsonify, request
 from locust.runners import STATE_RUNNING, STATE_SPAWNING, MasterRunner, WorkerRunner
 
-from replay.engine import live
+from replay.engine import messages
 from replay.engine.live import LiveStats
 from replay.locust import webauth
 
@@ -54,11 +54,11 @@ def register(environment, runner, web_ui) -> None:
         return
     if web_ui is None:
         if isinstance(runner, MasterRunner):
-            coordinator.link.on(live.LIVE, lambda data, sender: None)  # headless: nothing to show
+            coordinator.link.on(messages.LIVE, lambda data, sender: None)  # headless: nothing to show
         return
     stats = LiveStats(coordinator, local_part=None if isinstance(runner, MasterRunner) else replay.part)
     if isinstance(runner, MasterRunner):
-        coordinator.link.on(live.LIVE, stats.on_report)
+        coordinator.link.on(messages.LIVE, stats.on_report)
     # Added now, from plugin's init listener, so after plugin's test_stop listener: the coordinator has finalized.
     environment.events.test_stop.add_listener(lambda **kw: stats.on_stop())
     add_routes(web_ui, stats, base=getattr(environment.parsed_options, "web_base_path", None) or "")

@@ -1,9 +1,11 @@
-"""The replay's command-line options, added to Locust's own parser (design.md's list).
+"""The replay's options (design.md's list): what the engine runs with, and their flags.
 
-One list: the fields of `ReplayOptions` (and `LocalOptions`) carry each flag's help and
-choices; `add_arguments`, `OPTION_NAMES` and the config keys are derived from them. Every
-option is also a key of `--replay-config FILE.yaml` (keys = option names without dashes);
-replay.locust.config merges that file, flags winning.
+Plain argparse and a dataclass, no Locust: the adapter adds the flags to Locust's own parser
+(replay.locust.plugin), and the master ships the values to its workers in the plan. One list:
+the fields of `ReplayOptions` (and `LocalOptions`) carry each flag's help and choices;
+`add_arguments`, `OPTION_NAMES` and the config keys are derived from them. Every option is
+also a key of `--replay-config FILE.yaml` (keys = option names without dashes);
+replay.engine.config merges that file, flags winning.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class ReplayOptions:
     @classmethod
     def from_parsed(cls, parsed) -> "ReplayOptions":
         """The options as parsed; a --replay-config file is merged first by the caller
-        (replay.locust.config.replay_options), so this module needs nothing from config."""
+        (replay.engine.config.replay_options), so this module needs nothing from config."""
         return cls(**{name: getattr(parsed, name, getattr(cls, name, None)) for name in OPTION_NAMES})
 
     @classmethod
@@ -167,7 +169,7 @@ class LocalOptions:
 # Option names (argparse dests) that travel from the master to workers in the plan.
 OPTION_NAMES = tuple(f.name for f in fields(ReplayOptions))
 LOCAL_OPTION_NAMES = tuple(f.name for f in fields(LocalOptions))
-CONFIG_FLAG = "--replay-config"  # not an option but a file of them (replay.locust.config)
+CONFIG_FLAG = "--replay-config"  # not an option but a file of them (replay.engine.config)
 
 
 def add_arguments(parser) -> None:
