@@ -55,6 +55,7 @@ WARM_S = 0.25  # idle connections kept for the sends due within this much time
 # How often the idle connections are sized to the sends due within WARM_S: well inside WARM_S, and
 # no more often, since an idle process's CPU is these ticks (0.02 s cost 0.2 s of CPU a minute)
 WARM_TICK_S = 0.1
+QUIET_TICK_S = 1.0  # the longest tick when no send is due within WARM_S of the next tick
 MIN_SPARE = 8  # and this many more per endpoint
 MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
 
@@ -174,6 +175,7 @@ class Dispatcher:
         self.warmed = Event()
         self.go = Event()
         self.finished = Event()
+        self._to_flush = Event()  # set by a record or a send: the flush loop has work (records, rows to ask for)
         self.run_id: str | None = None  # None: no X-Request-Id header
         self._stopped = False
         self._chunks: dict[int, list] = {}
@@ -397,6 +399,7 @@ class Dispatcher:
                 sent_at = time.time()
                 greenlet = self.sends.spawn(self._send, row, body, scheduled, endpoint, request_id)
             self.in_flight[row.request_id] = (row, scheduled, endpoint.url, sent_at, greenlet)
+            self._to_flush.set()  # the sends moved on: the flush loop asks for the rows that now fit
         self.next_due = float("inf")
         return self.next_due
 
@@ -428,6 +431,7 @@ class Dispatcher:
         Once the run is over or stopped, the idle connections are closed without leaving TIME_WAIT."""
         scale = self.options.scale
         while not self._stopped and not self.finished.is_set():
+            tick = WARM_TICK_S
             if self.dispatch_pos < self.total:
                 # schedule time reached (master clock), then the rows due before it + WARM_S
                 now_s = time.time() + self.offset - self.epoch if self.go.is_set() else 0.0
@@ -441,13 +445,20 @@ class Dispatcher:
                         endpoint.warm(per_endpoint)
                     except Exception as e:  # the endpoint backs off; the sends will report it
                         logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
+                if self.go.is_set() and pos == self.dispatch_pos < len(self.rows):
+                    # nothing due soon: wake WARM_S before the next send, at most QUIET_TICK_S on
+                    # (a quiet spell costs no ticks; connections aged meanwhile are never used:
+                    # the pool retires them when taken or pruned)
+                    next_s = send_offset_s(self.rows[pos], self.origin, scale)
+                    tick = min(QUIET_TICK_S, max(WARM_TICK_S, next_s - WARM_S - now_s))
             self.warmed.set()
-            self.finished.wait(WARM_TICK_S)
+            self.finished.wait(tick)
         for endpoint in self.endpoints:  # nothing is in flight any more (drained, or cancelled)
             endpoint.close()
 
     def _record(self, record: dict) -> None:
         self.outbox.append(record)
+        self._to_flush.set()
         if not record["ok"]:
             self.failed += 1
 
@@ -496,7 +507,9 @@ class Dispatcher:
 
     def _flush_loop(self) -> None:
         while True:
+            self._to_flush.wait()  # nothing recorded and nothing sent: no wake-ups
             gevent.sleep(FLUSH_S)
+            self._to_flush.clear()
             # A batch takes a few ms to write and ship, and nothing yields meanwhile: start it
             # in a gap between sends when one comes soon enough.
             for _ in range(FLUSH_GAP_TRIES):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime
+from functools import lru_cache
 from types import TracebackType
 from typing import Any
 
@@ -105,6 +106,14 @@ def make_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+@lru_cache(maxsize=16)
+def _compiled(text: str) -> jinja2.Template:
+    """One compile per template text and process: the master's check, the server check and the
+    worker's set-up each load the template (5-50 ms a compile). A compiled template is only
+    rendered, never changed, so one object serves them all; a syntax error is not cached."""
+    return make_environment().from_string(text)
+
+
 def template_line(tb: TracebackType | None) -> int | None:
     """The template line a render error came from: jinja rewrites tracebacks so that template
     code shows as frames of the file "<template>"; the innermost one is where it failed."""
@@ -134,9 +143,8 @@ class ChatTemplate:
         self.source = source
         self.origin = origin
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
-        env = make_environment()
         named = {DEFAULT: source} if isinstance(source, str) else dict(source)
-        self._templates = {name: self._compile(env, name, text) for name, text in named.items()}
+        self._templates = {name: self._compile(name, text) for name, text in named.items()}
 
     @property
     def names(self) -> list[str]:
@@ -157,11 +165,11 @@ class ChatTemplate:
         where = self.origin or "(inline)"
         return where if isinstance(self.source, str) else f"{where} (template {name!r})"
 
-    def _compile(self, env: ImmutableSandboxedEnvironment, name: str, text: str) -> jinja2.Template:
+    def _compile(self, name: str, text: str) -> jinja2.Template:
         if not isinstance(text, str):
             raise ChatTemplateError(f"expected a template string, got {type(text).__name__}", self._where(name))
         try:
-            return env.from_string(text)
+            return _compiled(text)
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(_reason(exc), self._where(name), exc.lineno) from None
 

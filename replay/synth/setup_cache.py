@@ -32,6 +32,7 @@ import logging
 import os
 import platform
 import re
+from array import array
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -47,8 +48,8 @@ from replay.synth.vocab import SPACE_MARKERS, SafeVocab
 
 FORMAT = 1
 ENV = "TRACEREPLAY_CACHE_DIR"
-SPOT_CHECKS = 32
-TEXT = re.compile(r" [A-Za-z]+")
+SPOT_CHECKS = 8  # ~0.3 ms each: a look through tokenizer.json's bytes
+TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joined by NULs: each a space + ASCII letters
 # The modules whose code computes the cached value: any change to them is a new key.
 SOURCES = ("vocab.py", "frames.py", "tokenizer.py", "chat_template.py")
 
@@ -222,8 +223,13 @@ def read_entry(path: Path, key: dict, tokenizer_bytes: bytes) -> Measured:
 
 
 def _ints(value, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(v) is int and 0 <= v < 1 << 31 for v in value):
-        raise ValueError(f"{what} is not a list of token ids")
+    """Token ids, checked at C speed (an array of C ints takes only ints that fit in 31 bits
+    and a sign, here ~0.1 ms for a vocabulary's ids against ~4 ms element by element)."""
+    try:
+        if not isinstance(value, list) or (value and min(array("i", value)) < 0):
+            raise ValueError
+    except (TypeError, OverflowError, ValueError):
+        raise ValueError(f"{what} is not a list of token ids") from None
     return tuple(value)
 
 
@@ -241,7 +247,11 @@ def _measured(body: dict) -> Measured:
     texts, lead_count = body["texts"], body["lead_count"]
     if not isinstance(texts, list) or len(texts) != len(ids) or len(set(ids)) != len(ids):
         raise ValueError("ids and texts do not pair up")
-    if not all(isinstance(t, str) and TEXT.fullmatch(t) for t in texts):
+    try:
+        joined = "\0".join(texts)  # a text that is not a str fails here
+    except TypeError:
+        joined = ""
+    if not TEXTS.fullmatch(joined):
         raise ValueError("a text is not a space + ASCII letters")
     if type(lead_count) is not int or not 0 < lead_count <= len(ids) or len(lead_ids) != lead_count:
         raise ValueError("bad lead ids")
