@@ -1,9 +1,10 @@
 """The master's questions to a server, each on a connection of its own.
 
 The master asks the endpoints what they serve (`GET /v1/models`) and how they count tokens
-(`POST /tokenize`) before anything is sent, and scrapes their `/metrics` during the run; none of
-it shares the workers' connection pools. Each question gets a fresh connection closed by
-reset, so the run's servers are not left a connection in TIME_WAIT, and a short timeout.
+(`POST /tokenize`) before anything is sent; none of it shares the workers' connection pools.
+Each question gets a fresh connection closed by reset, so the run's servers are not left a
+connection in TIME_WAIT, and a short timeout. (The `/metrics` scrapes during the run keep a
+connection alive instead: replay.engine.scraper.)
 """
 
 from __future__ import annotations

@@ -439,18 +439,22 @@ class Dispatcher:
                 pos = self.dispatch_pos
                 while pos < end and send_offset_s(self.rows[pos], self.origin, scale) < now_s + WARM_S:
                     pos += 1
-                per_endpoint = min(MAX_SPARE, -(-(pos - self.dispatch_pos) // len(self.endpoints)) + MIN_SPARE)
-                for endpoint in self.endpoints:
-                    try:
-                        endpoint.warm(per_endpoint)
-                    except Exception as e:  # the endpoint backs off; the sends will report it
-                        logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
+                quiet_s = 0.0
                 if self.go.is_set() and pos == self.dispatch_pos < len(self.rows):
-                    # nothing due soon: wake WARM_S before the next send, at most QUIET_TICK_S on
-                    # (a quiet spell costs no ticks; connections aged meanwhile are never used:
-                    # the pool retires them when taken or pruned)
-                    next_s = send_offset_s(self.rows[pos], self.origin, scale)
-                    tick = min(QUIET_TICK_S, max(WARM_TICK_S, next_s - WARM_S - now_s))
+                    quiet_s = send_offset_s(self.rows[pos], self.origin, scale) - WARM_S - now_s
+                if quiet_s > WARM_TICK_S:
+                    # nothing due soon: no connection is opened (nor reopened as the idle ones
+                    # age out), and the next tick is WARM_S before the next send, at most
+                    # QUIET_TICK_S on; connections aged meanwhile are never used (the pool
+                    # retires them when taken or pruned)
+                    tick = min(QUIET_TICK_S, quiet_s)
+                else:
+                    per_endpoint = min(MAX_SPARE, -(-(pos - self.dispatch_pos) // len(self.endpoints)) + MIN_SPARE)
+                    for endpoint in self.endpoints:
+                        try:
+                            endpoint.warm(per_endpoint)
+                        except Exception as e:  # the endpoint backs off; the sends will report it
+                            logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
             self.warmed.set()
             self.finished.wait(tick)
         for endpoint in self.endpoints:  # nothing is in flight any more (drained, or cancelled)

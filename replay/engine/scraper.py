@@ -1,8 +1,8 @@
 """The master's scraper of the servers' Prometheus `/metrics` (the server's side of the run).
 
 One greenlet for the whole fleet, on the master (or the local runner), never on a worker: a
-scrape round asks every endpoint at once, each on a connection of its own with a short
-timeout, so a slow or dead server delays neither the others nor anything else the master does.
+scrape round asks every endpoint at once, each on a kept-alive connection of its own with a
+short timeout, so a slow or dead server delays neither the others nor anything else the master does.
 Each round writes one line per endpoint to OUTPUT.server-metrics.jsonl (the format is
 replay.results.server_metrics'), all with the round's `t` (the master's time.time()), and
 hands the round to `listeners` (the Replay view).
@@ -19,11 +19,14 @@ import logging
 import time
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import gevent
 from gevent.event import Event
+from geventhttpclient import HTTPClient
 
-from replay.api.ask import ask
+from replay.api.client import close_with_reset
+from replay.api.gevent_pool import PoolInternals
 from replay.results.server_metrics import KNOWN, metrics_path, parse, sample_line
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,17 @@ class Scraper:
         self._file = None
         self._loop: gevent.Greenlet | None = None
         self._stopping = Event()
+        self._clients: dict[str, tuple[HTTPClient, str]] = {}
+
+    def _client(self, url: str) -> tuple[HTTPClient, str]:
+        """A kept-alive connection per endpoint (geventhttpclient retries a GET on one the server
+        closed): a fresh connection, headers parsed by http.client, each second was most of an
+        idle process's CPU."""
+        if url not in self._clients:
+            client = HTTPClient.from_url(url, concurrency=1, connection_timeout=self.timeout,
+                                         network_timeout=self.timeout)
+            self._clients[url] = (client, urlsplit(url).path.rstrip("/") + "/metrics")
+        return self._clients[url]
 
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,9 +72,14 @@ class Scraper:
 
     def _one(self, url: str) -> tuple[dict | None, str | None]:
         try:
-            status, data = ask(url.rstrip("/") + "/metrics", timeout=self.timeout)
-            if status != 200:
-                raise ValueError(f"HTTP {status}")
+            client, path = self._client(url)
+            response = client.get(path)
+            try:
+                data = response.read()
+            finally:
+                response.release()
+            if response.status_code != 200:
+                raise ValueError(f"HTTP {response.status_code}")
             return parse(data.decode("utf-8", "replace"), self.names), None
         except (OSError, http.client.HTTPException, ValueError, gevent.Timeout) as e:
             return None, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
@@ -104,3 +123,9 @@ class Scraper:
         self.scrape()
         self._file.close()
         self._file = None
+        for client, _ in self._clients.values():  # by reset: a FIN would leave a port in TIME_WAIT
+            pool = PoolInternals(client)
+            while (sock := pool.pop_idle()) is not None:
+                close_with_reset(sock)
+            client.close()
+        self._clients.clear()
