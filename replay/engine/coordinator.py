@@ -145,9 +145,11 @@ class Coordinator:
         link.on(messages.HELLO, self.on_hello)
         link.on(messages.RECORDS, self.on_records)
         # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
-        # --tokenizer is refused before any worker starts; the
-        # fingerprint goes in the plan, for each worker to prove it has the same (same_tokenizer).
-        self.tokenizer_fingerprint = master_fingerprint(options.tokenizer, options.chat_template, options.api)
+        # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
+        # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold
+        # load makes the set-up, a second or more of CPU.
+        self.tokenizer_fingerprint = gevent.get_hub().threadpool.apply(
+            master_fingerprint, (options.tokenizer, options.chat_template, options.api))
         read_started = time.perf_counter()
         trace = TraceStream(options.trace, options.trace_format, options.block_size, options.on_bad_line)
         self.max_prompt_tokens = max_prompt_tokens = prompt_token_limit(options, endpoints or [])

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from replay.errors import OptionError
 from replay.synth import setup_cache
-from replay.synth.tokenizer import fingerprint_of, load_chat_template, load_tokenizer, tokenizer_fingerprint, tokenizer_json
+from replay.synth.prompts import set_up
+from replay.synth.tokenizer import (ServerTokenizer, fingerprint_of, load_chat_template, load_tokenizer,
+                                    tokenizer_fingerprint, tokenizer_json)
 
 SHORT = 12  # hex digits of a fingerprint shown in messages
 
@@ -27,11 +29,10 @@ def short(fingerprint: str) -> str:
 def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: str | None = None) -> str:
     """Load the tokenizer and its chat template as a worker will, and return their fingerprint.
 
-    Only `load_tokenizer` and the template: the safe vocabulary a worker builds from them
-    takes seconds more and the master makes no prompts. The load itself (0.1-0.35 s and
-    40-170 MB for a real tokenizer) is skipped when this host's set-up cache holds an entry
-    for these exact bytes, this `tokenizers` version and `api`: it loaded here before.
-    Raises OptionError naming the option.
+    The load is proved by making the set-up a worker will need (_prove_loadable), which this
+    host's workers and the server check then read from the cache; it is skipped when this
+    host's set-up cache holds an entry for these exact bytes, this `tokenizers` version and
+    `api`: it loaded here before. Raises OptionError naming the option.
     """
     try:
         template = load_chat_template(tokenizer, chat_template)
@@ -40,14 +41,29 @@ def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: st
         fingerprint, failure = None, e
     if failure is not None or api is None or not setup_cache.loaded_before(
             fingerprint, template.special_tokens if template else {}, api):
-        try:
-            load_tokenizer(tokenizer)
-        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-            raise OptionError(f"--tokenizer {tokenizer}: cannot load: {_first_line(e)}") from None
+        _prove_loadable(tokenizer, chat_template, None if failure is not None else api)
     if failure is not None:  # the template: unreadable, bad JSON, a jinja syntax error
         option = f"--chat-template {chat_template}" if chat_template else f"--tokenizer {tokenizer}"
         raise OptionError(f"{option}: cannot load the chat template: {_first_line(failure)}") from None
     return fingerprint
+
+
+def _prove_loadable(tokenizer: str, chat_template: str | None, api: str | None) -> None:
+    """Raise OptionError unless `tokenizer` loads. With an `api`, by making the set-up the
+    workers will need: in a child process for a real tokenizer (replay/synth/setup_child.py), so
+    this process never holds the tokenizer, and this host's workers then read the set-up from
+    the cache. A set-up that fails for another reason than the load is reported where the
+    set-up is made again (the server check, the workers), so then only the load is tried here."""
+    if api is not None:
+        try:
+            set_up(ServerTokenizer.load(tokenizer, chat_template, lazy=True), api)
+            return
+        except Exception:
+            pass
+    try:
+        load_tokenizer(tokenizer)
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise OptionError(f"--tokenizer {tokenizer}: cannot load: {_first_line(e)}") from None
 
 
 def check_worker_tokenizer(tokenizer: str, chat_template: str | None, expected: str | None) -> None:

@@ -99,7 +99,7 @@ def entry_path(key: dict) -> Path:
     return cache_dir() / f"setup-v{FORMAT}-{name}.json"
 
 
-def _key_of(tokenizer: ServerTokenizer, data: bytes, api: str) -> dict:
+def key_of(tokenizer: ServerTokenizer, data: bytes, api: str) -> dict:
     template = tokenizer.chat_template
     return cache_key(fingerprint_of(data, template), template.special_tokens if template else {}, api)
 
@@ -130,7 +130,7 @@ def forget() -> None:
 
 
 def _cached(tokenizer: ServerTokenizer, data: bytes, api: str, build: Callable[[], Measured]) -> tuple[Measured, bool]:
-    key = _key_of(tokenizer, data, api)
+    key = key_of(tokenizer, data, api)
     path = entry_path(key)
     problem = None  # why the entry was not used (None: there was none), for the one log line
     try:
@@ -202,7 +202,11 @@ def write_entry(path: Path, key: dict, measured: Measured) -> None:
 
 def read_entry(path: Path, key: dict, tokenizer_bytes: bytes) -> Measured:
     """The entry at `path`, verified (see the module's docstring); CacheError says what is off."""
-    raw = path.read_bytes()
+    return decode_entry(path.read_bytes(), key, tokenizer_bytes)
+
+
+def decode_entry(raw: bytes, key: dict, tokenizer_bytes: bytes) -> Measured:
+    """An entry's bytes (a file's, or what a set-up child wrote), verified as read_entry does."""
     head, sep, body = raw.partition(b"\n")
     try:
         header = orjson.loads(head)

@@ -194,7 +194,7 @@ class ServerTokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None, name: str = "",
-                 path: str | Path | None = None):
+                 path: str | Path | None = None, chat_template_path: str | Path | None = None):
         if tokenizer is None and path is None:
             raise ValueError("ServerTokenizer needs a tokenizer or the path to load it from")
         self._tokenizer = tokenizer
@@ -202,13 +202,16 @@ class ServerTokenizer:
         self.chat_template = chat_template
         self.name = name
         self.path = Path(path) if path is not None else None  # where `load` found it (the cache's key needs it)
+        # load's --chat-template (None: the folder's own), for another process to load the same
+        self.chat_template_path = chat_template_path
 
     @classmethod
     def load(cls, tokenizer_path: str | Path, chat_template_path: str | Path | None = None,
              lazy: bool = False) -> "ServerTokenizer":
         tokenizer_json(tokenizer_path)  # a missing file fails here, also when lazy
         tokenizer = None if lazy else load_tokenizer(tokenizer_path)
-        return cls(tokenizer, load_chat_template(tokenizer_path, chat_template_path), str(tokenizer_path), tokenizer_path)
+        return cls(tokenizer, load_chat_template(tokenizer_path, chat_template_path), str(tokenizer_path), tokenizer_path,
+                   chat_template_path)
 
     @property
     def tokenizer(self) -> Tokenizer:
