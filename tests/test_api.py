@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import time
 
@@ -222,3 +223,53 @@ def test_idle_connections_are_retired_before_the_server_closes_them(slow_sim, mo
     time.sleep(0.4)
     endpoint.prune()
     assert endpoint.idle() == 0
+
+
+def test_idle_connections_are_used_oldest_first_so_spares_do_not_age_out(slow_sim):
+    """With a few spare connections and a request every so often, each is used in turn: none
+    sits idle long enough to be retired and replaced (newest first kept reusing one and let the
+    spares age out, two reconnects a second at 4 requests a second)."""
+    endpoint = Endpoint(slow_sim.url)
+    endpoint.warm(3)
+    order = [endpoint.idle_socket() for _ in range(3)]
+    for sock in order:
+        endpoint.give_back(sock)
+    taken = []
+    for _ in range(6):
+        sock = endpoint.idle_socket()
+        taken.append(sock)
+        endpoint.give_back(sock)
+    assert taken == order + order
+    assert endpoint.opened == 3
+
+
+def test_a_connection_the_server_closed_or_wrote_on_is_not_handed_out(slow_sim):
+    """The liveness check (one poll(2), any descriptor number): an idle connection with nothing
+    to read is handed out; one the server closed, or sent something unasked on, is not."""
+    from replay.api.gevent_pool import _idle_and_open
+
+    a, b = socket.socketpair()
+    try:
+        assert _idle_and_open(a)
+        b.send(b"x")
+        assert not _idle_and_open(a)
+        a.recv(1)
+        assert _idle_and_open(a)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft <= 1500 and (hard == resource.RLIM_INFINITY or hard > 1500):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1501, hard))
+        with socket.socket(fileno=os.dup2(a.fileno(), 1500)) as high:  # above select(2)'s FD_SETSIZE
+            assert _idle_and_open(high)
+            b.close()
+            assert not _idle_and_open(high)
+    finally:
+        a.close()
+        b.close()
+    assert not _idle_and_open(a)  # closed: no descriptor
+    endpoint = Endpoint(slow_sim.url)
+    endpoint.warm(1)
+    [sock] = [endpoint.idle_socket()]
+    assert sock is not None
+    endpoint.give_back(sock)
+    sock.shutdown(socket.SHUT_RD)  # as if the server's FIN had arrived: readable at end of file
+    assert endpoint.idle_socket() is None and endpoint.idle() == 0

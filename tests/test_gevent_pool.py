@@ -43,7 +43,7 @@ def test_installed_version_passes_and_is_in_the_pinned_range():
 
 @pytest.mark.parametrize("classes, name", [
     ({"pool_cls": without(ConnectionPool, "_create_socket")}, "ConnectionPool._create_socket()"),
-    ({"pool_cls": without(ConnectionPool, "_is_socket_alive")}, "ConnectionPool._is_socket_alive()"),
+    ({"pool_cls": without(ConnectionPool, "return_socket")}, "ConnectionPool.return_socket()"),
     ({"response_cls": without(HTTPSocketPoolResponse, "feed")}, "HTTPSocketPoolResponse.feed()"),
     ({"client_cls": ClientWithoutQueue, "pool_cls": PoolWithoutQueue}, "PoolWithoutQueue._socket_queue"),
     ({"response_cls": ResponseWithoutBuffer}, "ResponseWithoutBuffer._body_buffer"),

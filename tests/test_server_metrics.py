@@ -2,8 +2,8 @@
 OUTPUT.server-metrics.jsonl, the summary sets the server's counters against the records, and
 --server-block-size puts the cache fidelity section in the end-of-run summary.
 
-Real `replay sim` processes and real Locust processes throughout; the parser is
-prometheus_client's, fed text in each server's own format.
+Real `replay sim` processes and real Locust processes throughout; the parser is fed text in
+each server's own format.
 """
 
 from __future__ import annotations
@@ -74,6 +74,25 @@ def test_parse_knows_vllm_sglang_and_tgi():
     assert parse(TGI_TEXT, (*KNOWN, "tgi_request_count"))["tgi_request_count"] == 12.0
     with pytest.raises(ValueError):
         parse("this is { not prometheus\n", KNOWN)
+
+
+def test_parse_reads_labels_whole_and_refuses_what_is_not_the_format():
+    """Quoted label values may hold spaces, braces and escaped quotes; a timestamp may follow
+    the value; blanks may be tabs; NaN samples are left out; an unparsable wanted line, or a
+    page with none of ours that is not the format, is a ValueError."""
+    text = ('vllm:num_requests_running{model_name="a} b \\"c\\" {d}",engine="0"} 2 1700000000000\n'
+            'vllm:num_requests_running{engine="1"}\t3.5\n'
+            'vllm:num_requests_waiting{engine="0"} NaN\n'
+            'vllm:num_requests_waiting{engine="1"} 1e1\n'
+            'vllm:prompt_tokens_total +Inf\n'
+            '# EOF\n')
+    assert parse(text, KNOWN) == {"vllm:num_requests_running": 5.5, "vllm:num_requests_waiting": 10.0,
+                                  PROMPT: float("inf")}
+    for bad in ('vllm:num_requests_running{engine="0} 2\n', "vllm:num_requests_running 2 3 4\n",
+                "vllm:num_requests_running two\n", "<html><body>not found</body></html>\n"):
+        with pytest.raises(ValueError, match="not the Prometheus text format"):
+            parse(bad, KNOWN)
+    assert parse("other_metric{a=\"1\"} 4\n", KNOWN) == {}
 
 
 def test_counter_change_survives_a_server_restart():

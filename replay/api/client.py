@@ -100,7 +100,7 @@ class Endpoint:
             network_timeout=network_timeout,
             connection_timeout=connection_timeout,
         )
-        self.pool = PoolInternals(self.http)
+        self.pool = PoolInternals(self.http, oldest_first=True)
 
     def _take(self, sock):
         """A socket just taken off the idle queue, if it is still usable (else closed)."""
@@ -124,7 +124,7 @@ class Endpoint:
         self._pruned_at = now
         pool = self.pool
         kept = []
-        while (sock := pool.pop_idle()) is not None:  # newest first (a LIFO queue)
+        while (sock := pool.pop_idle()) is not None:  # oldest first (PoolInternals' oldest_first)
             # a connection geventhttpclient returned itself (a body that came with the head) is
             # first seen here: its age counts from now, at most PRUNE_EVERY_S late
             if now - self._idle_since.setdefault(id(sock), now) < IDLE_MAX_S:
@@ -132,7 +132,7 @@ class Endpoint:
             else:
                 self._idle_since.pop(id(sock), None)
                 close_with_reset(sock)
-        for sock in reversed(kept):
+        for sock in kept:  # back in the same order
             pool.put_idle(sock)
 
     def idle_socket(self):

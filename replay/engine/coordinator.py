@@ -28,7 +28,7 @@ from replay.engine.clock import answer_ping
 from replay.engine.options import ReplayOptions, prompt_token_limit
 from replay.engine.plan import Schedule
 from replay.engine.same_tokenizer import master_fingerprint
-from replay.engine.dispatcher import build_off_loop
+from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.api.headers import parse_headers
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
@@ -148,8 +148,7 @@ class Coordinator:
         # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
         # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold
         # load makes the set-up, a second or more of CPU.
-        self.tokenizer_fingerprint = gevent.get_hub().threadpool.apply(
-            master_fingerprint, (options.tokenizer, options.chat_template, options.api))
+        self.tokenizer_fingerprint = off_loop(master_fingerprint, options.tokenizer, options.chat_template, options.api)
         read_started = time.perf_counter()
         trace = TraceStream(options.trace, options.trace_format, options.block_size, options.on_bad_line)
         self.max_prompt_tokens = max_prompt_tokens = prompt_token_limit(options, endpoints or [])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import gevent
 from gevent.event import Event
@@ -58,6 +58,7 @@ WARM_TICK_S = 0.1
 QUIET_TICK_S = 1.0  # the longest tick when no send is due within WARM_S of the next tick
 MIN_SPARE = 8  # and this many more per endpoint
 MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
+T = TypeVar("T")
 
 
 class RowBuffer:
@@ -114,7 +115,7 @@ class BodyBuilder:
     def body(self, row: TraceRow) -> bytes:
         tokenizer = self.synth.tokenizer
         if row.messages is not None and not tokenizer.loaded:  # counted by encoding: load it, off the loop
-            gevent.get_hub().threadpool.apply(lambda: tokenizer.tokenizer)
+            off_loop(lambda: tokenizer.tokenizer)
         prompt = self.synth.prompt(row)
         return self._build_body(
             self.options.api,
@@ -138,7 +139,23 @@ def build_off_loop(options: ReplayOptions, block_size: int | None, fingerprint: 
     vocabulary, template measurement); from the set-up cache tens of ms, still file reads and
     hashing. Meanwhile this process must keep answering Locust's heartbeats, or the master
     drops it as missing. The GIL still passes to the event loop every few ms."""
-    return gevent.get_hub().threadpool.apply(_checked_builder, (options, block_size, fingerprint))
+    return off_loop(_checked_builder, options, block_size, fingerprint)
+
+
+def off_loop(function: Callable[..., T], *args) -> T:
+    """function(*args) in gevent's threadpool, the event loop turning meanwhile; what it raises
+    is raised here (the pool itself would print it to stderr as a crash, traceback and all,
+    before the caller turned it into its one-line message)."""
+    def run():
+        try:
+            return function(*args), None
+        except Exception as e:
+            return None, e
+
+    result, error = gevent.get_hub().threadpool.apply(run)
+    if error is not None:
+        raise error
+    return result
 
 
 class Dispatcher:
@@ -259,7 +276,9 @@ class Dispatcher:
         self.warmed.wait(10.0)
         # Everything built so far (tokenizer, vocabulary, rows) lives for the whole run: keep it
         # out of the collector's way, or one full collection stalls dispatch for tens of ms.
-        gc.collect()
+        # The young generations' garbage goes first; the old one's is little, and collecting it
+        # means a walk over every object Locust and Flask made (~20 ms).
+        gc.collect(1)
         gc.freeze()
         rtt_s = self.clock.best_rtt if self.clock.best_rtt != float("inf") else 0.0  # inf: a local run does not ping
         ready = messages.Ready(worker=self.index, clock_offset_ms=self.offset * 1000.0, rtt_ms=rtt_s * 1000.0)
@@ -455,6 +474,12 @@ class Dispatcher:
                             endpoint.warm(per_endpoint)
                         except Exception as e:  # the endpoint backs off; the sends will report it
                             logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
+                    if self.go.is_set() and pos < len(self.rows):
+                        # nothing changes before the next row comes within WARM_S: sleep until
+                        # then (at a few requests a second, a third of the ticks), WARM_TICK_S
+                        # at least, QUIET_TICK_S at most (aged connections are replaced by then)
+                        enters_s = send_offset_s(self.rows[pos], self.origin, scale) - WARM_S - now_s
+                        tick = max(WARM_TICK_S, min(QUIET_TICK_S, enters_s))
             self.warmed.set()
             self.finished.wait(tick)
         for endpoint in self.endpoints:  # nothing is in flight any more (drained, or cancelled)
