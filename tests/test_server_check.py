@@ -166,3 +166,29 @@ def test_the_sample_stays_under_its_cap_and_the_servers_context(toy_tokenizer_di
     assert under in lengths and over not in lengths and max(lengths) < MAX_SAMPLE_TOKENS
     small = build_samples(synth, (under,), max_len=512)
     assert max(len(s.ids) for s in small) < 512 and under not in {len(s.ids) for s in small}
+
+
+@pytest.mark.parametrize("answer, ids", [
+    ({"tokens": [5, 0, 7], "token_strs": ["a", "b", "c"]}, [5, 0, 7]),
+    ({"tokens": []}, []),
+    ({"tokens": [5, "6"]}, None),
+    ({"tokens": [5, 6.0]}, None),
+    ({"tokens": [5, -1]}, None),
+    ({"tokens": [5, 2 ** 40]}, None),
+    ({"tokens": "5 6"}, None),
+    ([{"id": 3, "text": "x"}], [3]),
+])
+def test_tokenize_answers_are_read_only_when_they_are_token_ids(answer, ids):
+    from replay.synth.server_check import _tokenize_ids
+
+    assert _tokenize_ids(answer)[0] == ids
+
+
+@pytest.mark.parametrize("count", [1, 2, 97, 41547, 151643])
+def test_the_vocabulary_sample_takes_every_word_once(count):
+    from replay.synth.server_check import _spread
+
+    order = _spread(count, seed=7)
+    assert sorted(order) == list(range(count))
+    if count > 2:
+        assert abs(order[1] - order[0]) > 1  # neighbours are spread apart

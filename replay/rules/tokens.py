@@ -3,10 +3,23 @@
 Chat: the rendered chat template already holds every special token it wants (BOS included),
 so vLLM encodes it with add_special_tokens=False. Completions text: vLLM encodes with the
 tokenizer's specials (e.g. BOS). synth's ServerTokenizer (the counts the replay promises) and
-the sim's encoder (the counts the reference server reports) both ask here.
+the sim's encoder (the counts the reference server reports) both ask here, as do the readers
+of token-id lists (a server's /tokenize answer, the set-up cache).
 """
 
 from __future__ import annotations
 
+from array import array
+
 CHAT_ADD_SPECIAL_TOKENS = False
 TEXT_ADD_SPECIAL_TOKENS = True
+
+
+def are_token_ids(value) -> bool:
+    """Whether `value` is a list of non-negative ints, checked at C speed: an array of C ints
+    takes only ints that fit in 31 bits and a sign (~0.1 ms for a vocabulary's 41k ids, against
+    ~4 ms element by element)."""
+    try:
+        return isinstance(value, list) and (not value or min(array("i", value)) >= 0)
+    except (TypeError, OverflowError, ValueError):
+        return False

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-import random
+import math
 from operator import itemgetter
 import time
 from dataclasses import dataclass, field
@@ -37,6 +37,7 @@ from typing import Iterable
 
 from replay.api.ask import Unanswered, ask_json
 from replay.apis import Api, get_api
+from replay.rules.tokens import are_token_ids
 from replay.synth.prompts import Prompt, PromptSynthesizer, encode_prompt
 from replay.synth.tokenizer import tokenizer_json
 from replay.synth.vocab import SPACE_MARKERS
@@ -130,8 +131,7 @@ def build_samples(synth: PromptSynthesizer, lengths: Iterable[int] = (), max_len
 def _vocabulary_samples(sample: PromptSynthesizer, cap: int) -> list[Sample]:
     vocab = sample.vocab
     words = max(1, min(VOCAB_WORDS, cap - sample.frame.overhead - 2))
-    order = list(range(len(vocab)))
-    random.Random(sample.seed).shuffle(order)
+    order = _spread(len(vocab), sample.seed)
     samples = []
     for start in range(0, len(order), words):
         chunk = order[start : start + words]
@@ -146,6 +146,16 @@ def _vocabulary_samples(sample: PromptSynthesizer, cap: int) -> list[Sample]:
         prompt.expected_tokens = len(ids)
         samples.append(Sample(f"vocabulary prompt {start // words + 1} ({len(chunk) + 1} words)", prompt, ids))
     return samples
+
+
+def _spread(count: int, seed: int) -> list[int]:
+    """Every index below `count` once, neighbours far apart: a stride coprime with `count`
+    (near count / golden ratio, moved by the seed). A shuffle of qwen2's 41k words cost ~10 ms
+    of the check; this ~1 ms."""
+    step = max(1, int(count / 1.618) + seed % 97)
+    while math.gcd(step, count) != 1:
+        step += 1
+    return [i * step % count for i in range(count)]
 
 
 def _gather(seq, indices: list[int]) -> tuple:
@@ -212,7 +222,7 @@ def _tokenize_ids(answer) -> tuple[list[int] | None, list[str] | None]:
     """vLLM/SGLang: {"tokens": [ids], "token_strs": [...]}; TGI: [{"id": .., "text": ..}, ...]."""
     if isinstance(answer, dict) and isinstance(answer.get("tokens"), list):
         tokens = answer["tokens"]
-        if all(isinstance(t, int) for t in tokens):
+        if are_token_ids(tokens):
             strs = answer.get("token_strs")
             return tokens, strs if isinstance(strs, list) else None
     if isinstance(answer, list) and all(isinstance(t, dict) and isinstance(t.get("id"), int) for t in answer):
