@@ -458,28 +458,23 @@ class Dispatcher:
                 pos = self.dispatch_pos
                 while pos < end and send_offset_s(self.rows[pos], self.origin, scale) < now_s + WARM_S:
                     pos += 1
-                quiet_s = 0.0
-                if self.go.is_set() and pos == self.dispatch_pos < len(self.rows):
-                    quiet_s = send_offset_s(self.rows[pos], self.origin, scale) - WARM_S - now_s
-                if quiet_s > WARM_TICK_S:
-                    # nothing due soon: no connection is opened (nor reopened as the idle ones
-                    # age out), and the next tick is WARM_S before the next send, at most
-                    # QUIET_TICK_S on; connections aged meanwhile are never used (the pool
-                    # retires them when taken or pruned)
-                    tick = min(QUIET_TICK_S, quiet_s)
-                else:
+                # the next row comes within WARM_S in `enters_s`: nothing changes before then, so
+                # the keeper sleeps until then (WARM_TICK_S at least, QUIET_TICK_S at most; aged
+                # connections are replaced by then, and never used meanwhile: the pool retires them
+                # when taken or pruned)
+                enters_s = 0.0
+                if self.go.is_set() and pos < len(self.rows):
+                    enters_s = send_offset_s(self.rows[pos], self.origin, scale) - WARM_S - now_s
+                    tick = max(WARM_TICK_S, min(QUIET_TICK_S, enters_s))
+                if pos > self.dispatch_pos or enters_s <= WARM_TICK_S:
+                    # sends due soon (else a quiet spell: no connection is opened, nor reopened
+                    # as the idle ones age out)
                     per_endpoint = min(MAX_SPARE, -(-(pos - self.dispatch_pos) // len(self.endpoints)) + MIN_SPARE)
                     for endpoint in self.endpoints:
                         try:
                             endpoint.warm(per_endpoint)
                         except Exception as e:  # the endpoint backs off; the sends will report it
                             logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
-                    if self.go.is_set() and pos < len(self.rows):
-                        # nothing changes before the next row comes within WARM_S: sleep until
-                        # then (at a few requests a second, a third of the ticks), WARM_TICK_S
-                        # at least, QUIET_TICK_S at most (aged connections are replaced by then)
-                        enters_s = send_offset_s(self.rows[pos], self.origin, scale) - WARM_S - now_s
-                        tick = max(WARM_TICK_S, min(QUIET_TICK_S, enters_s))
             self.warmed.set()
             self.finished.wait(tick)
         for endpoint in self.endpoints:  # nothing is in flight any more (drained, or cancelled)
