@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from replay.apis import API_NAMES, APIS
 from replay.synth import setup_cache
 from replay.synth.blocks import TOKEN_ID, BlockSource
-from replay.synth.setup_child import build_in_child
 from replay.synth.frames import EMPTY_SYSTEM, USER_ONLY, Frame, Measured, PromptError, chat_messages, measure
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import SafeVocab, build_safe_vocab
@@ -69,10 +68,7 @@ def set_up(tokenizer: ServerTokenizer, api: str) -> tuple[Measured, bool]:
     """The tokenizer's set-up for `api` and whether it came from the disk cache: read from it
     when a verified entry is there, else measured (and saved for the next process), in a child
     process when that spares this one loading the tokenizer (replay/synth/setup_child.py)."""
-    def build() -> Measured:
-        return build_in_child(tokenizer, api) or measure(tokenizer, api, safe_vocab(tokenizer))
-
-    measured, from_cache = setup_cache.cached(tokenizer, api, build)
+    measured, from_cache = setup_cache.cached(tokenizer, api, lambda: measure(tokenizer, api, safe_vocab(tokenizer)))
     _vocab_cache.setdefault(tokenizer, measured.vocab)
     return measured, from_cache
 

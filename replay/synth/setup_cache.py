@@ -19,8 +19,9 @@ A file is one header line (JSON: format, key, the body's length and sha256) and 
   vocabulary must be in its vocab under the cached ids (the marker + word for a word, and
   the bare or marked word for its lead id).
 
-Anything off, or a cache folder that cannot be read or written, logs one line and the set-up
-is built as without a cache: a run never fails, and prompts are never inexact, because of it.
+On a miss, a real tokenizer's set-up is built in a child process (setup_child.py), whose
+result is checked as an entry read from disk is. Anything off, or a cache folder that cannot
+be read or written, logs one line and the set-up is built as without a cache: a run never fails, and prompts are never inexact, because of it.
 Writes go to a temporary file in the folder, renamed over the entry (atomic on POSIX), so
 workers starting together on one host never read half a file.
 """
@@ -42,6 +43,7 @@ import orjson
 import tokenizers
 
 from replay.rules.tokens import are_token_ids
+from replay.synth import setup_child
 from replay.synth.frames import Frame, Measured
 from replay.synth.tokenizer import ServerTokenizer, fingerprint_of, tokenizer_json
 from replay.synth.vocab import SPACE_MARKERS, SafeVocab
@@ -141,7 +143,7 @@ def _cached(tokenizer: ServerTokenizer, data: bytes, api: str, build: Callable[[
         pass
     except (OSError, CacheError) as e:
         problem = f"not used ({e})"
-    measured = build()
+    measured = _built_in_child(tokenizer, api, key, data) or build()
     try:
         write_entry(path, key, measured)
     except OSError as e:
@@ -151,6 +153,20 @@ def _cached(tokenizer: ServerTokenizer, data: bytes, api: str, build: Callable[[
     else:
         log.info("set-up of %s (%s) saved to %s", tokenizer.name, api, path)
     return measured, False
+
+
+def _built_in_child(tokenizer: ServerTokenizer, api: str, key: dict, data: bytes) -> Measured | None:
+    """The set-up a child process built (setup_child.py), checked as an entry read from disk is,
+    against this key and these tokenizer.json bytes; None to build it here."""
+    raw = setup_child.run_child(tokenizer, api)
+    if raw is None:
+        return None
+    try:
+        return decode_entry(raw, key, data)
+    except CacheError as e:
+        log.warning("set-up of %s (%s): the child process's result is not usable (%s); building it here",
+                    tokenizer.name, api, e)
+        return None
 
 
 def loaded_before(fingerprint: str, template_specials: dict, api: str) -> bool:

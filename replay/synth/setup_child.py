@@ -6,12 +6,13 @@ for qwen2 and 184 MiB for llama3, plus ~35 MiB while the vocabulary is built. A 
 already holds Locust, gevent and flask (~50 MiB), so a cold start built in-process peaked at
 ~230 MiB for qwen2. Built here, that memory lives in a process that has imported only what the
 set-up needs and exits when done (qwen2: ~170 MiB), and the replay process reads the result as
-it reads a set-up cache entry: same bytes, same checks (setup_cache.decode_entry).
+it reads a set-up cache entry: same bytes, same checks (setup_cache's miss path, against the key
+and tokenizer.json bytes it holds already).
 
 The child is spawned and waited for with the C library's calls, not gevent's: the set-up runs
 in a gevent threadpool thread (off the event loop), where gevent's cooperative subprocess cannot
-be used. Anything that goes wrong (no interpreter, an import error, a killed child, an entry that
-fails its checks) logs why and returns None, and the caller builds in-process as before.
+be used. Anything that goes wrong (no interpreter, an import error, a killed child) logs why
+and returns None, and the caller builds in-process as before.
 Small tokenizers (under CHILD_MIN_BYTES) and tokenizers this process has loaded already are
 built in-process: the child would cost more than it saves.
 """
@@ -25,8 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from replay.synth import setup_cache
-from replay.synth.frames import Measured, measure
+from replay.synth.frames import measure
 from replay.synth.tokenizer import ServerTokenizer, tokenizer_json
 from replay.synth.vocab import build_safe_vocab
 
@@ -35,13 +35,12 @@ CHILD_MIN_BYTES = 1 << 20  # tokenizer.json sizes from which the child saves mem
 log = logging.getLogger(__name__)
 
 
-def build_in_child(tokenizer: ServerTokenizer, api: str) -> Measured | None:
-    """`tokenizer`'s set-up for `api`, built in a child process and verified; None when it is
-    better built in this process, or the child did not deliver."""
+def run_child(tokenizer: ServerTokenizer, api: str) -> bytes | None:
+    """`tokenizer`'s set-up for `api` as a cache entry's bytes, built in a child process (not yet
+    checked); None when it is better built in this process, or the child did not deliver."""
     if tokenizer.path is None or tokenizer.loaded:
         return None
-    file = tokenizer_json(tokenizer.path)
-    if file.stat().st_size < CHILD_MIN_BYTES:
+    if tokenizer_json(tokenizer.path).stat().st_size < CHILD_MIN_BYTES:
         return None
     template = tokenizer.chat_template_path
     with tempfile.TemporaryDirectory(prefix="tracereplay-setup-") as folder:
@@ -59,16 +58,15 @@ def build_in_child(tokenizer: ServerTokenizer, api: str) -> Measured | None:
             log.info("set-up of %s (%s): the child process ended with %s (%s); building it here",
                      tokenizer.name, api, status, last[0])
             return None
-        data = file.read_bytes()
         try:
-            measured = setup_cache.decode_entry(entry.read_bytes(), setup_cache.key_of(tokenizer, data, api), data)
-        except (OSError, setup_cache.CacheError) as e:
-            log.warning("set-up of %s (%s): the child process's result is not usable (%s); building it here",
-                        tokenizer.name, api, e)
+            raw = entry.read_bytes()
+        except OSError as e:
+            log.info("set-up of %s (%s): the child process wrote no result (%s); building it here",
+                     tokenizer.name, api, e)
             return None
     log.info("set-up of %s (%s) built in a child process in %.1f s (its peak RSS %d MiB)",
              tokenizer.name, api, time.perf_counter() - started, peak_mib)
-    return measured
+    return raw
 
 
 def _run(argv: list[str], errors: Path) -> tuple[int | str, int]:
@@ -96,6 +94,8 @@ def _run(argv: list[str], errors: Path) -> tuple[int | str, int]:
 
 def main(argv: list[str]) -> int:
     """The child: build the set-up and write it as a cache entry to the given file."""
+    from replay.synth import setup_cache  # here: setup_cache imports this module
+
     tokenizer_path, template, api, out = argv
     tokenizer = ServerTokenizer.load(tokenizer_path, template or None)
     measured = measure(tokenizer, api, build_safe_vocab(tokenizer.tokenizer, tokenizer.name))
