@@ -19,7 +19,10 @@ COPY configs ./configs
 # The toy tokenizer is the project's own, identical in every container built from this file
 # (training is deterministic), so sim and workers agree on token counts with nothing in ./data.
 # uid 1000: files written to the ./data bind mount belong to the usual first host user.
+# compileall: the entry point imports `replay` from /app, not site-packages, and with
+# PYTHONDONTWRITEBYTECODE every master and worker would compile it again at each start.
 RUN pip install . \
+    && python -m compileall -q /app/replay /app/locustfile.py \
     && python -m replay.locust_help \
     && python -c "from replay.synth.toy import build_toy_tokenizer; build_toy_tokenizer('/opt/tracereplay/toy-tokenizer')" \
     && useradd --create-home --uid 1000 --user-group replay \

@@ -197,7 +197,11 @@ def test_dockerfile():
         for src in sources:
             assert (REPO / src).exists(), f"COPY {src}: not in the checkout"
             assert src not in ignored and src.split("/")[0] not in ignored, f"COPY {src}: excluded by .dockerignore"
-    assert "pip install ." in " ".join(instruction("RUN"))
+    run = " ".join(instruction("RUN"))
+    assert "pip install ." in run
+    # locust imports `replay` from /app (the locustfile's folder), where PYTHONDONTWRITEBYTECODE
+    # would leave it to be compiled again at every start of a master or worker
+    assert f"compileall -q {APP}/replay {APP}/locustfile.py" in run
     assert json.loads(instruction("ENTRYPOINT")[-1]) == ["locust", "-f", f"{APP}/locustfile.py"]
 
 
