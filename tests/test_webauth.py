@@ -167,6 +167,8 @@ def test_all_interfaces_with_no_login_is_warned(tmp_path, toy_tokenizer_dir):
     ("admin:$PW", Credentials("admin", "p$ss:word")),  # expanded once: a '$' from a variable stays
     ("${USER_NAME}:pw", Credentials("ops", "pw")),
     ("admin:a:b", Credentials("admin", "a:b")),
+    ("admin:pa$$word", Credentials("admin", "pa$word")),  # $$ a literal $, as in --header (replay.env_vars)
+    ("admin:$$PW", Credentials("admin", "$PW")),
 ])  # fmt: skip
 def test_parse_web_user(value, expected):
     assert parse_web_user(value, {"PW": "p$ss:word", "USER_NAME": "ops"}) == expected
@@ -177,13 +179,15 @@ def test_parse_web_user(value, expected):
     ("admin:", "--web-user: the password for 'admin' is empty"),
     ("admin:$EMPTY", "--web-user: the password for 'admin' is empty"),
     (":pw", "--web-user: the user name is empty"),
-    ("admin:pa$word", "--web-user: the environment variable word is not set"),
+    ("admin:pa$word", "--web-user: $word is not set on this host"),
+    ("admin:pa$-word", "--web-user: the '$' at character 9 of the value starts no $VAR or ${VAR}; write $$ for a literal $"),
+    ("adm$ :pa-word", "--web-user: the '$' at character 4 of the value starts no $VAR"),
 ])  # fmt: skip
 def test_parse_web_user_errors(value, message):
     with pytest.raises(ValueError) as e:
         parse_web_user(value, {"EMPTY": ""})
     assert str(e.value).startswith(message)
-    assert "pa$word" not in str(e.value)
+    assert "pa$word" not in str(e.value) and "pa$-word" not in str(e.value)  # the password never shows
 
 
 def test_credentials_never_print_the_password():

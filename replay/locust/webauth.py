@@ -20,7 +20,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import re
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -30,12 +29,12 @@ from flask import Response, redirect, request, session, url_for
 from flask_login import LoginManager, UserMixin, current_user, login_user
 from locust.runners import WorkerRunner
 
+from replay import env_vars
 from replay.engine.config import apply_config
 
 logger = logging.getLogger(__name__)
 
 ALL_INTERFACES = ("", "*", "0.0.0.0", "::")
-VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 NEXT = "replay_login_next"  # session key: the page the login page was shown for
 FAILED = "Invalid username or password"
 
@@ -58,22 +57,14 @@ class User(UserMixin):
 
 
 def parse_web_user(value: str, environ: Mapping[str, str] = os.environ) -> Credentials:
-    """`USER:PASSWORD` (the password may hold ':'), `$VAR`s expanded once; errors never show the password."""
+    """`USER:PASSWORD` (the password may hold ':'), `$VAR`s expanded once by replay.env_vars' rule
+    ($$ a literal $); errors never show the password."""
     user, sep, password = value.partition(":")
     if not sep:
         raise ValueError("--web-user: expected USER:PASSWORD (e.g. 'admin:$WEB_PASSWORD')")
 
-    def expand(part: str) -> str:
-        def one(m: re.Match) -> str:
-            name = m.group(1) or m.group(2)
-            if name not in environ:
-                raise ValueError(f"--web-user: the environment variable {name} is not set"
-                                 " (a '$' in a password must come from a variable)")  # fmt: skip
-            return environ[name]
-
-        return VAR.sub(one, part)
-
-    user, password = expand(user).strip(), expand(password)
+    user, password = (env_vars.expand(user, "--web-user", environ).strip(),
+                      env_vars.expand(password, "--web-user", environ, start=len(user) + 1))
     if not user:
         raise ValueError("--web-user: the user name is empty")
     if not password:
