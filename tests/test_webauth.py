@@ -138,7 +138,7 @@ def test_unset_password_variable_is_refused(tmp_path, toy_tokenizer_dir, monkeyp
     monkeypatch.delenv("TRACEREPLAY_UNSET_PW", raising=False)
     proc = run_locust(args, tmp_path, timeout=30, exit_code=2)
     (line,) = error_lines(proc)
-    assert "--web-user: the environment variable TRACEREPLAY_UNSET_PW is not set" in line
+    assert "--web-user: $TRACEREPLAY_UNSET_PW is not set on this host" in line
 
 
 def test_all_interfaces_with_no_login_is_warned(tmp_path, toy_tokenizer_dir):
