@@ -21,7 +21,8 @@ A file is one header line (JSON: format, key, the body's length and sha256) and 
 
 On a miss, a real tokenizer's set-up is built in a child process (setup_child.py), whose
 result is checked as an entry read from disk is. Anything off, or a cache folder that cannot
-be read or written, logs one line and the set-up is built as without a cache: a run never fails, and prompts are never inexact, because of it.
+be read or written, logs one line and the set-up is built as without a cache: a run never
+fails, and prompts are never inexact, because of it.
 Writes go to a temporary file in the folder, renamed over the entry (atomic on POSIX), so
 workers starting together on one host never read half a file.
 """
