@@ -29,6 +29,7 @@ class SimOptions:
     seed: int = 0
     tokenize_endpoint: bool = True
     metrics: bool = True
+    require_authorization: str | None = None
 
 
 HELP = {
@@ -53,6 +54,8 @@ HELP = {
     "seed": "seed of every random choice (faults, jitter, output tokens and lengths)",
     "tokenize_endpoint": "serve vLLM's POST /tokenize (--no-tokenize-endpoint: answer 404, as a server without one)",
     "metrics": "serve /metrics (--no-metrics: 404, as a server without Prometheus metrics)",
+    "require_authorization": "answer 401, as a server behind a key, to every request but /health and /debug/requests "
+                             "whose Authorization header is not exactly this (e.g. 'Bearer KEY', 'Basic BASE64')",
 }
 
 
