@@ -41,6 +41,7 @@ from replay.api.gevent_pool import PoolInternals
 from replay.api.sse import DONE, sse_data
 from replay.api.urls import host_and_port, shown, with_credentials
 from replay.apis import Api
+from replay.rules.usage import is_count
 
 POOL_SIZE = 100_000  # geventhttpclient's own cap: never the limit (see above)
 MAX_CONNECTING = 256  # connects in progress at once, per endpoint
@@ -259,6 +260,7 @@ class Outcome:
     output_tokens: int | None = None
     cached_tokens: int | None = None
     streamed: bool = True
+    usage_notes: list[str] | None = None  # usage figures dropped: not counts (replay.rules.usage)
 
     @property
     def ok(self) -> bool:
@@ -287,11 +289,19 @@ class Outcome:
         return (self.finished_at - self.token_times[0]) * 1000.0 / (n - 1)
 
     def apply_usage(self, usage: dict | None) -> None:
+        """Take the server's counts; a figure that is not a count (a string, a float, a negative
+        number) is left out and noted, so no record carries it and no sum meets it."""
         if not usage:
             return
         for key in ("prompt_tokens", "output_tokens", "cached_tokens"):
-            if usage.get(key) is not None:
-                setattr(self, key, usage[key])
+            value = usage.get(key)
+            if value is None:
+                continue
+            if is_count(value):
+                setattr(self, key, value)
+            else:
+                note = f"usage {key} {value!r:.40} is not a count"
+                self.usage_notes = [*(self.usage_notes or ()), note]
 
 
 def _exception_text(e: Exception) -> str:
