@@ -20,6 +20,7 @@ import requests
 
 from conftest import (BLOCK, LOCUST, check_records, finish, free_port, master_and_workers, mooncake_trace, replay_args,
                       run_locust, server_samples, start_web_locust, wait_for, web_args)
+from replay.api.ask import Unanswered, ask, check_url
 from replay.api.urls import shown
 from replay.results.metadata import read_run_metadata, summary_path
 from replay.sim.process import sim_process
@@ -55,6 +56,16 @@ def test_shown_hides_the_userinfo_only():
     assert shown("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
     assert shown("host:8000") == "host:8000"
     assert shown("http://a:b@[::1]:80/x?q=1") == "http://***@[::1]:80/x?q=1"
+
+
+def test_errors_show_the_url_as_shown():
+    """An option's error and a server that is down name the URL without its credentials."""
+    with pytest.raises(ValueError) as e:
+        check_url("--host", f"http://{USER}:{PASSWORD}@127.0.0.1:99999")
+    assert str(e.value) == "--host http://***@127.0.0.1:99999: the port is not a number in 0-65535"
+    with pytest.raises(Unanswered) as e:
+        ask(f"http://{USER}:{PASSWORD}@127.0.0.1:{free_port()}/v1/models", timeout=5)
+    assert str(e.value).startswith("http://***@127.0.0.1:") and PASSWORD not in str(e.value)
 
 
 def check_run(output: Path, urls: list[str], results: Path, *texts: str) -> None:
