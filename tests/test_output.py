@@ -24,7 +24,7 @@ from conftest import (LOCUST, check_records, finish, mooncake_trace, replay_args
 from replay.errors import OptionError
 from replay.results.metadata import meta_path, read_run_metadata, summary_path
 from replay.results.output import OutputTaken, claim_output, earlier_run_files, lock_path
-from replay.results.records import worker_path
+from replay.results.records import RecordWriter, worker_path
 from replay.results.server_metrics import metrics_path
 
 # -- claim_output -------------------------------------------------------------------------------
@@ -149,6 +149,28 @@ def test_only_regular_files_are_replaced(tmp_path, make, kind, which):
         assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
         assert not lock_path(output).exists() or which == "lock"
     assert sorted(p.name for p in tmp_path.iterdir()) == outside  # nothing written through a link
+
+
+@pytest.mark.parametrize("make, kind", [(_fifo, "a FIFO"), (_symlink_out, "a symbolic link"),
+                                        (_folder, "a folder")])
+def test_a_workers_own_file_is_written_only_as_a_regular_file(tmp_path, make, kind):
+    """A worker on another host writes OUTPUT.worker-N.jsonl where the master's claim did not
+    look: it opened it with "wb" (blocking on a FIFO, writing through a link). Now it refuses,
+    which fails the worker's rows as `worker failed: ...` with this line."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    output = folder / "run.jsonl"
+    path = make(worker_path(output, 1))
+    outside = sorted((p.name, p.read_bytes() if p.is_file() else None) for p in tmp_path.iterdir())
+    with pytest.raises(OptionError) as e:
+        RecordWriter(path, output)
+    assert str(e.value) == (f"--output {output}: {path} is {kind}, not a regular file; only an earlier run's "
+                            f"regular files are replaced: remove it, or choose another --output")
+    assert sorted((p.name, p.read_bytes() if p.is_file() else None) for p in tmp_path.iterdir()) == outside
+    worker_path(output, 2).write_text("an earlier run's\n")
+    writer = RecordWriter(worker_path(output, 2), output)  # a regular file is replaced
+    writer.close()
+    assert worker_path(output, 2).read_text() == ""
 
 
 def test_default_output_takes_the_next_free_name(tmp_path):

@@ -21,6 +21,7 @@ import re
 import socket
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from replay.errors import OptionError
 from replay.results.metadata import meta_path, summary_path
@@ -75,6 +76,19 @@ def _refuse_all_but_regular_files(output: str, paths: list[Path], hint: str) -> 
             kind = next((name for test, name in _KINDS if test(mode)), "not a file")
             raise OptionError(f"--output {output}: {path} is {kind}, not a regular file; only an earlier run's "
                               f"regular files are replaced: remove it, or choose another --output{hint}")
+
+
+def open_fresh(output: str, path: Path) -> BinaryIO:
+    """`path` emptied and opened for writing, if what is there is a regular file or nothing:
+    a worker on another host writes its file where the master's claim did not look, and "wb"
+    would write into a device or a FIFO, or through a link. Raises OptionError as the claim does."""
+    _refuse_all_but_regular_files(output, [path], "")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in since the look
+        os.close(fd)
+        _refuse_all_but_regular_files(output, [path], "")
+        raise OptionError(f"--output {output}: {path} is not a regular file")
+    return os.fdopen(fd, "wb")
 
 
 class OutputClaim:

@@ -11,6 +11,7 @@ from typing import Iterable, Iterator, TypedDict
 
 import orjson
 
+from replay.results.output import open_fresh
 from replay.rules.usage import disagreements
 
 
@@ -127,10 +128,11 @@ def is_failure(record: Record) -> bool:
 class RecordWriter:
     """Writes records to a fresh JSONL file batch by batch, flushed per batch so the file survives a crash."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, output: str | Path | None = None):
+        """`output`: the run's --output, named in the error when `path` is not a file to write."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "wb")
+        self._file = open_fresh(str(output or path), self.path)
         self.count = 0
 
     def write(self, records: Iterable[Record]) -> None:
