@@ -54,7 +54,8 @@ def earlier_run_files(output: str | Path) -> list[Path]:
 def _scratch_files(output: Path) -> list[Path]:
     """What a run on `output` writes besides its results: the lock and the files written and
     then renamed over the results (the merged records', the meta's and the summary's)."""
-    return [lock_path(output), *(p.with_name(p.name + ".tmp") for p in (output, meta_path(output), summary_path(output)))]
+    renamed = (output, meta_path(output), summary_path(output))
+    return [lock_path(output), *(p.with_name(p.name + ".tmp") for p in renamed)]
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),

@@ -197,7 +197,8 @@ class _Frames:
     def tail(self, plan: Plan) -> bytes:
         if not self.with_usage:
             return DONE
-        return b"data: " + self.header + b',"choices":[],"usage":' + orjson.dumps(usage(self.engine, plan)) + b"}\n\n" + DONE
+        answer = orjson.dumps(usage(self.engine, plan))
+        return b"data: " + self.header + b',"choices":[],"usage":' + answer + b"}\n\n" + DONE
 
 
 class ChatFrames(_Frames):

@@ -59,7 +59,8 @@ HELP = {
     "require_authorization": "answer 401, as a server behind a key, to every request but /health and /debug/requests "
                              "whose Authorization header is not exactly this (e.g. 'Bearer KEY', 'Basic BASE64')",
     "false_usage": "a lying server: a JSON object whose keys replace the OpenAI APIs' usage figures "
-                   "(prompt_tokens, completion_tokens, cached_tokens; any JSON value), e.g. '{\"completion_tokens\": 99999}'",
+                   "(prompt_tokens, completion_tokens, cached_tokens; any JSON value), "
+                   "e.g. '{\"completion_tokens\": 99999}'",
 }
 
 
