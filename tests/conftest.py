@@ -139,6 +139,7 @@ def check_records(output: Path, trace: Path, exact_prompt: bool = True) -> list[
         assert r["output_tokens"] == r["output_length"]
         if exact_prompt:
             assert r["prompt_tokens"] == r["input_length"], r
+            assert r["usage_mismatch"] is None, r  # an honest server's usage (replay.rules.usage)
         assert r["sent_at"] >= r["scheduled_at"] - 0.005
         assert r["finished_at"] >= r["sent_at"]
     return records

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from conftest import (LOCUST, check_records, finish, mooncake_trace, replay_args
 from replay.errors import OptionError
 from replay.results.metadata import meta_path, read_run_metadata, summary_path
 from replay.results.output import OutputTaken, claim_output, earlier_run_files, lock_path
-from replay.results.records import worker_path
+from replay.results.records import RecordWriter, worker_path
 from replay.results.server_metrics import metrics_path
 
 # -- claim_output -------------------------------------------------------------------------------
@@ -87,6 +88,91 @@ def test_overwrite_removes_the_earlier_runs_files_and_only_those(tmp_path):
     assert not any(p.exists() for p in earlier)
     assert all(p.exists() for p in others)
     claim.release()
+
+
+def _char_device(path: Path) -> Path:
+    """A character device (a /dev/null: 1, 3) at `path`; needs root (CAP_MKNOD)."""
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("making a character device needs root")
+    return path
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _symlink_out(path: Path) -> Path:
+    """A link to a file outside the output's folder: replacing or writing through it must not happen."""
+    target = path.parent.parent / f"{path.parent.name}-outside.txt"
+    target.write_text("someone else's file\n")
+    path.symlink_to(target)
+    return path
+
+
+def _dangling_symlink(path: Path) -> Path:
+    path.symlink_to(path.parent.parent / f"{path.parent.name}-nowhere.txt")
+    return path
+
+
+NOT_FILES = [(_char_device, "a character device"), (_fifo, "a FIFO"), (_folder, "a folder"),
+             (_symlink_out, "a symbolic link"), (_dangling_symlink, "a symbolic link")]
+
+
+@pytest.mark.parametrize("which, make, kind", [
+    (which, make, kind) for which in ("output", "meta", "worker", "lock", "tmp") for make, kind in NOT_FILES
+    if (which, make) != ("output", _folder)  # a folder as --output has its own message (see above)
+])
+def test_only_regular_files_are_replaced(tmp_path, make, kind, which):
+    """--overwrite replaced whatever was at an output path: as root, `--output /dev/full
+    --overwrite` deleted /dev/full. Now anything but a regular file there is refused, with or
+    without --overwrite, and left as it was."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    output = folder / "run.jsonl"
+    path = {"output": output, "meta": meta_path(output), "worker": worker_path(output, 2), "lock": lock_path(output),
+            "tmp": Path(f"{output}.tmp")}[which]
+    make(path)
+    before = os.lstat(path)
+    outside = sorted(p.name for p in tmp_path.iterdir())
+    for overwrite in (True, False):
+        with pytest.raises(OptionError) as e:
+            claim_output(str(output), overwrite=overwrite)
+        assert str(e.value) == (f"--output {output}: {path} is {kind}, not a regular file; only an earlier run's "
+                                f"regular files are replaced: remove it, or choose another --output")
+        after = os.lstat(path)
+        assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+        assert not lock_path(output).exists() or which == "lock"
+    assert sorted(p.name for p in tmp_path.iterdir()) == outside  # nothing written through a link
+
+
+@pytest.mark.parametrize("make, kind", [(_fifo, "a FIFO"), (_symlink_out, "a symbolic link"),
+                                        (_folder, "a folder")])
+def test_a_workers_own_file_is_written_only_as_a_regular_file(tmp_path, make, kind):
+    """A worker on another host writes OUTPUT.worker-N.jsonl where the master's claim did not
+    look: it opened it with "wb" (blocking on a FIFO, writing through a link). Now it refuses,
+    which fails the worker's rows as `worker failed: ...` with this line."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    output = folder / "run.jsonl"
+    path = make(worker_path(output, 1))
+    outside = sorted((p.name, p.read_bytes() if p.is_file() else None) for p in tmp_path.iterdir())
+    with pytest.raises(OptionError) as e:
+        RecordWriter(path, output)
+    assert str(e.value) == (f"--output {output}: {path} is {kind}, not a regular file; only an earlier run's "
+                            f"regular files are replaced: remove it, or choose another --output")
+    assert sorted((p.name, p.read_bytes() if p.is_file() else None) for p in tmp_path.iterdir()) == outside
+    worker_path(output, 2).write_text("an earlier run's\n")
+    writer = RecordWriter(worker_path(output, 2), output)  # a regular file is replaced
+    writer.close()
+    assert worker_path(output, 2).read_text() == ""
 
 
 def test_default_output_takes_the_next_free_name(tmp_path):
@@ -240,3 +326,15 @@ def test_default_output_is_unchanged(tmp_path, toy_tokenizer_dir, sim):
     assert outputs[0].name.startswith("replay-") and f"-> {Path('results') / outputs[0].name}" in proc.stdout
     check_records(outputs[0], trace)
     assert not list((tmp_path / "results").glob("*.lock"))
+
+
+def test_overwrite_never_replaces_a_device(tmp_path, toy_tokenizer_dir):
+    """The issue's case: a character device as --output with --overwrite was unlinked and a
+    regular file written in its place."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
+    output = _char_device(tmp_path / "full")
+    refused(replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", output, "--overwrite"), tmp_path,
+            f"--output {output}: {output} is a character device, not a regular file; only an earlier run's "
+            f"regular files are replaced: remove it, or choose another --output")
+    assert stat.S_ISCHR(os.lstat(output).st_mode)
+    assert not lock_path(output).exists() and not meta_path(output).exists()

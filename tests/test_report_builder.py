@@ -73,6 +73,7 @@ def old_summarize(records: list[dict]) -> dict:
         "requests_ok": len(ok),
         "requests_failed": len(records) - len(ok),
         "failures": old_failures(records)[0],
+        "requests_usage_mismatch": sum(1 for r in records if r.get("usage_mismatch")),
         "duration_s": duration,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "input_token_throughput": input_tokens / duration if duration else 0.0,
@@ -151,6 +152,8 @@ def ok_record(rid: int, rng: random.Random, streamed: bool = True) -> dict:
              scheduled_at=scheduled, sent_at=sent, finished_at=sent + e2e / 1000, drift_ms=drift, ttft_ms=ttft,
              tpot_ms=tpot, e2e_ms=e2e, itl_ms=itl, status=200, ok=True, input_length=inp, output_length=out,
              prompt_tokens=inp if rng.random() < 0.9 else None, output_tokens=out, cached_tokens=0)  # fmt: skip
+    if rid % 11 == 0:  # a server's usage that cannot be true (no draw from rng: the rest stays as it was)
+        r["usage_mismatch"] = f"output_tokens {out} > max_tokens {out - 1}"
     return r
 
 

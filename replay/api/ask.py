@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from replay.api.client import close_with_reset
+from replay.api.urls import shown, with_credentials
 
 ASK_TIMEOUT_S = 30.0  # a /tokenize of a long prompt on a busy CPU server takes seconds
 
@@ -26,12 +27,12 @@ class Unanswered(OSError):
 def ask(url: str, body: dict | None = None, headers: dict[str, str] | None = None,
         timeout: float = ASK_TIMEOUT_S) -> tuple[int, bytes]:
     """GET `url` (POST `body` as JSON when given); (status, the answer's bytes). Raises
-    Unanswered when no HTTP answer came."""
+    Unanswered when no HTTP answer came. `url`'s credentials are sent, and never shown."""
     parts = urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    sent = dict(headers or {})
+    sent = with_credentials(url, headers)
     try:
         if body is None:
             connection.request("GET", path, headers=sent)
@@ -41,7 +42,7 @@ def ask(url: str, body: dict | None = None, headers: dict[str, str] | None = Non
         answer = connection.getresponse()
         return answer.status, answer.read()
     except (OSError, http.client.HTTPException) as e:
-        raise Unanswered(f"{url}: {e or type(e).__name__}") from None
+        raise Unanswered(f"{shown(url)}: {e or type(e).__name__}") from None
     finally:
         if connection.sock is not None:
             close_with_reset(connection.sock)
@@ -61,6 +62,7 @@ def ask_json(url: str, body: dict | None = None, headers: dict[str, str] | None 
 def check_url(option: str, url: str) -> None:
     """An http(s) server URL with a host and, if any, a valid port (the client sends HTTP only)."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
+    url = shown(url)
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"{option} {url}: only http:// and https:// servers can be replayed to")
     if not parts.hostname:

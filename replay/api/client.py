@@ -39,7 +39,9 @@ from geventhttpclient import HTTPClient
 
 from replay.api.gevent_pool import PoolInternals
 from replay.api.sse import DONE, sse_data
+from replay.api.urls import host_and_port, shown, with_credentials
 from replay.apis import Api
+from replay.rules.usage import is_count
 
 POOL_SIZE = 100_000  # geventhttpclient's own cap: never the limit (see above)
 MAX_CONNECTING = 256  # connects in progress at once, per endpoint
@@ -68,13 +70,15 @@ class Endpoint:
     due in one go, instead of one per event-loop turn. `warm` keeps such connections ready. This
     takes geventhttpclient's own get_socket/return_socket steps apart (`pool`, a PoolInternals:
     the only user of the library's private names). `opened` counts the connections opened.
+    `url` is the URL as shown (replay.api.urls): its credentials go only into the requests.
     """
 
     def __init__(self, url: str, network_timeout: float = 3600.0, connection_timeout: float = 30.0):
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if not parts.hostname:
-            raise ValueError(f"endpoint {url!r}: no host")
-        self.url = url.rstrip("/")
+            raise ValueError(f"endpoint {shown(url)!r}: no host")
+        self.url = shown(url).rstrip("/")
+        self._full_url = url
         self.prefix = parts.path.rstrip("/")
         self.in_flight = 0
         self.opened = 0
@@ -88,7 +92,7 @@ class Endpoint:
         # Called with the arrival time after every read of a stream body (the dispatcher's
         # hook). It runs inside the event loop, so it must not block.
         self.on_read = _nothing
-        self.host_header = parts.netloc
+        self.host_header = host_and_port(url)
         self._heads: dict[tuple, bytes] = {}
         self._idle_since: dict[int, float] = {}  # id(socket) -> when it went back to the pool
         self._pruned_at = 0.0
@@ -226,7 +230,7 @@ class Endpoint:
             if len(self._heads) >= HEAD_CACHE:
                 self._heads.clear()
             lines = [f"POST {self.prefix}{path} HTTP/1.1", f"Host: {self.host_header}", "User-Agent: tracereplay"]
-            lines += [f"{name}: {value}" for name, value in headers.items()]
+            lines += [f"{name}: {value}" for name, value in with_credentials(self._full_url, headers).items()]
             head = self._heads[key] = ("\r\n".join(lines) + "\r\n").encode("latin-1")
         if request_id is not None:
             head += b"%s: %s\r\n" % (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))
@@ -256,6 +260,7 @@ class Outcome:
     output_tokens: int | None = None
     cached_tokens: int | None = None
     streamed: bool = True
+    usage_notes: list[str] | None = None  # usage figures dropped: not counts (replay.rules.usage)
 
     @property
     def ok(self) -> bool:
@@ -284,11 +289,19 @@ class Outcome:
         return (self.finished_at - self.token_times[0]) * 1000.0 / (n - 1)
 
     def apply_usage(self, usage: dict | None) -> None:
+        """Take the server's counts; a figure that is not a count (a string, a float, a negative
+        number) is left out and noted, so no record carries it and no sum meets it."""
         if not usage:
             return
         for key in ("prompt_tokens", "output_tokens", "cached_tokens"):
-            if usage.get(key) is not None:
-                setattr(self, key, usage[key])
+            value = usage.get(key)
+            if value is None:
+                continue
+            if is_count(value):
+                setattr(self, key, value)
+            else:
+                note = f"usage {key} {value!r:.40} is not a count"
+                self.usage_notes = [*(self.usage_notes or ()), note]
 
 
 def _exception_text(e: Exception) -> str:

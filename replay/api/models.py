@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from replay.api.ask import ask_json
+from replay.api.urls import shown
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def served_max_model_len(urls: list[str], model: str | None = None,
                 raise ValueError(f"HTTP {status}")
             models = answer.get("data") or []
         except (OSError, ValueError) as e:
-            logger.info("%s/v1/models: no model information (%s)", url, e)
+            logger.info("%s/v1/models: no model information (%s)", shown(url), e)
             continue
         chosen = [m for m in models if isinstance(m, dict) and (model is None or m.get("id") == model)] or models[:1]
         for m in chosen:

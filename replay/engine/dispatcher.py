@@ -293,7 +293,7 @@ class Dispatcher:
         # in a thread: the tokenizer check against the master's, then the set-up
         self.builder = build_off_loop(opts, self.block_size, self.master_fingerprint)
         # open for the process's life (records come until a stop is over); each batch is flushed
-        self.writer = RecordWriter(worker_path(self.output, self.index))
+        self.writer = RecordWriter(worker_path(self.output, self.index), self.output)
         if not self.local:
             self.offset = self.clock.measure()
         gevent.spawn(self._build_ahead)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import gevent
 
+from replay.api.urls import shown
 from replay.engine import messages
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile
@@ -94,7 +95,7 @@ class LiveStats:
         self.errors: Counter[str] = Counter()
         self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
         self.ideal = ideal_hit_tokens(coordinator)
-        self.servers = ServerView(coordinator.endpoint_urls())
+        self.servers = ServerView([shown(url) for url in coordinator.endpoint_urls()])
         if coordinator.scraper is not None:
             coordinator.scraper.listeners.append(self.servers.on_round)
         self._final = FinalCounts()

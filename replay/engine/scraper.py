@@ -10,6 +10,8 @@ hands the round to `listeners` (the Replay view).
 The first round is taken before the first request is sent (the coordinator waits for it), and
 a last one after the last answer, so counters' changes cover exactly the run. A server without
 `/metrics`, or one that fails, is logged once (and again once it answers); the run goes on.
+An endpoint is written, logged and handed on by its URL as shown (replay.api.urls); its
+credentials go only into the scrape's Authorization header.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from geventhttpclient import HTTPClient
 
 from replay.api.client import close_with_reset
 from replay.api.gevent_pool import PoolInternals
+from replay.api.urls import shown, with_credentials
 from replay.results.server_metrics import KNOWN, metrics_path, parse, sample_line
 
 logger = logging.getLogger(__name__)
@@ -37,26 +40,27 @@ MAX_TIMEOUT_S = 2.0  # a scrape's own limit: never more than this, never more th
 class Scraper:
     def __init__(self, endpoints: list[str], output: str | Path, interval: float, extra: list[str] | None = None):
         self.endpoints = list(endpoints)
+        self.shown = [shown(url) for url in self.endpoints]
         self.interval = interval
         self.names = tuple(dict.fromkeys((*KNOWN, *(extra or ()))))
         self.timeout = min(MAX_TIMEOUT_S, max(interval, 0.5))
         self.path = metrics_path(output)
-        self.listeners: list[Callable[[float, dict[str, dict | None]], None]] = []  # (t, {url: metrics or None})
+        self.listeners: list[Callable[[float, dict[str, dict | None]], None]] = []  # (t, {shown url: metrics or None})
         self.first_round = Event()  # set once the first round is written
         self._failing: dict[str, str] = {}  # endpoint -> the error last logged
         self._file = None
         self._loop: gevent.Greenlet | None = None
         self._stopping = Event()
-        self._clients: dict[str, tuple[HTTPClient, str]] = {}
+        self._clients: dict[str, tuple[HTTPClient, str, dict[str, str]]] = {}
 
-    def _client(self, url: str) -> tuple[HTTPClient, str]:
+    def _client(self, url: str) -> tuple[HTTPClient, str, dict[str, str]]:
         """A kept-alive connection per endpoint (geventhttpclient retries a GET on one the server
         closed): a fresh connection, headers parsed by http.client, each second was most of an
         idle process's CPU."""
         if url not in self._clients:
             client = HTTPClient.from_url(url, concurrency=1, connection_timeout=self.timeout,
-                                         network_timeout=self.timeout)
-            self._clients[url] = (client, urlsplit(url).path.rstrip("/") + "/metrics")
+                                         network_timeout=self.timeout)  # the host and port only
+            self._clients[url] = (client, urlsplit(url).path.rstrip("/") + "/metrics", with_credentials(url, None))
         return self._clients[url]
 
     def start(self) -> None:
@@ -72,8 +76,8 @@ class Scraper:
 
     def _one(self, url: str) -> tuple[dict | None, str | None]:
         try:
-            client, path = self._client(url)
-            response = client.get(path)
+            client, path, headers = self._client(url)
+            response = client.get(path, headers=headers)
             try:
                 data = response.read()
             finally:
@@ -90,14 +94,14 @@ class Scraper:
         jobs = [gevent.spawn(self._one, url) for url in self.endpoints]
         gevent.joinall(jobs, timeout=self.timeout + 1.0)
         results: dict[str, dict | None] = {}
-        for url, job in zip(self.endpoints, jobs):
+        for name, job in zip(self.shown, jobs):
             metrics, error = job.value if job.successful() else (None, "no answer in time")
             if not job.ready():
                 job.kill(block=False)
-            self._log(url, error)
-            results[url] = metrics
+            self._log(name, error)
+            results[name] = metrics
             if self._file is not None:
-                self._file.write(sample_line(t, url, metrics, error))
+                self._file.write(sample_line(t, name, metrics, error))
         if self._file is not None:
             self._file.flush()
         self.first_round.set()
@@ -123,7 +127,7 @@ class Scraper:
         self.scrape()
         self._file.close()
         self._file = None
-        for client, _ in self._clients.values():  # by reset: a FIN would leave a port in TIME_WAIT
+        for client, _, _ in self._clients.values():  # by reset: a FIN would leave a port in TIME_WAIT
             pool = PoolInternals(client)
             while (sock := pool.pop_idle()) is not None:
                 close_with_reset(sock)

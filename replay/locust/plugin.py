@@ -19,6 +19,7 @@ import gevent
 from locust import events
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
+from replay.api.urls import shown
 from replay.engine import live, messages, transport
 from replay.engine.coordinator import Coordinator, default_output
 from replay.engine.dispatcher import Dispatcher
@@ -54,14 +55,15 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
     try:
         options = replay_options(environment.parsed_options)
         options.check()
-        urls = options.endpoint_urls(environment.host)
+        host = _hide_host_credentials(environment)
+        urls = options.endpoint_urls(host())
         # The output is decided and locked here (held until this process exits), before the
         # coordinator could write it; an earlier run's files go now, only with --overwrite.
         claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
                              default=options.output is None)
         options.output = claim.output
         runner = environment.runner
-        return Coordinator(link, options, local_part=part, endpoints=urls, host=lambda: environment.host,
+        return Coordinator(link, options, local_part=part, endpoints=urls, host=host,
                            worker_gone=lambda client_id: _worker_gone(runner, client_id),
                            worker_host=lambda client_id: _worker_host(runner, client_id),
                            on_exit_code=lambda code: setattr(environment, "process_exit_code", code))
@@ -70,6 +72,25 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
             claim.release()
         logger.error("replay: %s", e)
         sys.exit(2)
+
+
+def _hide_host_credentials(environment) -> Callable[[], str | None]:
+    """Locust shows `environment.host` (its web UI, its HTML report) and sends it to workers:
+    it gets the URL as shown (replay.api.urls), and the returned function gives the full one,
+    credentials included, to connect with. A host typed into the web UI's form is hidden the
+    same way when asked; the shown URL left as it was means the same credentials."""
+    full: list[str | None] = [None]
+
+    def host() -> str | None:
+        current = environment.host
+        if current is not None and current != shown(current):  # credentials given (again)
+            full[0], environment.host = current, shown(current)
+        elif current != (full[0] and shown(full[0])):  # another host, without credentials
+            full[0] = current
+        return full[0]
+
+    host()
+    return host
 
 
 def _worker_gone(runner, client_id: str) -> bool:

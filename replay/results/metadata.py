@@ -16,6 +16,8 @@ from pathlib import Path
 
 import orjson
 
+from replay.api.urls import shown
+
 META_SUFFIX = ".meta.json"
 SUMMARY_SUFFIX = ".summary.json"  # the end-of-run summary, as `replay report --json` writes it
 META_VERSION = 1
@@ -92,7 +94,9 @@ def run_metadata(
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
     bad lines --on-bad-line skip dropped (all counted, the first MAX_SKIPPED_LISTED listed)."""
-    opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials
+    opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials, and so may URLs
+    if opts.get("endpoints"):
+        opts["endpoints"] = ",".join(shown(url) for url in opts["endpoints"].split(","))
     opts["header_names"] = [h.split(":", 1)[0].strip() for h in options.get("header") or ()]
     return {
         "meta_version": META_VERSION,
@@ -123,7 +127,7 @@ def run_metadata(
         "model": options.get("model"),
         "stream": options.get("stream"),
         "seed": options.get("seed"),
-        "endpoints": list(endpoints),
+        "endpoints": [shown(url) for url in endpoints],
         "server_check": server_check,  # --verify-server: how each endpoint counted the sample
         "epoch": epoch,
         "started_at": started_at,

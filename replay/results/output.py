@@ -19,7 +19,9 @@ import fcntl
 import os
 import re
 import socket
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from replay.errors import OptionError
 from replay.results.metadata import meta_path, summary_path
@@ -42,11 +44,52 @@ def earlier_run_files(output: str | Path) -> list[Path]:
     meta, summary and server-metrics files and the per-worker files (any N: an earlier run may
     have had more workers)."""
     out = Path(output)
-    files = [p for p in (out, meta_path(out), summary_path(out), metrics_path(out)) if p.exists()]
+    files = [p for p in (out, meta_path(out), summary_path(out), metrics_path(out)) if os.path.lexists(p)]
     pattern = re.compile(re.escape(out.name) + r"\.worker-\d+\.jsonl")
     if out.parent.is_dir():
         files += sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))
     return files
+
+
+def _scratch_files(output: Path) -> list[Path]:
+    """What a run on `output` writes besides its results: the lock and the files written and
+    then renamed over the results (the merged records', the meta's and the summary's)."""
+    renamed = (output, meta_path(output), summary_path(output))
+    return [lock_path(output), *(p.with_name(p.name + ".tmp") for p in renamed)]
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def _refuse_all_but_regular_files(output: str, paths: list[Path], hint: str) -> None:
+    """A run replaces or writes through only regular files: --overwrite once unlinked whatever
+    was there (as root, `--output /dev/full` deleted the device), and a link was written
+    through to its target. Anything else is left as it is, with or without --overwrite."""
+    for path in paths:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise OptionError(f"--output {output}: cannot inspect {path}: {e.strerror}{hint}") from None
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+            raise OptionError(f"--output {output}: {path} is {kind}, not a regular file; only an earlier run's "
+                              f"regular files are replaced: remove it, or choose another --output{hint}")
+
+
+def open_fresh(output: str, path: Path) -> BinaryIO:
+    """`path` emptied and opened for writing, if what is there is a regular file or nothing:
+    a worker on another host writes its file where the master's claim did not look, and "wb"
+    would write into a device or a FIFO, or through a link. Raises OptionError as the claim does."""
+    _refuse_all_but_regular_files(output, [path], "")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in since the look
+        os.close(fd)
+        _refuse_all_but_regular_files(output, [path], "")
+        raise OptionError(f"--output {output}: {path} is not a regular file")
+    return os.fdopen(fd, "wb")
 
 
 class OutputClaim:
@@ -108,6 +151,7 @@ def _claim(output: str, overwrite: bool, hint: str) -> OutputClaim:
     if out.is_dir():
         raise OptionError(f"--output {output}: is a folder; name a file (e.g. {out / 'run.jsonl'}){hint}")
     _make_folder(output, out.parent, hint)
+    _refuse_all_but_regular_files(output, [*_scratch_files(out), *earlier_run_files(out)], hint)
     fd = _lock(output, hint)
     claim = OutputClaim(output, fd)
     try:
@@ -140,8 +184,8 @@ def _lock(output: str, hint: str) -> int:
     """A descriptor of OUTPUT.lock holding an exclusive flock, its holder written in it."""
     path = lock_path(output)
     for _ in range(10):
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # O_NOFOLLOW, and no device or FIFO opened: checked before, here against a late swap
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as e:  # a read-only mount, a folder this user cannot write
             raise OptionError(f"--output {output}: cannot write in {path.parent}: {e.strerror}{hint}") from None
         try:
@@ -154,7 +198,8 @@ def _lock(output: str, hint: str) -> int:
                                   f"wait for it to end, or choose another --output{hint}") from None
             raise OptionError(f"--output {output}: cannot lock {path}: {e.strerror}{hint}") from None
         try:
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
+            mine = os.fstat(fd)
+            same = stat.S_ISREG(mine.st_mode) and os.path.samestat(mine, os.lstat(path))
         except FileNotFoundError:
             same = False
         if not same:  # its holder removed it between our open and our lock: take the new one

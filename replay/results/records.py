@@ -11,6 +11,9 @@ from typing import Iterable, Iterator, TypedDict
 
 import orjson
 
+from replay.results.output import open_fresh
+from replay.rules.usage import disagreements
+
 
 class Record(TypedDict):
     """One request's record: the one field list (design.md), in the order written to disk. A
@@ -37,6 +40,8 @@ class Record(TypedDict):
     prompt_tokens: int | None  # the server's counts (usage), when it gave them
     output_tokens: int | None
     cached_tokens: int | None
+    received_tokens: int | None  # content events received in the stream (null: not streamed)
+    usage_mismatch: str | None  # the usage claims that cannot be true (replay.rules.usage), "; "-joined
 
 
 RECORD_FIELDS = tuple(Record.__annotations__)
@@ -66,6 +71,11 @@ def _ms(value: float | None) -> float | None:
 
 def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome) -> Record:
     """The record of a request that was sent; `outcome` is a replay.api.Outcome."""
+    received = outcome.events_tokens if outcome.streamed else None
+    found = [*(outcome.usage_notes or ()),
+             *disagreements(input_length=row.input_length, output_length=row.output_length, received_tokens=received,
+                            prompt_tokens=outcome.prompt_tokens, output_tokens=outcome.output_tokens,
+                            cached_tokens=outcome.cached_tokens)]
     return {
         "request_id": row.request_id,
         "session_id": row.session_id,
@@ -88,6 +98,8 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "prompt_tokens": outcome.prompt_tokens,
         "output_tokens": outcome.output_tokens,
         "cached_tokens": outcome.cached_tokens,
+        "received_tokens": received,
+        "usage_mismatch": "; ".join(found) or None,
     }
 
 
@@ -116,10 +128,11 @@ def is_failure(record: Record) -> bool:
 class RecordWriter:
     """Writes records to a fresh JSONL file batch by batch, flushed per batch so the file survives a crash."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, output: str | Path | None = None):
+        """`output`: the run's --output, named in the error when `path` is not a file to write."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "wb")
+        self._file = open_fresh(str(output or path), self.path)
         self.count = 0
 
     def write(self, records: Iterable[Record]) -> None:

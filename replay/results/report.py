@@ -177,6 +177,9 @@ def format_report(report: dict) -> str:
     out.append(_line("Benchmark duration (s):", _num(report["duration_s"])))
     out.append(_line("Total input tokens:", report["total_input_tokens"]))
     out.append(_line("Total generated tokens:", report["total_output_tokens"]))
+    if report.get("requests_usage_mismatch"):
+        out.append(_line("Usage disagreements:", report["requests_usage_mismatch"]))
+        out.append("  (rows whose usage cannot be true: see their usage_mismatch; the totals are the servers' usage)")
     out.append(_line("Request throughput (req/s):", _num(report["request_throughput"])))
     if report.get("goodput_rps") is not None:
         slo = ",".join(f"{k}={v:g}" for k, v in report["slo"].items())

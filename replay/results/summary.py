@@ -136,7 +136,8 @@ class SummaryBuilder:
         self.requests_ok = 0
         self.requests_sent = 0
         self.input_tokens = 0  # of ok records
-        self.output_tokens = 0
+        self.output_tokens = 0  # the servers' usage figures (else the stream's events): see usage_mismatch
+        self.usage_mismatch = 0  # records whose usage claims something that cannot be true
         self.failures = FailureCounts()
         self.first_sent: float | None = None
         self.last_finished: float | None = None
@@ -147,6 +148,8 @@ class SummaryBuilder:
     def add(self, record: Record) -> None:
         self.requests += 1
         self.failures.add(record)
+        if record.get("usage_mismatch"):
+            self.usage_mismatch += 1
         sent_at = record.get("sent_at")
         if sent_at is not None:
             self.requests_sent += 1
@@ -188,6 +191,7 @@ class SummaryBuilder:
             "requests_ok": self.requests_ok,
             "requests_failed": self.requests - self.requests_ok,
             "failures": by_reason,
+            "requests_usage_mismatch": self.usage_mismatch,
             "duration_s": duration,
             "request_throughput": self.requests_ok / duration if duration else 0.0,
             "input_token_throughput": self.input_tokens / duration if duration else 0.0,

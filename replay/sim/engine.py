@@ -17,7 +17,7 @@ from gevent.event import Event
 
 from replay.sim.cache import PrefixCache, block_hashes
 from replay.sim.ledger import Ledger
-from replay.sim.options import SimOptions
+from replay.sim.options import SimOptions, false_usage
 from replay.sim.vocab import OutputVocabulary
 from replay.synth.tokenizer import ServerTokenizer
 
@@ -62,6 +62,7 @@ class Counters:
 class Engine:
     def __init__(self, options: SimOptions, tokenizer: ServerTokenizer | None = None):
         self.options = options
+        self.false_usage = false_usage(options) if options.false_usage is not None else None
         self.tokenizer = tokenizer or ServerTokenizer.load(options.tokenizer, options.chat_template)
         self.vocab = OutputVocabulary(self.tokenizer)
         self.cache = PrefixCache(options.block_size, options.cache_blocks)

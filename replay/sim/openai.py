@@ -154,13 +154,20 @@ def completion_prompt(engine: Engine, body: dict) -> list[int]:
                    param="prompt")
 
 
-def usage(plan: Plan) -> dict:
-    return {
+def usage(engine: Engine, plan: Plan) -> dict:
+    """The true counts, or with --false-usage the figures it names instead (total_tokens stays true)."""
+    answer = {
         "prompt_tokens": plan.prompt_tokens,
         "total_tokens": plan.prompt_tokens + plan.completion_tokens,
         "completion_tokens": plan.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": plan.cached_tokens},
     }
+    if engine.false_usage:
+        lie = dict(engine.false_usage)
+        if "cached_tokens" in lie:
+            answer["prompt_tokens_details"]["cached_tokens"] = lie.pop("cached_tokens")
+        answer.update(lie)
+    return answer
 
 
 # -- frames ----------------------------------------------------------------------------
@@ -190,7 +197,8 @@ class _Frames:
     def tail(self, plan: Plan) -> bytes:
         if not self.with_usage:
             return DONE
-        return b"data: " + self.header + b',"choices":[],"usage":' + orjson.dumps(usage(plan)) + b"}\n\n" + DONE
+        answer = orjson.dumps(usage(self.engine, plan))
+        return b"data: " + self.header + b',"choices":[],"usage":' + answer + b"}\n\n" + DONE
 
 
 class ChatFrames(_Frames):
@@ -219,7 +227,7 @@ class ChatFrames(_Frames):
                             "tool_calls": []},
                 "logprobs": None, "finish_reason": plan.finish_reason, "stop_reason": None,
             }],
-            "usage": usage(plan),
+            "usage": usage(self.engine, plan),
             "prompt_logprobs": None,
         })
 
@@ -245,7 +253,7 @@ class CompletionFrames(_Frames):
                 "index": 0, "text": self.engine.vocab.decode(plan.token_ids), "logprobs": None,
                 "finish_reason": plan.finish_reason, "stop_reason": None, "prompt_logprobs": None,
             }],
-            "usage": usage(plan),
+            "usage": usage(self.engine, plan),
         })
 
 

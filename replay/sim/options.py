@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
 
 
@@ -29,6 +30,8 @@ class SimOptions:
     seed: int = 0
     tokenize_endpoint: bool = True
     metrics: bool = True
+    require_authorization: str | None = None
+    false_usage: str | None = None
 
 
 HELP = {
@@ -53,6 +56,11 @@ HELP = {
     "seed": "seed of every random choice (faults, jitter, output tokens and lengths)",
     "tokenize_endpoint": "serve vLLM's POST /tokenize (--no-tokenize-endpoint: answer 404, as a server without one)",
     "metrics": "serve /metrics (--no-metrics: 404, as a server without Prometheus metrics)",
+    "require_authorization": "answer 401, as a server behind a key, to every request but /health and /debug/requests "
+                             "whose Authorization header is not exactly this (e.g. 'Bearer KEY', 'Basic BASE64')",
+    "false_usage": "a lying server: a JSON object whose keys replace the OpenAI APIs' usage figures "
+                   "(prompt_tokens, completion_tokens, cached_tokens; any JSON value), "
+                   "e.g. '{\"completion_tokens\": 99999}'",
 }
 
 
@@ -93,5 +101,21 @@ def validate(options: SimOptions) -> None:
     for name in ("ttft_ms", "prefill_ms_per_1k", "itl_ms", "stall_ms"):
         if getattr(options, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if options.false_usage is not None:
+        false_usage(options)
     if not 100 <= options.error_status <= 599:
         raise ValueError(f"--error-status must be an HTTP status, got {options.error_status}")
+
+
+FALSE_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+
+
+def false_usage(options: SimOptions) -> dict:
+    """--false-usage read: {key: value} for some of FALSE_USAGE_KEYS (ValueError otherwise)."""
+    try:
+        value = json.loads(options.false_usage or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--false-usage: not JSON: {e}") from None
+    if not isinstance(value, dict) or not set(value) <= set(FALSE_USAGE_KEYS):
+        raise ValueError(f"--false-usage: expected a JSON object of {', '.join(FALSE_USAGE_KEYS)}")
+    return value

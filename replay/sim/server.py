@@ -74,6 +74,7 @@ ROUTES: dict[str, tuple[str, Handler, str]] = {
 # and outcome); http.py lower-cases header names.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/generate_stream"})
 REQUEST_ID_HEADER = "x-request-id"
+OPEN_PATHS = frozenset({"/health", "/debug/requests"})  # answered without --require-authorization's header
 
 
 def _detail(status: int, text: str) -> Response:
@@ -92,6 +93,10 @@ class App:
         route = ROUTES.get(path)
         if route is None:
             return _detail(404, "Not Found")
+        required = self.engine.options.require_authorization
+        if required is not None and path not in OPEN_PATHS and request.headers.get("authorization") != required:
+            self.engine.record_error(401)
+            return _detail(401, "Unauthorized")
         method, handler, style = route
         if request.method != method and not (method == "GET" and request.method == "HEAD"):
             return _detail(405, "Method Not Allowed")

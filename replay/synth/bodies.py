@@ -5,17 +5,15 @@ from __future__ import annotations
 import orjson
 
 from replay.apis import get_api
+from replay.rules.usage import max_tokens_asked
 from replay.synth.prompts import Prompt
 
 
 def build_body(
     api: str, prompt: Prompt, *, model: str, output_length: int, stream: bool, ignore_eos: bool = True
 ) -> bytes:
-    """The JSON body for `api`, shaped by its entry in the API table (replay/apis).
-
-    An output_length of 0 is sent as 1: servers reject max_tokens=0, and one token is the
-    nearest request that still measures a time to first token.
-    """
-    body = get_api(api).body(prompt, model=model, max_tokens=max(1, output_length), stream=stream,
+    """The JSON body for `api`, shaped by its entry in the API table (replay/apis), asking for
+    `max_tokens_asked(output_length)` (replay.rules.usage: an output_length of 0 is sent as 1)."""
+    body = get_api(api).body(prompt, model=model, max_tokens=max_tokens_asked(output_length), stream=stream,
                              ignore_eos=ignore_eos)
     return orjson.dumps(body)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterable
 
 from replay.api.ask import Unanswered, ask_json
+from replay.api.urls import shown
 from replay.apis import Api, get_api
 from replay.rules.tokens import are_token_ids
 from replay.synth.prompts import Prompt, PromptSynthesizer, encode_prompt
@@ -165,8 +166,9 @@ def _gather(seq, indices: list[int]) -> tuple:
 
 def check_server(url: str, samples: list[Sample], api: str, model: str | None = None,
                  headers: dict[str, str] | None = None) -> ServerCheck:
-    """Ask `url` to count every sample; the first mismatch is kept (all are counted)."""
-    result = ServerCheck(url)
+    """Ask `url` to count every sample; the first mismatch is kept (all are counted). The result
+    names the URL as shown (replay.api.urls): it is logged and written to the meta."""
+    result = ServerCheck(shown(url))
     spec = get_api(api)
     started = time.perf_counter()
     try:
@@ -360,10 +362,12 @@ def verify_servers(urls: list[str], synth: PromptSynthesizer, tokenizer_path: st
             raise ServerCountsDiffer(explain(check, synth, tokenizer_path))
         if check.method is None:
             if mode == "require":
-                raise ServerCountsDiffer(f"--verify-server require: {url} offers no way to count prompts: {check.note}")
-            logger.warning("--verify-server: %s not checked (%s); its prompt counts are assumed right", url, check.note)
+                raise ServerCountsDiffer(f"--verify-server require: {check.endpoint} offers no way to count prompts: "
+                                         f"{check.note}")
+            logger.warning("--verify-server: %s not checked (%s); its prompt counts are assumed right", check.endpoint,
+                           check.note)
             continue
         logger.info("--verify-server: %s counts all %d sample prompts (%d tokens) as this tokenizer does "
-                    "(by %s, %.1f s)", url, check.prompts, check.tokens,
+                    "(by %s, %.1f s)", check.endpoint, check.prompts, check.tokens,
                     "POST /tokenize" if check.method == TOKENIZE else "usage.prompt_tokens", check.seconds)
     return verdict

@@ -1,0 +1,168 @@
+"""Credentials in a server URL (`http://user:password@host:port`) are used to connect (HTTP
+Basic, as browsers and `requests` do) and never shown: every record's `endpoint`, the meta,
+the summary, the server-metrics file, the logs, Locust's CSV and HTML report and `replay
+report` show the URL as `http://***@host:port`.
+
+Before this the password was written in all of those, and sent nowhere: the server got no
+Authorization header (the userinfo went into the Host header instead).
+"""
+
+from __future__ import annotations
+
+import base64
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import (BLOCK, LOCUST, check_records, finish, free_port, master_and_workers, mooncake_trace, replay_args,
+                      run_locust, server_samples, start_web_locust, wait_for, web_args)
+from replay.api.ask import Unanswered, ask, check_url
+from replay.api.urls import shown
+from replay.results.metadata import read_run_metadata, summary_path
+from replay.sim.process import sim_process
+
+USER, PASSWORD = "alice", "pw-S3cr3t-Xq9"
+BASIC = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+SECRETS = (PASSWORD, BASIC.split()[1])  # the password, and the header value that carries it
+
+
+@pytest.fixture
+def locked_sims(toy_tokenizer_dir):
+    """Two sims that answer 401 to any request without the Basic credentials."""
+    args = ("--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "1", "--prefill-ms-per-1k", "0",
+            "--require-authorization", BASIC)
+    with sim_process(toy_tokenizer_dir, *args) as first, sim_process(toy_tokenizer_dir, *args) as second:
+        yield first, second
+
+
+def with_credentials(url: str) -> str:
+    return url.replace("http://", f"http://{USER}:{PASSWORD}@", 1)
+
+
+def leaks(folder: Path, *texts: str) -> list[str]:
+    """Where a secret shows: files under `folder` (any depth) and the given texts."""
+    found = [f"{p}: {s}" for p in sorted(folder.rglob("*")) if p.is_file() for s in SECRETS
+             if s.encode() in p.read_bytes()]
+    return found + [f"text {i}: {s}" for i, text in enumerate(texts) for s in SECRETS if s in text]
+
+
+def test_shown_hides_the_userinfo_only():
+    assert shown("http://alice:pw@127.0.0.1:8000/v1") == "http://***@127.0.0.1:8000/v1"
+    assert shown("https://token@host") == "https://***@host"
+    assert shown("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert shown("host:8000") == "host:8000"
+    assert shown("http://a:b@[::1]:80/x?q=1") == "http://***@[::1]:80/x?q=1"
+
+
+def test_errors_show_the_url_as_shown():
+    """An option's error and a server that is down name the URL without its credentials."""
+    with pytest.raises(ValueError) as e:
+        check_url("--host", f"http://{USER}:{PASSWORD}@127.0.0.1:99999")
+    assert str(e.value) == "--host http://***@127.0.0.1:99999: the port is not a number in 0-65535"
+    with pytest.raises(Unanswered) as e:
+        ask(f"http://{USER}:{PASSWORD}@127.0.0.1:{free_port()}/v1/models", timeout=5)
+    assert str(e.value).startswith("http://***@127.0.0.1:") and PASSWORD not in str(e.value)
+
+
+def check_run(output: Path, urls: list[str], results: Path, *texts: str) -> None:
+    records = check_records(output, output.parent / "trace.jsonl")
+    assert {r["endpoint"] for r in records} == {shown(u) for u in urls}
+    assert all(s.startswith("http://***@127.0.0.1:") for s in {shown(u) for u in urls})
+    meta = read_run_metadata(output)
+    assert meta["endpoints"] == [shown(u) for u in urls]
+    samples = server_samples(output)
+    assert {s["endpoint"] for s in samples} == {shown(u) for u in urls}
+    assert all(s["metrics"] is not None for s in samples), samples[:2]  # /metrics answered: authenticated
+    assert summary_path(output).exists()
+    report = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--html",
+                             str(results / "report-again.html")], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert leaks(results, *texts, report.stdout, report.stderr) == []
+
+
+def test_credentials_in_host_authenticate_and_are_never_shown(tmp_path, toy_tokenizer_dir, locked_sims):
+    sim = locked_sims[0]
+    results = tmp_path / "results"
+    output = results / "run.jsonl"
+    results.mkdir()
+    trace = mooncake_trace(results / "trace.jsonl", rows=20, gap_ms=10)
+    url = with_credentials(sim.url)
+    proc = run_locust(replay_args(trace, toy_tokenizer_dir, url, output,
+                                  "--server-metrics-interval", "0.2", "--csv", str(results / "stats"),
+                                  "--html", str(results / "locust.html")), tmp_path)
+    check_run(output, [url], results, proc.stdout, proc.stderr)
+    assert requests.get(f"{sim.url}/debug/requests", timeout=10).json()["total"] == 20
+
+
+def test_credentials_in_endpoints_authenticate_and_are_never_shown(tmp_path, toy_tokenizer_dir, locked_sims):
+    results = tmp_path / "results"
+    results.mkdir()
+    trace = mooncake_trace(results / "trace.jsonl", rows=30, gap_ms=10)
+    output = results / "run.jsonl"
+    urls = [with_credentials(s.url) for s in locked_sims]
+    master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, urls[0], output,
+                                                               "--endpoints", ",".join(urls),
+                                                               "--server-metrics-interval", "0.2",
+                                                               "--html", str(results / "locust.html")))
+    finish([master, *workers], timeout=120)
+    logs = [(tmp_path / name).read_text() for name in ("master.log", "worker0.log", "worker1.log")]
+    assert master.returncode == 0, logs[0][-3000:]
+    check_run(output, urls, results, *logs)
+    totals = [requests.get(f"{s.url}/debug/requests", timeout=10).json()["total"] for s in locked_sims]
+    assert sum(totals) == 30 and all(totals)
+
+
+def test_a_wrong_password_fails_without_showing_it(tmp_path, toy_tokenizer_dir, locked_sims):
+    """A server that refuses the credentials: the run fails (exit 2 in the server check, which
+    is refused) and neither password shows in what it printed."""
+    results = tmp_path / "results"
+    results.mkdir()
+    trace = mooncake_trace(results / "trace.jsonl", rows=3, gap_ms=10)
+    url = locked_sims[0].url.replace("http://", f"http://{USER}:wrong-{PASSWORD}@", 1)
+    proc = subprocess.run([*LOCUST,
+                           *replay_args(trace, toy_tokenizer_dir, url, results / "run.jsonl")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "401" in proc.stderr + proc.stdout
+    assert leaks(results, proc.stdout, proc.stderr) == []
+
+
+def test_the_web_ui_never_shows_the_credentials(tmp_path, toy_tokenizer_dir, locked_sims):
+    """Locust's page (its host field, its custom parameters), the Replay view's stats and the
+    swarm's answers show the URL as shown; starting with the shown host as the form gives it
+    back keeps the credentials (the run authenticates)."""
+    sim = locked_sims[0]
+    results = tmp_path / "results"
+    results.mkdir()
+    trace = mooncake_trace(results / "trace.jsonl", rows=12, gap_ms=20)
+    output = results / "run.jsonl"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    url = with_credentials(sim.url)
+    procs = start_web_locust(tmp_path, [*web_args(trace, toy_tokenizer_dir, url, output, port),
+                                        "--endpoints", url], workers=0)
+    pages = []
+    try:
+        wait_for(lambda: requests.get(f"{base}/replay/stats", timeout=2).status_code == 200, "the web UI")
+        index = requests.get(f"{base}/", timeout=5).text
+        assert shown(url) in index
+        pages.append(index)
+        started = requests.post(f"{base}/swarm", data={"user_count": "0", "spawn_rate": "0", "host": shown(url)},
+                                timeout=10).json()
+        assert started["success"], started
+        pages.append(str(started))
+        final = wait_for(lambda: (s := requests.get(f"{base}/replay/stats", timeout=2).json())["run"]["state"]
+                         == "finished" and s, "the replay to finish", timeout=60)  # fmt: skip
+        pages.append(str(final))
+        assert final["progress"]["rows_done"] == 12
+        pages += [requests.get(f"{base}{page}", timeout=5).text for page in ("/", "/stats/requests",
+                                                                             "/stats/report", "/stats/requests/csv")]
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        finish(procs, timeout=30)
+    check_records(output, trace)
+    assert leaks(results, (tmp_path / "master.log").read_text(), *pages) == []
