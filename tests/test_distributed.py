@@ -512,3 +512,47 @@ def test_sigterm_to_one_worker(tmp_path, toy_tokenizer_dir, fast_sim, moment):
         if path.exists():
             ids = [r["request_id"] for r in read_records(path)]
             assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("signals", [[signal.SIGTERM, signal.SIGTERM], [signal.SIGHUP]], ids=["SIGTERM twice", "SIGHUP"])
+def test_more_stop_signals_to_single_process(tmp_path, toy_tokenizer_dir, fast_sim, signals):
+    """A second signal while the run stops landed in Locust's own stop (a traceback, exit 130, the
+    records cut off); SIGHUP (the terminal closed) killed the process with nothing written."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
+    output = tmp_path / "run.jsonl"
+    proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), tmp_path, tmp_path / "local.log")
+    try:
+        wait_for_text(tmp_path / "local.log", "replay starts at", proc)
+        time.sleep(2.0)  # the scenario: 2 s into the run
+        for signum in signals:
+            proc.send_signal(signum)
+        finish([proc], timeout=40)
+    finally:
+        finish([proc], timeout=5)
+    log = (tmp_path / "local.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "Traceback" not in log
+    assert_user_stop(finalized(output, trace, tmp_path / "local.log"))
+
+
+def test_ctrl_c_to_processes_is_the_users_stop(tmp_path, toy_tokenizer_dir, fast_sim):
+    """A terminal's Ctrl-C reaches the master and its --processes workers together: the workers
+    are in the master's process group, so the user's stop decides the labels (not "worker
+    stopped"), exit 0, and each worker's file holds one record per row."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    proc = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--processes", "2",
+                         "--master-bind-host", "127.0.0.1", "--master-host", "127.0.0.1", "--master-bind-port",
+                         str(port), "--master-port", str(port)], tmp_path, tmp_path / "master.log", new_session=True)
+    try:
+        wait_for_text(tmp_path / "master.log", "replay starts at", proc)
+        time.sleep(2.0)  # the scenario: 2 s into the run
+        os.killpg(proc.pid, signal.SIGINT)
+        finish([proc], timeout=60)
+    finally:
+        finish([proc], timeout=5)
+    log = (tmp_path / "master.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert_user_stop(finalized(output, trace, tmp_path / "master.log"))
+    assert_worker_files_one_record_per_row(output)

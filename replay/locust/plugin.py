@@ -32,6 +32,8 @@ from replay.trace.record import TraceError
 
 logger = logging.getLogger(__name__)
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each stops a run (SIGHUP: its terminal closed)
+MASTER_STOP_GRACE_S = 10.0  # a worker in the master's process group waits this long for the master's stop
 MASTER_LOST_S = 6.0  # a worker stops sending when the master has not answered a heartbeat for this long
 
 
@@ -146,13 +148,17 @@ def _stop_on_signals(environment) -> None:
       which Locust does not guard: a KeyboardInterrupt there was a traceback): every row is
       recorded "run stopped" here, the workers told to quit, and the exit code is a user stop's.
       In the web UI's mode no run was asked for yet: Locust just quits.
-    - Once begun: a KeyboardInterrupt in the main greenlet, where Locust's run turns it into a stop.
-    - While the records are being written: ignored, it would cut them off."""
+    - Once begun: a KeyboardInterrupt in the main greenlet, where Locust's run turns it into a
+      stop; once only: a second one landed in Locust's own stop (a traceback, records cut off).
+    - While the records are being written: ignored, it would cut them off.
+    SIGHUP (the terminal closed) is a stop too, not a death with nothing written."""
     hub = gevent.get_hub()
     options = environment.parsed_options
     run_asked = bool(getattr(options, "headless", False) or getattr(options, "autostart", False))
+    interrupted = False
 
     def stop(signum: int) -> None:
+        nonlocal interrupted
         name = signal.Signals(signum).name
         replay = getattr(environment, "replay", None)
         coordinator = replay.coordinator if replay is not None else None
@@ -161,39 +167,68 @@ def _stop_on_signals(environment) -> None:
             hub.handle_system_error(SystemExit, SystemExit(128 + signum))
         elif coordinator.ending:
             logger.warning("%s received while the run's records are being written: finishing them first", name)
+        elif interrupted:
+            logger.warning("%s received while the run stops: it is stopping already", name)
         elif coordinator.store is None and run_asked:
             logger.warning("replay: %s before the run began: every row is recorded as %r", name, RUN_STOPPED)
             coordinator.cancel()
             environment.runner.quit()  # workers already connected quit too
             hub.handle_system_error(SystemExit, SystemExit(environment.process_exit_code or 0))
         else:
+            interrupted = True
             hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         gevent.signal_handler(signum, stop, signum)
 
 
 def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher) -> None:
-    """A worker that gets a SIGTERM or SIGINT of its own is not the user stopping the run: its
-    unanswered rows are recorded "worker stopped" (a failure: the master exits 1), and the master
-    is told, for the rows it never shipped. A worker in the master's process group on its host
-    (`--processes`, or a shell that started both) got a signal the master got too (a terminal's
-    Ctrl-C, a service manager's stop): the master's stop decides, as before. Then Locust quits as
-    it does on a signal (SIGINT: a KeyboardInterrupt; SIGTERM: its own handler, which follows
-    this one)."""
+    """A worker that gets a SIGTERM, SIGINT or SIGHUP of its own is not the user stopping the
+    run: its unanswered rows are recorded "worker stopped" (a failure: the master exits 1), and
+    the master is told, for the rows it never shipped. A worker in the master's process group on
+    its host (`--processes`, or one shell that started both) got a signal the master got too (a
+    terminal's Ctrl-C or hang-up): it waits for the master's stop, which decides the labels, and
+    only if none comes in MASTER_STOP_GRACE_S is it a stop of its own. Then Locust quits as it does
+    on a signal (SIGTERM: its own handler, which follows this one and cannot be held back, so there
+    the held rows are recorded at once as the user's stop; else a KeyboardInterrupt)."""
     hub = gevent.get_hub()
+    signalled = False
+
+    def stopped_alone(name: str) -> None:
+        logger.error("%s: this worker stops; its unanswered rows are recorded as %r", name, WORKER_STOPPED)
+        link.to_master(messages.STOPPED, messages.Stopped())
+        part.abort(WORKER_STOPPED)
+        environment.process_exit_code = 1
+
+    def unless_the_master_stops(name: str) -> None:
+        deadline = time.monotonic() + MASTER_STOP_GRACE_S
+        while not part.stopping and time.monotonic() < deadline:
+            gevent.sleep(0.1)
+        if part.stopping:
+            return  # the master's stop labels the rows, and its quit ends this worker
+        stopped_alone(name)
+        hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
 
     def stop(signum: int) -> None:
-        if not part.with_master and not part.finished.is_set() and not part.stopping:
-            logger.error("%s: this worker stops; its unanswered rows are recorded as %r",
-                         signal.Signals(signum).name, WORKER_STOPPED)
-            link.to_master(messages.STOPPED, messages.Stopped())
-            part.abort(WORKER_STOPPED)
-            environment.process_exit_code = 1
-        if signum == signal.SIGINT:
+        nonlocal signalled
+        name = signal.Signals(signum).name
+        if signalled:  # a second KeyboardInterrupt would land in Locust's own shutdown
+            logger.warning("%s received while this worker stops: it is stopping already", name)
+            return
+        signalled = True
+        if not part.finished.is_set() and not part.stopping:
+            if not part.with_master:
+                stopped_alone(name)
+            elif signum != signal.SIGTERM:
+                logger.warning("%s: the master, in this process group, got it too; waiting for its stop", name)
+                gevent.spawn(unless_the_master_stops, name)
+                return
+            else:
+                part.abort(RUN_STOPPED)  # its records go before Locust's quit message
+        if signum != signal.SIGTERM:
             hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         gevent.signal_handler(signum, stop, signum)
 
 
