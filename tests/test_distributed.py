@@ -389,29 +389,30 @@ def test_signal_before_the_trace_is_read(tmp_path, toy_tokenizer_dir):
 
 
 @pytest.mark.parametrize("mode", ["local", "master"])
-def test_signal_between_plan_and_go(tmp_path, mode):
-    """The plan is out, the worker's cold set-up of a real tokenizer (seconds) holds the go back:
-    a SIGTERM then stops the run as a user's stop, every row "run stopped", exit 0."""
-    tokenizer = shared_path("tokenizers", "qwen2")
-    env = {**os.environ, "TRACEREPLAY_CACHE_DIR": str(tmp_path / "cold-cache")}
+def test_signal_between_plan_and_go(tmp_path, toy_tokenizer_dir, mode):
+    """The plan is out, and the go waits for the first round of the server's /metrics, which a
+    server that never answers holds back for the scrape's timeout: a SIGTERM then stops the run
+    as a user's stop, every row "run stopped", exit 0."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
     output = tmp_path / "run.jsonl"
-    args = [*replay_args(trace, tokenizer, "http://127.0.0.1:9", output), "--verify-server", "off",
-            "--max-prompt-tokens", "4096", "--server-metrics-interval", "0"]
+    server = BlackHole()
+    args = [*replay_args(trace, toy_tokenizer_dir, server.url, output), "--verify-server", "off",
+            "--max-prompt-tokens", "4096", "--server-metrics-interval", "5"]
     procs = []
     try:
         if mode == "local":
-            procs.append(spawn_locust(args, tmp_path, tmp_path / "master.log", env))
+            procs.append(spawn_locust(args, tmp_path, tmp_path / "master.log"))
         else:
             port = free_port()
             procs.append(spawn_locust([*args, "--master", "--expect-workers", "1", "--master-bind-host", "127.0.0.1",
-                                       "--master-bind-port", str(port)], tmp_path, tmp_path / "master.log", env))
-            procs.append(spawn_worker(tmp_path, port, "worker0", env))
+                                       "--master-bind-port", str(port)], tmp_path, tmp_path / "master.log"))
+            procs.append(spawn_worker(tmp_path, port, "worker0"))
         wait_for_text(tmp_path / "master.log", "rows across 1 worker", procs[0])
         procs[0].send_signal(signal.SIGTERM)
         finish(procs, timeout=60)
     finally:
         finish(procs, timeout=5)
+        server.close()
     log = (tmp_path / "master.log").read_text()
     assert procs[0].returncode == 0, log[-3000:]
     assert "replay starts at" not in log  # the moment was before the go
@@ -526,6 +527,7 @@ def test_more_stop_signals_to_single_process(tmp_path, toy_tokenizer_dir, fast_s
         time.sleep(2.0)  # the scenario: 2 s into the run
         for signum in signals:
             proc.send_signal(signum)
+            wait_for_text(tmp_path / "local.log", "Exiting due to CTRL+C interruption", proc)  # the stop is under way
         finish([proc], timeout=40)
     finally:
         finish([proc], timeout=5)

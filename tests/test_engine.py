@@ -12,6 +12,7 @@ import orjson
 from gevent.monkey import get_original
 
 from conftest import BLOCK, check_records, mooncake_trace
+from replay.engine import messages
 from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
 from replay.engine.options import ReplayOptions
@@ -94,3 +95,35 @@ def test_a_stop_records_each_request_once(tmp_path, fast_sim, toy_tokenizer_dir)
     for r in own:  # the same record in both files: an answer is ok in each, a cancel fails in each
         assert merged[r["request_id"]]["error"] == r["error"]
         assert r["ok"] or r["error"] == STOPPED_IN_FLIGHT
+
+
+class LosesFirst(LocalLink):
+    """LocalLink that loses the first master->worker message of one type (as ZeroMQ drops a
+    message to a worker that has not registered its type yet, or past its high-water mark)."""
+
+    def __init__(self, msg_type: str):
+        super().__init__()
+        self.lose = msg_type
+
+    def to_worker(self, client_id: str, msg_type: str, data) -> None:
+        if msg_type == self.lose:
+            self.lose = ""
+            return
+        super().to_worker(client_id, msg_type, data)
+
+
+def test_a_lost_plan_is_sent_again(tmp_path, sim, toy_tokenizer_dir):
+    """The run depends on the plan: sent once, a lost one left the worker idle and the run never
+    started. Resent until the worker acknowledges it: every row ok."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=20)
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output))
+    link = LosesFirst(messages.PLAN)
+    part = Dispatcher(link, local=True)
+    coordinator = Coordinator(link, options, local_part=part, endpoints=[sim.url], host=lambda: sim.url)
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    assert coordinator.finished.wait(timeout=30), f"{coordinator.recorded} of {coordinator.total} rows recorded"
+    gevent.spawn(coordinator.end).join(timeout=60)
+    assert link.lose == ""  # the plan was lost once
+    check_records(output, trace)
