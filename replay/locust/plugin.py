@@ -195,7 +195,10 @@ def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher)
     signalled = False
 
     def stopped_alone(name: str) -> None:
-        logger.error("%s: this worker stops; its unanswered rows are recorded as %r", name, WORKER_STOPPED)
+        if part.options is None:
+            logger.error("%s: this worker stops before it got its part of the run", name)
+        else:
+            logger.error("%s: this worker stops; its unanswered rows are recorded as %r", name, WORKER_STOPPED)
         link.to_master(messages.STOPPED, messages.Stopped())
         part.abort(WORKER_STOPPED)
         environment.process_exit_code = 1
