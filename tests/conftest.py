@@ -145,16 +145,20 @@ def check_records(output: Path, trace: Path, exact_prompt: bool = True) -> list[
     return records
 
 
-def spawn_locust(args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`env`: the process's whole environment (default: this one's)."""
-    return subprocess.Popen([*LOCUST, *args], cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
-                            env=env)
+def spawn_locust(args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None,
+                 new_session: bool = False, locustfile: list[str] | None = None) -> subprocess.Popen:
+    """`env`: the process's whole environment (default: this one's). `new_session`: in a process
+    group of its own, as a process started from another terminal or host is (by default it shares
+    pytest's, and the master's). `locustfile`: the command before `args` (default LOCUST)."""
+    return subprocess.Popen([*(locustfile or LOCUST), *args], cwd=cwd, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=new_session)
 
 
-def spawn_worker(tmp_path: Path, port: int, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A worker running in `tmp_path` (relative paths in the plan resolve there), log `tmp_path/name.log`."""
+def spawn_worker(tmp_path: Path, port: int, name: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """A worker running in `tmp_path` (relative paths in the plan resolve there), log `tmp_path/name.log`;
+    `kwargs` as spawn_locust's."""
     return spawn_locust(["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)], tmp_path,
-                        tmp_path / f"{name}.log", env)
+                        tmp_path / f"{name}.log", env, **kwargs)
 
 
 def master_and_workers(tmp_path: Path, master_args: list[str], workers: int = 2, port: int | None = None):
@@ -194,6 +198,14 @@ def bailian_trace(path: Path, sessions: int = 8, turns: int = 3, gap_s: float = 
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return path
+
+
+@pytest.fixture
+def fast_sim(toy_tokenizer_dir):
+    """Answers in a few ms with no cap on concurrent requests: the replay, not the server, is on trial."""
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "0",
+                     "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000") as server:
+        yield server
 
 
 @pytest.fixture

@@ -10,7 +10,9 @@ exit code that tells the truth.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -18,23 +20,17 @@ import orjson
 import pytest
 import requests
 
-from conftest import (BLOCK, bailian_trace, check_records, finish, free_port, master_and_workers, mooncake_trace,
-                      replay_args, run_locust, shared_path, spawn_locust, spawn_worker, trace_ids, wait_for_text)
+from conftest import (BLOCK, REPO, bailian_trace, check_records, finish, free_port, master_and_workers,
+                      mooncake_trace, replay_args, run_locust, shared_path, spawn_locust, spawn_worker, trace_ids,
+                      wait_for_text)
 from replay.engine.coordinator import CHUNK_ROWS
 from replay.engine.transport import HOLD_ROWS
-from replay.results.metadata import read_run_metadata
-from replay.results.records import MASTER_LOST, RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, read_records
+from replay.results.metadata import read_run_metadata, summary_path
+from replay.results.records import (MASTER_LOST, RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, WORKER_STOPPED,
+                                    read_records)
 from replay.sim.process import sim_process
 
 SHIP_WINDOW_ROWS = 8 * CHUNK_ROWS  # what a worker holds before acks must flow
-
-
-@pytest.fixture
-def fast_sim(toy_tokenizer_dir):
-    """Answers in a few ms with no cap on concurrent requests: the replay, not the server, is on trial."""
-    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "0",
-                     "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000") as server:
-        yield server
 
 
 def received_ids(url: str) -> dict[str, int]:
@@ -115,6 +111,16 @@ def finalized(output: Path, trace: Path, log: Path) -> list[dict]:
     return records
 
 
+def assert_worker_files_one_record_per_row(output: Path, workers: int = 2) -> None:
+    """Each worker's own file: one record per row it recorded, and only requests not answered
+    fail (a stop's label never stands beside the same request's answer)."""
+    for i in range(workers):
+        records = list(read_records(f"{output}.worker-{i}.jsonl"))
+        ids = [r["request_id"] for r in records]
+        twice = sorted({rid for rid in ids if ids.count(rid) > 1})
+        assert not twice, f"worker {i}: {len(twice)} rows recorded twice, e.g. {twice[:5]}"
+
+
 def assert_user_stop(records: list[dict]) -> None:
     """Answered rows ok, the rest run stopped (never sent) or cut off in flight (sent)."""
     for r in records:
@@ -177,6 +183,7 @@ def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
     assert master.returncode == 0, (tmp_path / "master.log").read_text()[-3000:]
     records = finalized(output, trace, tmp_path / "master.log")
     assert_user_stop(records)
+    assert_worker_files_one_record_per_row(output)
     sent = [r["request_id"] for r in records if r["sent_at"] is not None]
     assert_each_sent_once(output, fast_sim.url, sent)  # nothing was sent after the stop
 
@@ -195,6 +202,7 @@ def test_workers_stop_sending_when_the_master_dies(tmp_path, toy_tokenizer_dir, 
         assert any(r["ok"] for r in records)
         assert all(r["ok"] or r["error"] == MASTER_LOST for r in records), {r["error"] for r in records}
         assert any(r["error"] == MASTER_LOST for r in records)
+    assert_worker_files_one_record_per_row(output)
 
 
 def test_failed_rows_make_exit_code_1(tmp_path, toy_tokenizer_dir):
@@ -270,3 +278,283 @@ def mooncake_row():
     from replay.trace.record import TraceRow
 
     return TraceRow(request_id=0, timestamp_s=0.0, input_length=600, output_length=4, hash_ids=(1, 2))
+
+
+# -- stops before the first send, a plan that must not be dropped, a worker stopped on its own --------
+
+
+class BlackHole:
+    """A server that accepts connections and never answers: whatever the replay asks it first
+    (the served model's length, the server check) blocks, so a signal can land there."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list = []
+
+    def wait_asked(self, proc) -> None:
+        """Until the replay's first connection is in (the replay blocks on it from then on)."""
+        self.sock.settimeout(60)
+        conn, _ = self.sock.accept()
+        self.held.append(conn)
+        assert proc.poll() is None
+
+    def close(self) -> None:
+        for conn in self.held:
+            conn.close()
+        self.sock.close()
+
+
+def all_run_stopped(output: Path, trace: Path) -> list[dict]:
+    """A stop before the first send: one never-sent "run stopped" record per row, meta, summary."""
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    assert all(r["error"] == RUN_STOPPED and r["sent_at"] is None and r["worker"] is None for r in records)
+    assert read_run_metadata(output) is not None and summary_path(output).exists()
+    return records
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_while_waiting_for_workers(tmp_path, toy_tokenizer_dir, fast_sim, signum):
+    """Locust's --expect-workers wait has no guard of its own (a KeyboardInterrupt traceback,
+    exit 130, nothing written): the stop records every row, writes meta and summary, exits 0 as a
+    user's stop does, and the worker already connected quits with it."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
+                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
+                           str(port)], tmp_path, tmp_path / "master.log")
+    worker = spawn_worker(tmp_path, port, "worker0")
+    try:
+        wait_for_text(tmp_path / "master.log", "1 workers connected", master)
+        master.send_signal(signum)
+        finish([master, worker], timeout=40)
+    finally:
+        finish([master, worker], timeout=5)
+    log = (tmp_path / "master.log").read_text()
+    assert master.returncode == 0, log[-3000:]
+    assert "Traceback" not in log and "before the run began" in log
+    all_run_stopped(output, trace)
+    assert worker.returncode == 0  # told to quit by the master, not left waiting
+    assert received_ids(fast_sim.url) == {}
+
+
+@pytest.mark.parametrize("mode", ["local", "master"])
+def test_signal_during_the_server_check(tmp_path, toy_tokenizer_dir, mode):
+    """The trace is read, the server check blocks on a server that never answers: a SIGTERM then
+    records every row, as any stop before the first send."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    server = BlackHole()
+    args = [*replay_args(trace, toy_tokenizer_dir, server.url, output), "--max-prompt-tokens", "4096"]
+    if mode == "master":
+        args += ["--master", "--expect-workers", "1", "--master-bind-host", "127.0.0.1", "--master-bind-port",
+                 str(free_port())]
+    proc = spawn_locust(args, tmp_path, tmp_path / "run.log")
+    try:
+        server.wait_asked(proc)
+        proc.send_signal(signal.SIGTERM)
+        finish([proc], timeout=40)
+    finally:
+        finish([proc], timeout=5)
+        server.close()
+    log = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "Traceback" not in log
+    assert read_run_metadata(output)["server_check"]["skipped"] == "not checked"
+    all_run_stopped(output, trace)
+
+
+def test_signal_before_the_trace_is_read(tmp_path, toy_tokenizer_dir):
+    """Asking the server its max_model_len comes before the trace is read: a SIGTERM there has
+    nothing to record; one line, no traceback, exit 128 + 15, no output."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    server = BlackHole()
+    proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, server.url, output), tmp_path, tmp_path / "run.log")
+    try:
+        server.wait_asked(proc)
+        proc.send_signal(signal.SIGTERM)
+        finish([proc], timeout=40)
+    finally:
+        finish([proc], timeout=5)
+        server.close()
+    log = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert "Traceback" not in log and "SIGTERM before the trace was read: nothing was sent or recorded" in log
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("mode", ["local", "master"])
+def test_signal_between_plan_and_go(tmp_path, toy_tokenizer_dir, mode):
+    """The plan is out, and the go waits for the first round of the server's /metrics, which a
+    server that never answers holds back for the scrape's timeout: a SIGTERM then stops the run
+    as a user's stop, every row "run stopped", exit 0."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    server = BlackHole()
+    args = [*replay_args(trace, toy_tokenizer_dir, server.url, output), "--verify-server", "off",
+            "--max-prompt-tokens", "4096", "--server-metrics-interval", "5"]
+    procs = []
+    try:
+        if mode == "local":
+            procs.append(spawn_locust(args, tmp_path, tmp_path / "master.log"))
+        else:
+            port = free_port()
+            procs.append(spawn_locust([*args, "--master", "--expect-workers", "1", "--master-bind-host", "127.0.0.1",
+                                       "--master-bind-port", str(port)], tmp_path, tmp_path / "master.log"))
+            procs.append(spawn_worker(tmp_path, port, "worker0"))
+        wait_for_text(tmp_path / "master.log", "rows across 1 worker", procs[0])
+        procs[0].send_signal(signal.SIGTERM)
+        finish(procs, timeout=60)
+    finally:
+        finish(procs, timeout=5)
+        server.close()
+    log = (tmp_path / "master.log").read_text()
+    assert procs[0].returncode == 0, log[-3000:]
+    assert "replay starts at" not in log  # the moment was before the go
+    assert "Traceback" not in log
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    assert all(r["error"] == RUN_STOPPED and r["sent_at"] is None for r in records)
+    assert summary_path(output).exists()
+
+
+def test_second_signal_during_the_final_write(tmp_path, toy_tokenizer_dir, fast_sim):
+    """A second SIGTERM while the records are written does not cut them off."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=60_000, gap_ms=20)  # 20 min: nearly all never sent
+    output = tmp_path / "run.jsonl"
+    master, workers = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    try:
+        wait_for_text(tmp_path / "master.log", "replay starts at", master)
+        time.sleep(2.0)  # the scenario: 2 s into the run
+        master.send_signal(signal.SIGTERM)
+        wait_for_text(tmp_path / "master.log", "the run ends", master)
+        master.send_signal(signal.SIGTERM)
+        finish([master, *workers], timeout=90)
+    finally:
+        finish([master, *workers], timeout=5)
+    log = (tmp_path / "master.log").read_text()
+    assert master.returncode == 0, log[-3000:]
+    assert "SIGTERM received while the run's records are being written" in log
+    assert_user_stop(finalized(output, trace, tmp_path / "master.log"))
+
+
+SLOW_INIT = '''
+import time
+from locust import events
+
+@events.init.add_listener
+def _slow(environment, **kwargs):
+    time.sleep(3)  # before the replay's own init: its messages are not registered yet
+'''
+
+
+def test_plan_waits_until_the_worker_can_hear(tmp_path, toy_tokenizer_dir, fast_sim):
+    """Locust acks a worker's connection before the worker registers the replay's messages; a
+    plan sent then was dropped ("Unknown message type received: replay_plan") and the run never
+    started. Here each worker registers them 3 s after it connected: every row ok all the same."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=100, gap_ms=10)
+    output = tmp_path / "run.jsonl"
+    slow = tmp_path / "slow_init.py"
+    slow.write_text(SLOW_INIT)
+    port = free_port()
+    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
+                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
+                           str(port)], tmp_path, tmp_path / "master.log")
+    command = [sys.executable, "-m", "locust", "-f", f"{slow},{REPO / 'locustfile.py'}"]
+    workers = [spawn_worker(tmp_path, port, f"worker{i}", locustfile=command) for i in range(2)]
+    finish([master, *workers], timeout=90)
+    log = (tmp_path / "master.log").read_text()
+    assert master.returncode == 0, log[-3000:]
+    check_records(output, trace)
+    for i in range(2):
+        assert "Unknown message type" not in (tmp_path / f"worker{i}.log").read_text()
+
+
+@pytest.mark.parametrize("moment", ["before the go", "mid-run"])
+def test_sigterm_to_one_worker(tmp_path, toy_tokenizer_dir, fast_sim, moment):
+    """A worker stopped by a signal of its own (another terminal, an operator, an eviction) is not
+    the user stopping the run: its unanswered rows fail as "worker stopped", the master exits 1;
+    the other worker's rows are all ok."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=200, gap_ms=40)  # 8 s
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
+                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
+                           str(port)], tmp_path, tmp_path / "master.log")
+    workers = [spawn_worker(tmp_path, port, f"worker{i}", new_session=True) for i in range(2)]
+    try:
+        if moment == "before the go":
+            wait_for_text(tmp_path / "master.log", "rows across 2 worker", master)
+        else:
+            wait_for_text(tmp_path / "master.log", "replay starts at", master)
+            time.sleep(2.0)  # the scenario: 2 s into the run
+        workers[0].send_signal(signal.SIGTERM)
+        finish([master, *workers], timeout=90)
+    finally:
+        finish([master, *workers], timeout=5)
+    log = (tmp_path / "master.log").read_text()
+    assert master.returncode == 1, log[-3000:]
+    assert workers[0].returncode == 1
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    index = {w["client_id"]: w["index"] for w in read_run_metadata(output)["workers"]}
+    stopped = {r["worker"] for r in records if not r["ok"]}
+    assert len(stopped) == 1, {r["error"] for r in records}
+    assert all(r["error"] == WORKER_STOPPED for r in records if not r["ok"])
+    assert all(r["ok"] for r in records if r["worker"] not in stopped)
+    assert len(index) == 2
+    for i in range(2):  # every worker file: one record per row it recorded
+        path = Path(f"{output}.worker-{i}.jsonl")
+        if path.exists():
+            ids = [r["request_id"] for r in read_records(path)]
+            assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("signals", [[signal.SIGTERM, signal.SIGTERM], [signal.SIGHUP]], ids=["SIGTERM twice", "SIGHUP"])
+def test_more_stop_signals_to_single_process(tmp_path, toy_tokenizer_dir, fast_sim, signals):
+    """A second signal while the run stops landed in Locust's own stop (a traceback, exit 130, the
+    records cut off); SIGHUP (the terminal closed) killed the process with nothing written."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
+    output = tmp_path / "run.jsonl"
+    proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), tmp_path, tmp_path / "local.log")
+    try:
+        wait_for_text(tmp_path / "local.log", "replay starts at", proc)
+        time.sleep(2.0)  # the scenario: 2 s into the run
+        for signum in signals:
+            proc.send_signal(signum)
+            wait_for_text(tmp_path / "local.log", "Exiting due to CTRL+C interruption", proc)  # the stop is under way
+        finish([proc], timeout=40)
+    finally:
+        finish([proc], timeout=5)
+    log = (tmp_path / "local.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "Traceback" not in log
+    assert_user_stop(finalized(output, trace, tmp_path / "local.log"))
+
+
+def test_ctrl_c_to_processes_is_the_users_stop(tmp_path, toy_tokenizer_dir, fast_sim):
+    """A terminal's Ctrl-C reaches the master and its --processes workers together: the workers
+    are in the master's process group, so the user's stop decides the labels (not "worker
+    stopped"), exit 0, and each worker's file holds one record per row."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    proc = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--processes", "2",
+                         "--master-bind-host", "127.0.0.1", "--master-host", "127.0.0.1", "--master-bind-port",
+                         str(port), "--master-port", str(port)], tmp_path, tmp_path / "master.log", new_session=True)
+    try:
+        wait_for_text(tmp_path / "master.log", "replay starts at", proc)
+        time.sleep(2.0)  # the scenario: 2 s into the run
+        os.killpg(proc.pid, signal.SIGINT)
+        finish([proc], timeout=60)
+    finally:
+        finish([proc], timeout=5)
+    log = (tmp_path / "master.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert_user_stop(finalized(output, trace, tmp_path / "master.log"))
+    assert_worker_files_one_record_per_row(output)

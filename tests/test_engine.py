@@ -8,13 +8,17 @@ import subprocess
 import sys
 
 import gevent
+import orjson
+from gevent.monkey import get_original
 
 from conftest import BLOCK, check_records, mooncake_trace
+from replay.engine import messages
 from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
 from replay.engine.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.results.metadata import meta_path, read_run_metadata, summary_path
+from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records, worker_path
 
 
 def test_engine_imports_without_locust():
@@ -49,3 +53,77 @@ def test_coordinator_and_dispatcher_in_process(tmp_path, sim, toy_tokenizer_dir)
     assert meta_path(output).exists() and summary_path(output).exists()
     assert meta["trace"]["rows"] == 30 and meta["endpoints"] == [sim.url]
     assert [(w["index"], w["client_id"], w["rows_assigned"]) for w in meta["workers"]] == [(0, LOCAL_CLIENT, 30)]
+
+
+blocking_sleep = get_original("time", "sleep")
+
+
+def test_a_stop_records_each_request_once(tmp_path, fast_sim, toy_tokenizer_dir):
+    """A stop cancels the requests in flight while some answers are already in: the readers of
+    those may run before their kill lands, and recorded the answer beside the stop's record (50 of
+    400 rows twice). Here the stop comes from the first answer's record, while the other answers
+    arrive: every row once in the worker's file and in the merged one."""
+    rows = 400
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(orjson.dumps({"timestamp": 0, "input_length": 30, "output_length": 4,
+                                           "hash_ids": [2 * i, 2 * i + 1]}).decode() + "\n" for i in range(rows)))
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output))
+    link = LocalLink()
+
+    stopped: list[dict] = []
+
+    def stop_at_first_answer(record: dict) -> None:
+        if not stopped:
+            stopped.append(record)
+            blocking_sleep(0.5)  # the event loop held: every other answer arrives meanwhile
+            part.abort(RUN_STOPPED)
+
+    part = Dispatcher(link, local=True, on_request=stop_at_first_answer)
+    coordinator = Coordinator(link, options, local_part=part, endpoints=[fast_sim.url], host=lambda: fast_sim.url)
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
+    gevent.spawn(coordinator.end).join(timeout=60)
+    part.sends.join(timeout=60)  # every reader has ended; what they recorded goes to the file now
+    part.take_records()
+
+    own = list(read_records(worker_path(output, 0)))
+    assert sorted(r["request_id"] for r in own) == list(range(rows))
+    merged = {r["request_id"]: r for r in read_records(output)}
+    assert len(merged) == rows
+    for r in own:  # the same record in both files: an answer is ok in each, a cancel fails in each
+        assert merged[r["request_id"]]["error"] == r["error"]
+        assert r["ok"] or r["error"] == STOPPED_IN_FLIGHT
+
+
+class LosesFirst(LocalLink):
+    """LocalLink that loses the first master->worker message of one type (as ZeroMQ drops a
+    message to a worker that has not registered its type yet, or past its high-water mark)."""
+
+    def __init__(self, msg_type: str):
+        super().__init__()
+        self.lose = msg_type
+
+    def to_worker(self, client_id: str, msg_type: str, data) -> None:
+        if msg_type == self.lose:
+            self.lose = ""
+            return
+        super().to_worker(client_id, msg_type, data)
+
+
+def test_a_lost_plan_is_sent_again(tmp_path, sim, toy_tokenizer_dir):
+    """The run depends on the plan: sent once, a lost one left the worker idle and the run never
+    started. Resent until the worker acknowledges it: every row ok."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=20)
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output))
+    link = LosesFirst(messages.PLAN)
+    part = Dispatcher(link, local=True)
+    coordinator = Coordinator(link, options, local_part=part, endpoints=[sim.url], host=lambda: sim.url)
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    assert coordinator.finished.wait(timeout=30), f"{coordinator.recorded} of {coordinator.total} rows recorded"
+    gevent.spawn(coordinator.end).join(timeout=60)
+    assert link.lose == ""  # the plan was lost once
+    check_records(output, trace)

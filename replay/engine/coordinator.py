@@ -11,6 +11,7 @@ worker held but never reported are "no record from worker".
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import sys
 import time
@@ -32,7 +33,7 @@ from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.api.headers import parse_headers
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
-                                    is_failure, unsent_record)
+                                    WORKER_STOPPED, is_failure, unsent_record)
 from replay.engine.scraper import Scraper
 from replay.results.cli import end_of_run_cache
 from replay.results.metadata import run_metadata, write_run_metadata, write_summary
@@ -48,6 +49,7 @@ GO_LEAD_S = 0.5  # from the go message to the first send: enough for it to reach
 READY_TIMEOUT_S = 300.0  # workers that are not ready by then are started anyway
 DRAIN_GRACE_S = 10.0  # beyond --drain-timeout, for the workers' last records to arrive
 ABORT_WAIT_S = 5.0  # at a stop, how long workers get to send what they still hold
+PLAN_RESEND_S = 2.0  # a plan not acked by then is sent again
 TICK_S = 0.25
 MAX_SKIPPED_SHOWN = 20  # --on-bad-line skip: lines listed in the log (all are counted)
 
@@ -57,9 +59,14 @@ class WorkerState:
     client_id: str
     index: int
     positions: array  # its rows' places in the schedule, in send order
-    window: transport.Window
+    window: transport.Window  # its ROWS, started once the plan is acked
+    plan: messages.Plan
+    plan_window: transport.Window  # the PLAN, put in once the worker said HELLO, resent until acked
+    plan_sent: bool = False
+    plan_acked: bool = False
     ready: bool = False
     lost: bool = False
+    stopped: bool = False  # it got a signal of its own (STOPPED): its unrecorded rows are "worker stopped"
     clock_offset_ms: float | None = None
     rtt_ms: float | None = None
     failed: int = 0
@@ -68,6 +75,15 @@ class WorkerState:
     def holds(self, position: int) -> bool:
         """Whether the worker confirmed receiving its `position`-th row."""
         return position // CHUNK_ROWS in self.acked
+
+    def close(self) -> None:
+        """Nothing more is sent to this worker (it is lost or failed)."""
+        self.window.close()
+        self.plan_window.close()
+
+    def unrecorded_label(self) -> str:
+        """Why its rows without a record of its own have none, once it is gone."""
+        return WORKER_STOPPED if self.stopped else WORKER_LOST
 
 
 def row_chunks(schedule: Schedule, positions: array) -> Iterator[dict]:
@@ -124,6 +140,8 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]  # X-Request-Id: <run id>-<request_id>
         self.end_reason: str | None = None  # why the master ended the run itself; None: it was stopped
         self.workers: dict[str, WorkerState] = {}
+        # Workers that said HELLO: they can hear replay messages. The local part hears from the start.
+        self.heard: set[str] = {transport.LOCAL_CLIENT} if local_part is not None else set()
         self.store: RecordStore | None = None  # every record, on disk; made at the start
         self.epoch: float | None = None
         self.last_due: float | None = None
@@ -143,6 +161,8 @@ class Coordinator:
         link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender))
         link.on(messages.READY, self.on_ready)
         link.on(messages.HELLO, self.on_hello)
+        link.on(messages.PLAN_ACK, self.on_plan_ack)
+        link.on(messages.STOPPED, self.on_stopped)
         link.on(messages.RECORDS, self.on_records)
         # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
         # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
@@ -172,19 +192,23 @@ class Coordinator:
         if self.schedule.oversized:
             logger.warning("%d rows have prompts over --max-prompt-tokens %d: recorded as %r, never sent",
                            len(self.schedule.oversized), max_prompt_tokens, OVERSIZED)
-        self.server_check = self._verify_server(endpoints or [])
+        self.endpoints = endpoints or []
+        self.server_check = Verdict(skipped="not checked").to_dict()  # check_servers' verdict, for the meta file
 
-    def _verify_server(self, urls: list[str]) -> dict:
+    def check_servers(self) -> None:
         """--verify-server: the servers count a sample of this run's prompts as the tokenizer does,
-        or the run is refused here, before any worker starts (replay.synth.server_check)."""
-        options = self.options
+        or the run is refused here, before any worker starts (replay.synth.server_check). Apart
+        from the constructor, so a stop during the check finds the trace read and can record it."""
+        options, urls = self.options, self.endpoints
         skipped = skip_reason(options.verify_server, options.prompt_format == "token-ids")
         if skipped or not urls:
-            return Verdict(skipped=skipped or "no server").to_dict()
+            self.server_check = Verdict(skipped=skipped or "no server").to_dict()
+            return
         synth = build_off_loop(options, self.trace.block_size).synth
-        return verify_servers(urls, synth, options.tokenizer, mode=options.verify_server, model=options.model,
-                              headers=parse_headers(options.header), lengths=self.schedule.input_lengths,
-                              max_len=self.max_prompt_tokens).to_dict()
+        self.server_check = verify_servers(urls, synth, options.tokenizer, mode=options.verify_server,
+                                           model=options.model, headers=parse_headers(options.header),
+                                           lengths=self.schedule.input_lengths,
+                                           max_len=self.max_prompt_tokens).to_dict()
 
     def endpoint_urls(self) -> list[str]:
         """The servers this run sends to: --endpoints, or the runner's host."""
@@ -200,15 +224,20 @@ class Coordinator:
 
     # -- start --------------------------------------------------------------------------------------
 
+    def _open_records(self) -> None:
+        """The merged file, with the rows no one sends (over --max-prompt-tokens) recorded."""
+        self.store = RecordStore(self.output, *self.schedule.request_id_range())
+        self._record_oversized()
+
     def begin(self, workers: list[tuple[str, int]]) -> None:
-        """Split the rows across `workers` [(client id, index)] and start shipping them."""
-        if self.started_at is not None:
+        """Split the rows across `workers` [(client id, index)] and send each its plan, once it
+        has said HELLO (`on_hello` sends it to those that have not yet)."""
+        if self.store is not None:  # begun, or cancelled
             return
         self.started_at = time.time()
-        self.store = RecordStore(self.output, *self.schedule.request_id_range())
+        self._open_records()
         if self.scraper is not None:
             self.scraper.start()
-        self._record_oversized()
         parts = self.schedule.partition(len(workers), self.options.partition)
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
             chunks = row_chunks(self.schedule, positions)
@@ -216,9 +245,9 @@ class Coordinator:
                 lambda payload, cid=client_id: self.link.to_worker(cid, messages.ROWS, payload), source=chunks,
                 limit=transport.HOLD_ROWS // CHUNK_ROWS,
             )
-            state = WorkerState(client_id, index, positions, window)
-            self.workers[client_id] = state
-            plan = messages.Plan(
+            plan_window = transport.Window(lambda payload, cid=client_id: self.link.to_worker(cid, messages.PLAN, payload),
+                                           size=1, resend_s=PLAN_RESEND_S)
+            plan = messages.Plan(  # type: ignore[typeddict-item]  # the window adds the seq
                 worker=index,
                 rows=len(positions),
                 origin=self.origin,
@@ -228,9 +257,12 @@ class Coordinator:
                 endpoints=self.endpoint_urls(),
                 options=self.options.to_dict(),
                 tokenizer_fingerprint=self.tokenizer_fingerprint,
+                master_node=platform.node(),
+                master_pgid=os.getpgrp(),
             )
-            self.link.to_worker(client_id, messages.PLAN, plan)
-            window.start()
+            state = self.workers[client_id] = WorkerState(client_id, index, positions, window, plan, plan_window)
+            if client_id in self.heard:
+                self._send_plan(state)
         logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
         self._supervisor = gevent.spawn(self._supervise)
 
@@ -251,12 +283,39 @@ class Coordinator:
                 state.window.ack(seq)
             state.window.grant(-(-data["want"] // CHUNK_ROWS))
 
+    def _send_plan(self, state: WorkerState) -> None:
+        if not state.plan_sent and not state.lost:
+            state.plan_sent = True
+            state.plan_window.put(state.plan)
+
+    def on_plan_ack(self, data: messages.PlanAck, sender: str) -> None:
+        """The worker holds its plan: its rows follow."""
+        state = self.workers.get(sender)
+        if state is None:
+            return
+        state.plan_window.ack(data["seq"])
+        if not state.plan_acked and not state.lost:
+            state.plan_acked = True
+            state.window.start()
+
+    def on_stopped(self, data: messages.Stopped, sender: str) -> None:
+        """The worker got a signal of its own; what it does not record is labelled for that."""
+        state = self.workers.get(sender)
+        if state is not None:
+            logger.error("worker %d was stopped by a signal of its own: its unanswered rows fail as %r",
+                         state.index, WORKER_STOPPED)
+            state.stopped = True
+
     def on_hello(self, data: messages.Hello, sender: str) -> None:
-        """A worker that connects once the replay has begun gets no rows: its part of the trace
-        would have to be taken from workers already sending it. It is told so, and idles.
-        (Answered to the worker's hello, not to Locust's worker_connect: at connect time the
-        worker has not yet registered its replay messages, and would drop the answer.)"""
-        if self.started_at is None or sender in self.workers:
+        """The worker can hear replay messages now (Locust acks its connection before it has
+        registered them, and a message sent then is dropped): its plan goes now if the run has
+        begun. A worker that connects once the replay has begun gets no rows: its part of the
+        trace would have to be taken from workers already sending it. It is told so, and idles."""
+        self.heard.add(sender)
+        if self.store is None:
+            return
+        if sender in self.workers:
+            self._send_plan(self.workers[sender])
             return
         reason = "it connected after the replay began; the trace is split only among the workers present at the start"
         logger.warning("worker %s gets no rows: %s", sender, reason)
@@ -270,7 +329,7 @@ class Coordinator:
         if error:
             logger.error("worker %d cannot replay: %s", state.index, error)
             state.lost = True
-            state.window.close()
+            state.close()
             self._fill(state.positions, state.index, f"{WORKER_FAILED}: {error}")
             self._maybe_go()
             return
@@ -333,10 +392,11 @@ class Coordinator:
         for state in self.workers.values():
             if not state.lost and self.worker_gone(state.client_id):
                 state.lost = True
-                state.window.close()
+                state.close()
                 # placeholders: replaced if the worker's own records still arrive
-                lost = self._fill(state.positions, state.index, WORKER_LOST, placeholder=True)
-                logger.warning("worker %d lost: %d of its rows recorded as %r", state.index, lost, WORKER_LOST)
+                label = state.unrecorded_label()
+                lost = self._fill(state.positions, state.index, label, placeholder=True)
+                logger.warning("worker %d lost: %d of its rows recorded as %r", state.index, lost, label)
         if self.workers and all(w.lost for w in self.workers.values()) and self.end_reason is None:
             logger.error("every worker is lost; ending the run")
             self._end_by_itself(WORKER_LOST)
@@ -373,11 +433,19 @@ class Coordinator:
         last worker is lost) and kill them right after: the records must not die with them. Every
         way out (test_stop, quitting) calls this; the first starts it, the others wait for it.
         """
-        if self.started_at is None:
+        if self.store is None:
             return
         if self._ending is None:
             self._ending = gevent.spawn(self._finalize)
         self._ending.join()
+
+    def cancel(self) -> None:
+        """Stop a run that has not begun (a signal while the servers are checked or the master
+        waits for its workers): every row is recorded as never sent ("run stopped"), and the meta
+        file and the summary are written, as at any stop. No worker was sent anything."""
+        if self.store is None:
+            self._open_records()
+        self.end()
 
     def _collect_held_records(self, reason: str) -> None:
         """Tell the workers to stop and give them a few seconds to return the records of every
@@ -427,12 +495,14 @@ class Coordinator:
             self._supervisor.kill(block=False)
         self._check_workers()  # Locust may stop the run on a lost worker before the supervisor saw it
         user_stopped = self.end_reason is None
+        logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
+                    self.end_reason or "stopped", self.store.count, self.total)
         never_sent = RUN_STOPPED if user_stopped else NO_RECORD
         if self.store.count < self.total:
             self._collect_held_records(RUN_STOPPED if user_stopped else DRAIN_TIMEOUT)
         for state in self.workers.values():
             if state.lost:
-                self._fill(state.positions, state.index, WORKER_LOST)
+                self._fill(state.positions, state.index, state.unrecorded_label())
                 continue
             held = (p for i, p in enumerate(state.positions) if state.holds(i))
             self._fill(held, state.index, NO_RECORD)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import platform
 import time
 from typing import Callable, TypeVar
 
@@ -194,6 +196,7 @@ class Dispatcher:
         self.finished = Event()
         self._to_flush = Event()  # set by a record or a send: the flush loop has work (records, rows to ask for)
         self.run_id: str | None = None  # None: no X-Request-Id header
+        self.with_master = False  # in the master's process group on its host: a signal here reached it too
         self._stopped = False
         self._chunks: dict[int, list] = {}
         self._next_chunk = 0
@@ -211,6 +214,9 @@ class Dispatcher:
     # -- messages from the master -------------------------------------------------------------
 
     def on_plan(self, data: messages.Plan, sender: str) -> None:
+        self.link.to_master(messages.PLAN_ACK, messages.PlanAck(seq=data["seq"]))
+        if self.options is not None:  # resent: the ack was lost or late
+            return
         self.options = ReplayOptions.from_dict(data["options"])
         self.index = data["worker"]
         self.total = data["rows"]
@@ -220,6 +226,7 @@ class Dispatcher:
         self.endpoint_urls = data["endpoints"]  # resolved on the master: --host may not have reached us yet
         self.run_id = data["run_id"] if self.options.request_id_header else None
         self.master_fingerprint = data["tokenizer_fingerprint"]  # checked in _set_up
+        self.with_master = data["master_node"] == platform.node() and data["master_pgid"] == os.getpgrp()
         gevent.spawn(self._prepare)
 
     def on_rows(self, data: messages.Rows, sender: str) -> None:
@@ -430,7 +437,8 @@ class Dispatcher:
         self._done(row, scheduled, endpoint, read(endpoint, self.api, self.options.stream, sent))
 
     def _done(self, row: TraceRow, scheduled: float, endpoint: Endpoint, outcome) -> None:
-        self.in_flight.pop(row.request_id, None)
+        if self.in_flight.pop(row.request_id, None) is None:  # a stop recorded it already: one record a row
+            return
         if self.offset:  # stamped by this host's clock: records are in the master's, as scheduled_at is
             outcome.sent_at += self.offset
             outcome.finished_at += self.offset if outcome.finished_at else 0.0
@@ -494,7 +502,10 @@ class Dispatcher:
         self._flush()
 
     def _cancel_in_flight(self, reason: str) -> None:
-        """Requests still unanswered get `reason`, keeping when and where they were sent."""
+        """Requests still unanswered get `reason`, keeping when and where they were sent. Without
+        yielding (a stop's records are made at once): each reader is told to end, but one whose
+        answer is already in may run before the kill lands; `_done` then finds its request gone
+        from `in_flight` and records nothing, so the row keeps this one record."""
         for request_id, (row, scheduled, url, sent_at, greenlet) in list(self.in_flight.items()):
             greenlet.kill(block=False)
             sent_at += self.offset  # records are in the master's clock
@@ -502,6 +513,11 @@ class Dispatcher:
                                    reason=reason, endpoint=url, sent_at=sent_at)
             self._record(record)
         self.in_flight.clear()
+
+    @property
+    def stopping(self) -> bool:
+        """A stop reached this worker (abort): it sends nothing more."""
+        return self._stopped
 
     def abort(self, reason: str) -> None:
         """The run is being stopped: every row not yet answered gets its record now: `reason`

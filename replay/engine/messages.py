@@ -10,7 +10,9 @@ time (a TypedDict builds a plain dict). A key marked NotRequired may be absent: 
 A run, in order:
 
     worker -> master  HELLO                 it can hear replay messages now
-    master -> worker  PLAN, then ROWS ...   its part of the trace; each ROWS chunk acked by ROWS_ACK
+    master -> worker  PLAN                  its part of the run, sent only after its HELLO and
+                                            resent until acked by PLAN_ACK
+    master -> worker  ROWS ...              its rows, once the plan is acked; each acked by ROWS_ACK
     worker -> master  PING  <-> PONG        its clock's offset to the master's
     worker -> master  READY                 set up (or failed to)
     master -> worker  GO                    the shared start
@@ -18,8 +20,9 @@ A run, in order:
     worker -> master  LIVE                  once a second, for the Replay view
     master -> worker  ABORT                 the run ends before the worker did: record what is left
     master -> worker  IDLE                  to a worker that joined after the start
+    worker -> master  STOPPED               it got a signal of its own: its unrecorded rows fail
 
-ROWS and RECORDS go through transport.Window (numbered chunks, at most a few unacknowledged,
+PLAN, ROWS and RECORDS go through transport.Window (numbered chunks, at most a few unacknowledged,
 resent until acked), which sets each chunk's `seq`: their payloads extend `Chunk`, and their
 builders leave `seq` to the window.
 """
@@ -41,11 +44,13 @@ IDLE = "replay_idle"
 # -- worker -> master -------------------------------------------------------------------------------
 
 HELLO = "replay_hello"
+PLAN_ACK = "replay_plan_ack"
 ROWS_ACK = "replay_rows_ack"
 PING = "replay_ping"
 READY = "replay_ready"
 RECORDS = "replay_records"
 LIVE = "replay_live"
+STOPPED = "replay_stopped"
 
 
 class Chunk(TypedDict):
@@ -54,9 +59,11 @@ class Chunk(TypedDict):
     seq: int  # the chunk's number: acked by it, resent until acked, applied once and in order
 
 
-class Plan(TypedDict):
+class Plan(Chunk):
     """PLAN: a worker's part of the run. All of it comes from the master, which alone has seen
-    the options, the trace and the target host (a web UI's start form may set --host late)."""
+    the options, the trace and the target host (a web UI's start form may set --host late).
+    Sent after the worker's HELLO (Locust acks a worker's connection before the worker has
+    registered its replay messages: a plan sent then is dropped) and resent until PLAN_ACK."""
 
     worker: int  # its index: in its records and its file's name
     rows: int  # how many rows its part has (the ROWS still to come)
@@ -67,6 +74,8 @@ class Plan(TypedDict):
     endpoints: list[str]  # the servers, resolved on the master
     options: dict[str, Any]  # ReplayOptions.to_dict()
     tokenizer_fingerprint: str  # the master's tokenizer: a worker with other files refuses to run
+    master_node: str  # the master's host name and process group: a worker in the same group got
+    master_pgid: int  # a signal the master got too (a terminal's Ctrl-C, --processes), so it is not a stop of its own
 
 
 class Rows(Chunk):
@@ -112,6 +121,18 @@ class Idle(TypedDict):
 class Hello(TypedDict):
     """HELLO: the worker's first word, sent once its handlers are registered, so an answer
     (IDLE) is not dropped as it would be at Locust's own connect."""
+
+
+class PlanAck(TypedDict):
+    """PLAN_ACK: the worker holds the plan (a resent one is acked again, applied once); the
+    master starts shipping its rows."""
+
+    seq: int
+
+
+class Stopped(TypedDict):
+    """STOPPED: this worker got a SIGTERM or SIGINT of its own, not the master's stop: the rows
+    it has not recorded are "worker stopped" (a failure), not "worker lost"."""
 
 
 class RowsAck(TypedDict):

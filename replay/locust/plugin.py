@@ -28,11 +28,13 @@ from replay.locust.link import RunnerLink
 from replay.engine.config import replay_options
 from replay.engine.options import add_arguments
 from replay.results.output import OutputClaim, claim_output
-from replay.results.records import MASTER_LOST, RUN_STOPPED
+from replay.results.records import MASTER_LOST, RUN_STOPPED, WORKER_STOPPED
 from replay.trace.record import TraceError
 
 logger = logging.getLogger(__name__)
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each stops a run (SIGHUP: its terminal closed)
+MASTER_STOP_GRACE_S = 10.0  # a worker in the master's process group waits this long for the master's stop
 MASTER_LOST_S = 6.0  # a worker stops sending when the master has not answered a heartbeat for this long
 
 
@@ -50,7 +52,9 @@ def _add_options(parser) -> None:
 
 
 def _coordinator(environment, link: transport.Link, part: Dispatcher | None = None) -> Coordinator:
-    """The master's preflight, before any worker gets anything: every error is one line, exit 2."""
+    """The master's preflight, before any worker gets anything: every error is one line, exit 2.
+    `environment.replay` is set as soon as the trace is read, before the server check: a signal
+    from then on records every row (`_stop_on_signals`)."""
     claim: OutputClaim | None = None
     try:
         options = replay_options(environment.parsed_options)
@@ -63,10 +67,13 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
                              default=options.output is None)
         options.output = claim.output
         runner = environment.runner
-        return Coordinator(link, options, local_part=part, endpoints=urls, host=host,
-                           worker_gone=lambda client_id: _worker_gone(runner, client_id),
-                           worker_host=lambda client_id: _worker_host(runner, client_id),
-                           on_exit_code=lambda code: setattr(environment, "process_exit_code", code))
+        coordinator = Coordinator(link, options, local_part=part, endpoints=urls, host=host,
+                                  worker_gone=lambda client_id: _worker_gone(runner, client_id),
+                                  worker_host=lambda client_id: _worker_host(runner, client_id),
+                                  on_exit_code=lambda code: setattr(environment, "process_exit_code", code))
+        environment.replay = Replay(coordinator=coordinator, part=part)
+        coordinator.check_servers()
+        return coordinator
     except (TraceError, ValueError, OSError) as e:
         if claim is not None:
             claim.release()
@@ -128,21 +135,20 @@ def _request_stats(environment) -> Callable[[dict], None]:
 def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
     runner = runner or environment.runner
     if isinstance(runner, MasterRunner):
-        link = RunnerLink(runner)
-        environment.replay = Replay(coordinator=_coordinator(environment, link))
-        _stop_on_signals(environment.replay.coordinator)
+        _stop_on_signals(environment)  # before the preflight: a signal during it ends it cleanly
+        _coordinator(environment, RunnerLink(runner))
     elif isinstance(runner, WorkerRunner):
         link = RunnerLink(runner)
         part = Dispatcher(link, on_request=_request_stats(environment))
         environment.replay = Replay(part=part)
+        _stop_worker_on_signals(environment, link, part)
         link.to_master(messages.HELLO, messages.Hello())
         gevent.spawn(_watch_master, environment, runner, part)
         gevent.spawn(live.report_loop, part)  # the master's live view: one small message a second
     elif isinstance(runner, LocalRunner):
+        _stop_on_signals(environment)
         link = transport.LocalLink()
-        part = Dispatcher(link, local=True, on_request=_request_stats(environment))
-        environment.replay = Replay(coordinator=_coordinator(environment, link, part), part=part)
-        _stop_on_signals(environment.replay.coordinator)
+        _coordinator(environment, link, Dispatcher(link, local=True, on_request=_request_stats(environment)))
     else:
         environment.replay = Replay()
     # In this order, after environment.replay is set: the login first, then the Replay view,
@@ -151,22 +157,103 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
     webui.register(environment, runner, web_ui)
 
 
-def _stop_on_signals(coordinator: Coordinator) -> None:
-    """SIGTERM (docker stop, Kubernetes, `timeout`) stops a run exactly as Ctrl-C does: a
-    KeyboardInterrupt in the main greenlet, where Locust's headless run turns it into a stop.
-    Locust installs its own SIGTERM handler only after a headless run is over, so without this
-    the default action killed the process with no records, meta or summary. A signal that
-    arrives while the records are being written is ignored: it would cut them off."""
-    hub = gevent.get_hub()
+def _stop_on_signals(environment) -> None:
+    """SIGTERM (docker stop, Kubernetes, `timeout`) stops a run exactly as Ctrl-C does, at
+    every moment of the master's (or a single process's) life. Locust installs its own SIGTERM
+    handler only after a headless run is over, so without this the default action killed the
+    process with no records, meta or summary.
 
-    def stop() -> None:
-        if coordinator.ending:
-            logger.warning("signal received while the run's records are being written: finishing them first")
-            return
+    - Before the trace is read (options, output, tokenizer): nothing to record; one line, and the
+      exit code a shell gives a process ended by that signal (128 + its number).
+    - Once it is read, before the run began (the server check, the wait for --expect-workers,
+      which Locust does not guard: a KeyboardInterrupt there was a traceback): every row is
+      recorded "run stopped" here, the workers told to quit, and the exit code is a user stop's.
+      In the web UI's mode no run was asked for yet: Locust just quits.
+    - Once begun: a KeyboardInterrupt in the main greenlet, where Locust's run turns it into a
+      stop; once only: a second one landed in Locust's own stop (a traceback, records cut off).
+    - While the records are being written: ignored, it would cut them off.
+    SIGHUP (the terminal closed) is a stop too, not a death with nothing written."""
+    hub = gevent.get_hub()
+    options = environment.parsed_options
+    run_asked = bool(getattr(options, "headless", False) or getattr(options, "autostart", False))
+    interrupted = False
+
+    def stop(signum: int) -> None:
+        nonlocal interrupted
+        name = signal.Signals(signum).name
+        replay = getattr(environment, "replay", None)
+        coordinator = replay.coordinator if replay is not None else None
+        if coordinator is None:
+            logger.error("replay: %s before the trace was read: nothing was sent or recorded", name)
+            hub.handle_system_error(SystemExit, SystemExit(128 + signum))
+        elif coordinator.ending:
+            logger.warning("%s received while the run's records are being written: finishing them first", name)
+        elif interrupted:
+            logger.warning("%s received while the run stops: it is stopping already", name)
+        elif coordinator.store is None and run_asked:
+            logger.warning("replay: %s before the run began: every row is recorded as %r", name, RUN_STOPPED)
+            coordinator.cancel()
+            environment.runner.quit()  # workers already connected quit too
+            hub.handle_system_error(SystemExit, SystemExit(environment.process_exit_code or 0))
+        else:
+            interrupted = True
+            hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
+
+    for signum in STOP_SIGNALS:
+        gevent.signal_handler(signum, stop, signum)
+
+
+def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher) -> None:
+    """A worker that gets a SIGTERM, SIGINT or SIGHUP of its own is not the user stopping the
+    run: its unanswered rows are recorded "worker stopped" (a failure: the master exits 1), and
+    the master is told, for the rows it never shipped. A worker in the master's process group on
+    its host (`--processes`, or one shell that started both) got a signal the master got too (a
+    terminal's Ctrl-C or hang-up): it waits for the master's stop, which decides the labels, and
+    only if none comes in MASTER_STOP_GRACE_S is it a stop of its own. Then Locust quits as it does
+    on a signal (SIGTERM: its own handler, which follows this one and cannot be held back, so there
+    the held rows are recorded at once as the user's stop; else a KeyboardInterrupt)."""
+    hub = gevent.get_hub()
+    signalled = False
+
+    def stopped_alone(name: str) -> None:
+        if part.options is None:
+            logger.error("%s: this worker stops before it got its part of the run", name)
+        else:
+            logger.error("%s: this worker stops; its unanswered rows are recorded as %r", name, WORKER_STOPPED)
+        link.to_master(messages.STOPPED, messages.Stopped())
+        part.abort(WORKER_STOPPED)
+        environment.process_exit_code = 1
+
+    def unless_the_master_stops(name: str) -> None:
+        deadline = time.monotonic() + MASTER_STOP_GRACE_S
+        while not part.stopping and time.monotonic() < deadline:
+            gevent.sleep(0.1)
+        if part.stopping:
+            return  # the master's stop labels the rows, and its quit ends this worker
+        stopped_alone(name)
         hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        gevent.signal_handler(signum, stop)
+    def stop(signum: int) -> None:
+        nonlocal signalled
+        name = signal.Signals(signum).name
+        if signalled:  # a second KeyboardInterrupt would land in Locust's own shutdown
+            logger.warning("%s received while this worker stops: it is stopping already", name)
+            return
+        signalled = True
+        if not part.finished.is_set() and not part.stopping:
+            if not part.with_master:
+                stopped_alone(name)
+            elif signum != signal.SIGTERM:
+                logger.warning("%s: the master, in this process group, got it too; waiting for its stop", name)
+                gevent.spawn(unless_the_master_stops, name)
+                return
+            else:
+                part.abort(RUN_STOPPED)  # its records go before Locust's quit message
+        if signum != signal.SIGTERM:
+            hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
+
+    for signum in STOP_SIGNALS:
+        gevent.signal_handler(signum, stop, signum)
 
 
 def _watch_master(environment, runner: WorkerRunner, part: Dispatcher) -> None:

@@ -54,6 +54,7 @@ DRAIN_TIMEOUT = "no answer before drain timeout"  # sent; still open --drain-tim
 WORKER_LOST = "worker lost"  # its worker went missing before it recorded the row
 WORKER_FAILED = "worker failed"  # its worker could not start (": reason" follows)
 MASTER_LOST = "master lost"  # the worker stopped sending when the master stopped answering
+WORKER_STOPPED = "worker stopped"  # its worker got a signal of its own (SIGTERM, SIGINT, SIGHUP), not the master's stop
 NO_RECORD = "no record from worker"  # the worker held the row but never returned its record
 OVERSIZED = "prompt over --max-prompt-tokens"  # never synthesized nor sent (" (limit)" follows)
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
