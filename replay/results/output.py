@@ -160,10 +160,22 @@ def _lock(output: str, hint: str) -> int:
         if not same:  # its holder removed it between our open and our lock: take the new one
             os.close(fd)
             continue
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        try:  # a full disk has no room for even this line: said here, before anything is sent
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        except OSError as e:
+            os.close(fd)
+            _unlink(path)
+            raise OptionError(f"--output {output}: cannot write {path}: {e.strerror}{hint}") from None
         return fd
     raise OptionError(f"--output {output}: cannot lock {path}: it keeps being replaced{hint}")
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def _holder(fd: int) -> str:

@@ -11,6 +11,7 @@ from typing import Iterable, Iterator, TypedDict
 
 import orjson
 
+from replay.results.files import AppendFile, OutputError
 
 class Record(TypedDict):
     """One request's record: the one field list (design.md), in the order written to disk. A
@@ -49,6 +50,7 @@ DRAIN_TIMEOUT = "no answer before drain timeout"  # sent; still open --drain-tim
 WORKER_LOST = "worker lost"  # its worker went missing before it recorded the row
 WORKER_FAILED = "worker failed"  # its worker could not start (": reason" follows)
 MASTER_LOST = "master lost"  # the worker stopped sending when the master stopped answering
+OUTPUT_ERROR = "output error"  # a file of the run could not be written (a full disk): the run was stopped
 NO_RECORD = "no record from worker"  # the worker held the row but never returned its record
 OVERSIZED = "prompt over --max-prompt-tokens"  # never synthesized nor sent (" (limit)" follows)
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
@@ -114,24 +116,30 @@ def is_failure(record: Record) -> bool:
 
 
 class RecordWriter:
-    """Writes records to a fresh JSONL file batch by batch, flushed per batch so the file survives a crash."""
+    """Writes records to a fresh JSONL file batch by batch, each batch whole or not at all
+    (replay.results.files.AppendFile), so the file survives a crash and a full disk with whole
+    lines only. Raises OutputError when a batch cannot be written (or the file made)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "wb")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(self.path.parent, e) from None
+        self._file = AppendFile(self.path)
         self.count = 0
 
     def write(self, records: Iterable[Record]) -> None:
-        # Each line straight into the file's buffer: a list of orjson.dumps results would hold
-        # about 4 KB apiece (orjson's smallest buffer), 10 KB a row at a stop of 20,000 rows.
-        write, count = self._file.write, self.count
+        # Each line straight into one buffer: a list of orjson.dumps results would hold about
+        # 4 KB apiece (orjson's smallest buffer), 10 KB a row at a stop of 20,000 rows.
+        batch, count = bytearray(), 0
         for record in records:
-            write(orjson.dumps(record))
-            write(b"\n")
-            self.count += 1
-        if self.count != count:
-            self._file.flush()
+            batch += orjson.dumps(record)
+            batch += b"\n"
+            count += 1
+        if count:
+            self._file.append(batch)
+            self.count += count
 
     def close(self) -> None:
         self._file.close()
