@@ -17,8 +17,8 @@ from typing import Callable, Iterator
 import orjson
 import pytest
 
-from conftest import (LOCUST, finish, master_and_workers, replay_args, spawn_locust, spawn_worker, free_port,
-                      wait_for_text)
+from conftest import (LOCUST, finish, free_port, master_and_workers, ok_record, replay_args, spawn_locust,
+                      spawn_worker, wait_for, wait_for_text)
 from replay.results.files import AppendFile, OutputError
 from replay.results.metadata import read_run_metadata
 from replay.results.records import OUTPUT_ERROR, RECORD_FIELDS, read_records
@@ -268,3 +268,57 @@ def test_full_during_the_final_write(tmp_path, small_disk, toy_tokenizer_dir, si
     assert [i["file"] for i in meta["incomplete"]] == [f"{output}.tmp"], meta["incomplete"]
     assert "not sorted" in meta["incomplete"][0]["error"]
     assert "Successful requests:                     258" in proc.stdout, proc.stdout[-3000:]
+
+
+# -- more faults of the family -------------------------------------------------------------------
+
+
+def test_report_json_and_html_on_a_full_disk(tmp_path, small_disk):
+    """`replay report --json/--html` to a full disk: one line naming the file, exit 1, no file."""
+    import random
+
+    rng = random.Random(0)
+    results = tmp_path / "run.jsonl"
+    results.write_bytes(b"".join(orjson.dumps(ok_record(i, rng)) + b"\n" for i in range(50)))
+    disk = small_disk(16)
+    fill(disk)
+    for flag, name in (("--json", "summary.json"), ("--html", "report.html")):
+        if flag == "--html":
+            pytest.importorskip("matplotlib")
+        proc = subprocess.run([sys.executable, "-m", "replay", "report", str(results), flag, str(disk / name)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (f"replay report: cannot write {disk / name}: "
+                                                         f"No space left on device (errno 28)"), proc.stderr
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+def test_disk_filled_by_another_writer_mid_run(tmp_path, small_disk, toy_tokenizer_dir, sim):
+    """Another process takes the disk's last byte once records are coming: the run stops at its
+    next write, says so in one line, and the meta, whose room was taken at the start, says
+    which files are incomplete."""
+    disk = small_disk(4096)
+    output = disk / "run.jsonl"
+    log = tmp_path / "run.log"
+    proc = spawn_locust(replay_args(SAMPLE, toy_tokenizer_dir, sim.url, output, "--scale", "4"), tmp_path, log)
+    try:
+        wait_for_text(log, "replay starts at", proc, timeout=60)
+        wait_for(lambda: output.exists() and output.read_bytes().count(b"\n") >= 10, "10 records", timeout=60)
+        fill(disk)
+        finish([proc], timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 1, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    said = [line for line in text.splitlines() if "stopping the run" in line]
+    assert len(said) == 1 and "No space left on device (errno 28)" in said[0], said or text[-3000:]
+    assert_no_torn_line(disk)
+    records = assert_records_once(output)
+    assert 10 <= len(records) < SAMPLE_ROWS
+    meta = read_run_metadata(output)
+    assert meta["complete"] is False and meta["epoch"] is not None, meta["incomplete"]  # the end's meta
+    assert any(i["file"] == str(output) and "rows have no record in it" in i["error"] for i in meta["incomplete"])

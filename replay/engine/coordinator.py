@@ -452,13 +452,15 @@ class Coordinator:
             gevent.sleep(0.1)
 
     def _trace_notes(self) -> str:
-        """Rows of the trace the run left out, said where the summary is read."""
+        """Rows of the trace the run left out, or whose record the disk did not take, said where the summary is read."""
         notes = ""
         if self.trace.skipped:
             notes += f"trace rows skipped as bad lines (--on-bad-line skip): {len(self.trace.skipped)}\n"
         if self.schedule.oversized:
             notes += (f"trace rows over --max-prompt-tokens {self.max_prompt_tokens}, never sent: "
                       f"{len(self.schedule.oversized)}\n")
+        if self.store.unwritten:
+            notes += f"rows whose record could not be written (not in the summary): {self.store.unwritten}\n"
         return notes
 
     def _cache_fidelity(self, sent: list[dict] | None, meta: dict) -> dict | None:
