@@ -322,3 +322,17 @@ def test_disk_filled_by_another_writer_mid_run(tmp_path, small_disk, toy_tokeniz
     meta = read_run_metadata(output)
     assert meta["complete"] is False and meta["epoch"] is not None, meta["incomplete"]  # the end's meta
     assert any(i["file"] == str(output) and "rows have no record in it" in i["error"] for i in meta["incomplete"])
+
+
+@pytest.mark.parametrize("name", ["out.jsonl", "out.jsonl.gz"])
+def test_trace_convert_on_a_full_disk(small_disk, name):
+    """`replay trace convert` to a full disk: one line naming the file, exit 1, and no half
+    trace left behind to be replayed by mistake."""
+    disk = small_disk(16)
+    fill(disk, leave=PAGE)  # less than the trace takes, gzipped or not
+    out = disk / name
+    proc = subprocess.run([sys.executable, "-m", "replay", "trace", "convert", str(SAMPLE), str(out), "--block-size",
+                           "16"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == f"error: cannot write {out}: No space left on device (errno 28)", proc.stderr
+    assert not out.exists()

@@ -40,7 +40,10 @@ class RecordStore:
         self.on_fault = on_fault
         self._file: AppendFile | None = None  # None: it could not be made; every record is then unwritten
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = AppendFile(self.path, readable=True)
+        except OSError as e:
+            self._fault(OutputError(self.path, e))
         except OutputError as e:
             self._fault(e)
         self.first = first
