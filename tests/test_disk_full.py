@@ -104,6 +104,20 @@ def run(cmd_args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([*LOCUST, *cmd_args], cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
+def run_as(mode: str, cmd_args: list[str], cwd: Path) -> tuple[int, str, str]:
+    """(exit code, log, stdout) of a run in one process ("local") or a master and two workers
+    ("workers": the master's exit code and log, the workers' logs checked for tracebacks)."""
+    if mode == "local":
+        proc = run(cmd_args, cwd)
+        return proc.returncode, proc.stderr, proc.stdout
+    master, workers = master_and_workers(cwd, cmd_args)
+    finish([master, *workers], timeout=RUN_TIMEOUT_S)
+    for i in range(len(workers)):
+        assert "Traceback" not in (cwd / f"worker{i}.log").read_text()
+    log = (cwd / "master.log").read_text()
+    return master.returncode, log, log
+
+
 # -- the writers themselves -------------------------------------------------------------------
 
 
@@ -150,14 +164,14 @@ def test_lock_file_on_a_full_disk_is_refused_before_anything_is_sent(tmp_path, s
             f"No space left on device") in proc.stderr, proc.stderr[-3000:]
 
 
-def test_full_before_the_first_send(tmp_path, small_disk, toy_tokenizer_dir, sim):
+@pytest.mark.parametrize("mode", ["local", "workers"])
+def test_full_before_the_first_send(tmp_path, small_disk, toy_tokenizer_dir, sim, mode):
     """Room for the lock file only: the meta, written as the run begins, fails; nothing is sent."""
     disk = small_disk(64)
     fill(disk, leave=PAGE)
     output = disk / "run.jsonl"
-    proc = run(args(sim.url, toy_tokenizer_dir, output), tmp_path)
-    log = proc.stderr
-    assert proc.returncode == 1, log[-4000:]
+    code, log, _ = run_as(mode, args(sim.url, toy_tokenizer_dir, output), tmp_path)
+    assert code == 1, log[-4000:]
     assert_fault_said_once(log, f"{output}.meta.json")
     assert "the meta could not be written either" in log, log[-3000:]
     assert_no_torn_line(disk)
@@ -241,23 +255,24 @@ def test_a_worker_on_a_full_disk_stops_the_run(tmp_path, small_disk, toy_tokeniz
         assert "Traceback" not in wlog, wlog[-3000:]
 
 
-def test_full_during_the_final_write(tmp_path, small_disk, toy_tokenizer_dir, sim):
+@pytest.mark.parametrize("mode", ["local", "workers"])
+def test_full_during_the_final_write(tmp_path, small_disk, toy_tokenizer_dir, sim, mode):
     """Room for every record as it comes, not for the sorted rewrite: the records stay as
     appended (each row once), the summary and the meta are written, the meta says so."""
     probe = tmp_path / "probe"
     probe.mkdir()
-    done = run(args(sim.url, toy_tokenizer_dir, probe / "run.jsonl"), tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    sizes = {p.name: p.stat().st_size for p in probe.iterdir()}
+    code, log, _ = run_as(mode, args(sim.url, toy_tokenizer_dir, probe / "run.jsonl"), probe)
+    assert code == 0, log[-3000:]
+    sizes = {p.name: p.stat().st_size for p in probe.iterdir() if p.name.startswith("run.jsonl")}
     pages = lambda n: -(-n // PAGE) * PAGE  # noqa: E731
     records = sizes["run.jsonl"]
-    before_rewrite = (pages(records) + pages(sizes["run.jsonl.worker-0.jsonl"])
-                      + pages(sizes["run.jsonl.server-metrics.jsonl"]) * 3 + 4 * pages(sizes["run.jsonl.meta.json"]))
+    workers = sum(pages(size) for name, size in sizes.items() if ".worker-" in name)
+    before_rewrite = (pages(records) + workers + pages(sizes["run.jsonl.server-metrics.jsonl"]) * 3
+                      + 4 * pages(sizes["run.jsonl.meta.json"]))
     disk = small_disk((before_rewrite + records // 2) // 1024)
     output = disk / "run.jsonl"
-    proc = run(args(sim.url, toy_tokenizer_dir, output), tmp_path)
-    log = proc.stderr
-    assert proc.returncode == 1, log[-4000:]
+    code, log, stdout = run_as(mode, args(sim.url, toy_tokenizer_dir, output), tmp_path)
+    assert code == 1, log[-4000:]
     assert_fault_said_once(log, f"{output}.tmp", stopping=False)
     assert_no_torn_line(disk)
     assert not Path(f"{output}.tmp").exists()
@@ -267,7 +282,7 @@ def test_full_during_the_final_write(tmp_path, small_disk, toy_tokenizer_dir, si
     assert meta["complete"] is False
     assert [i["file"] for i in meta["incomplete"]] == [f"{output}.tmp"], meta["incomplete"]
     assert "not sorted" in meta["incomplete"][0]["error"]
-    assert "Successful requests:                     258" in proc.stdout, proc.stdout[-3000:]
+    assert "Successful requests:                     258" in stdout, stdout[-3000:]
 
 
 # -- more faults of the family -------------------------------------------------------------------

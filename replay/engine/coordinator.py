@@ -42,7 +42,8 @@ from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVER
                                     WORKER_LOST, is_failure, unsent_record)
 from replay.engine.scraper import Scraper
 from replay.results.cli import end_of_run_cache
-from replay.results.metadata import file_sha256, meta_path, run_metadata, write_run_metadata, write_summary
+from replay.results.metadata import (file_sha256, meta_path, run_metadata, versions, write_run_metadata,
+                                     write_summary)
 from replay.results.server_metrics import read_server_section
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.store import REAL, RecordStore
@@ -173,6 +174,7 @@ class Coordinator:
             logger.warning("... and %d more bad rows skipped", len(trace.skipped) - MAX_SKIPPED_SHOWN)
         self.trace = trace
         self.trace_sha256 = off_loop(file_sha256, trace.path)  # for both metas: the first and the end's
+        versions()  # known now: its first call yields, and `begin` must not (a second Start would come in)
         self.origin = self.schedule.origin
         self.total = len(self.schedule) + len(self.schedule.oversized)  # rows the run must record
         if not self.total:  # a run of nothing would "succeed" with no record at all

@@ -8,6 +8,7 @@ versions. `replay report RESULTS.jsonl` picks the file up by itself.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import platform
@@ -35,7 +36,10 @@ def _version(dist: str) -> str | None:
         return None
 
 
+@functools.cache
 def versions() -> dict[str, str | None]:
+    """Once per process: platform.platform() runs `uname -p` in a subprocess, which under
+    gevent yields to the event loop (the coordinator asks in its preflight, not at the start)."""
     return {
         "tracereplay": _version("tracereplay"),
         "locust": _version("locust"),
