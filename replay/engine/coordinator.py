@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from itertools import islice
+from pathlib import Path
 from dataclasses import dataclass, field
 from array import array
 from typing import Callable, Iterable, Iterator
@@ -538,7 +539,8 @@ class Coordinator:
                                             f"; {self.store.unwritten} rows have no record in it").lstrip("; ")
         tmp = f"{self.output}.tmp"
         if tmp in incomplete:
-            incomplete[tmp] += f"; {self.output} is kept as appended: each row once, not sorted by request_id"
+            incomplete[tmp] += (f"; {self.output} is kept as appended: each row once, not sorted by request_id"
+                                if Path(self.output).exists() else f"; {self.output} was removed during the run")
         try:
             write_run_metadata(self.output, self.metadata(incomplete))
             where = f"(listed in {meta_path(self.output)})"
