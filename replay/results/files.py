@@ -4,8 +4,9 @@ and is reported as one fault naming the file: `OutputError`.
 Every file a run writes goes through here: the records (`AppendFile`: a batch of whole lines
 lands whole or not at all; on a failure the file is cut back to its length before the batch),
 and the documents (`write_atomically`: a temporary file renamed over the old one, removed when
-it could not be written). The process that gets an OutputError ends the run with it
-(replay.engine.coordinator's `fault`); nothing here logs.
+it could not be written). Nothing here logs: the master's writers hand an OutputError to the
+coordinator's one handler (`Coordinator.on_output_error`), a worker's goes to the master as a
+FAULT message, and either way the run ends as a fault.
 """
 
 from __future__ import annotations
