@@ -6,6 +6,12 @@ so it can always write a complete merged file with labels that tell why a row ha
 (replay.results.records): a worker that went missing leaves "worker lost" rows; rows a stop
 kept from ever being sent are "run stopped" only when the user stopped the run; rows a live
 worker held but never reported are "no record from worker".
+
+A file of the run that cannot be written (a full disk, replay.results.files.OutputError: the
+master's own files, or a worker's, told by FAULT) stops the run as a fault: one line in the log,
+the rows left recorded as "output error", exit code 1, and the file named in the meta's
+`incomplete`. The meta is written, with its room reserved, as the run begins, so that at the
+end it can still say what is missing when the disk has filled since.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import sys
 import time
 import uuid
 from itertools import islice
+from pathlib import Path
 from dataclasses import dataclass, field
 from array import array
 from typing import Callable, Iterable, Iterator
@@ -32,11 +39,13 @@ from replay.engine.same_tokenizer import master_fingerprint
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.api.headers import parse_headers
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
-from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OVERSIZED, RUN_STOPPED, WORKER_FAILED, WORKER_LOST,
-                                    WORKER_STOPPED, is_failure, unsent_record)
+from replay.results.files import OutputError
+from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,
+                                    WORKER_LOST, WORKER_STOPPED, is_failure, unsent_record)
 from replay.engine.scraper import Scraper
 from replay.results.cli import end_of_run_cache
-from replay.results.metadata import run_metadata, write_run_metadata, write_summary
+from replay.results.metadata import (file_sha256, meta_path, run_metadata, versions, write_run_metadata,
+                                     write_summary)
 from replay.results.server_metrics import read_server_section
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.store import REAL, RecordStore
@@ -52,6 +61,11 @@ ABORT_WAIT_S = 5.0  # at a stop, how long workers get to send what they still ho
 PLAN_RESEND_S = 2.0  # a plan not acked by then is sent again
 TICK_S = 0.25
 MAX_SKIPPED_SHOWN = 20  # --on-bad-line skip: lines listed in the log (all are counted)
+# The meta written as the run begins keeps this much room (spaces) for the end's, plus some per
+# worker: their clock figures and the incomplete files are only known later.
+META_ROOM = 8192
+META_ROOM_PER_WORKER = 1024
+NOT_ENDED = "the run has not ended, or its master stopped before writing its end"  # the first meta's word
 
 
 @dataclass
@@ -139,6 +153,7 @@ class Coordinator:
         self.output = options.output or default_output()
         self.run_id = uuid.uuid4().hex[:12]  # X-Request-Id: <run id>-<request_id>
         self.end_reason: str | None = None  # why the master ended the run itself; None: it was stopped
+        self.incomplete: dict[str, str] = {}  # file -> why it is not whole (a write that failed)
         self.workers: dict[str, WorkerState] = {}
         # Workers that said HELLO: they can hear replay messages. The local part hears from the start.
         self.heard: set[str] = {transport.LOCAL_CLIENT} if local_part is not None else set()
@@ -152,8 +167,8 @@ class Coordinator:
         # the servers' /metrics, scraped by the master from the start of the run to its end
         self.scraper: Scraper | None = None
         if options.server_metrics_interval > 0:
-            self.scraper = Scraper(self.endpoint_urls(), self.output,
-                                   options.server_metrics_interval, options.server_metric)
+            self.scraper = Scraper(self.endpoint_urls(), self.output, options.server_metrics_interval,
+                                   options.server_metric, on_fault=self.on_output_error)
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         # Registered first: asking the server below yields, and workers' hellos may come meanwhile.
@@ -164,6 +179,7 @@ class Coordinator:
         link.on(messages.PLAN_ACK, self.on_plan_ack)
         link.on(messages.STOPPED, self.on_stopped)
         link.on(messages.RECORDS, self.on_records)
+        link.on(messages.FAULT, self.on_fault)
         # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
         # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
         # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold
@@ -178,6 +194,8 @@ class Coordinator:
         if len(trace.skipped) > MAX_SKIPPED_SHOWN:
             logger.warning("... and %d more bad rows skipped", len(trace.skipped) - MAX_SKIPPED_SHOWN)
         self.trace = trace
+        self.trace_sha256 = off_loop(file_sha256, trace.path)  # for both metas: the first and the end's
+        versions()  # known now: its first call yields, and `begin` must not (a second Start would come in)
         self.origin = self.schedule.origin
         self.total = len(self.schedule) + len(self.schedule.oversized)  # rows the run must record
         if not self.total:  # a run of nothing would "succeed" with no record at all
@@ -224,9 +242,11 @@ class Coordinator:
 
     # -- start --------------------------------------------------------------------------------------
 
-    def _open_records(self) -> None:
-        """The merged file, with the rows no one sends (over --max-prompt-tokens) recorded."""
-        self.store = RecordStore(self.output, *self.schedule.request_id_range())
+    def _open_records(self, workers: int) -> None:
+        """The first meta (for `workers` workers), then the merged file, with the rows no one sends
+        (over --max-prompt-tokens) recorded."""
+        self._write_first_meta(workers)
+        self.store = RecordStore(self.output, *self.schedule.request_id_range(), on_fault=self.on_output_error)
         self._record_oversized()
 
     def begin(self, workers: list[tuple[str, int]]) -> None:
@@ -235,7 +255,10 @@ class Coordinator:
         if self.store is not None:  # begun, or cancelled
             return
         self.started_at = time.time()
-        self._open_records()
+        self._open_records(len(workers))
+        if self.end_reason == OUTPUT_ERROR:  # nothing is planned: every row is recorded as not sent
+            logger.info("replay: %d rows, output %s: nothing sent", len(self.schedule), self.output)
+            return
         if self.scraper is not None:
             self.scraper.start()
         parts = self.schedule.partition(len(workers), self.options.partition)
@@ -265,6 +288,15 @@ class Coordinator:
                 self._send_plan(state)
         logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
         self._supervisor = gevent.spawn(self._supervise)
+
+    def _write_first_meta(self, workers: int) -> None:
+        """The meta as the run begins: it says the run has not ended (so does a master that is
+        killed), and reserves the room the end's meta is written into when the disk is full by then."""
+        try:
+            write_run_metadata(self.output, self.metadata({str(self.output): NOT_ENDED}),
+                               reserve=META_ROOM + META_ROOM_PER_WORKER * workers)
+        except OutputError as e:
+            self.on_output_error(e)
 
     def _record_oversized(self) -> None:
         reason = f"{OVERSIZED} ({self.max_prompt_tokens})"
@@ -340,7 +372,7 @@ class Coordinator:
         self._maybe_go()
 
     def _maybe_go(self, force: bool = False) -> None:
-        if self.epoch is not None:
+        if self.epoch is not None or self.end_reason == OUTPUT_ERROR:
             return
         live = [w for w in self.workers.values() if not w.lost]
         if not force and not all(w.ready for w in live):
@@ -358,6 +390,31 @@ class Coordinator:
     def on_records(self, data: messages.Records, sender: str) -> None:
         self.link.to_worker(sender, messages.RECORDS_ACK, messages.RecordsAck(seq=data["seq"]))
         self.ingest(data["records"])
+
+    # -- faults: a file of the run that cannot be written ----------------------------------------
+
+    def on_output_error(self, error: OutputError) -> None:
+        """One of the master's own files (the records, the server metrics, the meta, ...)."""
+        self._fault(str(error.path), error.reason)
+
+    def on_fault(self, data: messages.Fault, sender: str) -> None:
+        """A worker's own file (its records come all the same)."""
+        self._fault(data["file"], data["reason"], None if self.local_part is not None else data["worker"])
+
+    def _fault(self, file: str, reason: str, worker: int | None = None) -> None:
+        """Said once per file, in one line; the first one that comes while the run goes on stops it."""
+        if file in self.incomplete:
+            return
+        first = not self.incomplete
+        self.incomplete[file] = reason
+        who = f"worker {worker}: " if worker is not None else ""
+        if self._ending is None:
+            if first:
+                logger.error("replay: %scannot write %s: %s: stopping the run", who, file, reason)
+            self.end_reason = OUTPUT_ERROR  # over any other: the rows left are recorded as its
+            self.finished.set()
+        elif first:  # the end of the run: the rest are said with this one in the meta and the last line
+            logger.error("replay: %scannot write %s: %s", who, file, reason)
 
     def ingest(self, records: list[dict], placeholder: bool = False) -> None:
         fresh = self.store.add(records, placeholder)
@@ -444,7 +501,7 @@ class Coordinator:
         waits for its workers): every row is recorded as never sent ("run stopped"), and the meta
         file and the summary are written, as at any stop. No worker was sent anything."""
         if self.store is None:
-            self._open_records()
+            self._open_records(0)
         self.end()
 
     def _collect_held_records(self, reason: str) -> None:
@@ -467,13 +524,15 @@ class Coordinator:
             gevent.sleep(0.1)
 
     def _trace_notes(self) -> str:
-        """Rows of the trace the run left out, said where the summary is read."""
+        """Rows of the trace the run left out, or whose record the disk did not take, said where the summary is read."""
         notes = ""
         if self.trace.skipped:
             notes += f"trace rows skipped as bad lines (--on-bad-line skip): {len(self.trace.skipped)}\n"
         if self.schedule.oversized:
             notes += (f"trace rows over --max-prompt-tokens {self.max_prompt_tokens}, never sent: "
                       f"{len(self.schedule.oversized)}\n")
+        if self.store.unwritten:
+            notes += f"rows whose record could not be written (not in the summary): {self.store.unwritten}\n"
         return notes
 
     def _cache_fidelity(self, sent: list[dict] | None, meta: dict) -> dict | None:
@@ -497,9 +556,10 @@ class Coordinator:
         user_stopped = self.end_reason is None
         logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
                     self.end_reason or "stopped", self.store.count, self.total)
-        never_sent = RUN_STOPPED if user_stopped else NO_RECORD
+        fault = self.end_reason == OUTPUT_ERROR
+        never_sent = RUN_STOPPED if user_stopped else OUTPUT_ERROR if fault else NO_RECORD
         if self.store.count < self.total:
-            self._collect_held_records(RUN_STOPPED if user_stopped else DRAIN_TIMEOUT)
+            self._collect_held_records(RUN_STOPPED if user_stopped else OUTPUT_ERROR if fault else DRAIN_TIMEOUT)
         for state in self.workers.values():
             if state.lost:
                 self._fill(state.positions, state.index, state.unrecorded_label())
@@ -526,19 +586,45 @@ class Coordinator:
         count = self.store.finish(each)
         self.schedule.close()
         meta = self.metadata()
-        write_run_metadata(self.output, meta)
         report = builder.report(self._cache_fidelity(sent, meta))
         report["server"] = read_server_section(self.output, report["endpoints"], self.options.server_metric or ())
-        write_summary(self.output, report)
+        try:
+            write_summary(self.output, report)
+        except OutputError as e:
+            self.on_output_error(e)
         sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {self.output}\n" + self._trace_notes())
         sys.stdout.flush()
+        self._write_last_meta()
         if failed:
             logger.error("%d of %d rows failed: exit code 1", failed, count)
             self.on_exit_code(1)
         return report
 
-    def metadata(self) -> dict:
-        """The run's metadata (OUTPUT.meta.json, replay.results.metadata.run_metadata)."""
+    def _write_last_meta(self) -> None:
+        """The meta, last: it names every file a failed write left incomplete (the records as
+        appended when the sorted rewrite failed: whole, each row once, not sorted); with any, the
+        exit code is 1 and one line says where that is written, or that it could not be."""
+        incomplete = dict(self.incomplete)
+        if self.store.unwritten:
+            incomplete[str(self.output)] = (incomplete.get(str(self.output), "") +
+                                            f"; {self.store.unwritten} rows have no record in it").lstrip("; ")
+        tmp = f"{self.output}.tmp"
+        if tmp in incomplete:
+            incomplete[tmp] += (f"; {self.output} is kept as appended: each row once, not sorted by request_id"
+                                if Path(self.output).exists() else f"; {self.output} was removed during the run")
+        try:
+            write_run_metadata(self.output, self.metadata(incomplete))
+            where = f"(listed in {meta_path(self.output)})"
+        except OutputError as e:
+            where = f"and the meta could not be written either ({e})"
+        if incomplete:
+            logger.error("replay: the run's files are not complete: %s %s: exit code 1",
+                         "; ".join(f"{file}: {why}" for file, why in incomplete.items()), where)
+            self.on_exit_code(1)
+
+    def metadata(self, incomplete: dict[str, str] | None = None) -> dict:
+        """The run's metadata (OUTPUT.meta.json, replay.results.metadata.run_metadata);
+        `incomplete`: {file: why} of the files not whole."""
         workers = [{
             "index": state.index,
             "client_id": state.client_id,
@@ -566,4 +652,6 @@ class Coordinator:
             max_prompt_tokens=self.max_prompt_tokens,
             oversized=len(self.schedule.oversized),
             server_check=self.server_check,
+            trace_sha256=self.trace_sha256,
+            incomplete=[{"file": file, "error": why} for file, why in (incomplete or {}).items()],
         )

@@ -33,6 +33,7 @@ from replay.engine.plan import decode_row, send_offset_s
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer
 from replay.engine.timing import Alarm, QuietCollector
+from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
                                     unsent_record, worker_path)
 from replay.synth.chat_template import ChatTemplateError
@@ -190,6 +191,7 @@ class Dispatcher:
         self.sent = 0
         self.failed = 0
         self.writer: RecordWriter | None = None
+        self.write_fault: OutputError | None = None  # its own file could not be written (said once)
         self.primed = Event()
         self.warmed = Event()
         self.go = Event()
@@ -275,8 +277,11 @@ class Dispatcher:
         try:
             self._set_up()
         except Exception as e:  # tell the master, or it would wait for this worker forever
-            logger.exception("worker %s cannot start", self.index)
-            error = str(e) if isinstance(e, OptionError) else f"{type(e).__name__}: {e}"  # OptionError: one line
+            if isinstance(e, OutputError):  # its own file cannot be made: one line says it all
+                logger.error("worker %s cannot start: %s", self.index, e)
+            else:
+                logger.exception("worker %s cannot start", self.index)
+            error = str(e) if isinstance(e, (OptionError, OutputError)) else f"{type(e).__name__}: {e}"  # one line
             self.link.to_master(messages.READY, messages.Ready(worker=self.index, error=error))
             return
         self.primed.wait()
@@ -560,9 +565,24 @@ class Dispatcher:
             self._ask_for_rows()
 
     def take_records(self) -> list[dict]:
-        """Records not yet shipped, written to this worker's file (a local run hands them over directly)."""
+        """Records not yet shipped, written to this worker's file (a local run hands them over
+        directly). A batch its file cannot take is still shipped: the master keeps it."""
         batch, self.outbox = self.outbox, []
         if batch and self.writer is not None:
-            self.writer.write(batch)
+            try:
+                self.writer.write(batch)
+            except OutputError as e:
+                self._write_failed(e)
         return batch
+
+    def _write_failed(self, error: OutputError) -> None:
+        """Tell the master, which stops the run (once; later batches are still tried, and the
+        file keeps whole lines only). A worker process says it in its own log too."""
+        if self.write_fault is not None:
+            return
+        self.write_fault = error
+        if not self.local:
+            logger.error("replay: worker %s: %s: stopping the run", self.index, error)
+        self.link.to_master(messages.FAULT, messages.Fault(worker=self.index, file=str(error.path),
+                                                           reason=error.reason))
 

@@ -18,6 +18,7 @@ A run, in order:
     master -> worker  GO                    the shared start
     worker -> master  RECORDS ...           outcomes; each chunk acked by RECORDS_ACK
     worker -> master  LIVE                  once a second, for the Replay view
+    worker -> master  FAULT                 its own records file cannot be written: the master stops the run
     master -> worker  ABORT                 the run ends before the worker did: record what is left
     master -> worker  IDLE                  to a worker that joined after the start
     worker -> master  STOPPED               it got a signal of its own: its unrecorded rows fail
@@ -51,6 +52,7 @@ READY = "replay_ready"
 RECORDS = "replay_records"
 LIVE = "replay_live"
 STOPPED = "replay_stopped"
+FAULT = "replay_fault"
 
 
 class Chunk(TypedDict):
@@ -175,3 +177,13 @@ class Live(TypedDict):
     sent: int  # rows sent so far
     in_flight: int  # requests written but not yet answered
     failed: int  # rows failed so far
+
+
+class Fault(TypedDict):
+    """FAULT: the worker cannot write its own file (OUTPUT.worker-N.jsonl: a full disk); its
+    records still come as RECORDS. The master stops the run and names the file as incomplete
+    in the meta."""
+
+    worker: int
+    file: str  # the path, as the worker's host names it
+    reason: str  # the system's reason, e.g. "No space left on device (errno 28)"

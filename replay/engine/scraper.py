@@ -11,7 +11,8 @@ The first round is taken before the first request is sent (the coordinator waits
 a last one after the last answer, so counters' changes cover exactly the run. A server without
 `/metrics`, or one that fails, is logged once (and again once it answers); the run goes on.
 An endpoint is written, logged and handed on by its URL as shown (replay.api.urls); its
-credentials go only into the scrape's Authorization header.
+credentials go only into the scrape's Authorization header. A round that cannot be written
+(a full disk) goes to `on_fault`, which ends the run: the file keeps whole lines only.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from geventhttpclient import HTTPClient
 from replay.api.client import close_with_reset
 from replay.api.gevent_pool import PoolInternals
 from replay.api.urls import shown, with_credentials
+from replay.results.files import AppendFile, OutputError
 from replay.results.server_metrics import KNOWN, metrics_path, parse, sample_line
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,10 @@ MAX_TIMEOUT_S = 2.0  # a scrape's own limit: never more than this, never more th
 
 
 class Scraper:
-    def __init__(self, endpoints: list[str], output: str | Path, interval: float, extra: list[str] | None = None):
+    def __init__(self, endpoints: list[str], output: str | Path, interval: float, extra: list[str] | None = None,
+                 on_fault: Callable[[OutputError], None] | None = None):
+        """`on_fault` hears of a round that could not be written (None: it is raised)."""
+        self.on_fault = on_fault
         self.endpoints = list(endpoints)
         self.shown = [shown(url) for url in self.endpoints]
         self.interval = interval
@@ -48,7 +53,7 @@ class Scraper:
         self.listeners: list[Callable[[float, dict[str, dict | None]], None]] = []  # (t, {shown url: metrics or None})
         self.first_round = Event()  # set once the first round is written
         self._failing: dict[str, str] = {}  # endpoint -> the error last logged
-        self._file = None
+        self._file: AppendFile | None = None
         self._loop: gevent.Greenlet | None = None
         self._stopping = Event()
         self._clients: dict[str, tuple[HTTPClient, str, dict[str, str]]] = {}
@@ -64,9 +69,16 @@ class Scraper:
         return self._clients[url]
 
     def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "wb")
+        try:
+            self._file = AppendFile(self.path)
+        except OutputError as e:
+            self._fault(e)
         self._loop = gevent.spawn(self._run)
+
+    def _fault(self, error: OutputError) -> None:
+        if self.on_fault is None:
+            raise error
+        self.on_fault(error)
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -94,16 +106,19 @@ class Scraper:
         jobs = [gevent.spawn(self._one, url) for url in self.endpoints]
         gevent.joinall(jobs, timeout=self.timeout + 1.0)
         results: dict[str, dict | None] = {}
+        lines = bytearray()
         for name, job in zip(self.shown, jobs):
             metrics, error = job.value if job.successful() else (None, "no answer in time")
             if not job.ready():
                 job.kill(block=False)
             self._log(name, error)
             results[name] = metrics
-            if self._file is not None:
-                self._file.write(sample_line(t, name, metrics, error))
+            lines += sample_line(t, name, metrics, error)
         if self._file is not None:
-            self._file.flush()
+            try:
+                self._file.append(lines)
+            except OutputError as e:
+                self._fault(e)
         self.first_round.set()
         for listener in self.listeners:
             listener(t, results)
@@ -119,14 +134,16 @@ class Scraper:
 
     def stop(self) -> None:
         """Take a last round, end the loop and close the file, complete and flushed."""
-        if self._loop is None or self._file is None:
+        if self._loop is None:
             return
         self._stopping.set()
         self._loop.join(timeout=self.timeout + 2.0)
         self._loop.kill()
         self.scrape()
-        self._file.close()
-        self._file = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._loop = None
         for client, _, _ in self._clients.values():  # by reset: a FIN would leave a port in TIME_WAIT
             pool = PoolInternals(client)
             while (sock := pool.pop_idle()) is not None:

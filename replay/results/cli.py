@@ -10,10 +10,10 @@ import argparse
 import logging
 import sys
 from collections import Counter
-from pathlib import Path
 
 import orjson
 
+from replay.results.files import OutputError, write_atomically
 from replay.results.metadata import file_sha256, read_run_metadata
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
@@ -118,6 +118,9 @@ def end_of_run_cache(results: str, records: list[dict], meta: dict, server_block
 def run(args) -> int:
     try:
         meta = read_run_metadata(args.results)
+        if meta is not None and meta.get("complete") is False:  # a fault (full disk) cut a file of the run short
+            print(f"replay report: {args.results}: the run's files are incomplete: "
+                  + "; ".join(f"{i['file']}: {i['error']}" for i in meta.get("incomplete") or ()), file=sys.stderr)
         slo = parse_slo(_pick(args.slo, (meta or {}).get("options", {}).get("slo")))
         trace_path = cache_trace(args, meta)
         # One pass over the file. The summary keeps no record; the cache check and the plots
@@ -143,17 +146,20 @@ def run(args) -> int:
     extra = ((meta or {}).get("options") or {}).get("server_metric") or ()
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
     print(format_report(report))
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-    if args.html_out:
-        from replay.results.html import PlottingMissing, write_html
+    try:
+        if args.json_out:
+            write_atomically(args.json_out, orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        if args.html_out:
+            from replay.results.html import PlottingMissing, write_html
 
-        try:
-            samples = list(read_samples(metrics_path(args.results))) if report["server"] else None
-            write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir, samples=samples)
-        except PlottingMissing as e:
-            print(f"replay report: {e}", file=sys.stderr)
-            return 1
-        print(f"HTML report: {args.html_out}")
+            try:
+                samples = list(read_samples(metrics_path(args.results))) if report["server"] else None
+                write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir, samples=samples)
+            except PlottingMissing as e:
+                print(f"replay report: {e}", file=sys.stderr)
+                return 1
+            print(f"HTML report: {args.html_out}")
+    except OutputError as e:  # a full disk: the file is left as it was, or absent
+        print(f"replay report: {e}", file=sys.stderr)
+        return 1
     return 0

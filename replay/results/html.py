@@ -12,6 +12,7 @@ import io
 import time
 from pathlib import Path
 
+from replay.results.files import write_atomically
 from replay.results.report import format_report
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 
@@ -235,7 +236,9 @@ def save_pngs(figures: dict, directory: str | Path, dpi: int = 110) -> list[Path
     paths = []
     for name, fig in figures.items():
         path = out / f"{name}.png"
-        fig.savefig(path, format="png", dpi=dpi)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=dpi)
+        write_atomically(path, buffer.getvalue())
         paths.append(path)
     return paths
 
@@ -281,9 +284,7 @@ def render_html(records: list[dict], report: dict, checks=None, meta: dict | Non
 def write_html(path: str | Path, report: dict, records: list[dict], checks=None, meta: dict | None = None,
                png_dir: str | Path | None = None, samples: list[dict] | None = None) -> Path:  # fmt: skip
     figures = render_figures(records, report, checks, meta, samples)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(records, report, checks, meta, figures), encoding="utf-8")
+    out = write_atomically(path, render_html(records, report, checks, meta, figures).encode("utf-8"))
     if png_dir is not None:
         save_pngs(figures, png_dir)
     return out

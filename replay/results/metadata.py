@@ -8,6 +8,7 @@ versions. `replay report RESULTS.jsonl` picks the file up by itself.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import platform
@@ -17,6 +18,7 @@ from pathlib import Path
 import orjson
 
 from replay.api.urls import shown
+from replay.results.files import OutputError, overwrite_in_place, write_atomically
 
 META_SUFFIX = ".meta.json"
 SUMMARY_SUFFIX = ".summary.json"  # the end-of-run summary, as `replay report --json` writes it
@@ -35,7 +37,10 @@ def _version(dist: str) -> str | None:
         return None
 
 
+@functools.cache
 def versions() -> dict[str, str | None]:
+    """Once per process: platform.platform() runs `uname -p` in a subprocess, which under
+    gevent yields to the event loop (the coordinator asks in its preflight, not at the start)."""
     return {
         "tracereplay": _version("tracereplay"),
         "locust": _version("locust"),
@@ -90,10 +95,14 @@ def run_metadata(
     max_prompt_tokens: int | None = None,
     oversized: int = 0,
     server_check: dict | None = None,
+    trace_sha256: str | None = None,
+    incomplete: list[dict] | None = None,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
-    bad lines --on-bad-line skip dropped (all counted, the first MAX_SKIPPED_LISTED listed)."""
+    bad lines --on-bad-line skip dropped (all counted, the first MAX_SKIPPED_LISTED listed);
+    `trace_sha256` the trace's hash when already known; `incomplete` the run's files that are
+    not whole, [{file, error}] (see "The output" in README.md)."""
     opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials, and so may URLs
     if opts.get("endpoints"):
         opts["endpoints"] = ",".join(shown(url) for url in opts["endpoints"].split(","))
@@ -102,9 +111,11 @@ def run_metadata(
         "meta_version": META_VERSION,
         "written_at": time.time(),
         "run_id": run_id,  # requests carried X-Request-Id: <run_id>-<request_id>
+        "complete": not incomplete,  # every file of the run whole (records sorted, summary written)
+        "incomplete": list(incomplete or ()),
         "trace": {
             "path": str(Path(trace_path).resolve()),
-            "sha256": file_sha256(trace_path),
+            "sha256": trace_sha256 or file_sha256(trace_path),
             "format": trace_format,
             "block_size": block_size,
             "rows": rows,
@@ -137,9 +148,19 @@ def run_metadata(
     }
 
 
-def write_run_metadata(output: str | Path, meta: dict) -> Path:
-    """Write OUTPUT.meta.json (atomically: a report never reads half a file)."""
-    return _write_atomically(meta_path(output), orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+def write_run_metadata(output: str | Path, meta: dict, reserve: int = 0) -> Path:
+    """Write OUTPUT.meta.json (atomically: a report never reads half a file). `reserve` bytes of
+    spaces follow the document (JSON allows them): the room an end-of-run meta is written into
+    in place when the disk has filled since, and a temporary copy no longer fits. Raises
+    OutputError when neither way works."""
+    path = meta_path(output)
+    data = orjson.dumps(meta, option=orjson.OPT_INDENT_2)
+    try:
+        return write_atomically(path, data + b" " * reserve)
+    except OutputError:
+        if overwrite_in_place(path, data):
+            return path
+        raise
 
 
 def summary_path(output: str | Path) -> Path:
@@ -148,15 +169,7 @@ def summary_path(output: str | Path) -> Path:
 
 def write_summary(output: str | Path, report: dict) -> Path:
     """Write OUTPUT.summary.json, the end-of-run summary (atomically, as the metadata)."""
-    return _write_atomically(summary_path(output), orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-
-
-def _write_atomically(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-    return path
+    return write_atomically(summary_path(output), orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 def read_run_metadata(results: str | Path) -> dict | None:

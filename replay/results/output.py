@@ -21,9 +21,9 @@ import re
 import socket
 import stat
 from pathlib import Path
-from typing import BinaryIO
 
 from replay.errors import OptionError
+from replay.results.files import OutputError
 from replay.results.metadata import meta_path, summary_path
 from replay.results.server_metrics import metrics_path
 
@@ -79,17 +79,22 @@ def _refuse_all_but_regular_files(output: str, paths: list[Path], hint: str) -> 
                               f"regular files are replaced: remove it, or choose another --output{hint}")
 
 
-def open_fresh(output: str, path: Path) -> BinaryIO:
-    """`path` emptied and opened for writing, if what is there is a regular file or nothing:
+def fresh_fd(output: str, path: Path) -> int:
+    """A descriptor of `path` emptied for writing, if what is there is a regular file or nothing:
     a worker on another host writes its file where the master's claim did not look, and "wb"
-    would write into a device or a FIFO, or through a link. Raises OptionError as the claim does."""
+    would write into a device or a FIFO, or through a link. Raises OptionError as the claim does,
+    and OutputError when the file cannot be made (a full disk)."""
     _refuse_all_but_regular_files(output, [path], "")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        _refuse_all_but_regular_files(output, [path], "")  # swapped in since the look (a link: ELOOP)
+        raise OutputError(path, e) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in since the look
         os.close(fd)
         _refuse_all_but_regular_files(output, [path], "")
         raise OptionError(f"--output {output}: {path} is not a regular file")
-    return os.fdopen(fd, "wb")
+    return fd
 
 
 class OutputClaim:
@@ -205,10 +210,22 @@ def _lock(output: str, hint: str) -> int:
         if not same:  # its holder removed it between our open and our lock: take the new one
             os.close(fd)
             continue
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        try:  # a full disk has no room for even this line: said here, before anything is sent
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        except OSError as e:
+            os.close(fd)
+            _unlink(path)
+            raise OptionError(f"--output {output}: cannot write {path}: {e.strerror}{hint}") from None
         return fd
     raise OptionError(f"--output {output}: cannot lock {path}: it keeps being replaced{hint}")
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def _holder(fd: int) -> str:

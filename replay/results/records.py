@@ -11,7 +11,8 @@ from typing import Iterable, Iterator, TypedDict
 
 import orjson
 
-from replay.results.output import open_fresh
+from replay.results.files import AppendFile, OutputError
+from replay.results.output import fresh_fd
 from replay.rules.usage import disagreements
 
 
@@ -55,6 +56,7 @@ WORKER_LOST = "worker lost"  # its worker went missing before it recorded the ro
 WORKER_FAILED = "worker failed"  # its worker could not start (": reason" follows)
 MASTER_LOST = "master lost"  # the worker stopped sending when the master stopped answering
 WORKER_STOPPED = "worker stopped"  # its worker got a signal of its own (SIGTERM, SIGINT, SIGHUP), not the master's stop
+OUTPUT_ERROR = "output error"  # a file of the run could not be written (a full disk): the run was stopped
 NO_RECORD = "no record from worker"  # the worker held the row but never returned its record
 OVERSIZED = "prompt over --max-prompt-tokens"  # never synthesized nor sent (" (limit)" follows)
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
@@ -127,25 +129,31 @@ def is_failure(record: Record) -> bool:
 
 
 class RecordWriter:
-    """Writes records to a fresh JSONL file batch by batch, flushed per batch so the file survives a crash."""
+    """Writes records to a fresh JSONL file batch by batch, each batch whole or not at all
+    (replay.results.files.AppendFile), so the file survives a crash and a full disk with whole
+    lines only. Raises OutputError when a batch cannot be written (or the file made)."""
 
     def __init__(self, path: str | Path, output: str | Path | None = None):
         """`output`: the run's --output, named in the error when `path` is not a file to write."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open_fresh(str(output or path), self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(self.path.parent, e) from None
+        self._file = AppendFile(self.path, fd=fresh_fd(str(output or path), self.path))
         self.count = 0
 
     def write(self, records: Iterable[Record]) -> None:
-        # Each line straight into the file's buffer: a list of orjson.dumps results would hold
-        # about 4 KB apiece (orjson's smallest buffer), 10 KB a row at a stop of 20,000 rows.
-        write, count = self._file.write, self.count
+        # Each line straight into one buffer: a list of orjson.dumps results would hold about
+        # 4 KB apiece (orjson's smallest buffer), 10 KB a row at a stop of 20,000 rows.
+        batch, count = bytearray(), 0
         for record in records:
-            write(orjson.dumps(record))
-            write(b"\n")
-            self.count += 1
-        if self.count != count:
-            self._file.flush()
+            batch += orjson.dumps(record)
+            batch += b"\n"
+            count += 1
+        if count:
+            self._file.append(batch)
+            self.count += count
 
     def close(self) -> None:
         self._file.close()

@@ -4,36 +4,54 @@ Each record is appended to the output file at once (so a crash still leaves ever
 received), and the store remembers per request id only where its latest record is (13 bytes a
 row). At the end, `finish` rewrites the file sorted by request_id, reading each record back
 once, and hands every record to the caller's summary on the way.
+
+A write that fails (a full disk) is the caller's fault handler's (`on_fault`, with the
+OutputError), never an exception out of `add` or `finish`: the file keeps only whole lines, a
+batch that could not be written is remembered as not on disk (`unwritten`), and later batches
+are still tried. A placeholder's line is blanked in place once its row's real record is
+written, so the appended file holds one line per row at every moment: when the sorted rewrite
+cannot be written either, it is left as the run's records, unsorted.
 """
 
 from __future__ import annotations
 
-import os
 from array import array
 from pathlib import Path
 from typing import Callable, Iterable
 
 import orjson
 
+from replay.results.files import AppendFile, OutputError
 from replay.results.records import Record
 
 NONE, REAL, PLACEHOLDER = 0, 1, 2
+REWRITE_CHUNK = 1 << 20  # the sorted rewrite is written this many bytes at a time
 
 
 class RecordStore:
     """Records for request ids first..last. A placeholder (a record the master made up, e.g.
     "worker lost") is replaced when the row's real record still arrives; a real one never is."""
 
-    def __init__(self, path: str | Path, first: int, last: int):
+    def __init__(self, path: str | Path, first: int, last: int,
+                 on_fault: Callable[[OutputError], None] | None = None):
+        """`on_fault` hears of each write that failed (None: it is raised)."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w+b")
+        self.on_fault = on_fault
+        self._file: AppendFile | None = None  # None: it could not be made; every record is then unwritten
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = AppendFile(self.path, readable=True)
+        except OSError as e:
+            self._fault(OutputError(self.path, e))
+        except OutputError as e:
+            self._fault(e)
         self.first = first
         size = max(last - first + 1, 0)
         self._state = bytearray(size)
         self._offsets = array("q", bytes(8 * size))
         self._lengths = array("I", bytes(4 * size))
         self.count = 0  # request ids with a record of either kind
+        self.unwritten = 0  # of them, rows whose record could not be written (a full disk)
 
     def state(self, request_id: int) -> int:
         return self._state[request_id - self.first]
@@ -41,10 +59,16 @@ class RecordStore:
     def has(self, request_id: int) -> bool:
         return self._state[request_id - self.first] != NONE
 
+    def _fault(self, error: OutputError) -> None:
+        if self.on_fault is None:
+            raise error
+        self.on_fault(error)
+
     def add(self, records: Iterable[Record], placeholder: bool = False) -> list[Record]:
         """Store the records that are new (or replace a placeholder); returns those stored."""
         fresh, lines = [], []
-        offset = self._file.seek(0, os.SEEK_END)
+        replaced: dict[int, tuple[int, int]] = {}  # index -> the placeholder line's (offset, length)
+        offset = self._file.size if self._file is not None else 0
         for record in records:
             index = record["request_id"] - self.first
             state = self._state[index]
@@ -52,6 +76,8 @@ class RecordStore:
                 continue  # a resent batch, or a placeholder for a row already recorded
             if state == NONE:
                 self.count += 1
+            elif self._lengths[index]:
+                replaced[index] = (self._offsets[index], self._lengths[index])
             self._state[index] = PLACEHOLDER if placeholder else REAL
             line = orjson.dumps(record) + b"\n"
             self._offsets[index] = offset
@@ -59,30 +85,83 @@ class RecordStore:
             offset += len(line)
             lines.append(line)
             fresh.append(record)
-        if lines:
-            self._file.write(b"".join(lines))
-            self._file.flush()
+        if not lines:
+            return fresh
+        try:
+            if self._file is None:
+                raise OutputError(self.path, OSError(0, "the file could not be made"))
+            self._file.append(b"".join(lines))
+        except OutputError as e:
+            for record in fresh:  # recorded (counted), but not on disk: a placeholder's line stays its record
+                index = record["request_id"] - self.first
+                self._offsets[index], self._lengths[index] = replaced.get(index, (0, 0))
+                self.unwritten += index not in replaced
+            self._fault(e)
+            return fresh
+        for old_offset, old_length in replaced.values():  # blanked: one line per row on disk
+            self._file.overwrite(old_offset, b" " * (old_length - 1) + b"\n")
         return fresh
 
     def finish(self, each: Callable[[Record], None] | None = None) -> int:
         """Rewrite the file sorted by request_id (each row's latest record); returns how many.
-        `each` sees every record in that order (the end-of-run summary)."""
-        self._file.flush()
+        `each` sees every record in that order (the end-of-run summary), also when the
+        rewrite cannot be written: the appended file is then kept as it is (one line per
+        row, unsorted), and the fault handler hears why."""
+        if self._file is None:
+            return 0
         tmp = self.path.with_name(self.path.name + ".tmp")
         count = 0
-        fd, offsets, lengths = self._file.fileno(), self._offsets, self._lengths
-        with open(tmp, "wb") as out:
-            for index, state in enumerate(self._state):
-                if state == NONE:
-                    continue
-                line = os.pread(fd, lengths[index], offsets[index])  # a seek would refill 8 KB per line
-                out.write(line)
-                count += 1
-                if each is not None:
-                    each(orjson.loads(line))
+        offsets, lengths, read = self._offsets, self._lengths, self._file.read
+        out: AppendFile | None = None
+        try:
+            out = AppendFile(tmp)
+        except OutputError as e:
+            self._fault(e)
+        pending = bytearray()
+
+        def write_pending() -> AppendFile | None:
+            try:
+                out.append(pending)
+                return out
+            except OutputError as e:
+                self._drop(out, tmp)
+                self._fault(e)
+                return None
+            finally:
+                pending.clear()
+
+        for index, state in enumerate(self._state):
+            if state == NONE or not lengths[index]:
+                continue
+            line = read(offsets[index], lengths[index])  # a seek would refill 8 KB per line
+            count += 1
+            if each is not None:
+                each(orjson.loads(line))
+            if out is not None:
+                pending += line
+                if len(pending) >= REWRITE_CHUNK:
+                    out = write_pending()
+        if out is not None and pending:
+            out = write_pending()
         self._file.close()
-        tmp.replace(self.path)
+        if out is not None:
+            out.close()
+            try:
+                tmp.replace(self.path)
+            except OSError as e:
+                self._drop(None, tmp)
+                self._fault(OutputError(self.path, e))
         return count
 
+    @staticmethod
+    def _drop(out: AppendFile | None, tmp: Path) -> None:
+        if out is not None:
+            out.close()
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

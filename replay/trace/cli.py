@@ -7,6 +7,7 @@ import sys
 
 import orjson
 
+from replay.results.files import OutputError
 from replay.trace.convert import convert_trace
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 from replay.trace.formats import FORMATS
@@ -127,7 +128,7 @@ def run_convert(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             block_size_to=args.block_size_to,
         )
-    except (TraceError, ValueError, OSError, EOFError, RuntimeError) as err:
+    except (TraceError, ValueError, OSError, EOFError, RuntimeError, OutputError) as err:
         return _fail(str(err))
     block = f", block size {written.block_size}" if written.rows and any(r.hash_ids for r in written.rows) else ""
     print(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import orjson
 
+from replay.results.files import OutputError
 from replay.trace.formats import FORMATS
 from replay.trace.reader import read_trace
 from replay.trace.record import Trace, TraceRow
@@ -69,13 +70,17 @@ def convert_trace(
     rows = select_rows(trace.rows, start, duration, max_rows)
     origin = start or 0.0
     block_out = block_size_to if block_size_to is not None else trace.block_size
-    with open_output(out_path) as out:
-        for row in rows:
-            length = row.input_length
-            if block_size_to is not None:
-                length = rescale_length(length, trace.block_size, block_size_to)
-            record = to_record(row, (row.timestamp_s - origin) / time_scale, length, block_out)
-            out.write(orjson.dumps(record) + b"\n")
+    try:
+        with open_output(out_path) as out:
+            for row in rows:
+                length = row.input_length
+                if block_size_to is not None:
+                    length = rescale_length(length, trace.block_size, block_size_to)
+                record = to_record(row, (row.timestamp_s - origin) / time_scale, length, block_out)
+                out.write(orjson.dumps(record) + b"\n")
+    except OSError as e:  # a full disk: no half trace is left to be replayed by mistake
+        Path(out_path).unlink(missing_ok=True)
+        raise OutputError(out_path, e) from None
     written = read_trace(out_path, format="jsonl")  # named: an empty window gives an empty file
     if len(written.rows) != len(rows) or written.block_size != (block_out if block_out is not None else JSONL_BLOCK):
         raise RuntimeError(
