@@ -20,7 +20,8 @@ from replay.api.headers import parse_headers
 from replay.api.models import served_max_model_len
 from replay.apis import API_NAMES
 from replay.results.report import parse_slo
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
+from replay.errors import OptionError
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, block_size_problem
 
 ROUTINGS = ("round-robin", "least-inflight", "session", "prefix")
 PARTITIONS = ("round-robin", "session")
@@ -149,8 +150,9 @@ class ReplayOptions:
         if not (math.isfinite(self.server_metrics_interval) and self.server_metrics_interval >= 0):
             raise ValueError(f"--server-metrics-interval {self.server_metrics_interval}: must be a finite number of "
                              "seconds >= 0 (0: off)")
-        if self.server_block_size is not None and self.server_block_size < 1:
-            raise ValueError(f"--server-block-size {self.server_block_size}: must be >= 1")
+        for flag, size in (("--block-size", self.block_size), ("--server-block-size", self.server_block_size)):
+            if size is not None and (problem := block_size_problem(size)):
+                raise OptionError(f"{flag} {size}: {problem}")
         if self.slo:
             parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
         parse_headers(self.header)  # here, not on every worker

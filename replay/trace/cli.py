@@ -8,7 +8,7 @@ import sys
 import orjson
 
 from replay.trace.convert import convert_trace
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZE, block_size_problem
 from replay.trace.formats import FORMATS
 from replay.trace.reader import ON_BAD_LINE, read_trace
 from replay.trace.record import TraceError
@@ -48,14 +48,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--duration", type=float, help="window length, trace seconds")
     convert.add_argument("--max-rows", type=int, help="keep only the first N rows (after the window)")
     convert.add_argument("--time-scale", type=float, default=1.0, help="divide times by X (2 = twice as fast)")
-    convert.add_argument("--block-size-to", type=int, help="rescale input lengths to blocks of N tokens")
+    convert.add_argument("--block-size-to", type=block_size_arg, metavar="N",
+                         help="rescale input lengths to blocks of N tokens")
     convert.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
     convert.set_defaults(func=run_convert)
 
 
 def _format_options(parser: argparse.ArgumentParser, flag: str) -> None:
     parser.add_argument(flag, dest="format", choices=list(FORMATS), help="trace format (detected when omitted)")
-    parser.add_argument("--block-size", type=int, help="tokens per hash id block (overrides the format default)")
+    parser.add_argument("--block-size", type=block_size_arg, metavar="N",
+                        help=f"tokens per hash id block, 1 to {MAX_BLOCK_SIZE} (overrides the format default)")
+
+
+def block_size_arg(text: str) -> int:
+    """A --block-size value, under fields.block_size_problem's rule (argparse: exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if problem := block_size_problem(value):
+        raise argparse.ArgumentTypeError(f"{problem}, got {value}")
+    return value
 
 
 def _token_limit(text: str) -> int:

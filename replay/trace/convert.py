@@ -8,6 +8,8 @@ right with no option, even after `head` or `gzip`.
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import orjson
@@ -59,8 +61,8 @@ def convert_trace(
     Times are re-based to the window start (when --start is given) and divided by
     time_scale. Reading the output back checks that it is a valid trace of the same rows.
     """
-    if time_scale <= 0:
-        raise ValueError(f"--time-scale must be > 0, got {time_scale}")
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"--time-scale must be a finite number > 0, got {time_scale}")
     if block_size_to is not None:
         if block_size_to < 1:
             raise ValueError(f"--block-size-to must be >= 1, got {block_size_to}")

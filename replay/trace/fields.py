@@ -19,6 +19,20 @@ prompt of gigabytes. 2^20 is above any context window served today, so no real r
 `replay trace validate --max-prompt-tokens` and the replay use it as their default.
 """
 
+MAX_BLOCK_SIZE = DEFAULT_MAX_PROMPT_TOKENS
+"""Most tokens a hash id block may stand for (--block-size, a row's block_size, the server's).
+
+A block is part of one prompt, so one longer than the longest prompt a row may ask for is a
+typo, not a trace: it would only make the replay hash and hold a block of that many tokens
+(10^8 stalled the start-up for half a minute, 10^12 ran out of memory).
+"""
+
+MAX_TRACE_SPAN_S = 10 * 365.25 * 86400
+"""Most trace seconds between a trace's earliest and latest row, and most seconds a replay may
+last (the window divided by --scale): ten years. Time origins (a unix-epoch timestamp) are
+free; a span beyond this is a broken field, and a send time beyond it would never come
+(1e300 ms made the worker's timer wrap and spin a core)."""
+
 _INT_ONLY = {int}
 
 
@@ -127,6 +141,28 @@ def check_prompt_limit(input_length: int, max_input_tokens: int | None) -> None:
         raise RowError(
             "input_length", f"{input_length} tokens is over the limit of {max_input_tokens} (--max-prompt-tokens)"
         )
+
+
+def block_size_problem(value: int) -> str | None:
+    """Why `value` cannot be a block size (None when it can): the one rule for every option
+    and field that gives one."""
+    if 1 <= value <= MAX_BLOCK_SIZE:
+        return None
+    return f"must be 1 to {MAX_BLOCK_SIZE} tokens (a block is never longer than the longest prompt)"
+
+
+def span_problem(time_s: float, earliest: float, latest: float) -> str | None:
+    """Why a row at `time_s` breaks the trace's span (None when it does not), given the
+    earliest and latest times of the rows before it: the rule every reader applies, so
+    `replay trace validate` refuses exactly the rows a replay would."""
+    if not math.isfinite(time_s):
+        return f"must be finite, got {time_s!r}"
+    low, high = min(earliest, time_s), max(latest, time_s)
+    if high - low <= MAX_TRACE_SPAN_S:
+        return None
+    other = earliest if time_s == high else latest
+    return (f"{time_s:g} s is {abs(time_s - other):g} s from an earlier row's {other:g} s; a trace spans at most "
+            f"{MAX_TRACE_SPAN_S:.0f} s (10 years)")
 
 
 def check_blocks(hash_ids: tuple[int, ...] | None, input_length: int, block_size: int | None) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import functools
 import gc
+import math
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 import orjson
 
-from replay.trace.fields import RowError, check_prompt_limit
+from replay.trace.fields import RowError, block_size_problem, check_prompt_limit, span_problem
 from replay.trace.formats import FORMATS, Format
 from replay.trace.record import BadLine, Trace, TraceError, TraceRow
 from replay.trace.source import GZIP_ERRORS, gzip_error, numbered_lines, open_text
@@ -84,8 +85,8 @@ class TraceStream:
                  on_bad_line: str = "fail", *, max_input_tokens: int | None = None):
         if on_bad_line not in ON_BAD_LINE:
             raise ValueError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if block_size is not None and (problem := block_size_problem(block_size)):
+            raise ValueError(f"block size {block_size}: {problem}")
         if max_input_tokens is not None and max_input_tokens < 1:
             raise ValueError(f"max_input_tokens must be >= 1 or None, got {max_input_tokens}")
         self.max_input_tokens = max_input_tokens
@@ -103,6 +104,7 @@ class TraceStream:
 
     def __iter__(self) -> Iterator[TraceRow]:
         parser, limit = self._parser, self.max_input_tokens
+        earliest, latest = math.inf, -math.inf
         for index, (line, record) in enumerate(_records(self.path, self._format)):
             try:
                 if isinstance(record, RowError):
@@ -110,6 +112,12 @@ class TraceStream:
                 row = parser.parse(record, index, line)
                 if limit is not None:
                     check_prompt_limit(row.input_length, limit)
+                time_s = row.timestamp_s
+                if not earliest <= time_s <= latest:  # only a row that widens the span can break it
+                    problem = span_problem(time_s, earliest, latest)
+                    if problem is not None:
+                        raise RowError(parser.time_field, problem)
+                    earliest, latest = min(earliest, time_s), max(latest, time_s)
                 yield row
             except RowError as err:
                 bad = BadLine(self.path, line, err.field, err.message)
