@@ -99,6 +99,35 @@ def test_stats_reports_sessions_and_skipped_rows(tmp_path, capsys):
     assert stats["turns_per_session"]["max"] == 3
 
 
+def peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `replay ARGS`; (its result, its peak RSS in MB, from wait4: this child's own)."""
+    proc = subprocess.Popen(replay_command() + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.read(), proc.stderr.read())
+    return done, usage.ru_maxrss / 1024
+
+
+def test_validate_and_stats_hold_no_rows(tmp_path):
+    """300,000 rows, 600,000 distinct hash ids: validate took 155 MB and stats 257 MB (every row
+    held; 817 MB and 1.4 GB at 2,000,000 rows). Now validate holds no row and stats a time per
+    row and ~50 bytes per distinct id; the bounds leave room for the interpreter (~40 MB)."""
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as f:
+        for start in range(0, 300_000, 10_000):
+            f.write(b"".join(b'{"timestamp":%d,"input_length":60,"output_length":4,"hash_ids":[%d,%d,%d,%d]}\n'
+                             % (i * 5, i % 8, 100 + i % 8, 1000 + 2 * i, 1001 + 2 * i)
+                             for i in range(start, start + 10_000)))
+    done, validate_mb = peak_rss_mb("trace", "validate", str(path), "--block-size", "16")
+    assert done.returncode == 0 and b"OK:" in done.stdout, done.stderr
+    assert validate_mb < 80, f"validate peak RSS {validate_mb:.0f} MB"
+    done, stats_mb = peak_rss_mb("trace", "stats", "--json", str(path), "--block-size", "16")
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    assert stats["distinct_hash_ids"] == 600_016 and stats["ideal_prefix_hit_ratio"] == pytest.approx(0.5, abs=1e-4)
+    assert stats_mb < 150, f"stats peak RSS {stats_mb:.0f} MB"
+
+
 # --- validate --------------------------------------------------------------------------------
 
 

@@ -77,12 +77,13 @@ class TraceStream:
     """The rows of a trace file one at a time, validated as read_trace validates them, for
     callers that must not hold a whole trace (the master of a replay).
 
-    Once iterated to the end: `block_size` is final, `skipped` lists the dropped rows, and
+    Once iterated to the end: `block_size` is final, `skipped` lists the dropped rows (the
+    first `keep_skipped`, when given; `bad_rows` counts them all), and
     `sessions` maps request_id -> session for the few rows whose session a later row changed.
     """
 
     def __init__(self, path: str | Path, format: str | None = None, block_size: int | None = None,
-                 on_bad_line: str = "fail", *, max_input_tokens: int | None = None):
+                 on_bad_line: str = "fail", *, max_input_tokens: int | None = None, keep_skipped: int | None = None):
         if on_bad_line not in ON_BAD_LINE:
             raise ValueError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
         if block_size is not None and (problem := block_size_problem(block_size)):
@@ -95,7 +96,9 @@ class TraceStream:
         self._format = get_format(format) if format else FORMATS[detect_format(self.path)]
         self.format = self._format.name
         self._parser = self._format.new_parser(block_size, self._format.default_block)
-        self.skipped: list[BadLine] = []
+        self.skipped: list[BadLine] = []  # the first `keep_skipped` of them (None: all)
+        self.keep_skipped = keep_skipped
+        self.bad_rows = 0  # skipped rows, kept or not
         self.sessions: dict[int, str] = {}
 
     @property
@@ -123,7 +126,9 @@ class TraceStream:
                 bad = BadLine(self.path, line, err.field, err.message)
                 if self.on_bad_line == "fail":
                     raise TraceError(bad) from None
-                self.skipped.append(bad)
+                self.bad_rows += 1
+                if self.keep_skipped is None or len(self.skipped) < self.keep_skipped:
+                    self.skipped.append(bad)
         self.sessions = parser.finish()
 
 
