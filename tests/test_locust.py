@@ -312,6 +312,12 @@ def test_a_row_beyond_any_replay_is_refused_on_the_master(tmp_path, toy_tokenize
     (["--scale", "1e-12"], "--scale 1e-12: the window's 0.02 trace seconds would take 2e+10 s"),
     (["--scale", "inf"], "--scale inf: must be a finite number > 0"),
     (["--scale", "0"], "--scale 0.0: must be a finite number > 0"),
+    (["--web-user", "admin"], "--web-user: expected USER:PASSWORD"),
+    (["--header", "Content-Length: 5"], "--header 'Content-Length': set by the client itself (Content-Length, "
+                                        "Transfer-Encoding, Host, Connection are)"),
+    (["--header", "host: example.com"], "--header 'host': set by the client itself"),
+    (["--header", "Transfer-Encoding: chunked"], "--header 'Transfer-Encoding': set by the client itself"),
+    (["--header", "connection: close"], "--header 'connection': set by the client itself"),
     (["--start=-1e300"], "--scale 1: the window's 1e+300 trace seconds (from --start -1e+300) would take 1e+300 s"),
 ])  # fmt: skip
 def test_bad_options_refused_on_the_master(tmp_path, toy_tokenizer_dir, flags, message):

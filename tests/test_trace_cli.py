@@ -217,6 +217,32 @@ def test_validate_refuses_a_trace_longer_than_any_replay(tmp_path, capsys, fmt, 
                                                     f"INVALID: {path}: 1 bad rows, 2 good ({fmt})"]
 
 
+def test_integers_beyond_64_bits_are_named_as_such(tmp_path, capsys):
+    """orjson reads a JSON integer beyond 64 bits as a float: validate called one such hash id
+    "not an integer: 1e+23" and took a 30-digit input_length as the float's rounded digits."""
+    rows = ['{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [99999999999999999999999]}',
+            '{"timestamp": 1, "input_length": 123456789012345678901234567890, "output_length": 1}',
+            '{"timestamp": 2, "input_length": 10, "output_length": 18446744073709551615}',
+            '{"timestamp": 3, "input_length": 10, "output_length": 1, "hash_ids": [18446744073709551615]}']
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    assert main(["trace", "validate", str(path), "--block-size", "16"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{path}:1: field 'hash_ids': item 0 is an integer beyond 64 bits (a JSON integer this long is read as "
+        "the float 1e+23)",
+        f"{path}:2: field 'input_length': an integer beyond 64 bits (a JSON integer this long is read as the float "
+        "1.2345678901234568e+29)",
+        f"{path}:3: field 'output_length': an integer beyond 64 bits: 18446744073709551615",
+        f"INVALID: {path}: 3 bad rows, 1 good (mooncake)",  # an unsigned 64-bit hash id is fine
+    ]
+    csv = tmp_path / "burst.csv"
+    csv.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                   "0,m,123456789012345678901234567890,1,2,x\n")
+    assert main(["trace", "validate", str(csv)]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{csv}:2: field 'Request tokens': an integer beyond 64 bits: 123456789012345678901234567890")
+
+
 def test_block_sizes_are_bounded(tmp_path, capsys):
     """--block-size 10^12 ran out of memory and 2^62 overflowed (tracebacks, exit 1); the bound
     is stated and the same for the option and a row's own block_size."""

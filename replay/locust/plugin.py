@@ -54,6 +54,9 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
     try:
         options = replay_options(environment.parsed_options)
         options.check()
+        web_user = getattr(environment.parsed_options, "web_user", None)
+        if web_user:  # refused as the web UI refuses it, with or without one (--headless)
+            webauth.parse_web_user(web_user)
         urls = options.endpoint_urls(environment.host)
         # The output is decided and locked here (held until this process exits), before the
         # coordinator could write it; an earlier run's files go now, only with --overwrite.

@@ -33,6 +33,11 @@ last (the window divided by --scale): ten years. Time origins (a unix-epoch time
 free; a span beyond this is a broken field, and a send time beyond it would never come
 (1e300 ms made the worker's timer wrap and spin a core)."""
 
+MAX_INT = (1 << 63) - 1
+"""Largest count or id a field may hold: what a 64-bit integer holds. orjson reads a longer
+JSON integer as a float (99999999999999999999999 as 1e+23), so such a value is refused as
+too long, never taken as the float's rounded digits."""
+
 _INT_ONLY = {int}
 
 
@@ -56,7 +61,7 @@ def required_int(record: dict, key: str) -> int:
     """to_int(require(record, key), key): a count >= 0. A plain int, what JSON gives, returns
     after one test: this runs for every row, and the calls cost more than the checks."""
     value = record.get(key)
-    if type(value) is int and value >= 0:
+    if type(value) is int and 0 <= value <= MAX_INT:
         return value
     return to_int(require(record, key), key)
 
@@ -79,6 +84,8 @@ def to_int(value: Any, key: str, minimum: int | None = 0) -> int:
     if isinstance(value, int):
         number = value
     elif isinstance(value, float) and value.is_integer():
+        if abs(value) > MAX_INT:
+            raise RowError(key, too_long(value))
         number = int(value)
     elif isinstance(value, str):
         text = value.strip()
@@ -96,7 +103,16 @@ def to_int(value: Any, key: str, minimum: int | None = 0) -> int:
         raise RowError(key, f"expected an integer, got {value!r}")
     if minimum is not None and number < minimum:
         raise RowError(key, f"must be >= {minimum}, got {number}")
+    if number > MAX_INT:
+        raise RowError(key, too_long(value))
     return number
+
+
+def too_long(value: Any) -> str:
+    """The message for an integer beyond MAX_INT (or a float standing for one)."""
+    if isinstance(value, float):
+        return f"an integer beyond 64 bits (a JSON integer this long is read as the float {value!r})"
+    return f"an integer beyond 64 bits: {value}"
 
 
 def to_time(value: Any, key: str, minimum: float | None = None) -> float:
@@ -130,6 +146,8 @@ def to_hash_ids(value: Any, key: str = "hash_ids") -> tuple[int, ...]:
         raise RowError(key, f"expected a list of integers, got {type(value).__name__}")
     if not set(map(type, value)) <= _INT_ONLY:
         for i, item in enumerate(value):
+            if isinstance(item, float) and item.is_integer() and abs(item) > MAX_INT:
+                raise RowError(key, f"item {i} is {too_long(item)}")
             if not isinstance(item, int) or isinstance(item, bool):
                 raise RowError(key, f"item {i} is not an integer: {item!r}")
     return tuple(value)  # (the loop lets int subclasses other than bool through, as it always did)
