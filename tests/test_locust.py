@@ -293,7 +293,10 @@ def test_a_row_beyond_any_replay_is_refused_on_the_master(tmp_path, toy_tokenize
     (["--duration", "nan"], "--duration nan: must be a finite number of seconds >= 0"),
     (["--max-requests", "0"], "no rows to replay in the window"),
     (["--start", "3600"], "no rows to replay in the window"),
-    (["--server-metrics-interval", "-1"], "--server-metrics-interval -1.0: must be a finite number of seconds >= 0"),
+    (["--server-metrics-interval", "-1"], "--server-metrics-interval -1.0: must be 0 (off) or a finite number of "
+                                          "seconds >= 0.1"),
+    (["--server-metrics-interval", "1e-300"], "--server-metrics-interval 1e-300: must be 0 (off) or a finite number"),
+    (["--server-metrics-interval", "nan"], "--server-metrics-interval nan: must be 0 (off) or a finite number"),
     (["--server-block-size", "0"], "--server-block-size 0: must be 1 to 1048576 tokens"),
     (["--endpoints", "foo"], "--endpoints foo: not a server URL: give http://HOST[:PORT] or https://HOST[:PORT]"),
     (["--host", "notaurl"], "--host notaurl: not a server URL"),
@@ -318,6 +321,9 @@ def test_a_row_beyond_any_replay_is_refused_on_the_master(tmp_path, toy_tokenize
     (["--header", "host: example.com"], "--header 'host': set by the client itself"),
     (["--header", "Transfer-Encoding: chunked"], "--header 'Transfer-Encoding': set by the client itself"),
     (["--header", "connection: close"], "--header 'connection': set by the client itself"),
+    (["--seed", str(10**30)], f"--seed {10**30}: an integer beyond 64 bits"),
+    (["--max-requests", str(2**64)], f"--max-requests {2**64}: an integer beyond 64 bits"),
+    (["--max-prompt-tokens", str(10**30)], f"--max-prompt-tokens {10**30}: an integer beyond 64 bits"),
     (["--start=-1e300"], "--scale 1: the window's 1e+300 trace seconds (from --start -1e+300) would take 1e+300 s"),
 ])  # fmt: skip
 def test_bad_options_refused_on_the_master(tmp_path, toy_tokenizer_dir, flags, message):
