@@ -243,6 +243,22 @@ def test_integers_beyond_64_bits_are_named_as_such(tmp_path, capsys):
         f"{csv}:2: field 'Request tokens': an integer beyond 64 bits: 123456789012345678901234567890")
 
 
+@pytest.mark.parametrize("scale, message", [
+    ("nan", "--time-scale must be a finite number > 0, got nan"),
+    ("inf", "--time-scale must be a finite number > 0, got inf"),
+    ("1e-308", "--time-scale 1e-308: the rows' times would become 0 to 1.75e+308 s"),
+    ("1e-9", "--time-scale 1e-09: the rows' times would become 0 to 1.75e+09 s; a trace spans at most 315576000 s"),
+])  # fmt: skip
+def test_convert_refuses_a_time_scale_that_breaks_the_times(tmp_path, capsys, scale, message):
+    """nan, inf and 1e-308 wrote `"timestamp": null` (orjson's non-finite float), which reads
+    back as no timestamp: every row at once, silently."""
+    source = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(8))  # rows every 0.25 s
+    out = tmp_path / "out.jsonl"
+    assert main(["trace", "convert", str(source), str(out), "--time-scale", scale]) == 1
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_block_sizes_are_bounded(tmp_path, capsys):
     """--block-size 10^12 ran out of memory and 2^62 overflowed (tracebacks, exit 1); the bound
     is stated and the same for the option and a row's own block_size."""
