@@ -12,7 +12,7 @@ from typing import Callable, Iterator, TypeVar
 
 import orjson
 
-from replay.trace.fields import RowError, block_size_problem, check_prompt_limit, span_problem
+from replay.trace.fields import MAX_TRACE_SPAN_S, RowError, block_size_problem, check_prompt_limit, span_message
 from replay.trace.formats import FORMATS, Format
 from replay.trace.record import BadLine, Trace, TraceError, TraceRow
 from replay.trace.source import GZIP_ERRORS, gzip_error, numbered_lines, open_text
@@ -117,10 +117,11 @@ class TraceStream:
                     check_prompt_limit(row.input_length, limit)
                 time_s = row.timestamp_s
                 if not earliest <= time_s <= latest:  # only a row that widens the span can break it
-                    problem = span_problem(time_s, earliest, latest)
-                    if problem is not None:
-                        raise RowError(parser.time_field, problem)
-                    earliest, latest = min(earliest, time_s), max(latest, time_s)
+                    low = time_s if time_s < earliest else earliest
+                    high = time_s if time_s > latest else latest
+                    if not high - low <= MAX_TRACE_SPAN_S or time_s != time_s:  # (nan: a time no reader gives)
+                        raise RowError(parser.time_field, span_message(time_s, earliest, latest))
+                    earliest, latest = low, high
                 yield row
             except RowError as err:
                 bad = BadLine(self.path, line, err.field, err.message)
