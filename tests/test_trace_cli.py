@@ -259,6 +259,13 @@ def test_convert_refuses_a_time_scale_that_breaks_the_times(tmp_path, capsys, sc
     assert not out.exists()
 
 
+def test_convert_refuses_a_negative_max_rows(tmp_path):
+    source = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(3))
+    done = run_replay("trace", "convert", str(source), str(tmp_path / "out.jsonl"), "--max-rows=-1")
+    assert done.returncode == 2 and "--max-rows: must be >= 0, got -1" in done.stderr, done.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_block_sizes_are_bounded(tmp_path, capsys):
     """--block-size 10^12 ran out of memory and 2^62 overflowed (tracebacks, exit 1); the bound
     is stated and the same for the option and a row's own block_size."""

@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _format_options(convert, "--from")
     convert.add_argument("--start", type=float, help="window start, trace seconds")
     convert.add_argument("--duration", type=float, help="window length, trace seconds")
-    convert.add_argument("--max-rows", type=int, help="keep only the first N rows (after the window)")
+    convert.add_argument("--max-rows", type=_row_count, help="keep only the first N rows (after the window)")
     convert.add_argument("--time-scale", type=float, default=1.0, help="divide times by X (2 = twice as fast)")
     convert.add_argument("--block-size-to", type=block_size_arg, metavar="N",
                          help="rescale input lengths to blocks of N tokens")
@@ -79,6 +79,17 @@ def _token_limit(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value}")
+    return value
+
+
+def _row_count(text: str) -> int:
+    """--max-rows: a count of rows >= 0 (a negative one wrote an empty file, exit 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rows, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
