@@ -103,6 +103,15 @@ def test_missing_file_is_named(tmp_path):
         parse(["--replay-config", str(tmp_path / "nope.yaml")])
 
 
+def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    """It used to fail with the codec's own words, naming no file."""
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"trace: t.jsonl\nmodel: caf\xe9\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}:2: not UTF-8: byte 0xe9"
+
+
 # -- the shipped configs ------------------------------------------------------------------------
 
 SHARED_TRACES = {"mooncake_synthetic_trace.jsonl", "azure_conv_2023.csv"}

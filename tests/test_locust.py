@@ -267,6 +267,20 @@ def test_bad_input_is_a_clear_error(tmp_path, toy_tokenizer_dir):
     assert proc.returncode == 2 and "--trace is required" in proc.stderr
 
 
+def test_a_row_beyond_any_replay_is_refused_on_the_master(tmp_path, toy_tokenizer_dir):
+    """A row at 10^300 ms after one at 0 was accepted, and the worker's timer, given a send
+    time it cannot hold, spun a core until stopped. The readers' span rule (what `replay trace
+    validate` says too) refuses it before anything starts."""
+    trace = tmp_path / "far.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 3}\n'
+                     '{"timestamp": 1e300, "input_length": 20, "output_length": 3}\n')
+    args = replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", tmp_path / "run.jsonl")
+    proc = subprocess.run([*LOCUST, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"replay: {trace}:2: field 'timestamp': 1e+297 s is 1e+297 s from an earlier row's 0 s; a trace spans "
+            "at most 315576000 s (10 years)") in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--header", "Authorization Bearer x"], "--header 'Authorization Bearer x': expected 'Name: value'"),
     (["--header", "X-Token: a\r\nX-Evil: 1"], "--header 'X-Token': the value holds a line break or NUL"),
@@ -279,8 +293,38 @@ def test_bad_input_is_a_clear_error(tmp_path, toy_tokenizer_dir):
     (["--duration", "nan"], "--duration nan: must be a finite number of seconds >= 0"),
     (["--max-requests", "0"], "no rows to replay in the window"),
     (["--start", "3600"], "no rows to replay in the window"),
-    (["--server-metrics-interval", "-1"], "--server-metrics-interval -1.0: must be a finite number of seconds >= 0"),
-    (["--server-block-size", "0"], "--server-block-size 0: must be >= 1"),
+    (["--server-metrics-interval", "-1"], "--server-metrics-interval -1.0: must be 0 (off) or a finite number of "
+                                          "seconds >= 0.1"),
+    (["--server-metrics-interval", "1e-300"], "--server-metrics-interval 1e-300: must be 0 (off) or a finite number"),
+    (["--server-metrics-interval", "nan"], "--server-metrics-interval nan: must be 0 (off) or a finite number"),
+    (["--server-block-size", "0"], "--server-block-size 0: must be 1 to 1048576 tokens"),
+    (["--endpoints", "foo"], "--endpoints foo: not a server URL: give http://HOST[:PORT] or https://HOST[:PORT]"),
+    (["--host", "notaurl"], "--host notaurl: not a server URL"),
+    (["--endpoints", "localhost:8000"], "--endpoints localhost:8000: not a server URL"),
+    (["--block-size", str(10**12)], "--block-size 1000000000000: must be 1 to 1048576 tokens"),
+    (["--block-size", str(2**62)], f"--block-size {2**62}: must be 1 to 1048576 tokens"),
+    (["--block-size", "0"], "--block-size 0: must be 1 to 1048576 tokens"),
+    (["--block-size", "-16"], "--block-size -16: must be 1 to 1048576 tokens"),
+    (["--server-block-size", str(2**62)], f"--server-block-size {2**62}: must be 1 to 1048576 tokens"),
+    (["--slo", "ttft_ms=nan"], "--slo 'ttft_ms=nan': ttft_ms must be a finite number > 0, got nan"),
+    (["--slo", "tpot_ms=inf"], "--slo 'tpot_ms=inf': tpot_ms must be a finite number > 0, got inf"),
+    (["--slo", "e2e_ms=-5"], "--slo 'e2e_ms=-5': e2e_ms must be a finite number > 0, got -5"),
+    (["--slo", "e2e_ms=0"], "--slo 'e2e_ms=0': e2e_ms must be a finite number > 0, got 0"),
+    (["--scale", "1e-308"], "--scale 1e-308: the window's 0.02 trace seconds would take 2e+306 s to replay; "
+                            "a replay lasts at most 315576000 s (10 years)"),
+    (["--scale", "1e-12"], "--scale 1e-12: the window's 0.02 trace seconds would take 2e+10 s"),
+    (["--scale", "inf"], "--scale inf: must be a finite number > 0"),
+    (["--scale", "0"], "--scale 0.0: must be a finite number > 0"),
+    (["--web-user", "admin"], "--web-user: expected USER:PASSWORD"),
+    (["--header", "Content-Length: 5"], "--header 'Content-Length': set by the client itself (Content-Length, "
+                                        "Transfer-Encoding, Host, Connection are)"),
+    (["--header", "host: example.com"], "--header 'host': set by the client itself"),
+    (["--header", "Transfer-Encoding: chunked"], "--header 'Transfer-Encoding': set by the client itself"),
+    (["--header", "connection: close"], "--header 'connection': set by the client itself"),
+    (["--seed", str(10**30)], f"--seed {10**30}: an integer beyond 64 bits"),
+    (["--max-requests", str(2**64)], f"--max-requests {2**64}: an integer beyond 64 bits"),
+    (["--max-prompt-tokens", str(10**30)], f"--max-prompt-tokens {10**30}: an integer beyond 64 bits"),
+    (["--start=-1e300"], "--scale 1: the window's 1e+300 trace seconds (from --start -1e+300) would take 1e+300 s"),
 ])  # fmt: skip
 def test_bad_options_refused_on_the_master(tmp_path, toy_tokenizer_dir, flags, message):
     """Checked once, before any worker starts or anything is sent (they used to fail on every

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from replay.synth import setup_cache, setup_child, tokenizer as tokenizer_module
-from replay.synth.prompts import PromptSynthesizer
+from replay.synth.frames import PromptError
+from replay.synth.prompts import PromptSynthesizer, set_up
 from replay.synth.tokenizer import ServerTokenizer
 
 from conftest import REPO, shared_path
@@ -72,6 +73,19 @@ def test_a_child_that_fails_falls_back_to_building_here(cache, caplog, monkeypat
     [line] = child_logs(caplog)
     assert "ended with 1" in line and "building it here" in line
     assert_exact(s)
+
+
+def test_a_chat_set_up_without_a_template_starts_no_child(cache, caplog, tmp_path):
+    """A tokenizer with no chat template cannot be set up for a chat api: the child used to be
+    started anyway and die on the missing template (an AttributeError in the log) before the
+    in-process build said so. The set-up refuses it first, with the message the user sees."""
+    folder = tmp_path / "no-template"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((shared_path("tokenizers", "llama2") / "tokenizer.json").read_bytes())
+    caplog.set_level(logging.INFO)
+    with pytest.raises(PromptError, match="has no chat template; pass --chat-template"):
+        set_up(ServerTokenizer.load(folder, lazy=True), "openai-chat")
+    assert child_logs(caplog) == [] and "AttributeError" not in caplog.text
 
 
 def test_a_child_result_that_fails_its_checks_is_not_used(cache, caplog, monkeypatch):

@@ -99,6 +99,35 @@ def test_stats_reports_sessions_and_skipped_rows(tmp_path, capsys):
     assert stats["turns_per_session"]["max"] == 3
 
 
+def peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `replay ARGS`; (its result, its peak RSS in MB, from wait4: this child's own)."""
+    proc = subprocess.Popen(replay_command() + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.read(), proc.stderr.read())
+    return done, usage.ru_maxrss / 1024
+
+
+def test_validate_and_stats_hold_no_rows(tmp_path):
+    """300,000 rows, 600,000 distinct hash ids: validate took 155 MB and stats 257 MB (every row
+    held; 817 MB and 1.4 GB at 2,000,000 rows). Now validate holds no row and stats a time per
+    row and ~50 bytes per distinct id; the bounds leave room for the interpreter (~40 MB)."""
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as f:
+        for start in range(0, 300_000, 10_000):
+            f.write(b"".join(b'{"timestamp":%d,"input_length":60,"output_length":4,"hash_ids":[%d,%d,%d,%d]}\n'
+                             % (i * 5, i % 8, 100 + i % 8, 1000 + 2 * i, 1001 + 2 * i)
+                             for i in range(start, start + 10_000)))
+    done, validate_mb = peak_rss_mb("trace", "validate", str(path), "--block-size", "16")
+    assert done.returncode == 0 and b"OK:" in done.stdout, done.stderr
+    assert validate_mb < 80, f"validate peak RSS {validate_mb:.0f} MB"
+    done, stats_mb = peak_rss_mb("trace", "stats", "--json", str(path), "--block-size", "16")
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    assert stats["distinct_hash_ids"] == 600_016 and stats["ideal_prefix_hit_ratio"] == pytest.approx(0.5, abs=1e-4)
+    assert stats_mb < 150, f"stats peak RSS {stats_mb:.0f} MB"
+
+
 # --- validate --------------------------------------------------------------------------------
 
 
@@ -148,6 +177,111 @@ def test_validate_refuses_a_negative_max_prompt_tokens(tmp_path):
     path, _ = huge_prompt_trace(tmp_path, "mooncake")
     done = run_replay("trace", "validate", str(path), "--max-prompt-tokens", "-1")
     assert done.returncode == 2 and "--max-prompt-tokens: must be >= 0 (0: no limit), got -1" in done.stderr
+
+
+SPAN_RULE = "a trace spans at most 315576000 s (10 years)"
+
+
+@pytest.mark.parametrize("fmt, text, line, field, message", [
+    ("mooncake", '{"timestamp": 0, "input_length": 1, "output_length": 1}\n'
+                 '{"timestamp": 1e300, "input_length": 1, "output_length": 1}\n'
+                 '{"timestamp": 5, "input_length": 1, "output_length": 1}\n',
+     2, "timestamp", f"1e+297 s is 1e+297 s from an earlier row's 0 s; {SPAN_RULE}"),
+    ("mooncake", '{"timestamp": 1e308, "input_length": 1, "output_length": 1}\n'
+                 '{"timestamp": -1e308, "input_length": 1, "output_length": 1}\n'
+                 '{"timestamp": 1e308, "input_length": 1, "output_length": 1}\n',
+     2, "timestamp", f"-1e+305 s is 2e+305 s from an earlier row's 1e+305 s; {SPAN_RULE}"),
+    ("jsonl", '{"delay": 0, "input_length": 1, "output_length": 1}\n'
+              '{"delay": 1e300, "input_length": 1, "output_length": 1}\n'
+              '{"timestamp": 5, "input_length": 1, "output_length": 1}\n',
+     2, "delay", f"1e+297 s is 1e+297 s from an earlier row's 0 s; {SPAN_RULE}"),
+    ("bailian", '{"chat_id": 1, "parent_chat_id": -1, "timestamp": 1e12, "input_length": 1, "output_length": 1}\n'
+                '{"chat_id": 2, "parent_chat_id": -1, "timestamp": 0, "input_length": 1, "output_length": 1}\n'
+                '{"chat_id": 3, "parent_chat_id": -1, "timestamp": 1e12, "input_length": 1, "output_length": 1}\n',
+     2, "timestamp", f"0 s is 1e+12 s from an earlier row's 1e+12 s; {SPAN_RULE}"),
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\n9999-11-16 18:15:46,1,1\n"
+              "2023-11-16 18:15:47,1,1\n",
+     3, "TIMESTAMP", f"2.51698e+11 s is 2.51698e+11 s from an earlier row's 0 s; {SPAN_RULE}"),
+    ("burstgpt", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n0,m,1,1,2,x\n"
+                 "1e300,m,1,1,2,x\n3,m,1,1,2,x\n",
+     3, "Timestamp", f"1e+300 s is 1e+300 s from an earlier row's 0 s; {SPAN_RULE}"),
+])  # fmt: skip
+def test_validate_refuses_a_trace_longer_than_any_replay(tmp_path, capsys, fmt, text, line, field, message):
+    """A row 10^297 s after the others used to be OK here and then spun a core in the replay
+    (its send time overflowed the timer). The span rule is the readers' own, so the replay
+    refuses the same row (tests/test_locust.py)."""
+    path = tmp_path / ("trace.csv" if fmt in ("azure", "burstgpt") else "trace.jsonl")
+    path.write_text(text)
+    assert main(["trace", "validate", str(path), "--format", fmt]) == 1
+    assert capsys.readouterr().out.splitlines() == [f"{path}:{line}: field '{field}': {message}",
+                                                    f"INVALID: {path}: 1 bad rows, 2 good ({fmt})"]
+
+
+def test_integers_beyond_64_bits_are_named_as_such(tmp_path, capsys):
+    """orjson reads a JSON integer beyond 64 bits as a float: validate called one such hash id
+    "not an integer: 1e+23" and took a 30-digit input_length as the float's rounded digits."""
+    rows = ['{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [99999999999999999999999]}',
+            '{"timestamp": 1, "input_length": 123456789012345678901234567890, "output_length": 1}',
+            '{"timestamp": 2, "input_length": 10, "output_length": 18446744073709551615}',
+            '{"timestamp": 3, "input_length": 10, "output_length": 1, "hash_ids": [18446744073709551615]}']
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    assert main(["trace", "validate", str(path), "--block-size", "16"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{path}:1: field 'hash_ids': item 0 is an integer beyond 64 bits (a JSON integer this long is read as "
+        "the float 1e+23)",
+        f"{path}:2: field 'input_length': an integer beyond 64 bits (a JSON integer this long is read as the float "
+        "1.2345678901234568e+29)",
+        f"{path}:3: field 'output_length': an integer beyond 64 bits: 18446744073709551615",
+        f"INVALID: {path}: 3 bad rows, 1 good (mooncake)",  # an unsigned 64-bit hash id is fine
+    ]
+    csv = tmp_path / "burst.csv"
+    csv.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                   "0,m,123456789012345678901234567890,1,2,x\n")
+    assert main(["trace", "validate", str(csv)]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{csv}:2: field 'Request tokens': an integer beyond 64 bits: 123456789012345678901234567890")
+
+
+@pytest.mark.parametrize("scale, message", [
+    ("nan", "--time-scale must be a finite number > 0, got nan"),
+    ("inf", "--time-scale must be a finite number > 0, got inf"),
+    ("1e-308", "--time-scale 1e-308: the rows' times would become 0 to 1.75e+308 s"),
+    ("1e-9", "--time-scale 1e-09: the rows' times would become 0 to 1.75e+09 s; a trace spans at most 315576000 s"),
+])  # fmt: skip
+def test_convert_refuses_a_time_scale_that_breaks_the_times(tmp_path, capsys, scale, message):
+    """nan, inf and 1e-308 wrote `"timestamp": null` (orjson's non-finite float), which reads
+    back as no timestamp: every row at once, silently."""
+    source = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(8))  # rows every 0.25 s
+    out = tmp_path / "out.jsonl"
+    assert main(["trace", "convert", str(source), str(out), "--time-scale", scale]) == 1
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_convert_refuses_a_negative_max_rows(tmp_path):
+    source = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(3))
+    done = run_replay("trace", "convert", str(source), str(tmp_path / "out.jsonl"), "--max-rows=-1")
+    assert done.returncode == 2 and "--max-rows: must be >= 0, got -1" in done.stderr, done.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_block_sizes_are_bounded(tmp_path, capsys):
+    """--block-size 10^12 ran out of memory and 2^62 overflowed (tracebacks, exit 1); the bound
+    is stated and the same for the option and a row's own block_size."""
+    path = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(2))
+    for command in ("validate", "stats"):
+        for size in (str(10**12), str(2**62), "0", "-1"):
+            done = run_replay("trace", command, str(path), "--block-size", size)
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+            assert f"--block-size: must be 1 to 1048576 tokens (a block is never longer than the longest prompt), " \
+                   f"got {size}" in done.stderr, done.stderr
+    rows = [{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1], "block_size": 2**40}]
+    path = write_jsonl(tmp_path / "j.jsonl", rows)
+    assert main(["trace", "validate", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{path}:1: field 'block_size': {2**40}: must be 1 to 1048576 tokens (a block is never longer than the "
+        "longest prompt)")
 
 
 # --- files that cannot be read ----------------------------------------------------------------

@@ -13,6 +13,8 @@ from conftest import (AZURE_HEADER, GZIP_DAMAGES, HUGE, bailian_rows, damaged_gz
 from replay.trace import FORMATS, BadLine, TraceError, detect_format, prefix_hits, read_trace
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 from replay.trace.formats import parse_datetime
+from replay.trace.record import Trace, TraceRow
+from replay.trace.stats import trace_stats
 
 
 # --- formats -------------------------------------------------------------------------------
@@ -423,3 +425,12 @@ def test_prefix_hits_need_the_whole_chain_not_just_the_id(tmp_path):
         row(7, [2, 3]),  # 0: 2 never started a chain
     ]
     assert list(prefix_hits(rows)) == [0, 3, 0, 2, 3, 4, 0, 0]
+
+
+def test_the_ideal_cache_tells_every_64_bit_hash_id_apart():
+    """The ideal cache and stats hold hash ids in flat arrays (replay.trace.pairs); an unsigned
+    64-bit id and the negative one with the same bits are different ids, as JSON gives them."""
+    ids = [(2**64 - 1,), (-1,), (2**64 - 1, 5), (-1, 5), (2**63,), (-(2**63),), (2**64 - 1, 5)]
+    rows = [TraceRow(i, float(i), 32, 1, hash_ids=h) for i, h in enumerate(ids)]
+    assert list(prefix_hits(rows)) == [0, 0, 1, 1, 0, 0, 2]
+    assert trace_stats(Trace("t", "mooncake", 32, rows))["distinct_hash_ids"] == 5

@@ -16,6 +16,7 @@ import orjson
 
 from replay.api.client import close_with_reset
 from replay.api.urls import shown, with_credentials
+from replay.errors import OptionError
 
 ASK_TIMEOUT_S = 30.0  # a /tokenize of a long prompt on a busy CPU server takes seconds
 
@@ -60,14 +61,17 @@ def ask_json(url: str, body: dict | None = None, headers: dict[str, str] | None 
 
 
 def check_url(option: str, url: str) -> None:
-    """An http(s) server URL with a host and, if any, a valid port (the client sends HTTP only)."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
+    """An http(s) server URL with a host and, if any, a valid port (the client sends HTTP only).
+    The scheme is required: every question the master asks (`ask`) parses the URL as given."""
+    if "://" not in url:
+        raise OptionError(f"{option} {shown(url)}: not a server URL: give http://HOST[:PORT] or https://HOST[:PORT]")
+    parts = urlsplit(url)
     url = shown(url)
     if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{option} {url}: only http:// and https:// servers can be replayed to")
+        raise OptionError(f"{option} {url}: only http:// and https:// servers can be replayed to")
     if not parts.hostname:
-        raise ValueError(f"{option} {url}: no host")
+        raise OptionError(f"{option} {url}: no host")
     try:
         parts.port
     except ValueError:
-        raise ValueError(f"{option} {url}: the port is not a number in 0-65535") from None
+        raise OptionError(f"{option} {url}: the port is not a number in 0-65535") from None

@@ -12,6 +12,9 @@ from replay import env_vars
 from replay.errors import OptionError
 
 TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + "!#$%&'*+-.^_`|~")  # RFC 9110 token
+# Headers the HTTP client writes itself from the request (replay.api.client): a second value
+# would contradict its own and break the framing (a wrong Content-Length).
+CLIENT_HEADERS = ("Content-Length", "Transfer-Encoding", "Host", "Connection")
 
 
 def parse_headers(values: list[str] | None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -25,6 +28,8 @@ def parse_headers(values: list[str] | None, environ: Mapping[str, str] | None = 
         name = name.strip()
         if not all(c in TOKEN_CHARS for c in name):
             raise OptionError(f"--header {name!r}: a header name is letters, digits and !#$%&'*+-.^_`|~ only")
+        if name.lower() in (h.lower() for h in CLIENT_HEADERS):
+            raise OptionError(f"--header {name!r}: set by the client itself ({', '.join(CLIENT_HEADERS)} are)")
         value = env_vars.expand(value.strip(), f"--header {name}", environ)
         if any(c in value for c in "\r\n\0"):  # would end the header and start another on the wire
             raise OptionError(f"--header {name!r}: the value holds a line break or NUL")

@@ -110,9 +110,14 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """Read and check a config file; returns {argparse dest: value}."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"--replay-config {path}: cannot read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8: byte 0x{data[e.start]:02x}") from None
     loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()

@@ -34,7 +34,7 @@ from gevent.event import Event
 from replay.engine import messages, transport
 from replay.engine.clock import answer_ping
 from replay.engine.options import ReplayOptions, prompt_token_limit
-from replay.engine.plan import Schedule
+from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.api.headers import parse_headers
@@ -202,6 +202,7 @@ class Coordinator:
             raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
                              f"--duration {options.duration}, --max-requests {options.max_requests}; "
                              f"the trace has {self.schedule.trace_rows} rows)")
+        check_replay_length(self.schedule.window_s, options.scale, options.start)
         logger.info(
             "trace %s (%s, block %s): %d rows, %d in the window, %.1f s at scale %g (read in %.1f s)",
             trace.path, trace.format, trace.block_size, self.schedule.trace_rows, self.total,

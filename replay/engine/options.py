@@ -20,7 +20,9 @@ from replay.api.headers import parse_headers
 from replay.api.models import served_max_model_len
 from replay.apis import API_NAMES
 from replay.results.report import parse_slo
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
+from replay.engine.scraper import MIN_INTERVAL_S as MIN_SCRAPE_INTERVAL_S
+from replay.errors import OptionError
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_INT, block_size_problem
 
 ROUTINGS = ("round-robin", "least-inflight", "session", "prefix")
 PARTITIONS = ("round-robin", "session")
@@ -128,6 +130,10 @@ class ReplayOptions:
 
     def check(self) -> None:
         """Errors a user can fix, found before any worker starts."""
+        for f in fields(self):  # the plan travels to workers as msgpack, whose integers are 64-bit
+            value = getattr(self, f.name)
+            if type(value) is int and not -MAX_INT - 1 <= value <= MAX_INT:
+                raise OptionError(f"--{f.name.replace('_', '-')} {value}: an integer beyond 64 bits")
         if not self.trace:
             raise ValueError("--trace is required")
         if not self.tokenizer:
@@ -146,11 +152,13 @@ class ReplayOptions:
             raise ValueError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0: no limit)")
         if self.max_requests is not None and self.max_requests < 0:
             raise ValueError(f"--max-requests {self.max_requests}: must be >= 0")
-        if not (math.isfinite(self.server_metrics_interval) and self.server_metrics_interval >= 0):
-            raise ValueError(f"--server-metrics-interval {self.server_metrics_interval}: must be a finite number of "
-                             "seconds >= 0 (0: off)")
-        if self.server_block_size is not None and self.server_block_size < 1:
-            raise ValueError(f"--server-block-size {self.server_block_size}: must be >= 1")
+        interval = self.server_metrics_interval
+        if not (interval == 0 or (math.isfinite(interval) and interval >= MIN_SCRAPE_INTERVAL_S)):
+            raise OptionError(f"--server-metrics-interval {interval}: must be 0 (off) or a finite number of seconds "
+                              f">= {MIN_SCRAPE_INTERVAL_S}")
+        for flag, size in (("--block-size", self.block_size), ("--server-block-size", self.server_block_size)):
+            if size is not None and (problem := block_size_problem(size)):
+                raise OptionError(f"{flag} {size}: {problem}")
         if self.slo:
             parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
         parse_headers(self.header)  # here, not on every worker

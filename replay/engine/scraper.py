@@ -37,6 +37,7 @@ from replay.results.server_metrics import KNOWN, metrics_path, parse, sample_lin
 logger = logging.getLogger(__name__)
 
 MAX_TIMEOUT_S = 2.0  # a scrape's own limit: never more than this, never more than the interval
+MIN_INTERVAL_S = 0.1  # --server-metrics-interval's least (besides 0, off): 1e-300 scraped ~4,000 times a second
 
 
 class Scraper:

@@ -59,6 +59,9 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
     try:
         options = replay_options(environment.parsed_options)
         options.check()
+        web_user = getattr(environment.parsed_options, "web_user", None)
+        if web_user:  # refused as the web UI refuses it, with or without one (--headless)
+            webauth.parse_web_user(web_user)
         host = _hide_host_credentials(environment)
         urls = options.endpoint_urls(host())
         # The output is decided and locked here (held until this process exits), before the

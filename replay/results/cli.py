@@ -17,6 +17,7 @@ from replay.results.files import OutputError, write_atomically
 from replay.results.metadata import file_sha256, read_run_metadata
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
+from replay.trace.cli import block_size_arg
 from replay.results.server_metrics import metrics_path, read_samples, read_server_section
 
 
@@ -30,8 +31,10 @@ def register(subparsers) -> None:
     p.add_argument("results", help="the merged per-request JSONL of a run")
     p.add_argument("--trace", help="the trace the run replayed (default: from the run metadata)")
     p.add_argument("--trace-format", default=None, help="the trace's format (default: metadata, else auto-detected)")
-    p.add_argument("--block-size", type=int, default=None, help="the trace's block size (default: metadata / format)")
-    p.add_argument("--server-block-size", type=int, default=None, help="the server's KV block size (vLLM --block-size)")
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="the trace's block size (default: metadata / format)")
+    p.add_argument("--server-block-size", type=block_size_arg, default=None,
+                   help="the server's KV block size (vLLM --block-size)")
     p.add_argument("--tokenizer", help="tokenizer the run used (default: metadata)")
     p.add_argument("--chat-template", help="chat template the run used (default: metadata)")
     p.add_argument("--api", default=None, help="api the run used (default: metadata, else the records' api)")

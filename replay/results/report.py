@@ -10,6 +10,7 @@ needs (e.g. no TTFT because it was not streamed) cannot be shown to meet it, so 
 
 from __future__ import annotations
 
+import math
 from array import array
 from typing import Iterable
 
@@ -47,8 +48,8 @@ def parse_slo(text: str | None) -> dict[str, float]:
             limit = float(value)
         except ValueError:
             raise ReportError(f"--slo {text!r}: {key} needs a number of milliseconds, got {value.strip()!r}") from None
-        if limit <= 0:
-            raise ReportError(f"--slo {text!r}: {key} must be > 0")
+        if not (math.isfinite(limit) and limit > 0):  # nan compares false with every record: no SLO at all
+            raise ReportError(f"--slo {text!r}: {key} must be a finite number > 0, got {value.strip()}")
         slo[key] = limit
     return slo
 

@@ -17,6 +17,7 @@ from replay.apis import API_NAMES
 from replay.synth.prompts import PromptError, PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import VocabularyError
+from replay.trace.cli import block_size_arg
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.formats import FORMATS
 from replay.trace.reader import read_trace
@@ -33,10 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     check.add_argument("--trace", required=True, help="trace file")
     check.add_argument("--format", choices=list(FORMATS), help="trace format (detected when omitted)")
-    check.add_argument("--block-size", type=int, help="tokens per hash id block (overrides the format default)")
+    check.add_argument("--block-size", type=block_size_arg,
+                       help="tokens per hash id block (overrides the format default)")
     check.add_argument(
         "--block-size-to",
-        type=int,
+        type=block_size_arg,
         help="first rescale lengths to blocks of N tokens, ceil(L*N/B) with the same hash ids (faster; rows "
         "that become shorter than the chat template cannot be exact)",
     )
@@ -67,8 +69,6 @@ def run_check(args: argparse.Namespace) -> int:
         rows = trace.rows[: args.limit] if args.limit is not None else trace.rows
         block_size = trace.block_size or DEFAULT_BLOCK_SIZE
         if args.block_size_to is not None:
-            if args.block_size_to < 1:
-                return _fail(f"--block-size-to must be >= 1, got {args.block_size_to}")
             if trace.block_size is not None:
                 rows = rescale_rows(rows, trace.block_size, args.block_size_to)
             block_size = args.block_size_to

@@ -67,7 +67,10 @@ def safe_vocab(tokenizer: ServerTokenizer) -> SafeVocab:
 def set_up(tokenizer: ServerTokenizer, api: str) -> tuple[Measured, bool]:
     """The tokenizer's set-up for `api` and whether it came from the disk cache: read from it
     when a verified entry is there, else measured (and saved for the next process), in a child
-    process when that spares this one loading the tokenizer (replay/synth/setup_child.py)."""
+    process when that spares this one loading the tokenizer (replay/synth/setup_child.py).
+    A chat api needs a template: refused here, before a child process is started for nothing."""
+    if getattr(APIS.get(api), "chat", False) and tokenizer.chat_template is None:
+        raise PromptError(f"tokenizer {tokenizer.name} has no chat template; pass --chat-template")
     measured, from_cache = setup_cache.cached(tokenizer, api, lambda: measure(tokenizer, api, safe_vocab(tokenizer)))
     _vocab_cache.setdefault(tokenizer, measured.vocab)
     return measured, from_cache
@@ -107,8 +110,6 @@ class PromptSynthesizer:
             raise PromptError(f"unknown api {api!r}; expected one of {', '.join(API_NAMES)}")
         if token_ids and not spec.token_ids:
             raise PromptError("token-id prompts are only for openai-completions")
-        if spec.chat and tokenizer.chat_template is None:
-            raise PromptError(f"tokenizer {tokenizer.name} has no chat template; pass --chat-template")
         self.tokenizer = tokenizer
         self.api = api
         self.chat = spec.chat  # prompts are a chat's messages (else a text)

@@ -9,9 +9,9 @@ import orjson
 
 from replay.results.files import OutputError
 from replay.trace.convert import convert_trace
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZE, block_size_problem
 from replay.trace.formats import FORMATS
-from replay.trace.reader import ON_BAD_LINE, read_trace
+from replay.trace.reader import ON_BAD_LINE, TraceStream, read_trace
 from replay.trace.record import TraceError
 from replay.trace.stats import format_stats, trace_stats
 
@@ -47,16 +47,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _format_options(convert, "--from")
     convert.add_argument("--start", type=float, help="window start, trace seconds")
     convert.add_argument("--duration", type=float, help="window length, trace seconds")
-    convert.add_argument("--max-rows", type=int, help="keep only the first N rows (after the window)")
+    convert.add_argument("--max-rows", type=_row_count, help="keep only the first N rows (after the window)")
     convert.add_argument("--time-scale", type=float, default=1.0, help="divide times by X (2 = twice as fast)")
-    convert.add_argument("--block-size-to", type=int, help="rescale input lengths to blocks of N tokens")
+    convert.add_argument("--block-size-to", type=block_size_arg, metavar="N",
+                         help="rescale input lengths to blocks of N tokens")
     convert.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
     convert.set_defaults(func=run_convert)
 
 
 def _format_options(parser: argparse.ArgumentParser, flag: str) -> None:
     parser.add_argument(flag, dest="format", choices=list(FORMATS), help="trace format (detected when omitted)")
-    parser.add_argument("--block-size", type=int, help="tokens per hash id block (overrides the format default)")
+    parser.add_argument("--block-size", type=block_size_arg, metavar="N",
+                        help=f"tokens per hash id block, 1 to {MAX_BLOCK_SIZE} (overrides the format default)")
+
+
+def block_size_arg(text: str) -> int:
+    """A --block-size value, under fields.block_size_problem's rule (argparse: exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if problem := block_size_problem(value):
+        raise argparse.ArgumentTypeError(f"{problem}, got {value}")
+    return value
 
 
 def _token_limit(text: str) -> int:
@@ -70,25 +83,36 @@ def _token_limit(text: str) -> int:
     return value
 
 
+def _row_count(text: str) -> int:
+    """--max-rows: a count of rows >= 0 (a negative one wrote an empty file, exit 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rows, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 1
 
 
-def _report_skipped(trace) -> None:
-    for bad in trace.skipped[:MAX_ERRORS_SHOWN]:
+def _report_skipped(skipped: list, count: int) -> None:
+    for bad in skipped[:MAX_ERRORS_SHOWN]:
         print(f"skipped: {bad}", file=sys.stderr)
-    if trace.skipped:
-        print(f"skipped {len(trace.skipped)} bad rows", file=sys.stderr)
+    if count:
+        print(f"skipped {count} bad rows", file=sys.stderr)
 
 
 def run_stats(args: argparse.Namespace) -> int:
     try:
-        trace = read_trace(args.file, args.format, args.block_size, args.on_bad_line)
+        trace = TraceStream(args.file, args.format, args.block_size, args.on_bad_line, keep_skipped=MAX_ERRORS_SHOWN)
+        stats = trace_stats(trace)  # one pass: the rows are never held
     except (TraceError, ValueError, OSError, EOFError) as err:
         return _fail(str(err))
-    _report_skipped(trace)
-    stats = trace_stats(trace)
+    _report_skipped(trace.skipped, trace.bad_rows)
     if args.json:
         print(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -97,28 +121,32 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    """Every row checked as a replay checks it, in one pass holding no row: only the first
+    MAX_ERRORS_SHOWN bad rows are kept, the rest counted."""
     try:
         limit = args.max_prompt_tokens or None
-        trace = read_trace(args.file, args.format, args.block_size, on_bad_line="skip", max_input_tokens=limit)
+        trace = TraceStream(args.file, args.format, args.block_size, on_bad_line="skip", max_input_tokens=limit,
+                            keep_skipped=MAX_ERRORS_SHOWN)
+        good = sum(1 for _ in trace)
     except (TraceError, ValueError, OSError, EOFError) as err:
         return _fail(str(err))
-    if trace.skipped:
-        for bad in trace.skipped[:MAX_ERRORS_SHOWN]:
+    if trace.bad_rows:
+        for bad in trace.skipped:
             print(bad)
-        hidden = len(trace.skipped) - MAX_ERRORS_SHOWN
+        hidden = trace.bad_rows - len(trace.skipped)
         if hidden > 0:
             print(f"... and {hidden} more")
-        print(f"INVALID: {trace.path}: {len(trace.skipped)} bad rows, {len(trace.rows)} good ({trace.format})")
+        print(f"INVALID: {trace.path}: {trace.bad_rows} bad rows, {good} good ({trace.format})")
         return 1
     block = f", block size {trace.block_size}" if trace.block_size else ""
-    print(f"OK: {trace.path}: {len(trace.rows)} rows ({trace.format}{block})")
+    print(f"OK: {trace.path}: {good} rows ({trace.format}{block})")
     return 0
 
 
 def run_convert(args: argparse.Namespace) -> int:
     try:
         trace = read_trace(args.input, args.format, args.block_size, args.on_bad_line)
-        _report_skipped(trace)
+        _report_skipped(trace.skipped, len(trace.skipped))
         written = convert_trace(
             trace,
             args.output,

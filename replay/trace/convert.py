@@ -8,11 +8,14 @@ right with no option, even after `head` or `gzip`.
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import orjson
 
 from replay.results.files import OutputError
+from replay.trace.fields import MAX_TRACE_SPAN_S
 from replay.trace.formats import FORMATS
 from replay.trace.reader import read_trace
 from replay.trace.record import Trace, TraceRow
@@ -60,8 +63,8 @@ def convert_trace(
     Times are re-based to the window start (when --start is given) and divided by
     time_scale. Reading the output back checks that it is a valid trace of the same rows.
     """
-    if time_scale <= 0:
-        raise ValueError(f"--time-scale must be > 0, got {time_scale}")
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"--time-scale must be a finite number > 0, got {time_scale}")
     if block_size_to is not None:
         if block_size_to < 1:
             raise ValueError(f"--block-size-to must be >= 1, got {block_size_to}")
@@ -69,6 +72,13 @@ def convert_trace(
             raise ValueError(f"{trace.path}: a {trace.format} trace has no block size to rescale from")
     rows = select_rows(trace.rows, start, duration, max_rows)
     origin = start or 0.0
+    if rows:  # the written times must read back as the same trace: finite, within the readers' span
+        low, high = min(r.timestamp_s for r in rows), max(r.timestamp_s for r in rows)
+        times = ((low - origin) / time_scale, (high - origin) / time_scale)
+        written_ms = (times[0] * 1000.0, times[1] * 1000.0)
+        if not all(map(math.isfinite, written_ms)) or times[1] - times[0] > MAX_TRACE_SPAN_S:
+            raise ValueError(f"--time-scale {time_scale:g}: the rows' times would become {times[0]:g} to {times[1]:g} s; "
+                             f"a trace spans at most {MAX_TRACE_SPAN_S:.0f} s (10 years)")
     block_out = block_size_to if block_size_to is not None else trace.block_size
     try:
         with open_output(out_path) as out:

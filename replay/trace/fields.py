@@ -19,6 +19,25 @@ prompt of gigabytes. 2^20 is above any context window served today, so no real r
 `replay trace validate --max-prompt-tokens` and the replay use it as their default.
 """
 
+MAX_BLOCK_SIZE = DEFAULT_MAX_PROMPT_TOKENS
+"""Most tokens a hash id block may stand for (--block-size, a row's block_size, the server's).
+
+A block is part of one prompt, so one longer than the longest prompt a row may ask for is a
+typo, not a trace: it would only make the replay hash and hold a block of that many tokens
+(10^8 stalled the start-up for half a minute, 10^12 ran out of memory).
+"""
+
+MAX_TRACE_SPAN_S = 10 * 365.25 * 86400
+"""Most trace seconds between a trace's earliest and latest row, and most seconds a replay may
+last (the window divided by --scale): ten years. Time origins (a unix-epoch timestamp) are
+free; a span beyond this is a broken field, and a send time beyond it would never come
+(1e300 ms made the worker's timer wrap and spin a core)."""
+
+MAX_INT = (1 << 63) - 1
+"""Largest count or id a field may hold: what a 64-bit integer holds. orjson reads a longer
+JSON integer as a float (99999999999999999999999 as 1e+23), so such a value is refused as
+too long, never taken as the float's rounded digits."""
+
 _INT_ONLY = {int}
 
 
@@ -42,7 +61,7 @@ def required_int(record: dict, key: str) -> int:
     """to_int(require(record, key), key): a count >= 0. A plain int, what JSON gives, returns
     after one test: this runs for every row, and the calls cost more than the checks."""
     value = record.get(key)
-    if type(value) is int and value >= 0:
+    if type(value) is int and 0 <= value <= MAX_INT:
         return value
     return to_int(require(record, key), key)
 
@@ -65,6 +84,8 @@ def to_int(value: Any, key: str, minimum: int | None = 0) -> int:
     if isinstance(value, int):
         number = value
     elif isinstance(value, float) and value.is_integer():
+        if abs(value) > MAX_INT:
+            raise RowError(key, too_long(value))
         number = int(value)
     elif isinstance(value, str):
         text = value.strip()
@@ -82,7 +103,16 @@ def to_int(value: Any, key: str, minimum: int | None = 0) -> int:
         raise RowError(key, f"expected an integer, got {value!r}")
     if minimum is not None and number < minimum:
         raise RowError(key, f"must be >= {minimum}, got {number}")
+    if number > MAX_INT:
+        raise RowError(key, too_long(value))
     return number
+
+
+def too_long(value: Any) -> str:
+    """The message for an integer beyond MAX_INT (or a float standing for one)."""
+    if isinstance(value, float):
+        return f"an integer beyond 64 bits (a JSON integer this long is read as the float {value!r})"
+    return f"an integer beyond 64 bits: {value}"
 
 
 def to_time(value: Any, key: str, minimum: float | None = None) -> float:
@@ -116,6 +146,8 @@ def to_hash_ids(value: Any, key: str = "hash_ids") -> tuple[int, ...]:
         raise RowError(key, f"expected a list of integers, got {type(value).__name__}")
     if not set(map(type, value)) <= _INT_ONLY:
         for i, item in enumerate(value):
+            if isinstance(item, float) and item.is_integer() and abs(item) > MAX_INT:
+                raise RowError(key, f"item {i} is {too_long(item)}")
             if not isinstance(item, int) or isinstance(item, bool):
                 raise RowError(key, f"item {i} is not an integer: {item!r}")
     return tuple(value)  # (the loop lets int subclasses other than bool through, as it always did)
@@ -127,6 +159,25 @@ def check_prompt_limit(input_length: int, max_input_tokens: int | None) -> None:
         raise RowError(
             "input_length", f"{input_length} tokens is over the limit of {max_input_tokens} (--max-prompt-tokens)"
         )
+
+
+def block_size_problem(value: int) -> str | None:
+    """Why `value` cannot be a block size (None when it can): the one rule for every option
+    and field that gives one."""
+    if 1 <= value <= MAX_BLOCK_SIZE:
+        return None
+    return f"must be 1 to {MAX_BLOCK_SIZE} tokens (a block is never longer than the longest prompt)"
+
+
+def span_message(time_s: float, earliest: float, latest: float) -> str:
+    """What is wrong with a row at `time_s` that breaks the span rule (TraceStream applies it:
+    one place, so `replay trace validate` refuses exactly the rows a replay would), given the
+    earliest and latest times of the rows before it."""
+    if not math.isfinite(time_s):
+        return f"must be finite, got {time_s!r}"
+    other = earliest if time_s > latest else latest
+    return (f"{time_s:g} s is {abs(time_s - other):g} s from an earlier row's {other:g} s; a trace spans at most "
+            f"{MAX_TRACE_SPAN_S:.0f} s (10 years)")
 
 
 def check_blocks(hash_ids: tuple[int, ...] | None, input_length: int, block_size: int | None) -> None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable
 
-from replay.trace.fields import (DEFAULT_BLOCK_SIZE, RowError, check_blocks, require, required_int, required_time,
-                                 to_hash_ids, to_int, to_time)
+from replay.trace.fields import (DEFAULT_BLOCK_SIZE, RowError, block_size_problem, check_blocks, require,
+                                 required_int, required_time, to_hash_ids, to_int, to_time)
 from replay.trace.record import TraceRow
 
 
@@ -36,10 +36,13 @@ class JsonRows:
         self.rows_seen = 0
         self.last_time = 0.0
         self.last_time_by_session: dict[str, float] = {}
+        self.time_field = "timestamp"  # the field the last row's time came from, for errors
 
     def _block(self, value: Any, first: bool) -> int | None:
         """The block size of a row that declares one: the first row's, which all others repeat."""
         declared = to_int(value, "block_size", minimum=1)
+        if problem := block_size_problem(declared):
+            raise RowError("block_size", f"{declared}: {problem}")
         if first:
             self.block_size = declared
         elif declared != self.block_size:
@@ -81,8 +84,10 @@ class JsonRows:
 
     def _time(self, record: dict, session_id: str | None) -> float:
         if record.get("timestamp") is not None:
+            self.time_field = "timestamp"
             timestamp_s = to_time(record["timestamp"], "timestamp") / 1000.0
         else:
+            self.time_field = "delay"
             delay = record.get("delay")
             delay_s = 0.0 if delay is None else to_time(delay, "delay", minimum=0) / 1000.0
             if session_id is None:
@@ -134,6 +139,8 @@ class BailianRows:
     and any depth work, and a chain whose top parent is absent (a cut window) groups under
     that missing parent id.
     """
+
+    time_field = "timestamp"
 
     def __init__(self, block_size: int | None, default_block: int | None):
         self.block_size = block_size if block_size is not None else default_block
@@ -215,6 +222,8 @@ class AzureRows:
     digits survive (datetime itself stops at microseconds).
     """
 
+    time_field = "TIMESTAMP"
+
     def __init__(self, block_size: int | None, default_block: int | None):
         self.block_size = block_size if block_size is not None else default_block
         self.origin: int | None = None
@@ -259,6 +268,8 @@ def parse_datetime(text: str, key: str) -> int:
 
 class BurstGptRows:
     """BurstGPT CSV: Timestamp in seconds; Model and Log Type are not needed to replay."""
+
+    time_field = "Timestamp"
 
     def __init__(self, block_size: int | None, default_block: int | None):
         self.block_size = block_size if block_size is not None else default_block

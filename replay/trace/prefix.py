@@ -9,7 +9,29 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
+from replay.trace.pairs import PairIndex
 from replay.trace.record import TraceRow
+
+
+class IdealCache:
+    """An infinite prefix cache over hash ids: a trie of the prefixes seen so far, one entry
+    per distinct (prefix, next id) pair in a PairIndex (about 24 bytes each), so it grows with
+    a trace's distinct prefixes, never with its rows."""
+
+    def __init__(self) -> None:
+        self._children = PairIndex()  # (parent node, hash id) -> node; node 0 = empty prefix
+
+    def __len__(self) -> int:
+        """Distinct prefixes held (trie nodes other than the empty prefix)."""
+        return len(self._children)
+
+    def hits(self, hash_ids: tuple[int, ...]) -> int:
+        """How many leading blocks of `hash_ids` the cache holds; then it holds them all."""
+        hits, node = self._children.walk(0, hash_ids)
+        add = self._children.add
+        for hash_id in hash_ids[hits:]:
+            node = add(node, hash_id)
+        return hits
 
 
 def prefix_hits(rows: Iterable[TraceRow]) -> Iterator[int]:
@@ -17,25 +39,9 @@ def prefix_hits(rows: Iterable[TraceRow]) -> Iterator[int]:
 
     Rows without hash_ids yield 0 and add nothing to the cache.
     """
-    children: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> node; node 0 = empty prefix
+    cache = IdealCache()
     for row in rows:
-        if not row.hash_ids:
-            yield 0
-            continue
-        node = 0
-        hits = 0
-        ids = row.hash_ids
-        for hash_id in ids:
-            child = children.get((node, hash_id))
-            if child is None:
-                break
-            node = child
-            hits += 1
-        for hash_id in ids[hits:]:
-            child = len(children) + 1
-            children[(node, hash_id)] = child
-            node = child
-        yield hits
+        yield cache.hits(row.hash_ids) if row.hash_ids else 0
 
 
 def hit_tokens(row: TraceRow, hits: int, block_size: int) -> int:
@@ -43,13 +49,28 @@ def hit_tokens(row: TraceRow, hits: int, block_size: int) -> int:
     return min(hits * block_size, row.input_length)
 
 
-def ideal_hits(rows: list[TraceRow], block_size: int) -> tuple[int, int, int, int]:
+class IdealHits:
     """(hit blocks, total blocks, hit tokens, total tokens) of an infinite prefix cache over
-    `rows` in order. Rows without hash ids count as all-miss: they share nothing."""
-    hit_blocks = total_blocks = hit_tok = total_tok = 0
-    for row, hits in zip(rows, prefix_hits(rows)):
-        hit_blocks += hits
-        total_blocks += len(row.hash_ids) if row.hash_ids is not None else -(-row.input_length // block_size)
-        hit_tok += hit_tokens(row, hits, block_size)
-        total_tok += row.input_length
-    return hit_blocks, total_blocks, hit_tok, total_tok
+    rows added in order, one at a time (a trace need not be held). Rows without hash ids count
+    as all-miss: they share nothing."""
+
+    def __init__(self) -> None:
+        self.cache = IdealCache()
+        self.hit_blocks = self.total_blocks = self.hit_tokens = self.total_tokens = 0
+
+    def add(self, row: TraceRow, block_size: int) -> int:
+        """Count `row` in; its hits (the leading blocks the cache held)."""
+        hits = self.cache.hits(row.hash_ids) if row.hash_ids else 0
+        self.hit_blocks += hits
+        self.total_blocks += len(row.hash_ids) if row.hash_ids is not None else -(-row.input_length // block_size)
+        self.hit_tokens += hit_tokens(row, hits, block_size)
+        self.total_tokens += row.input_length
+        return hits
+
+
+def ideal_hits(rows: Iterable[TraceRow], block_size: int) -> tuple[int, int, int, int]:
+    """IdealHits' four counts over `rows` in order."""
+    ideal = IdealHits()
+    for row in rows:
+        ideal.add(row, block_size)
+    return ideal.hit_blocks, ideal.total_blocks, ideal.hit_tokens, ideal.total_tokens

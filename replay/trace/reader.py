@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import functools
 import gc
+import math
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 import orjson
 
-from replay.trace.fields import RowError, check_prompt_limit
+from replay.trace.fields import MAX_TRACE_SPAN_S, RowError, block_size_problem, check_prompt_limit, span_message
 from replay.trace.formats import FORMATS, Format
 from replay.trace.record import BadLine, Trace, TraceError, TraceRow
 from replay.trace.source import GZIP_ERRORS, gzip_error, numbered_lines, open_text
@@ -76,16 +77,17 @@ class TraceStream:
     """The rows of a trace file one at a time, validated as read_trace validates them, for
     callers that must not hold a whole trace (the master of a replay).
 
-    Once iterated to the end: `block_size` is final, `skipped` lists the dropped rows, and
+    Once iterated to the end: `block_size` is final, `skipped` lists the dropped rows (the
+    first `keep_skipped`, when given; `bad_rows` counts them all), and
     `sessions` maps request_id -> session for the few rows whose session a later row changed.
     """
 
     def __init__(self, path: str | Path, format: str | None = None, block_size: int | None = None,
-                 on_bad_line: str = "fail", *, max_input_tokens: int | None = None):
+                 on_bad_line: str = "fail", *, max_input_tokens: int | None = None, keep_skipped: int | None = None):
         if on_bad_line not in ON_BAD_LINE:
             raise ValueError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if block_size is not None and (problem := block_size_problem(block_size)):
+            raise ValueError(f"block size {block_size}: {problem}")
         if max_input_tokens is not None and max_input_tokens < 1:
             raise ValueError(f"max_input_tokens must be >= 1 or None, got {max_input_tokens}")
         self.max_input_tokens = max_input_tokens
@@ -94,7 +96,9 @@ class TraceStream:
         self._format = get_format(format) if format else FORMATS[detect_format(self.path)]
         self.format = self._format.name
         self._parser = self._format.new_parser(block_size, self._format.default_block)
-        self.skipped: list[BadLine] = []
+        self.skipped: list[BadLine] = []  # the first `keep_skipped` of them (None: all)
+        self.keep_skipped = keep_skipped
+        self.bad_rows = 0  # skipped rows, kept or not
         self.sessions: dict[int, str] = {}
 
     @property
@@ -103,6 +107,7 @@ class TraceStream:
 
     def __iter__(self) -> Iterator[TraceRow]:
         parser, limit = self._parser, self.max_input_tokens
+        earliest, latest = math.inf, -math.inf
         for index, (line, record) in enumerate(_records(self.path, self._format)):
             try:
                 if isinstance(record, RowError):
@@ -110,12 +115,21 @@ class TraceStream:
                 row = parser.parse(record, index, line)
                 if limit is not None:
                     check_prompt_limit(row.input_length, limit)
+                time_s = row.timestamp_s
+                if not earliest <= time_s <= latest:  # only a row that widens the span can break it
+                    low = time_s if time_s < earliest else earliest
+                    high = time_s if time_s > latest else latest
+                    if not high - low <= MAX_TRACE_SPAN_S or time_s != time_s:  # (nan: a time no reader gives)
+                        raise RowError(parser.time_field, span_message(time_s, earliest, latest))
+                    earliest, latest = low, high
                 yield row
             except RowError as err:
                 bad = BadLine(self.path, line, err.field, err.message)
                 if self.on_bad_line == "fail":
                     raise TraceError(bad) from None
-                self.skipped.append(bad)
+                self.bad_rows += 1
+                if self.keep_skipped is None or len(self.skipped) < self.keep_skipped:
+                    self.skipped.append(bad)
         self.sessions = parser.finish()
 
 

@@ -1,86 +1,132 @@
-"""What a trace asks of a server: load, lengths, and the prefix reuse an ideal cache would get."""
+"""What a trace asks of a server: load, lengths, and the prefix reuse an ideal cache would get.
+
+Read in one pass over a stream, holding per row only its time (8 bytes); lengths and session
+sizes are counted per distinct value, and hash ids per distinct id and prefix (the ideal
+cache's trie and the set of ids, each a replay.trace.pairs.PairIndex: 20-24 bytes a distinct
+prefix, as many a distinct id), so `replay trace stats` grows with a trace's distinct ids,
+never with its rows.
+"""
 
 from __future__ import annotations
 
 import math
+from array import array
+from bisect import bisect_left
 from collections import Counter
-from typing import Sequence
+from typing import Mapping
 
-from replay.trace.prefix import ideal_hits
+from replay.trace.pairs import PairIndex
+from replay.trace.prefix import IdealHits
+from replay.trace.reader import TraceStream
 from replay.trace.record import Trace
 
 
-def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile: always a value of the data, so a trace's token counts and turns
-    stay integers in `replay trace stats`. Not results.summary.percentile (linear interpolation,
-    the usual definition for latencies): the two answer different questions and their figures
-    are published, so each keeps its own, under a name that says which."""
-    if not sorted_values:
+def nearest_rank(counts: Mapping[int, int], q: float) -> int:
+    """Nearest-rank percentile of data given as {value: how many times}: always a value of the
+    data, so a trace's token counts and turns stay integers in `replay trace stats`. Not
+    results.summary.percentile (linear interpolation, the usual definition for latencies): the
+    two answer different questions and their figures are published, so each keeps its own,
+    under a name that says which."""
+    total = sum(counts.values())
+    if not total:
         raise ValueError("percentile of no values")
-    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
-    return sorted_values[rank - 1]
+    rank = max(1, math.ceil(q / 100.0 * total))
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= rank:
+            return value
+    raise AssertionError("unreachable: the ranks add up to the total")
 
 
-def length_stats(values: Sequence[float]) -> dict | None:
-    """mean, nearest-rank p50/p90/p99 and max of a trace's values (None for none); the run's
-    summary of records is results.summary.summarize."""
-    if not values:
+def length_stats(counts: Mapping[int, int]) -> dict | None:
+    """mean, nearest-rank p50/p90/p99 and max of a trace's values counted as {value: how many}
+    (None for none); the run's summary of records is results.summary.summarize."""
+    total = sum(counts.values())
+    if not total:
         return None
-    ordered = sorted(values)
     return {
-        "mean": sum(ordered) / len(ordered),
-        "p50": nearest_rank(ordered, 50),
-        "p90": nearest_rank(ordered, 90),
-        "p99": nearest_rank(ordered, 99),
-        "max": ordered[-1],
+        "mean": sum(value * n for value, n in counts.items()) / total,
+        "p50": nearest_rank(counts, 50),
+        "p90": nearest_rank(counts, 90),
+        "p99": nearest_rank(counts, 99),
+        "max": max(counts),
     }
 
 
-def trace_stats(trace: Trace) -> dict:
-    """The `replay trace stats --json` document (design.md names the required keys)."""
-    rows = trace.rows
-    times = [r.timestamp_s for r in rows]
+def trace_stats(trace: Trace | TraceStream) -> dict:
+    """The `replay trace stats --json` document (design.md names the required keys), of a
+    read trace or, in one pass, of a stream."""
+    rows = trace.rows if isinstance(trace, Trace) else trace
+    times = array("d")
+    inputs: Counter = Counter()
+    outputs: Counter = Counter()
+    distinct = PairIndex()  # (0, id) per distinct hash id
+    ideal = IdealHits()
+    session_numbers: dict[str, int] = {}
+    session_rows, session_of = array("q"), array("q")  # request id and session number of each row with one
+    with_hashes = with_messages = 0
+    block = None
+    for row in rows:
+        if block is None:  # final once the first row is read (a jsonl file's own block_size)
+            block = trace.block_size
+        times.append(row.timestamp_s)
+        inputs[row.input_length] += 1
+        outputs[row.output_length] += 1
+        hits = ideal.add(row, block) if block is not None else 0
+        if row.hash_ids is not None:
+            with_hashes += 1
+            for hash_id in row.hash_ids[hits:]:  # a block the ideal cache held has an id seen before
+                if not distinct.find(0, hash_id):
+                    distinct.add(0, hash_id)
+        if row.messages is not None:
+            with_messages += 1
+        if row.session_id is not None:
+            session_rows.append(row.request_id)
+            session_of.append(session_numbers.setdefault(row.session_id, len(session_numbers)))
+    if isinstance(trace, TraceStream):  # sessions that later rows re-rooted (bailian chains)
+        for request_id, session in trace.sessions.items():
+            position = bisect_left(session_rows, request_id)
+            if position < len(session_rows) and session_rows[position] == request_id:  # not a skipped row
+                session_of[position] = session_numbers.setdefault(session, len(session_numbers))
     first = min(times, default=0.0)
-    duration = max(times) - first if rows else 0.0
+    duration = max(times) - first if times else 0.0
     per_second = Counter(int(t - first) for t in times)
-    with_hashes = [r for r in rows if r.hash_ids is not None]
-    sessions = Counter(r.session_id for r in rows if r.session_id is not None)
+    sessions = Counter(session_of)
     stats = {
         "path": trace.path,
         "format": trace.format,
         "block_size": trace.block_size,
-        "requests": len(rows),
-        "skipped": len(trace.skipped),
+        "requests": len(times),
+        "skipped": trace.bad_rows if isinstance(trace, TraceStream) else len(trace.skipped),
         "duration_s": duration,
-        "mean_rps": len(rows) / duration if duration > 0 else None,
+        "mean_rps": len(times) / duration if duration > 0 else None,
         "peak_rps_1s": max(per_second.values()) if per_second else 0,
-        "input_length": length_stats([r.input_length for r in rows]),
-        "output_length": length_stats([r.output_length for r in rows]),
-        "input_tokens": sum(r.input_length for r in rows),
-        "output_tokens": sum(r.output_length for r in rows),
-        "rows_with_hash_ids": len(with_hashes),
-        "rows_with_messages": sum(1 for r in rows if r.messages is not None),
-        "distinct_hash_ids": len({h for r in with_hashes for h in r.hash_ids}),
+        "input_length": length_stats(inputs),
+        "output_length": length_stats(outputs),
+        "input_tokens": sum(value * n for value, n in inputs.items()),
+        "output_tokens": sum(value * n for value, n in outputs.items()),
+        "rows_with_hash_ids": with_hashes,
+        "rows_with_messages": with_messages,
+        "distinct_hash_ids": len(distinct),
         "sessions": len(sessions) if sessions else None,
-        "turns_per_session": length_stats(list(sessions.values())) if sessions else None,
+        "turns_per_session": length_stats(Counter(sessions.values())) if sessions else None,
     }
-    stats.update(ideal_prefix_hit_ratios(trace))
+    stats.update(ideal_prefix_hit_ratios(ideal if block is not None and with_hashes else None))
     return stats
 
 
-def ideal_prefix_hit_ratios(trace: Trace) -> dict:
+def ideal_prefix_hit_ratios(ideal: IdealHits | None) -> dict:
     """Hit ratios of an infinite prefix cache, by blocks and by tokens.
 
     Rows without hash ids count as all-miss (they share nothing), so the ratios describe the
-    whole trace. None when no row has hash ids or the block size is unknown.
+    whole trace. None when no row has hash ids or the block size is unknown (ideal is None).
     """
-    block = trace.block_size
-    if block is None or not any(r.hash_ids is not None for r in trace.rows):
+    if ideal is None:
         return {"ideal_prefix_hit_ratio": None, "ideal_prefix_hit_ratio_tokens": None}
-    hit_blocks, total_blocks, hit_tok, total_tok = ideal_hits(trace.rows, block)
     return {
-        "ideal_prefix_hit_ratio": hit_blocks / total_blocks if total_blocks else None,
-        "ideal_prefix_hit_ratio_tokens": hit_tok / total_tok if total_tok else None,
+        "ideal_prefix_hit_ratio": ideal.hit_blocks / ideal.total_blocks if ideal.total_blocks else None,
+        "ideal_prefix_hit_ratio_tokens": ideal.hit_tokens / ideal.total_tokens if ideal.total_tokens else None,
     }
 
 
