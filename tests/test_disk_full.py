@@ -7,7 +7,6 @@ the disk fills at the moment wanted: before the first send, mid-run, during the 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
