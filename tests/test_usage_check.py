@@ -16,7 +16,7 @@ import pytest
 from conftest import BLOCK, mooncake_trace, replay_args, run_locust
 from replay.results.metadata import summary_path
 from replay.results.records import read_records
-from replay.rules.usage import disagreements, max_tokens_asked
+from replay.rules.usage import disagreements, max_tokens_asked, output_tokens_believed
 from replay.sim.process import sim_process
 
 
@@ -33,6 +33,16 @@ def test_disagreements_flag_only_what_cannot_be_true():
         ["output_tokens 2000 > max_tokens 40"]  # fmt: skip
     assert max_tokens_asked(0) == 1 and disagreements(**{**honest, "output_length": 0, "output_tokens": 1,
                                                           "received_tokens": 1}) == []  # fmt: skip
+
+
+def test_output_figures_believe_only_a_claim_that_can_be_true():
+    def believed(claim, received, output_length=40):
+        return output_tokens_believed(output_tokens=claim, received_tokens=received, output_length=output_length)
+
+    assert believed(40, 40) == 40 and believed(40, 20) == 40  # several tokens an event: the claim stands
+    assert believed(99_999, 40) == 40 and believed(12, 40) == 40  # impossible: the events received
+    assert believed(2000, None) == 40 and believed(30, None) == 30  # not streamed: at most max_tokens
+    assert believed(None, 17) == 17 and believed(None, None) is None
 
 
 def replay_against(tmp_path, toy_tokenizer_dir, false_usage: dict, *extra: str) -> tuple[list[dict], dict, str]:
@@ -67,7 +77,13 @@ def test_impossible_usage_is_flagged_and_counted(tmp_path, toy_tokenizer_dir, fa
         for key in ("prompt_tokens", "output_tokens", "cached_tokens"):  # only counts are kept
             assert r[key] is None or (type(r[key]) is int and r[key] >= 0), r
     assert summary["requests_usage_mismatch"] == 12
-    assert summary["total_output_tokens"] == sum(r["output_tokens"] or 0 for r in records)  # the servers' figures
+    # output figures take the claim only where it can be true: 99,999 tokens in a 40-token stream
+    # neither inflates the total nor shrinks TPOT to nothing (the sim's gap is 1 ms a token)
+    believed = [output_tokens_believed(output_tokens=r["output_tokens"], received_tokens=r["received_tokens"],
+                                       output_length=r["output_length"]) for r in records]
+    assert summary["total_output_tokens"] == sum(b or 0 for b in believed)
+    assert all(b is None or b <= max_tokens_asked(r["output_length"]) for b, r in zip(believed, records))
+    assert all(r["tpot_ms"] is None or r["tpot_ms"] >= 0.5 for r in records), [r["tpot_ms"] for r in records]
     assert "Usage disagreements:" in printed and "12" in printed.split("Usage disagreements:")[1].splitlines()[0]
 
 

@@ -283,10 +283,14 @@ class Outcome:
 
     @property
     def tpot_ms(self) -> float | None:
-        n = self.output_tokens if self.output_tokens is not None else self.events_tokens
-        if not self.streamed or not self.token_times or n is None or n < 2:
+        return self.tpot_ms_over(self.output_tokens if self.output_tokens is not None else self.events_tokens)
+
+    def tpot_ms_over(self, tokens: int | None) -> float | None:
+        """Time per output token after the first, over `tokens` output tokens (the records take
+        the count replay.rules.usage believes)."""
+        if not self.streamed or not self.token_times or tokens is None or tokens < 2:
             return None
-        return (self.finished_at - self.token_times[0]) * 1000.0 / (n - 1)
+        return (self.finished_at - self.token_times[0]) * 1000.0 / (tokens - 1)
 
     def apply_usage(self, usage: dict | None) -> None:
         """Take the server's counts; a figure that is not a count (a string, a float, a negative

@@ -27,6 +27,7 @@ import gevent
 
 from replay.api.urls import shown
 from replay.engine import messages
+from replay.results.records import output_tokens_of
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile
 from replay.trace.prefix import hit_tokens, prefix_hits
@@ -163,7 +164,7 @@ class LiveStats:
             "ttft_p50_ms": _round(percentile(ttft, 50)), "ttft_p99_ms": _round(percentile(ttft, 99)),
             "tpot_p50_ms": _round(percentile(values("tpot_ms", ok), 50)),
             "e2e_p50_ms": _round(percentile(e2e, 50)), "e2e_p99_ms": _round(percentile(e2e, 99)),
-            "output_tokens_per_s": round(sum(r["output_tokens"] or 0 for r in ok) / span, 3),
+            "output_tokens_per_s": round(sum(output_tokens_of(r) for r in ok) / span, 3),
             "input_tokens_per_s": round(sum(r["prompt_tokens"] or r["input_length"] for r in ok) / span, 3),
             "in_flight": self._in_flight(),
             "drift_p50_ms": _round(percentile(drift, 50)), "drift_p99_ms": _round(percentile(drift, 99)),

@@ -28,7 +28,7 @@ from replay.locust.link import RunnerLink
 from replay.engine.config import replay_options
 from replay.engine.options import add_arguments
 from replay.results.output import OutputClaim, claim_output
-from replay.results.records import MASTER_LOST, RUN_STOPPED, WORKER_STOPPED
+from replay.results.records import MASTER_LOST, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
 from replay.trace.record import TraceError
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def _request_stats(environment) -> Callable[[dict], None]:
             request_type=record["api"],
             name=record["endpoint"],
             response_time=record["e2e_ms"] or 0.0,
-            response_length=record["output_tokens"] or 0,
+            response_length=output_tokens_of(record),
             exception=None if record["ok"] else RuntimeError(record["error"] or f"HTTP {record['status']}"),
             context={"request_id": record["request_id"]},
         )

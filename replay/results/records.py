@@ -13,7 +13,7 @@ import orjson
 
 from replay.results.files import AppendFile, OutputError
 from replay.results.output import fresh_fd
-from replay.rules.usage import disagreements
+from replay.rules.usage import disagreements, output_tokens_believed
 
 
 class Record(TypedDict):
@@ -79,6 +79,8 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
              *disagreements(input_length=row.input_length, output_length=row.output_length, received_tokens=received,
                             prompt_tokens=outcome.prompt_tokens, output_tokens=outcome.output_tokens,
                             cached_tokens=outcome.cached_tokens)]
+    believed = output_tokens_believed(output_tokens=outcome.output_tokens, received_tokens=received,
+                                      output_length=row.output_length)
     return {
         "request_id": row.request_id,
         "session_id": row.session_id,
@@ -90,7 +92,7 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "finished_at": outcome.finished_at,
         "drift_ms": _ms((outcome.sent_at - scheduled_at) * 1000.0),
         "ttft_ms": _ms(outcome.ttft_ms),
-        "tpot_ms": _ms(outcome.tpot_ms),
+        "tpot_ms": _ms(outcome.tpot_ms_over(believed if believed is not None else outcome.events_tokens)),
         "e2e_ms": _ms(outcome.e2e_ms),
         "itl_ms": [round(x, 3) for x in outcome.itl_ms] if outcome.streamed else None,  # always kept: no opt-out
         "status": outcome.status,
@@ -172,3 +174,10 @@ def read_records(path: str | Path) -> Iterator[Record]:
 def worker_path(output: str | Path, worker: int) -> Path:
     """Where worker `worker` keeps its own copy of its records."""
     return Path(f"{output}.worker-{worker}.jsonl")
+
+
+def output_tokens_of(record: Record) -> int:
+    """A record's output tokens as a run counts them (replay.rules.usage.output_tokens_believed):
+    the server's claim unless it cannot be true; 0 when nothing is known."""
+    return output_tokens_believed(output_tokens=record.get("output_tokens"), received_tokens=record.get("received_tokens"),
+                                  output_length=record["output_length"]) or 0

@@ -14,7 +14,7 @@ import math
 from array import array
 from typing import Iterable
 
-from replay.results.records import Record
+from replay.results.records import Record, output_tokens_of
 from replay.results.server_metrics import format_server
 from replay.results.summary import SummaryBuilder, percentile, sorted_array
 
@@ -60,7 +60,7 @@ def meets_slo(record: Record, slo: dict[str, float]) -> bool:
         return False
     for key, limit in slo.items():
         value = record.get(key)
-        if value is None and key == "tpot_ms" and (record.get("output_tokens") or 0) <= 1:
+        if value is None and key == "tpot_ms" and output_tokens_of(record) <= 1:
             value = 0.0  # vLLM: no TPOT with one output token, scored as 0
         if value is None or value > limit:
             return False
@@ -180,7 +180,7 @@ def format_report(report: dict) -> str:
     out.append(_line("Total generated tokens:", report["total_output_tokens"]))
     if report.get("requests_usage_mismatch"):
         out.append(_line("Usage disagreements:", report["requests_usage_mismatch"]))
-        out.append("  (rows whose usage cannot be true: see their usage_mismatch; the totals are the servers' usage)")
+        out.append("  (rows whose usage cannot be true: see their usage_mismatch; output totals count their events received)")
     out.append(_line("Request throughput (req/s):", _num(report["request_throughput"])))
     if report.get("goodput_rps") is not None:
         slo = ",".join(f"{k}={v:g}" for k, v in report["slo"].items())

@@ -16,7 +16,7 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from typing import Iterable, Sequence
 
-from replay.results.records import Record, prompt_tokens_of
+from replay.results.records import Record, output_tokens_of, prompt_tokens_of
 
 DISTRIBUTION_KEYS = ("mean", "median", "std", "p25", "p50", "p75", "p90", "p99")
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")  # each a distribution over ok records
@@ -136,7 +136,7 @@ class SummaryBuilder:
         self.requests_ok = 0
         self.requests_sent = 0
         self.input_tokens = 0  # of ok records
-        self.output_tokens = 0  # the servers' usage figures (else the stream's events): see usage_mismatch
+        self.output_tokens = 0  # the servers' usage figures where they can be true, else the stream's events
         self.usage_mismatch = 0  # records whose usage claims something that cannot be true
         self.failures = FailureCounts()
         self.first_sent: float | None = None
@@ -166,7 +166,7 @@ class SummaryBuilder:
         if record.get("ok"):
             self.requests_ok += 1
             self.input_tokens += prompt_tokens_of(record)
-            self.output_tokens += record.get("output_tokens") or 0
+            self.output_tokens += output_tokens_of(record)
             for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
                 value = record.get(key)
                 if value is not None:

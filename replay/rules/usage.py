@@ -14,7 +14,10 @@ counted are a lower bound of the output. The disagreements flagged:
 - `output_tokens` under the content events received: each carried at least one token;
 - `cached_tokens` over `prompt_tokens`: no more of a prompt can be cached than it has.
 
-A disagreement is a flag, never a failure: the answer itself may be complete.
+A disagreement is a flag, never a failure: the answer itself may be complete. The figures a
+run computes from output tokens (TPOT, token totals and throughput, Locust's response length)
+take `output_tokens_believed`: the server's claim when it can be true, else the events received
+(not streamed: the max_tokens asked), so one false claim never moves a summary.
 """
 
 from __future__ import annotations
@@ -47,3 +50,16 @@ def disagreements(*, input_length: int, output_length: int, received_tokens: int
     if cached_tokens is not None and prompt_tokens is not None and cached_tokens > prompt_tokens:
         found.append(f"cached_tokens {cached_tokens} > prompt_tokens {prompt_tokens}")
     return found
+
+
+def output_tokens_believed(*, output_tokens: int | None, received_tokens: int | None,
+                           output_length: int) -> int | None:
+    """The output count a run computes with: the server's `output_tokens` unless it cannot be
+    true (over the max_tokens asked, under the events received), then `received_tokens`, or, not
+    streamed, the max_tokens asked (no answer is longer); None when nothing is known."""
+    if output_tokens is None:
+        return received_tokens
+    asked = max_tokens_asked(output_length)
+    if received_tokens is not None and not received_tokens <= output_tokens <= asked:
+        return received_tokens
+    return min(output_tokens, asked)
