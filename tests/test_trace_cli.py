@@ -99,13 +99,25 @@ def test_stats_reports_sessions_and_skipped_rows(tmp_path, capsys):
     assert stats["turns_per_session"]["max"] == 3
 
 
+# Forks the command from a small process of its own: a child's peak RSS starts at its parent's
+# size when forked (the kernel keeps the high-water mark across exec), and this test process has
+# hundreds of MB late in a suite run.
+PEAK_RSS_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\\npeak_rss_kib {usage.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Run `replay ARGS`; (its result, its peak RSS in MB, from wait4: this child's own)."""
-    proc = subprocess.Popen(replay_command() + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.read(), proc.stderr.read())
-    return done, usage.ru_maxrss / 1024
+    """Run `replay ARGS`; (its result, its own peak RSS in MB, from wait4 in a small launcher)."""
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS_LAUNCHER, *replay_command(), *args], capture_output=True)
+    err, _, peak = done.stderr.rpartition(b"\npeak_rss_kib ")
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout, err), int(peak) / 1024
 
 
 def test_validate_and_stats_hold_no_rows(tmp_path):
