@@ -72,26 +72,23 @@ def block_size_arg(text: str) -> int:
     return value
 
 
-def _token_limit(text: str) -> int:
-    """--max-prompt-tokens: a count of tokens, 0 for no limit."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value}")
-    return value
+def _count_arg(unit: str, zero: str = ""):
+    """An argparse type: a whole number of `unit` >= 0 (`zero`: what 0 means, said in the error;
+    a negative --max-rows once wrote an empty file, exit 0)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number of {unit}, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0{zero}, got {value}")
+        return value
+
+    return parse
 
 
-def _row_count(text: str) -> int:
-    """--max-rows: a count of rows >= 0 (a negative one wrote an empty file, exit 0)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of rows, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_token_limit = _count_arg("tokens", " (0: no limit)")  # --max-prompt-tokens
+_row_count = _count_arg("rows")  # --max-rows
 
 
 def _fail(message: str) -> int:
