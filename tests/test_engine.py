@@ -9,6 +9,7 @@ import sys
 
 import gevent
 import orjson
+import pytest
 from gevent.monkey import get_original
 
 from conftest import BLOCK, check_records, mooncake_trace
@@ -112,18 +113,20 @@ class LosesFirst(LocalLink):
         super().to_worker(client_id, msg_type, data)
 
 
-def test_a_lost_plan_is_sent_again(tmp_path, sim, toy_tokenizer_dir):
-    """The run depends on the plan: sent once, a lost one left the worker idle and the run never
-    started. Resent until the worker acknowledges it: every row ok."""
+@pytest.mark.parametrize("lost", [messages.PLAN, messages.GO])
+def test_a_lost_start_message_is_sent_again(tmp_path, sim, toy_tokenizer_dir, lost):
+    """The run depends on the plan and on the go: each was sent once, and a lost one left the
+    worker idle (the run never started; without the go its rows waited for the drain timeout).
+    Each is resent until the worker acknowledges it: every row ok."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=20)
     output = tmp_path / "run.jsonl"
     options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
                             output=str(output))
-    link = LosesFirst(messages.PLAN)
+    link = LosesFirst(lost)
     part = Dispatcher(link, local=True)
     coordinator = Coordinator(link, options, local_part=part, endpoints=[sim.url], host=lambda: sim.url)
     coordinator.begin([(LOCAL_CLIENT, 0)])
     assert coordinator.finished.wait(timeout=30), f"{coordinator.recorded} of {coordinator.total} rows recorded"
     gevent.spawn(coordinator.end).join(timeout=60)
-    assert link.lose == ""  # the plan was lost once
+    assert link.lose == ""  # the message was lost once
     check_records(output, trace)

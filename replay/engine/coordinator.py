@@ -59,6 +59,8 @@ READY_TIMEOUT_S = 300.0  # workers that are not ready by then are started anyway
 DRAIN_GRACE_S = 10.0  # beyond --drain-timeout, for the workers' last records to arrive
 ABORT_WAIT_S = 5.0  # at a stop, how long workers get to send what they still hold
 PLAN_RESEND_S = 2.0  # a plan not acked by then is sent again
+GO_RESEND_S = GO_LEAD_S / 2  # a go not acked by then is sent again, most often before the first send is due
+ABORT_RESEND_S = 1.0  # at a stop, the abort is sent again this often while the workers' records are awaited
 TICK_S = 0.25
 MAX_SKIPPED_SHOWN = 20  # --on-bad-line skip: lines listed in the log (all are counted)
 # The meta written as the run begins keeps this much room (spaces) for the end's, plus some per
@@ -76,6 +78,7 @@ class WorkerState:
     window: transport.Window  # its ROWS, started once the plan is acked
     plan: messages.Plan
     plan_window: transport.Window  # the PLAN, put in once the worker said HELLO, resent until acked
+    go_window: transport.Window  # the GO, resent until acked
     plan_sent: bool = False
     plan_acked: bool = False
     ready: bool = False
@@ -94,6 +97,7 @@ class WorkerState:
         """Nothing more is sent to this worker (it is lost or failed)."""
         self.window.close()
         self.plan_window.close()
+        self.go_window.close()
 
     def unrecorded_label(self) -> str:
         """Why its rows without a record of its own have none, once it is gone."""
@@ -177,6 +181,7 @@ class Coordinator:
         link.on(messages.READY, self.on_ready)
         link.on(messages.HELLO, self.on_hello)
         link.on(messages.PLAN_ACK, self.on_plan_ack)
+        link.on(messages.GO_ACK, self.on_go_ack)
         link.on(messages.STOPPED, self.on_stopped)
         link.on(messages.RECORDS, self.on_records)
         link.on(messages.FAULT, self.on_fault)
@@ -284,7 +289,10 @@ class Coordinator:
                 master_node=platform.node(),
                 master_pgid=os.getpgrp(),
             )
-            state = self.workers[client_id] = WorkerState(client_id, index, positions, window, plan, plan_window)
+            go_window = transport.Window(lambda payload, cid=client_id: self.link.to_worker(cid, messages.GO, payload),
+                                         size=1, resend_s=GO_RESEND_S)
+            state = self.workers[client_id] = WorkerState(client_id, index, positions, window, plan, plan_window,
+                                                          go_window)
             if client_id in self.heard:
                 self._send_plan(state)
         logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
@@ -330,6 +338,11 @@ class Coordinator:
         if not state.plan_acked and not state.lost:
             state.plan_acked = True
             state.window.start()
+
+    def on_go_ack(self, data: messages.GoAck, sender: str) -> None:
+        state = self.workers.get(sender)
+        if state is not None:
+            state.go_window.ack(data["seq"])
 
     def on_stopped(self, data: messages.Stopped, sender: str) -> None:
         """The worker got a signal of its own; what it does not record is labelled for that."""
@@ -383,7 +396,7 @@ class Coordinator:
         self.epoch = time.time() + GO_LEAD_S
         self.last_due = self.epoch + self.window_seconds()
         for w in live:
-            self.link.to_worker(w.client_id, messages.GO, messages.Go(epoch=self.epoch))
+            w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - time.time())
 
     # -- records ------------------------------------------------------------------------------------
@@ -507,21 +520,29 @@ class Coordinator:
 
     def _collect_held_records(self, reason: str) -> None:
         """Tell the workers to stop and give them a few seconds to return the records of every
-        row they confirmed holding."""
+        row they confirmed holding. The abort is sent again every ABORT_RESEND_S meanwhile (a
+        worker applies it once): a lost one left its rows "no record from worker"."""
         live = [w for w in self.workers.values() if not w.lost]
-        if self.local_part is not None:
-            self.local_part.abort(reason)  # its records come through the link like a worker's
-        else:
-            for w in live:
-                self.link.to_worker(w.client_id, messages.ABORT, messages.Abort(reason=reason))
 
+        def abort() -> None:
+            if self.local_part is not None:
+                self.local_part.abort(reason)  # its records come through the link like a worker's
+            else:
+                for w in live:
+                    self.link.to_worker(w.client_id, messages.ABORT, messages.Abort(reason=reason))
+
+        abort()
         ids = self.schedule.request_ids
         missing = [ids[p] for w in live for i, p in enumerate(w.positions) if w.holds(i)]
         deadline = time.time() + ABORT_WAIT_S
+        aborted = time.time()
         while time.time() < deadline:
             missing = [rid for rid in missing if self.store.state(rid) != REAL]
             if not missing:
                 break
+            if time.time() - aborted >= ABORT_RESEND_S:
+                abort()
+                aborted = time.time()
             gevent.sleep(0.1)
 
     def _trace_notes(self) -> str:

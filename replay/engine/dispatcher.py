@@ -258,6 +258,9 @@ class Dispatcher:
             self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
 
     def on_go(self, data: messages.Go, sender: str) -> None:
+        self.link.to_master(messages.GO_ACK, messages.GoAck(seq=data["seq"]))
+        if self.go.is_set():  # resent: the ack was lost or late
+            return
         self.epoch = data["epoch"]
         self.go.set()
         gevent.spawn(self.run)

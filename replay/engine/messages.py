@@ -15,15 +15,16 @@ A run, in order:
     master -> worker  ROWS ...              its rows, once the plan is acked; each acked by ROWS_ACK
     worker -> master  PING  <-> PONG        its clock's offset to the master's
     worker -> master  READY                 set up (or failed to)
-    master -> worker  GO                    the shared start
+    master -> worker  GO                    the shared start, resent until acked by GO_ACK
     worker -> master  RECORDS ...           outcomes; each chunk acked by RECORDS_ACK
     worker -> master  LIVE                  once a second, for the Replay view
     worker -> master  FAULT                 its own records file cannot be written: the master stops the run
     master -> worker  ABORT                 the run ends before the worker did: record what is left
+                                            (resent while its records are awaited)
     master -> worker  IDLE                  to a worker that joined after the start
     worker -> master  STOPPED               it got a signal of its own: its unrecorded rows fail
 
-PLAN, ROWS and RECORDS go through transport.Window (numbered chunks, at most a few unacknowledged,
+PLAN, ROWS, GO and RECORDS go through transport.Window (numbered chunks, at most a few unacknowledged,
 resent until acked), which sets each chunk's `seq`: their payloads extend `Chunk`, and their
 builders leave `seq` to the window.
 """
@@ -46,6 +47,7 @@ IDLE = "replay_idle"
 
 HELLO = "replay_hello"
 PLAN_ACK = "replay_plan_ack"
+GO_ACK = "replay_go_ack"
 ROWS_ACK = "replay_rows_ack"
 PING = "replay_ping"
 READY = "replay_ready"
@@ -94,8 +96,10 @@ class Pong(TypedDict):
     tm: float  # the master's time.time() when it answered
 
 
-class Go(TypedDict):
-    """GO: the start every worker times its sends from."""
+class Go(Chunk):
+    """GO: the start every worker times its sends from. Sent once the worker is READY, and
+    resent until GO_ACK: a worker without it would send nothing, and its rows would wait for
+    the drain timeout."""
 
     epoch: float  # master clock (unix seconds) at which the window's first row is due
 
@@ -128,6 +132,12 @@ class Hello(TypedDict):
 class PlanAck(TypedDict):
     """PLAN_ACK: the worker holds the plan (a resent one is acked again, applied once); the
     master starts shipping its rows."""
+
+    seq: int
+
+
+class GoAck(TypedDict):
+    """GO_ACK: the worker has its start (a resent GO is acked again, applied once)."""
 
     seq: int
 
