@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import gevent
 import orjson
@@ -130,3 +131,28 @@ def test_a_lost_start_message_is_sent_again(tmp_path, sim, toy_tokenizer_dir, lo
     gevent.spawn(coordinator.end).join(timeout=60)
     assert link.lose == ""  # the message was lost once
     check_records(output, trace)
+
+
+def test_a_lost_abort_is_sent_again(tmp_path, sim, toy_tokenizer_dir):
+    """A stop asks a worker (not the master's own part: its link can lose messages) for the
+    records of the rows it holds. Sent once, a lost abort left every one of them "no record from
+    worker" (a failure); resent while they are awaited, they come back as the user's stop."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=200, gap_ms=50)  # 10 s: the stop comes long before
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output), server_metrics_interval=0)
+    link = LosesFirst(messages.ABORT)
+    part = Dispatcher(link)  # a worker of its own: pings for its clock, says HELLO, gets its plan over the link
+    coordinator = Coordinator(link, options, endpoints=[sim.url], host=lambda: sim.url)
+    link.to_master(messages.HELLO, messages.Hello())
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    deadline = time.time() + 30
+    while coordinator.recorded < 5 and time.time() < deadline:  # mid-run
+        gevent.sleep(0.05)
+    assert coordinator.recorded >= 5, "the run did not start"
+    gevent.spawn(coordinator.end).join(timeout=60)  # the user's stop
+    assert link.lose == ""  # the abort was lost once
+    records = list(read_records(output))
+    assert len(records) == 200
+    labels = {r["error"] for r in records if not r["ok"]}
+    assert labels <= {RUN_STOPPED, STOPPED_IN_FLIGHT}, labels
