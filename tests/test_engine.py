@@ -142,7 +142,7 @@ def test_a_lost_abort_is_sent_again(tmp_path, sim, toy_tokenizer_dir):
     options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
                             output=str(output), server_metrics_interval=0)
     link = LosesFirst(messages.ABORT)
-    part = Dispatcher(link)  # a worker of its own: pings for its clock, says HELLO, gets its plan over the link
+    Dispatcher(link)  # a worker of its own: pings for its clock, says HELLO, gets its plan over the link
     coordinator = Coordinator(link, options, endpoints=[sim.url], host=lambda: sim.url)
     link.to_master(messages.HELLO, messages.Hello())
     coordinator.begin([(LOCAL_CLIENT, 0)])
