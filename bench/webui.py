@@ -36,7 +36,7 @@ def coordinator_for(trace: Path, folder: Path, workers: int = 4) -> Coordinator:
     c.store = RecordStore(folder / "run.jsonl", *c.schedule.request_id_range())
     for i, positions in enumerate(c.schedule.partition(workers)):
         state = WorkerState(f"host{i}_abc", i, positions, Window(lambda payload: None), plan=None,
-                            plan_window=Window(lambda payload: None))
+                            plan_window=Window(lambda payload: None), go_window=Window(lambda payload: None))
         c.workers[state.client_id] = state
     c.started_at = c.epoch = time.time() - 60
     return c
