@@ -270,12 +270,9 @@ class Coordinator:
         parts = self.schedule.partition(len(workers), self.options.partition)
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
             chunks = row_chunks(self.schedule, positions)
-            window = transport.Window(
-                lambda payload, cid=client_id: self.link.to_worker(cid, messages.ROWS, payload), source=chunks,
-                limit=transport.HOLD_ROWS // CHUNK_ROWS,
-            )
-            plan_window = transport.Window(lambda payload, cid=client_id: self.link.to_worker(cid, messages.PLAN, payload),
-                                           size=1, resend_s=PLAN_RESEND_S)
+            window = transport.Window(self._sender(client_id, messages.ROWS), source=chunks,
+                                      limit=transport.HOLD_ROWS // CHUNK_ROWS)
+            plan_window = transport.Window(self._sender(client_id, messages.PLAN), size=1, resend_s=PLAN_RESEND_S)
             plan = messages.Plan(  # type: ignore[typeddict-item]  # the window adds the seq
                 worker=index,
                 rows=len(positions),
@@ -289,14 +286,17 @@ class Coordinator:
                 master_node=platform.node(),
                 master_pgid=os.getpgrp(),
             )
-            go_window = transport.Window(lambda payload, cid=client_id: self.link.to_worker(cid, messages.GO, payload),
-                                         size=1, resend_s=GO_RESEND_S)
+            go_window = transport.Window(self._sender(client_id, messages.GO), size=1, resend_s=GO_RESEND_S)
             state = self.workers[client_id] = WorkerState(client_id, index, positions, window, plan, plan_window,
                                                           go_window)
             if client_id in self.heard:
                 self._send_plan(state)
         logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
         self._supervisor = gevent.spawn(self._supervise)
+
+    def _sender(self, client_id: str, msg_type: str) -> Callable[[dict], None]:
+        """What a worker's window sends with: its payloads to that worker, as `msg_type`."""
+        return lambda payload: self.link.to_worker(client_id, msg_type, payload)
 
     def _write_first_meta(self, workers: int) -> None:
         """The meta as the run begins: it says the run has not ended (so does a master that is
