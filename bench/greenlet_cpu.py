@@ -3,7 +3,7 @@
 A sampling profiler sees gevent's hub as always busy and a tracing one inflates every call;
 this reads the main thread's CPU clock at each greenlet switch (greenlet.settrace) and charges
 the slice to the greenlet that ran it, named by its function. "Hub.run" is the event loop
-itself, with every I/O callback run inside it (a stream's reads: replay.api.client._BodyReader);
+itself, with every I/O callback run inside it (a stream's reads: replay.protocol.client._BodyReader);
 "main" is start-up and the end of the run. The threadpool's thread (set-ups, server check's
 sample) is not counted. Costs one clock read per switch.
 

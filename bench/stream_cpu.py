@@ -2,7 +2,7 @@
 
 CPU time, unlike drift, barely depends on what else the shared machine is running, so
 this is the figure to compare read paths by. Requests go out open-loop at --rate through
-the worker's own path (replay.api write + read, one greenlet per answer) to `replay sim`
+the worker's own path (replay.protocol write + read, one greenlet per answer) to `replay sim`
 pinned to the other core; this process's user+system CPU over the run is divided by the
 requests and by the content tokens they streamed. Median of several runs.
 
@@ -28,8 +28,8 @@ import orjson  # noqa: E402
 from gevent.pool import Group  # noqa: E402
 
 from common import split_cores
-from replay.api import Endpoint, read, send, write  # noqa: E402
-from replay.apis import get_api  # noqa: E402
+from replay.protocol.client import Endpoint, read, send, write  # noqa: E402
+from replay.protocol.table import get_api  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402
 from replay.synth.toy import build_toy_tokenizer  # noqa: E402
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from replay.synth.bodies import build_body
-from replay.apis import API_NAMES
+from replay.protocol.table import API_NAMES
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.record import TraceRow

@@ -20,7 +20,7 @@ import orjson
 
 from replay.engine.coordinator import Coordinator, WorkerState
 from replay.engine.live import WINDOW_S, LiveStats
-from replay.engine.options import ReplayOptions
+from replay.run.options import ReplayOptions
 from replay.engine.transport import LocalLink, Window
 from replay.results.store import RecordStore
 from replay.synth.toy import build_toy_tokenizer

@@ -12,10 +12,11 @@ import orjson
 import pytest
 
 from conftest import free_port
-from replay.api import Endpoint, parse_headers, send
-from replay.api.client import MAX_CONNECTING
-from replay.api.sse import DONE, sse_data
-from replay.apis import get_api
+from replay.protocol.client import Endpoint, send
+from replay.protocol.headers import parse_headers
+from replay.protocol.client import MAX_CONNECTING
+from replay.protocol.sse import DONE, sse_data
+from replay.protocol.table import get_api
 from replay.engine.timing import Alarm
 from replay.sim.process import sim_process
 
@@ -203,7 +204,7 @@ def test_idle_connections_are_retired_before_the_server_closes_them(slow_sim, mo
     """uvicorn (vLLM, SGLang) closes a kept-alive connection after 5 s idle; a request written as
     that close crosses it is lost ("connection closed", seen against real vLLM). Idle connections
     are retired before then: never handed out, and pruned so `warm` replaces them."""
-    from replay.api import client
+    from replay.protocol import client
 
     monkeypatch.setattr(client, "IDLE_MAX_S", 0.3)
     monkeypatch.setattr(client, "PRUNE_EVERY_S", 0.0)
@@ -246,7 +247,7 @@ def test_idle_connections_are_used_oldest_first_so_spares_do_not_age_out(slow_si
 def test_a_connection_the_server_closed_or_wrote_on_is_not_handed_out(slow_sim):
     """The liveness check (one poll(2), any descriptor number): an idle connection with nothing
     to read is handed out; one the server closed, or sent something unasked on, is not."""
-    from replay.api.gevent_pool import _idle_and_open
+    from replay.protocol.gevent_pool import _idle_and_open
 
     a, b = socket.socketpair()
     try:

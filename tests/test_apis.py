@@ -1,4 +1,4 @@
-"""The API table (replay/apis): each API's paths, request bodies on the wire, and reply readers."""
+"""The API table (replay/protocol/table.py): each API's paths, request bodies on the wire, and reply readers."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from replay.apis import API_NAMES, APIS, get_api
+from replay.protocol.table import API_NAMES, APIS, get_api
 from replay.synth.bodies import build_body
-from replay.synth.prompts import Prompt
+from replay.protocol.prompt import Prompt
 
 CHAT = Prompt([{"role": "user", "content": "hi"}], None, None, 5)
 TEXT = Prompt(None, "hi", None, 2)
@@ -95,6 +95,6 @@ def test_synth_imports_no_http_client():
     """Synth runs before dispatch: the table it builds bodies from must not pull in gevent."""
     code = ("import sys, replay.synth.bodies; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('gevent', 'geventhttpclient')"
-            " or m == 'replay.api.client'))")
+            " or m == 'replay.protocol.client'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

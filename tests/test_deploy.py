@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from replay.engine.config import load_config
+from replay.run.config import load_config
 from replay.results.records import read_records
 from replay.results.summary import percentile
 from replay.sim.process import sim_process

@@ -17,7 +17,7 @@ from conftest import BLOCK, check_records, mooncake_trace
 from replay.engine import messages
 from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
-from replay.engine.options import ReplayOptions
+from replay.run.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.results.metadata import meta_path, read_run_metadata, summary_path
 from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records, worker_path

@@ -5,8 +5,8 @@ from geventhttpclient import HTTPClient
 from geventhttpclient.connectionpool import ConnectionPool
 from geventhttpclient.response import HTTPSocketPoolResponse
 
-from replay.api import gevent_pool
-from replay.api.gevent_pool import TESTED, require, self_check
+from replay.protocol import gevent_pool
+from replay.protocol.gevent_pool import TESTED, require, self_check
 
 
 def without(cls, name):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from replay.api.headers import parse_headers
+from replay.protocol.headers import parse_headers
 from replay.errors import OptionError
 
 ENV = {"SECRET": "s3cret", "EMPTY": "", "A_1": "x"}

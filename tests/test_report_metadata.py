@@ -24,7 +24,7 @@ T0 = 1_700_000_000.0
 COORDINATOR = """
 import sys
 from replay.engine.coordinator import Coordinator, WorkerState
-from replay.engine.options import ReplayOptions
+from replay.run.options import ReplayOptions
 from replay.engine.transport import LocalLink
 from replay.results.metadata import write_run_metadata
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from replay.engine.dispatcher import BodyBuilder
-from replay.engine.options import ReplayOptions
+from replay.run.options import ReplayOptions
 from replay.engine.same_tokenizer import master_fingerprint
 from replay.synth import setup_cache
 from replay.synth.bodies import build_body

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import BLOCK, LOCUST, check_records, mooncake_trace, replay_args, run_locust
-from replay.engine.config import ConfigError, apply_config, load_config
-from replay.engine.options import ReplayOptions, add_arguments
+from replay.run.config import ConfigError, apply_config, load_config
+from replay.run.options import ReplayOptions, add_arguments
 from replay.results.metadata import read_run_metadata
 from replay.results.records import RECORD_FIELDS
 from replay.sim.process import sim_process

@@ -20,8 +20,8 @@ import requests
 
 from conftest import (BLOCK, LOCUST, check_records, finish, free_port, master_and_workers, mooncake_trace, replay_args,
                       run_locust, server_samples, start_web_locust, wait_for, web_args)
-from replay.api.ask import Unanswered, ask, check_url
-from replay.api.urls import shown
+from replay.protocol.ask import Unanswered, ask, check_url
+from replay.protocol.urls import shown
 from replay.results.metadata import read_run_metadata, summary_path
 from replay.sim.process import sim_process
 

@@ -33,11 +33,11 @@ from gevent.event import Event
 
 from replay.engine import messages, transport
 from replay.engine.clock import answer_ping
-from replay.engine.options import ReplayOptions, prompt_token_limit
+from replay.run.options import ReplayOptions, prompt_token_limit
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint
 from replay.engine.dispatcher import build_off_loop, off_loop
-from replay.api.headers import parse_headers
+from replay.protocol.headers import parse_headers
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,

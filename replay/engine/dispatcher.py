@@ -23,12 +23,13 @@ import gevent
 from gevent.event import Event
 from gevent.pool import Group
 
-from replay.api import Endpoint, Sent, parse_headers, read, send, write
-from replay.apis import get_api
+from replay.protocol.client import Endpoint, Sent, read, send, write
+from replay.protocol.headers import parse_headers
+from replay.protocol.table import get_api
 from replay.errors import OptionError
 from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
-from replay.engine.options import ReplayOptions
+from replay.run.options import ReplayOptions
 from replay.engine.plan import decode_row, send_offset_s
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer

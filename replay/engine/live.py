@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import gevent
 
-from replay.api.urls import shown
+from replay.protocol.urls import shown
 from replay.engine import messages
 from replay.results.records import output_tokens_of
 from replay.results.server_metrics import COUNTERS, GAUGES, pick

@@ -6,7 +6,7 @@ import zlib
 from itertools import count
 from typing import Callable
 
-from replay.api.client import Endpoint
+from replay.protocol.client import Endpoint
 from replay.trace.record import TraceRow
 
 

@@ -10,7 +10,7 @@ hands the round to `listeners` (the Replay view).
 The first round is taken before the first request is sent (the coordinator waits for it), and
 a last one after the last answer, so counters' changes cover exactly the run. A server without
 `/metrics`, or one that fails, is logged once (and again once it answers); the run goes on.
-An endpoint is written, logged and handed on by its URL as shown (replay.api.urls); its
+An endpoint is written, logged and handed on by its URL as shown (replay.protocol.urls); its
 credentials go only into the scrape's Authorization header. A round that cannot be written
 (a full disk) goes to `on_fault`, which ends the run: the file keeps whole lines only.
 """
@@ -28,9 +28,9 @@ import gevent
 from gevent.event import Event
 from geventhttpclient import HTTPClient
 
-from replay.api.client import close_with_reset
-from replay.api.gevent_pool import PoolInternals
-from replay.api.urls import shown, with_credentials
+from replay.protocol.client import close_with_reset
+from replay.protocol.gevent_pool import PoolInternals
+from replay.protocol.urls import shown, with_credentials
 from replay.results.files import AppendFile, OutputError
 from replay.results.server_metrics import KNOWN, metrics_path, parse, sample_line
 

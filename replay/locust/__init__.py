@@ -3,7 +3,7 @@ replay engine (replay.engine).
 
 `locustfile.py` imports ReplayUser and ReplayShape from here; importing this package also
 registers the command-line options and event listeners (plugin.py). The engine never imports
-it back: its options live in replay.engine.options.
+it back: its options live in replay.run.options.
 """
 
 import gc

@@ -19,14 +19,14 @@ import gevent
 from locust import events
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
-from replay.api.urls import shown
+from replay.protocol.urls import shown
 from replay.engine import live, messages, transport
 from replay.engine.coordinator import Coordinator, default_output
 from replay.engine.dispatcher import Dispatcher
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink
-from replay.engine.config import replay_options
-from replay.engine.options import add_arguments
+from replay.run.config import replay_options
+from replay.run.options import add_arguments
 from replay.results.output import OutputClaim, claim_output
 from replay.results.records import MASTER_LOST, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
 from replay.trace.record import TraceError
@@ -86,7 +86,7 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
 
 def _hide_host_credentials(environment) -> Callable[[], str | None]:
     """Locust shows `environment.host` (its web UI, its HTML report) and sends it to workers:
-    it gets the URL as shown (replay.api.urls), and the returned function gives the full one,
+    it gets the URL as shown (replay.protocol.urls), and the returned function gives the full one,
     credentials included, to connect with. A host typed into the web UI's form is hidden the
     same way when asked; the shown URL left as it was means the same credentials."""
     full: list[str | None] = [None]

@@ -30,7 +30,7 @@ from flask_login import LoginManager, UserMixin, current_user, login_user
 from locust.runners import WorkerRunner
 
 from replay import env_vars
-from replay.engine.config import apply_config
+from replay.run.config import apply_config
 
 logger = logging.getLogger(__name__)
 

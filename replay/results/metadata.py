@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from replay.api.urls import shown
+from replay.protocol.urls import shown
 from replay.results.files import OutputError, overwrite_in_place, write_atomically
 
 META_SUFFIX = ".meta.json"

@@ -73,7 +73,7 @@ def _ms(value: float | None) -> float | None:
 
 
 def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome) -> Record:
-    """The record of a request that was sent; `outcome` is a replay.api.Outcome."""
+    """The record of a request that was sent; `outcome` is a replay.protocol.Outcome."""
     received = outcome.events_tokens if outcome.streamed else None
     found = [*(outcome.usage_notes or ()),
              *disagreements(input_length=row.input_length, output_length=row.output_length, received_tokens=received,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from replay.apis import get_api
+from replay.protocol.table import get_api
 from replay.synth.tokenizer import ChatTemplateError, ServerTokenizer
 from replay.synth.vocab import SafeVocab
 

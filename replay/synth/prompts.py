@@ -25,9 +25,9 @@ import copy
 import logging
 import weakref
 from array import array
-from dataclasses import dataclass
 
-from replay.apis import API_NAMES, APIS
+from replay.protocol.prompt import Prompt
+from replay.protocol.table import API_NAMES, APIS
 from replay.synth import setup_cache
 from replay.synth.blocks import TOKEN_ID, BlockSource
 from replay.synth.frames import EMPTY_SYSTEM, USER_ONLY, Frame, Measured, PromptError, chat_messages, measure
@@ -44,15 +44,6 @@ RESEEDED_CACHE_BLOCKS = 256  # a reseeded synthesizer makes a few dozen prompts
 
 log = logging.getLogger(__name__)
 _vocab_cache: "weakref.WeakKeyDictionary[ServerTokenizer, SafeVocab]" = weakref.WeakKeyDictionary()
-
-
-@dataclass(slots=True)
-class Prompt:
-    messages: list[dict] | None  # openai-chat: [{"role": "user", "content": text}] (or the row's own messages)
-    text: str | None  # openai-completions text prompt / tgi inputs
-    token_ids: list[int] | None  # openai-completions token-id prompt
-    expected_tokens: int  # prompt tokens the server will count
-    tools: list | None = None  # the row's own tools (chat), sent along with its messages
 
 
 def safe_vocab(tokenizer: ServerTokenizer) -> SafeVocab:

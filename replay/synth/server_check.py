@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from replay.api.ask import Unanswered, ask_json
-from replay.api.urls import shown
-from replay.apis import Api, get_api
+from replay.protocol.ask import Unanswered, ask_json
+from replay.protocol.urls import shown
+from replay.protocol.table import Api, get_api
 from replay.rules.tokens import are_token_ids
 from replay.synth.prompts import Prompt, PromptSynthesizer, encode_prompt
 from replay.synth.tokenizer import tokenizer_json
@@ -167,7 +167,7 @@ def _gather(seq, indices: list[int]) -> tuple:
 def check_server(url: str, samples: list[Sample], api: str, model: str | None = None,
                  headers: dict[str, str] | None = None) -> ServerCheck:
     """Ask `url` to count every sample; the first mismatch is kept (all are counted). The result
-    names the URL as shown (replay.api.urls): it is logged and written to the meta."""
+    names the URL as shown (replay.protocol.urls): it is logged and written to the meta."""
     result = ServerCheck(shown(url))
     spec = get_api(api)
     started = time.perf_counter()

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from replay.apis import openai, tgi
-from replay.apis.reading import Read
+from replay.protocol import openai, tgi
+from replay.protocol.reading import Read
 
 if TYPE_CHECKING:
-    from replay.synth.prompts import Prompt
+    from replay.protocol.prompt import Prompt
 
 __all__ = ["API_NAMES", "APIS", "Api", "get_api"]
 

@@ -37,10 +37,10 @@ from gevent.lock import Semaphore
 from gevent.queue import Empty
 from geventhttpclient import HTTPClient
 
-from replay.api.gevent_pool import PoolInternals
-from replay.api.sse import DONE, sse_data
-from replay.api.urls import host_and_port, shown, with_credentials
-from replay.apis import Api
+from replay.protocol.gevent_pool import PoolInternals
+from replay.protocol.sse import DONE, sse_data
+from replay.protocol.urls import host_and_port, shown, with_credentials
+from replay.protocol.table import Api
 from replay.rules.usage import is_count
 
 POOL_SIZE = 100_000  # geventhttpclient's own cap: never the limit (see above)
@@ -70,7 +70,7 @@ class Endpoint:
     due in one go, instead of one per event-loop turn. `warm` keeps such connections ready. This
     takes geventhttpclient's own get_socket/return_socket steps apart (`pool`, a PoolInternals:
     the only user of the library's private names). `opened` counts the connections opened.
-    `url` is the URL as shown (replay.api.urls): its credentials go only into the requests.
+    `url` is the URL as shown (replay.protocol.urls): its credentials go only into the requests.
     """
 
     def __init__(self, url: str, network_timeout: float = 3600.0, connection_timeout: float = 30.0):

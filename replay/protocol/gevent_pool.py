@@ -198,7 +198,7 @@ def require(**classes) -> None:
         raise ImportError(
             f"tracereplay needs geventhttpclient{TESTED} (tested); the installed geventhttpclient "
             f"{GEVENTHTTPCLIENT_VERSION} (gevent {gevent.__version__}) has no {missing}, which "
-            f"replay/api/gevent_pool.py uses. Install a tested version: pip install 'geventhttpclient{TESTED}'")
+            f"replay/protocol/gevent_pool.py uses. Install a tested version: pip install 'geventhttpclient{TESTED}'")
 
 
 require()

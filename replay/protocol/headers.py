@@ -12,7 +12,7 @@ from replay import env_vars
 from replay.errors import OptionError
 
 TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + "!#$%&'*+-.^_`|~")  # RFC 9110 token
-# Headers the HTTP client writes itself from the request (replay.api.client): a second value
+# Headers the HTTP client writes itself from the request (replay.protocol.client): a second value
 # would contradict its own and break the framing (a wrong Content-Length).
 CLIENT_HEADERS = ("Content-Length", "Transfer-Encoding", "Host", "Connection")
 

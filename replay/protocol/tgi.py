@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from replay.apis.reading import Read, Usage, error_text
+from replay.protocol.reading import Read, Usage, error_text
 
 if TYPE_CHECKING:
-    from replay.synth.prompts import Prompt
+    from replay.protocol.prompt import Prompt
 
 
 def generate_body(prompt: Prompt, *, model: str | None, max_tokens: int, stream: bool, ignore_eos: bool) -> dict:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from replay.api.ask import ask_json
-from replay.api.urls import shown
+from replay.protocol.ask import ask_json
+from replay.protocol.urls import shown
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Server-sent events: the payload of one `data:` line.
 
-The client (replay.api.client) does not read the stream line by line: each read takes up to
+The client (replay.protocol.client) does not read the stream line by line: each read takes up to
 16 KiB, whatever has arrived, and notes when. Lines are split only after the stream ends, and
 each event is timed by the read that completed its line, so an event is timed when its bytes
 arrived, never when a later parse got to it.

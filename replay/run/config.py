@@ -3,7 +3,7 @@
 The keys are the replay's option names without the leading dashes (`block-size`; the
 underscore spelling `block_size` is accepted too, both at once is an error), so a file
 reads like the command line it replaces. The valid keys, their types and choices come
-from the parser itself (replay.engine.options.add_arguments, derived from the options
+from the parser itself (replay.run.options.add_arguments, derived from the options
 dataclass), never from a second list that could drift from it. This module imports
 options, never the reverse. Paths in the file mean what they would mean as flags: relative
 to the working directory, not to the file.
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from replay.engine.options import CONFIG_FLAG, ReplayOptions, add_arguments
+from replay.run.options import CONFIG_FLAG, ReplayOptions, add_arguments
 
 CONFIG_DEST = CONFIG_FLAG[2:].replace("-", "_")
 _APPLIED = "_replay_config_applied"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from replay.apis.reading import Read, Usage, error_text
+from replay.protocol.reading import Read, Usage, error_text
 
 if TYPE_CHECKING:
-    from replay.synth.prompts import Prompt
+    from replay.protocol.prompt import Prompt
 
 # -- requests -----------------------------------------------------------------------------------
 

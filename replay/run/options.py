@@ -5,7 +5,7 @@ Plain argparse and a dataclass, no Locust: the adapter adds the flags to Locust'
 the fields of `ReplayOptions` (and `LocalOptions`) carry each flag's help and choices;
 `add_arguments`, `OPTION_NAMES` and the config keys are derived from them. Every option is
 also a key of `--replay-config FILE.yaml` (keys = option names without dashes);
-replay.engine.config merges that file, flags winning.
+replay.run.config merges that file, flags winning.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import math
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from replay.api.ask import check_url
-from replay.api.headers import parse_headers
-from replay.api.models import served_max_model_len
-from replay.apis import API_NAMES
+from replay.protocol.ask import check_url
+from replay.protocol.headers import parse_headers
+from replay.protocol.models import served_max_model_len
+from replay.protocol.table import API_NAMES
 from replay.results.report import parse_slo
 from replay.engine.scraper import MIN_INTERVAL_S as MIN_SCRAPE_INTERVAL_S
 from replay.errors import OptionError
@@ -107,7 +107,7 @@ class ReplayOptions:
     @classmethod
     def from_parsed(cls, parsed) -> "ReplayOptions":
         """The options as parsed; a --replay-config file is merged first by the caller
-        (replay.engine.config.replay_options), so this module needs nothing from config."""
+        (replay.run.config.replay_options), so this module needs nothing from config."""
         return cls(**{name: getattr(parsed, name, getattr(cls, name, None)) for name in OPTION_NAMES})
 
     @classmethod
@@ -177,7 +177,7 @@ class LocalOptions:
 # Option names (argparse dests) that travel from the master to workers in the plan.
 OPTION_NAMES = tuple(f.name for f in fields(ReplayOptions))
 LOCAL_OPTION_NAMES = tuple(f.name for f in fields(LocalOptions))
-CONFIG_FLAG = "--replay-config"  # not an option but a file of them (replay.engine.config)
+CONFIG_FLAG = "--replay-config"  # not an option but a file of them (replay.run.config)
 
 
 def add_arguments(parser) -> None:
