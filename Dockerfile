@@ -2,7 +2,7 @@
 #   docker build -t tracereplay .
 #   docker run --rm -p 8089:8089 tracereplay --replay-config configs/demo.yaml   # web UI (needs a `sim`)
 #   docker run --rm --entrypoint replay tracereplay trace stats replay/data/sample_trace.jsonl
-# docker-compose.yml wires master, workers and targets together; see the README.
+# docker-compose.yml wires master, workers and targets together; see docs/deployment.md.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -55,7 +55,7 @@ def length_stats(counts: Mapping[int, int]) -> dict | None:
 
 
 def trace_stats(trace: Trace | TraceStream) -> dict:
-    """The `replay trace stats --json` document (design.md names the required keys), of a
+    """The `replay trace stats --json` document (the keys tools rely on), of a
     read trace or, in one pass, of a stream."""
     rows = trace.rows if isinstance(trace, Trace) else trace
     times = array("d")
