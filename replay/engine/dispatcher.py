@@ -43,10 +43,6 @@ from replay.trace.record import TraceRow
 
 logger = logging.getLogger(__name__)
 
-# Each spawn would otherwise keep its spawner's stack (ten frame objects per request, for
-# gevent's debugging tree); they fill the collector's young generation and lengthen its pauses.
-gevent.config.track_greenlet_tree = False
-
 GUARD_FACTOR = 3.0  # the builder starts no body closer to a send than this many build times
 AHEAD_S = 10.0  # build bodies up to this far (wall seconds) ahead of their send
 BUILD_IDLE_S = 0.5  # the builder's longest sleep when it is AHEAD_S ahead (a check costs CPU; 0.5 s of 10 nothing)
@@ -162,6 +158,15 @@ def off_loop(function: Callable[..., T], *args) -> T:
     return result
 
 
+def untrack_greenlet_tree() -> None:
+    """Stop gevent recording each greenlet's spawner for its debugging tree, from a worker's start
+    on: each spawn would otherwise keep its spawner's stack (ten frame objects per request), which
+    fills the collector's young generation and lengthens its pauses. Read by gevent at each spawn,
+    so setting it before the first send is enough; set here, not at import, so importing the
+    engine changes no process-wide setting."""
+    gevent.config.track_greenlet_tree = False
+
+
 class Dispatcher:
     """The worker side: receives its part of the trace, builds bodies ahead, sends each row on
     time, records every outcome. The send loop (`run`) starts on the master's go, in a greenlet
@@ -172,6 +177,7 @@ class Dispatcher:
                  on_request: Callable[[dict], None] | None = None):
         """`on_request` is called with each answered request's record, as it is recorded (the
         Locust adapter feeds Locust's own request statistics with it)."""
+        untrack_greenlet_tree()
         self.on_request = on_request
         self.link = link
         self.local = local
