@@ -44,8 +44,8 @@ from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVER
                                     WORKER_LOST, WORKER_STOPPED, is_failure, unsent_record)
 from replay.engine.scraper import Scraper
 from replay.results.cli import end_of_run_cache
-from replay.results.metadata import (file_sha256, meta_path, run_metadata, versions, write_run_metadata,
-                                     write_summary)
+from replay.results.metadata import file_sha256, run_metadata, versions, write_run_metadata, write_summary
+from replay.rules.run_files import meta_path, tmp_path
 from replay.results.server_metrics import read_server_section
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.store import REAL, RecordStore
@@ -630,7 +630,7 @@ class Coordinator:
         if self.store.unwritten:
             incomplete[str(self.output)] = (incomplete.get(str(self.output), "") +
                                             f"; {self.store.unwritten} rows have no record in it").lstrip("; ")
-        tmp = f"{self.output}.tmp"
+        tmp = str(tmp_path(self.output))
         if tmp in incomplete:
             incomplete[tmp] += (f"; {self.output} is kept as appended: each row once, not sorted by request_id"
                                 if Path(self.output).exists() else f"; {self.output} was removed during the run")

@@ -36,7 +36,8 @@ from replay.engine.same_tokenizer import check_worker_tokenizer
 from replay.engine.timing import Alarm, QuietCollector
 from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
-                                    unsent_record, worker_path)
+                                    unsent_record)
+from replay.rules.run_files import worker_path
 from replay.synth.chat_template import ChatTemplateError
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow

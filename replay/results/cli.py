@@ -18,7 +18,8 @@ from replay.results.metadata import file_sha256, read_run_metadata
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
 from replay.trace.cli import block_size_arg
-from replay.results.server_metrics import metrics_path, read_samples, read_server_section
+from replay.results.server_metrics import read_samples, read_server_section
+from replay.rules.run_files import metrics_path
 
 
 def register(subparsers) -> None:
