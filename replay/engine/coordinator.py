@@ -46,6 +46,7 @@ from replay.engine.scraper import Scraper
 from replay.results.cli import end_of_run_cache
 from replay.results.metadata import file_sha256, run_metadata, versions, write_run_metadata, write_summary
 from replay.rules.run_files import meta_path, tmp_path
+from replay.rules.send_time import replay_seconds, send_time
 from replay.results.server_metrics import read_server_section
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.store import REAL, RecordStore
@@ -239,7 +240,7 @@ class Coordinator:
         return self.options.endpoint_urls(self.host())
 
     def window_seconds(self) -> float:
-        return self.schedule.window_s / self.options.scale
+        return replay_seconds(self.schedule.window_s, self.options.scale)
 
     @property
     def recorded(self) -> int:
@@ -450,7 +451,7 @@ class Coordinator:
         while batch := list(islice(todo, CHUNK_ROWS)):
             records = []
             for position, row in zip(batch, schedule.rows(batch)):
-                scheduled = self.epoch + (row.timestamp_s - self.origin) / scale if self.epoch else None
+                scheduled = send_time(self.epoch, row.timestamp_s, self.origin, scale) if self.epoch else None
                 records.append(unsent_record(row, worker=worker, api=self.options.api, scheduled_at=scheduled,
                                              reason=reason))
             self.ingest(records, placeholder)

@@ -30,7 +30,7 @@ from replay.errors import OptionError
 from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
 from replay.run.options import ReplayOptions
-from replay.engine.plan import decode_row, send_offset_s
+from replay.engine.plan import decode_row
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer
 from replay.engine.timing import Alarm, QuietCollector
@@ -38,6 +38,7 @@ from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
                                     unsent_record)
 from replay.rules.run_files import worker_path
+from replay.rules.send_time import send_offset_s, send_time
 from replay.synth.chat_template import ChatTemplateError
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow
@@ -325,7 +326,7 @@ class Dispatcher:
 
     def due(self, row: TraceRow) -> float:
         """Scheduled time in master clock (unix seconds)."""
-        return self.epoch + send_offset_s(row, self.origin, self.options.scale)
+        return send_time(self.epoch, row.timestamp_s, self.origin, self.options.scale)
 
     def _row(self, pos: int) -> TraceRow | None:
         """Row `pos` once it has arrived; None when the part has fewer rows."""
@@ -351,7 +352,7 @@ class Dispatcher:
                 if self.go.is_set():
                     ahead_s = self.due(row) - self.offset - time.time()
                 else:
-                    ahead_s = send_offset_s(row, self.origin, scale)
+                    ahead_s = send_offset_s(row.timestamp_s, self.origin, scale)
                 if ahead_rows < AHEAD_ROWS and ahead_s < AHEAD_S:
                     gap = self.next_due - time.time()
                     # Near a send whose body is ready: let it go out first. "Near" is a few
@@ -480,7 +481,7 @@ class Dispatcher:
                 now_s = time.time() + self.offset - self.epoch if self.go.is_set() else 0.0
                 end = min(len(self.rows), self.dispatch_pos + MAX_SPARE * len(self.endpoints))
                 pos = self.dispatch_pos
-                while pos < end and send_offset_s(self.rows[pos], self.origin, scale) < now_s + WARM_S:
+                while pos < end and send_offset_s(self.rows[pos].timestamp_s, self.origin, scale) < now_s + WARM_S:
                     pos += 1
                 # the next row comes within WARM_S in `enters_s`: nothing changes before then, so
                 # the keeper sleeps until then (WARM_TICK_S at least, QUIET_TICK_S at most; aged
@@ -488,7 +489,7 @@ class Dispatcher:
                 # when taken or pruned)
                 enters_s = 0.0
                 if self.go.is_set() and pos < len(self.rows):
-                    enters_s = send_offset_s(self.rows[pos], self.origin, scale) - WARM_S - now_s
+                    enters_s = send_offset_s(self.rows[pos].timestamp_s, self.origin, scale) - WARM_S - now_s
                     tick = max(WARM_TICK_S, min(QUIET_TICK_S, enters_s))
                 if pos > self.dispatch_pos or enters_s <= WARM_TICK_S:
                     # sends due soon (else a quiet spell: no connection is opened, nor reopened

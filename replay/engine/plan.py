@@ -16,20 +16,16 @@ from typing import Iterable, Iterator
 import orjson
 
 from replay.errors import OptionError
+from replay.rules.send_time import replay_seconds
 from replay.trace.fields import MAX_TRACE_SPAN_S
 from replay.trace.reader import TraceStream
 from replay.trace.record import TraceRow
 
 
-def send_offset_s(row: TraceRow, origin: float, scale: float) -> float:
-    """Seconds from the replay's start to the row's send: its trace time past the origin, / --scale."""
-    return (row.timestamp_s - origin) / scale
-
-
 def check_replay_length(window_s: float, scale: float, start: float | None) -> None:
     """Refuse a window whose last send would come later than any replay lasts (or never: a
     send offset that is not finite), naming --scale (and --start when the window starts there)."""
-    seconds = window_s / scale
+    seconds = replay_seconds(window_s, scale)
     if seconds <= MAX_TRACE_SPAN_S:
         return
     since = f" (from --start {start:g})" if start is not None else ""
