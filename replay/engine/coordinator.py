@@ -38,6 +38,7 @@ from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.protocol.headers import parse_headers
+from replay.protocol.table import sends_token_ids
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,
@@ -225,7 +226,7 @@ class Coordinator:
         or the run is refused here, before any worker starts (replay.synth.server_check). Apart
         from the constructor, so a stop during the check finds the trace read and can record it."""
         options, urls = self.options, self.endpoints
-        skipped = skip_reason(options.verify_server, options.prompt_format == "token-ids")
+        skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
         if skipped or not urls:
             self.server_check = Verdict(skipped=skipped or "no server").to_dict()
             return

@@ -25,7 +25,7 @@ from gevent.pool import Group
 
 from replay.protocol.client import Endpoint, Sent, read, send, write
 from replay.protocol.headers import parse_headers
-from replay.protocol.table import get_api
+from replay.protocol.table import get_api, sends_token_ids
 from replay.errors import OptionError
 from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
@@ -109,7 +109,7 @@ class BodyBuilder:
         tokenizer = ServerTokenizer.load(options.tokenizer, options.chat_template, lazy=True)
         self._build_body = build_body
         self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=options.seed,
-                                       token_ids=options.prompt_format == "token-ids")
+                                       token_ids=sends_token_ids(options.prompt_format))
         if self.synth.verified:  # every prompt is encoded: load the tokenizer now, off the loop
             tokenizer.tokenizer
         self.options = options

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from array import array
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import orjson
 
@@ -144,28 +144,39 @@ class Schedule:
             yield decode_row(self._read(offset, length))
 
     def partition(self, workers: int, how: str = "round-robin") -> list[array]:
-        """Positions per worker, each in send order.
-
-        "session" keeps every session on one worker (so its turns go out in order from one
-        place), giving each new session to the worker with the fewest rows so far.
-        """
-        if how == "round-robin":
-            return [array("q", range(w, len(self), workers)) for w in range(workers)]
-        if how != "session":
-            raise ValueError(f"--partition {how!r}: expected round-robin or session")
-        parts = [array("q") for _ in range(workers)]
-        owner: dict[int, int] = {}
-        for position, session in enumerate(self._sessions):
-            index = owner.get(session) if session >= 0 else None
-            if index is None:
-                index = min(range(workers), key=lambda w: len(parts[w]))
-                if session >= 0:
-                    owner[session] = index
-            parts[index].append(position)
-        return parts
+        """Positions per worker, each in send order (`PARTITIONERS[how]`)."""
+        if how not in PARTITIONERS:
+            raise ValueError(f"--partition {how!r}: expected one of {', '.join(PARTITIONS)}")
+        return PARTITIONERS[how](self._sessions, workers)
 
     def close(self) -> None:
         self._spool.close()
+
+
+def _by_turn(sessions: array, workers: int) -> list[array]:
+    """Row i to worker i mod workers."""
+    return [array("q", range(w, len(sessions), workers)) for w in range(workers)]
+
+
+def _by_session(sessions: array, workers: int) -> list[array]:
+    """Every session on one worker (so its turns go out in order from one place), each new
+    session to the worker with the fewest rows so far; a row of no session (-1) to the fewest too."""
+    parts = [array("q") for _ in range(workers)]
+    owner: dict[int, int] = {}
+    for position, session in enumerate(sessions):
+        index = owner.get(session) if session >= 0 else None
+        if index is None:
+            index = min(range(workers), key=lambda w: len(parts[w]))
+            if session >= 0:
+                owner[session] = index
+        parts[index].append(position)
+    return parts
+
+
+# Each --partition choice and how it splits the rows (their session ids, in send order) among
+# the workers: the option's choices are this table's names.
+PARTITIONERS: dict[str, Callable[[array, int], list[array]]] = {"round-robin": _by_turn, "session": _by_session}
+PARTITIONS = tuple(PARTITIONERS)
 
 
 def encode_row(row: TraceRow) -> list:
