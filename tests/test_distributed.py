@@ -25,10 +25,11 @@ from conftest import (BLOCK, REPO, bailian_trace, check_records, finish, free_po
                       wait_for_text)
 from replay.engine.coordinator import CHUNK_ROWS
 from replay.engine.transport import HOLD_ROWS
-from replay.results.metadata import read_run_metadata, summary_path
+from replay.results.metadata import read_run_metadata
 from replay.results.records import (MASTER_LOST, RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, WORKER_STOPPED,
                                     read_records)
 from replay.sim.process import sim_process
+from replay.rules.run_files import summary_path
 
 SHIP_WINDOW_ROWS = 8 * CHUNK_ROWS  # what a worker holds before acks must flow
 

@@ -19,8 +19,9 @@ from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
 from replay.run.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
-from replay.results.metadata import meta_path, read_run_metadata, summary_path
-from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records, worker_path
+from replay.results.metadata import read_run_metadata
+from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
+from replay.rules.run_files import meta_path, summary_path, worker_path
 
 
 def test_engine_imports_without_locust():

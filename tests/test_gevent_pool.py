@@ -1,4 +1,5 @@
-"""geventhttpclient's private names, used by the client, are checked when it is imported."""
+"""geventhttpclient's private names, used by the client, are checked on its first use, within the
+range pyproject.toml pins."""
 
 import pytest
 from geventhttpclient import HTTPClient
@@ -6,7 +7,7 @@ from geventhttpclient.connectionpool import ConnectionPool
 from geventhttpclient.response import HTTPSocketPoolResponse
 
 from replay.protocol import gevent_pool
-from replay.protocol.gevent_pool import TESTED, require, self_check
+from replay.protocol.gevent_pool import require, self_check, tested_range
 
 
 def without(cls, name):
@@ -35,10 +36,24 @@ class ResponseWithoutBuffer(HTTPSocketPoolResponse):
 
 def test_installed_version_passes_and_is_in_the_pinned_range():
     assert self_check() is None
+    tested = tested_range()
+    assert tested == ">=2.6,<2.7"  # the pin, read from pyproject.toml: a new pin means checking gevent_pool again
     major, minor = (int(x) for x in gevent_pool.GEVENTHTTPCLIENT_VERSION.split(".")[:2])
-    assert TESTED == f">={major}.{minor},<{major}.{minor + 1}"
-    pyproject = open(__file__.rsplit("/tests/", 1)[0] + "/pyproject.toml").read()
-    assert f'"geventhttpclient{TESTED}"' in pyproject
+    assert tested == f">={major}.{minor},<{major}.{minor + 1}"
+
+
+def test_the_range_is_read_from_the_installed_distribution_without_a_checkout(monkeypatch, tmp_path):
+    monkeypatch.setattr(gevent_pool, "PYPROJECT", tmp_path / "pyproject.toml")
+    monkeypatch.setattr(gevent_pool.metadata, "requires", lambda name: ["orjson", "geventhttpclient <2.7, >=2.6",
+                                                                        'pytest; extra == "test"'])
+    gevent_pool.tested_range.cache_clear()
+    try:
+        assert tested_range() == "<2.7,>=2.6"
+        monkeypatch.setattr(gevent_pool.metadata, "requires", lambda name: None)
+        gevent_pool.tested_range.cache_clear()
+        assert tested_range() == gevent_pool.UNKNOWN_RANGE
+    finally:
+        gevent_pool.tested_range.cache_clear()
 
 
 @pytest.mark.parametrize("classes, name", [
@@ -55,4 +70,4 @@ def test_a_missing_name_fails_loudly(classes, name):
     message = str(raised.value)
     assert name in message
     assert f"geventhttpclient {gevent_pool.GEVENTHTTPCLIENT_VERSION}" in message
-    assert f"geventhttpclient{TESTED}" in message
+    assert f"geventhttpclient{tested_range()}" in message

@@ -22,10 +22,10 @@ import requests
 from conftest import (LOCUST, check_records, finish, mooncake_trace, replay_args, run_locust, spawn_locust,
                       wait_for_text)
 from replay.errors import OptionError
-from replay.results.metadata import meta_path, read_run_metadata, summary_path
-from replay.results.output import OutputTaken, claim_output, earlier_run_files, lock_path
-from replay.results.records import RecordWriter, worker_path
-from replay.results.server_metrics import metrics_path
+from replay.results.metadata import read_run_metadata
+from replay.results.output import OutputTaken, claim_output, earlier_run_files
+from replay.results.records import RecordWriter
+from replay.rules.run_files import lock_path, meta_path, metrics_path, summary_path, worker_path
 
 # -- claim_output -------------------------------------------------------------------------------
 

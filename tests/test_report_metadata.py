@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-from replay.results.metadata import meta_path, read_run_metadata
+from replay.results.metadata import read_run_metadata
 from replay.results.records import RECORD_FIELDS
+from replay.rules.run_files import meta_path
 from replay.synth.tokenizer import load_chat_template
 from conftest import mooncake_trace
 

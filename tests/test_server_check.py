@@ -19,11 +19,11 @@ import pytest
 import requests
 
 from conftest import REPO, check_records, free_port, mooncake_trace, replay_args, run_locust
-from replay.results.metadata import meta_path
 from replay.sim.process import sim_process
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.server_check import MAX_SAMPLE_TOKENS, build_samples
 from replay.synth.tokenizer import ServerTokenizer
+from replay.rules.run_files import meta_path
 
 ROWS = 40
 

@@ -22,8 +22,9 @@ from conftest import (BLOCK, LOCUST, check_records, finish, free_port, master_an
                       run_locust, server_samples, start_web_locust, wait_for, web_args)
 from replay.protocol.ask import Unanswered, ask, check_url
 from replay.protocol.urls import shown
-from replay.results.metadata import read_run_metadata, summary_path
+from replay.results.metadata import read_run_metadata
 from replay.sim.process import sim_process
+from replay.rules.run_files import summary_path
 
 USER, PASSWORD = "alice", "pw-S3cr3t-Xq9"
 BASIC = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()

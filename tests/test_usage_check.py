@@ -14,10 +14,10 @@ import json
 import pytest
 
 from conftest import BLOCK, mooncake_trace, replay_args, run_locust
-from replay.results.metadata import summary_path
 from replay.results.records import read_records
 from replay.rules.usage import disagreements, max_tokens_asked, output_tokens_believed
 from replay.sim.process import sim_process
+from replay.rules.run_files import summary_path
 
 
 def test_disagreements_flag_only_what_cannot_be_true():

@@ -38,14 +38,16 @@ from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.protocol.headers import parse_headers
+from replay.protocol.table import sends_token_ids
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,
                                     WORKER_LOST, WORKER_STOPPED, is_failure, unsent_record)
 from replay.engine.scraper import Scraper
 from replay.results.cli import end_of_run_cache
-from replay.results.metadata import (file_sha256, meta_path, run_metadata, versions, write_run_metadata,
-                                     write_summary)
+from replay.results.metadata import file_sha256, run_metadata, versions, write_run_metadata, write_summary
+from replay.rules.run_files import meta_path, tmp_path
+from replay.rules.send_time import replay_seconds, send_time
 from replay.results.server_metrics import read_server_section
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.store import REAL, RecordStore
@@ -224,7 +226,7 @@ class Coordinator:
         or the run is refused here, before any worker starts (replay.synth.server_check). Apart
         from the constructor, so a stop during the check finds the trace read and can record it."""
         options, urls = self.options, self.endpoints
-        skipped = skip_reason(options.verify_server, options.prompt_format == "token-ids")
+        skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
         if skipped or not urls:
             self.server_check = Verdict(skipped=skipped or "no server").to_dict()
             return
@@ -239,7 +241,7 @@ class Coordinator:
         return self.options.endpoint_urls(self.host())
 
     def window_seconds(self) -> float:
-        return self.schedule.window_s / self.options.scale
+        return replay_seconds(self.schedule.window_s, self.options.scale)
 
     @property
     def recorded(self) -> int:
@@ -450,7 +452,7 @@ class Coordinator:
         while batch := list(islice(todo, CHUNK_ROWS)):
             records = []
             for position, row in zip(batch, schedule.rows(batch)):
-                scheduled = self.epoch + (row.timestamp_s - self.origin) / scale if self.epoch else None
+                scheduled = send_time(self.epoch, row.timestamp_s, self.origin, scale) if self.epoch else None
                 records.append(unsent_record(row, worker=worker, api=self.options.api, scheduled_at=scheduled,
                                              reason=reason))
             self.ingest(records, placeholder)
@@ -630,7 +632,7 @@ class Coordinator:
         if self.store.unwritten:
             incomplete[str(self.output)] = (incomplete.get(str(self.output), "") +
                                             f"; {self.store.unwritten} rows have no record in it").lstrip("; ")
-        tmp = f"{self.output}.tmp"
+        tmp = str(tmp_path(self.output))
         if tmp in incomplete:
             incomplete[tmp] += (f"; {self.output} is kept as appended: each row once, not sorted by request_id"
                                 if Path(self.output).exists() else f"; {self.output} was removed during the run")

@@ -25,27 +25,25 @@ from gevent.pool import Group
 
 from replay.protocol.client import Endpoint, Sent, read, send, write
 from replay.protocol.headers import parse_headers
-from replay.protocol.table import get_api
+from replay.protocol.table import get_api, sends_token_ids
 from replay.errors import OptionError
 from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
 from replay.run.options import ReplayOptions
-from replay.engine.plan import decode_row, send_offset_s
+from replay.engine.plan import decode_row
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer
 from replay.engine.timing import Alarm, QuietCollector
 from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
-                                    unsent_record, worker_path)
+                                    unsent_record)
+from replay.rules.run_files import worker_path
+from replay.rules.send_time import send_offset_s, send_time
 from replay.synth.chat_template import ChatTemplateError
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow
 
 logger = logging.getLogger(__name__)
-
-# Each spawn would otherwise keep its spawner's stack (ten frame objects per request, for
-# gevent's debugging tree); they fill the collector's young generation and lengthen its pauses.
-gevent.config.track_greenlet_tree = False
 
 GUARD_FACTOR = 3.0  # the builder starts no body closer to a send than this many build times
 AHEAD_S = 10.0  # build bodies up to this far (wall seconds) ahead of their send
@@ -111,7 +109,7 @@ class BodyBuilder:
         tokenizer = ServerTokenizer.load(options.tokenizer, options.chat_template, lazy=True)
         self._build_body = build_body
         self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=options.seed,
-                                       token_ids=options.prompt_format == "token-ids")
+                                       token_ids=sends_token_ids(options.prompt_format))
         if self.synth.verified:  # every prompt is encoded: load the tokenizer now, off the loop
             tokenizer.tokenizer
         self.options = options
@@ -162,6 +160,15 @@ def off_loop(function: Callable[..., T], *args) -> T:
     return result
 
 
+def untrack_greenlet_tree() -> None:
+    """Stop gevent recording each greenlet's spawner for its debugging tree, from a worker's start
+    on: each spawn would otherwise keep its spawner's stack (ten frame objects per request), which
+    fills the collector's young generation and lengthens its pauses. Read by gevent at each spawn,
+    so setting it before the first send is enough; set here, not at import, so importing the
+    engine changes no process-wide setting."""
+    gevent.config.track_greenlet_tree = False
+
+
 class Dispatcher:
     """The worker side: receives its part of the trace, builds bodies ahead, sends each row on
     time, records every outcome. The send loop (`run`) starts on the master's go, in a greenlet
@@ -172,6 +179,7 @@ class Dispatcher:
                  on_request: Callable[[dict], None] | None = None):
         """`on_request` is called with each answered request's record, as it is recorded (the
         Locust adapter feeds Locust's own request statistics with it)."""
+        untrack_greenlet_tree()
         self.on_request = on_request
         self.link = link
         self.local = local
@@ -318,7 +326,7 @@ class Dispatcher:
 
     def due(self, row: TraceRow) -> float:
         """Scheduled time in master clock (unix seconds)."""
-        return self.epoch + send_offset_s(row, self.origin, self.options.scale)
+        return send_time(self.epoch, row.timestamp_s, self.origin, self.options.scale)
 
     def _row(self, pos: int) -> TraceRow | None:
         """Row `pos` once it has arrived; None when the part has fewer rows."""
@@ -344,7 +352,7 @@ class Dispatcher:
                 if self.go.is_set():
                     ahead_s = self.due(row) - self.offset - time.time()
                 else:
-                    ahead_s = send_offset_s(row, self.origin, scale)
+                    ahead_s = send_offset_s(row.timestamp_s, self.origin, scale)
                 if ahead_rows < AHEAD_ROWS and ahead_s < AHEAD_S:
                     gap = self.next_due - time.time()
                     # Near a send whose body is ready: let it go out first. "Near" is a few
@@ -473,7 +481,7 @@ class Dispatcher:
                 now_s = time.time() + self.offset - self.epoch if self.go.is_set() else 0.0
                 end = min(len(self.rows), self.dispatch_pos + MAX_SPARE * len(self.endpoints))
                 pos = self.dispatch_pos
-                while pos < end and send_offset_s(self.rows[pos], self.origin, scale) < now_s + WARM_S:
+                while pos < end and send_offset_s(self.rows[pos].timestamp_s, self.origin, scale) < now_s + WARM_S:
                     pos += 1
                 # the next row comes within WARM_S in `enters_s`: nothing changes before then, so
                 # the keeper sleeps until then (WARM_TICK_S at least, QUIET_TICK_S at most; aged
@@ -481,7 +489,7 @@ class Dispatcher:
                 # when taken or pruned)
                 enters_s = 0.0
                 if self.go.is_set() and pos < len(self.rows):
-                    enters_s = send_offset_s(self.rows[pos], self.origin, scale) - WARM_S - now_s
+                    enters_s = send_offset_s(self.rows[pos].timestamp_s, self.origin, scale) - WARM_S - now_s
                     tick = max(WARM_TICK_S, min(QUIET_TICK_S, enters_s))
                 if pos > self.dispatch_pos or enters_s <= WARM_TICK_S:
                     # sends due soon (else a quiet spell: no connection is opened, nor reopened

@@ -30,6 +30,7 @@ from replay.engine import messages
 from replay.results.records import output_tokens_of
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile
+from replay.rules.send_time import trace_seconds_reached
 from replay.trace.prefix import hit_tokens, prefix_hits
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ class LiveStats:
     def progress(self, now: float) -> dict:
         c = self.coordinator
         duration = c.schedule.window_s
-        reached = 0.0 if c.epoch is None else min(max((now - c.epoch) * c.options.scale, 0.0), duration)
+        reached = 0.0 if c.epoch is None else min(max(trace_seconds_reached(now, c.epoch, c.options.scale), 0.0), duration)
         sent = sum(self.sent.values()) if self.stopped else sum(w["rows_sent"] for w in self.workers())
         return {
             "rows_total": c.total,

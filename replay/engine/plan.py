@@ -11,25 +11,21 @@ from __future__ import annotations
 import os
 import tempfile
 from array import array
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import orjson
 
 from replay.errors import OptionError
+from replay.rules.send_time import replay_seconds
 from replay.trace.fields import MAX_TRACE_SPAN_S
 from replay.trace.reader import TraceStream
 from replay.trace.record import TraceRow
 
 
-def send_offset_s(row: TraceRow, origin: float, scale: float) -> float:
-    """Seconds from the replay's start to the row's send: its trace time past the origin, / --scale."""
-    return (row.timestamp_s - origin) / scale
-
-
 def check_replay_length(window_s: float, scale: float, start: float | None) -> None:
     """Refuse a window whose last send would come later than any replay lasts (or never: a
     send offset that is not finite), naming --scale (and --start when the window starts there)."""
-    seconds = window_s / scale
+    seconds = replay_seconds(window_s, scale)
     if seconds <= MAX_TRACE_SPAN_S:
         return
     since = f" (from --start {start:g})" if start is not None else ""
@@ -148,28 +144,39 @@ class Schedule:
             yield decode_row(self._read(offset, length))
 
     def partition(self, workers: int, how: str = "round-robin") -> list[array]:
-        """Positions per worker, each in send order.
-
-        "session" keeps every session on one worker (so its turns go out in order from one
-        place), giving each new session to the worker with the fewest rows so far.
-        """
-        if how == "round-robin":
-            return [array("q", range(w, len(self), workers)) for w in range(workers)]
-        if how != "session":
-            raise ValueError(f"--partition {how!r}: expected round-robin or session")
-        parts = [array("q") for _ in range(workers)]
-        owner: dict[int, int] = {}
-        for position, session in enumerate(self._sessions):
-            index = owner.get(session) if session >= 0 else None
-            if index is None:
-                index = min(range(workers), key=lambda w: len(parts[w]))
-                if session >= 0:
-                    owner[session] = index
-            parts[index].append(position)
-        return parts
+        """Positions per worker, each in send order (`PARTITIONERS[how]`)."""
+        if how not in PARTITIONERS:
+            raise ValueError(f"--partition {how!r}: expected one of {', '.join(PARTITIONS)}")
+        return PARTITIONERS[how](self._sessions, workers)
 
     def close(self) -> None:
         self._spool.close()
+
+
+def _by_turn(sessions: array, workers: int) -> list[array]:
+    """Row i to worker i mod workers."""
+    return [array("q", range(w, len(sessions), workers)) for w in range(workers)]
+
+
+def _by_session(sessions: array, workers: int) -> list[array]:
+    """Every session on one worker (so its turns go out in order from one place), each new
+    session to the worker with the fewest rows so far; a row of no session (-1) to the fewest too."""
+    parts = [array("q") for _ in range(workers)]
+    owner: dict[int, int] = {}
+    for position, session in enumerate(sessions):
+        index = owner.get(session) if session >= 0 else None
+        if index is None:
+            index = min(range(workers), key=lambda w: len(parts[w]))
+            if session >= 0:
+                owner[session] = index
+        parts[index].append(position)
+    return parts
+
+
+# Each --partition choice and how it splits the rows (their session ids, in send order) among
+# the workers: the option's choices are this table's names.
+PARTITIONERS: dict[str, Callable[[array, int], list[array]]] = {"round-robin": _by_turn, "session": _by_session}
+PARTITIONS = tuple(PARTITIONERS)
 
 
 def encode_row(row: TraceRow) -> list:

@@ -15,21 +15,41 @@ def _stable_hash(value) -> int:
     return zlib.crc32(str(value).encode())
 
 
-def make_router(routing: str, endpoints: list[Endpoint]) -> Callable[[TraceRow], Endpoint]:
+Router = Callable[[TraceRow], Endpoint]
+
+
+def _round_robin(endpoints: list[Endpoint]) -> Router:
+    turn = count()
+    return lambda row: endpoints[next(turn) % len(endpoints)]
+
+
+def _least_inflight(endpoints: list[Endpoint]) -> Router:
+    return lambda row: min(endpoints, key=lambda e: e.in_flight)
+
+
+def _session(endpoints: list[Endpoint]) -> Router:
+    turn = count()
+    return lambda row: endpoints[
+        (_stable_hash(row.session_id) if row.session_id is not None else next(turn)) % len(endpoints)
+    ]
+
+
+def _prefix(endpoints: list[Endpoint]) -> Router:
+    turn = count()
+    return lambda row: endpoints[(_stable_hash(row.hash_ids[0]) if row.hash_ids else next(turn)) % len(endpoints)]
+
+
+# Each --routing choice and its router: the option's choices are this table's names.
+ROUTERS: dict[str, Callable[[list[Endpoint]], Router]] = {
+    "round-robin": _round_robin, "least-inflight": _least_inflight, "session": _session, "prefix": _prefix,
+}
+ROUTINGS = tuple(ROUTERS)
+
+
+def make_router(routing: str, endpoints: list[Endpoint]) -> Router:
+    if routing not in ROUTERS:
+        raise ValueError(f"--routing {routing!r}: expected one of {', '.join(ROUTINGS)}")
     if len(endpoints) == 1:
         only = endpoints[0]
         return lambda row: only
-    if routing == "round-robin":
-        turn = count()
-        return lambda row: endpoints[next(turn) % len(endpoints)]
-    if routing == "least-inflight":
-        return lambda row: min(endpoints, key=lambda e: e.in_flight)
-    if routing == "session":
-        turn = count()
-        return lambda row: endpoints[
-            (_stable_hash(row.session_id) if row.session_id is not None else next(turn)) % len(endpoints)
-        ]
-    if routing == "prefix":
-        turn = count()
-        return lambda row: endpoints[(_stable_hash(row.hash_ids[0]) if row.hash_ids else next(turn)) % len(endpoints)]
-    raise ValueError(f"--routing {routing!r}: expected round-robin, least-inflight, session or prefix")
+    return ROUTERS[routing](endpoints)

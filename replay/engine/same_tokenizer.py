@@ -16,8 +16,7 @@ from pathlib import Path
 from replay.errors import OptionError
 from replay.synth import setup_cache
 from replay.synth.prompts import set_up
-from replay.synth.tokenizer import (ServerTokenizer, fingerprint_of, load_chat_template, load_tokenizer,
-                                    tokenizer_fingerprint, tokenizer_json)
+from replay.synth.tokenizer import ServerTokenizer, fingerprint_with_template, load_tokenizer, tokenizer_fingerprint
 
 SHORT = 12  # hex digits of a fingerprint shown in messages
 
@@ -35,8 +34,8 @@ def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: st
     `api`: it loaded here before. Raises OptionError naming the option.
     """
     try:
-        template = load_chat_template(tokenizer, chat_template)
-        fingerprint, failure = fingerprint_of(tokenizer_json(tokenizer).read_bytes(), template), None
+        fingerprint, template = fingerprint_with_template(tokenizer, chat_template)
+        failure = None
     except Exception as e:  # reported below, after a load error (which says more) if there is one
         fingerprint, failure = None, e
     if failure is not None or api is None or not setup_cache.loaded_before(

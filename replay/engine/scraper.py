@@ -32,7 +32,8 @@ from replay.protocol.client import close_with_reset
 from replay.protocol.gevent_pool import PoolInternals
 from replay.protocol.urls import shown, with_credentials
 from replay.results.files import AppendFile, OutputError
-from replay.results.server_metrics import KNOWN, metrics_path, parse, sample_line
+from replay.results.server_metrics import KNOWN, parse, sample_line
+from replay.rules.run_files import metrics_path
 
 logger = logging.getLogger(__name__)
 

@@ -5,13 +5,20 @@ The client (`client.py`) splits geventhttpclient's get_socket/return_socket into
 ones) and reads a response body from inside the event loop. That needs names the library does
 not promise to keep: the pool's queue and semaphore, its liveness check and socket factory, a
 response's buffer, socket and pool. They are all used here, behind `PoolInternals`, and checked
-when this module is imported: a geventhttpclient outside TESTED that renamed one fails the
-import with the version and the name, instead of turning every request into an error.
+when the first one is built (`require`, once a process): a geventhttpclient outside the tested
+range that renamed one fails there with the version and the name, instead of turning every
+request into an error. The tested range is the project's own pin (`tested_range`), read, not
+copied.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import select
+import tomllib
+from importlib import metadata
+from pathlib import Path
 
 import gevent.queue
 import gevent.socket
@@ -21,7 +28,28 @@ from geventhttpclient import __version__ as GEVENTHTTPCLIENT_VERSION
 from geventhttpclient.connectionpool import ConnectionPool
 from geventhttpclient.response import HTTPSocketPoolResponse
 
-TESTED = ">=2.6,<2.7"  # keep in step with pyproject.toml's pin
+DISTRIBUTION = "tracereplay"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"  # a source checkout's; absent once installed
+UNKNOWN_RANGE = ""  # neither a checkout nor an installed distribution to read the pin from
+
+
+@functools.cache
+def tested_range() -> str:
+    """The geventhttpclient versions this code was tested with: pyproject.toml's pin, from the
+    checkout beside this package when there is one (the truth while it is edited), else from the
+    installed distribution's requirements, as a specifier (">=2.6,<2.7"); UNKNOWN_RANGE if neither."""
+    if PYPROJECT.is_file():
+        requirements = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    else:
+        try:
+            requirements = metadata.requires(DISTRIBUTION) or []
+        except metadata.PackageNotFoundError:
+            requirements = []
+    for requirement in requirements:
+        found = re.fullmatch(r"\s*geventhttpclient\s*([^;]*?)\s*(;.*)?", requirement)
+        if found:
+            return ",".join(part.strip() for part in found.group(1).split(","))
+    return UNKNOWN_RANGE
 
 POOL_METHODS = ("_create_socket", "return_socket", "release_socket")
 POOL_ATTRIBUTES = {"_semaphore": ("acquire", "release"), "_socket_queue": ("get", "put", "qsize", "empty"),
@@ -48,6 +76,7 @@ class PoolInternals:
     __slots__ = ("_pool", "block_size")
 
     def __init__(self, http: HTTPClient, oldest_first: bool = False):
+        require_once()
         self._pool = http._connection_pool
         self.block_size = http.block_size
         if oldest_first:
@@ -192,13 +221,18 @@ def self_check(client_cls=HTTPClient, pool_cls=ConnectionPool, response_cls=HTTP
 
 
 def require(**classes) -> None:
-    """Raise ImportError, naming the version, the missing name and TESTED, if self_check fails."""
+    """Raise ImportError, naming the version, the missing name and the tested range, if self_check fails."""
     missing = self_check(**classes)
     if missing:
+        tested = tested_range()
         raise ImportError(
-            f"tracereplay needs geventhttpclient{TESTED} (tested); the installed geventhttpclient "
+            f"tracereplay needs geventhttpclient{tested} (tested); the installed geventhttpclient "
             f"{GEVENTHTTPCLIENT_VERSION} (gevent {gevent.__version__}) has no {missing}, which "
-            f"replay/protocol/gevent_pool.py uses. Install a tested version: pip install 'geventhttpclient{TESTED}'")
+            f"replay/protocol/gevent_pool.py uses. Install a tested version: pip install 'geventhttpclient{tested}'")
 
 
-require()
+@functools.cache
+def require_once() -> None:
+    """`require()` for the installed library, on the first PoolInternals of a process (it builds a
+    client and a socket pair: never at import). A failure is raised again at each call."""
+    require()

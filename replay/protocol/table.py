@@ -19,7 +19,7 @@ from replay.protocol.reading import Read
 if TYPE_CHECKING:
     from replay.protocol.prompt import Prompt
 
-__all__ = ["API_NAMES", "APIS", "Api", "get_api"]
+__all__ = ["API_NAMES", "APIS", "PROMPT_FORMATS", "TOKEN_ID_APIS", "Api", "get_api", "prompt_format_problem", "sends_token_ids"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,27 @@ APIS: dict[str, Api] = {
     )
 }
 API_NAMES = tuple(APIS)  # the --api choices
+
+# How a prompt is sent (--prompt-format), and whether that form is its token ids: text the server
+# encodes, or the ids themselves (exact counts whatever the server's tokenizer does with text),
+# which only the APIs whose `token_ids` flag says so take (the bodies: openai.completions_body).
+PROMPT_FORMATS: dict[str, bool] = {"text": False, "token-ids": True}
+TOKEN_ID_APIS = tuple(name for name, api in APIS.items() if api.token_ids)
+
+
+def sends_token_ids(prompt_format: str) -> bool:
+    """Whether --prompt-format `prompt_format` sends a prompt as its token ids."""
+    return PROMPT_FORMATS[prompt_format]
+
+
+def prompt_format_problem(prompt_format: str, api: str) -> str | None:
+    """The one error for a prompt format the API cannot take (token ids to an API whose table entry
+    takes none), naming both options; None when they go together."""
+    spec = APIS.get(api)
+    if not sends_token_ids(prompt_format) or (spec is not None and spec.token_ids):
+        return None
+    takers = " or ".join(f"--api {name}" for name in TOKEN_ID_APIS)
+    return f"--prompt-format {prompt_format}: only with {takers}, not --api {api}"
 
 
 def get_api(name: str) -> Api:

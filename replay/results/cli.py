@@ -18,7 +18,9 @@ from replay.results.metadata import file_sha256, read_run_metadata
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
 from replay.trace.cli import block_size_arg
-from replay.results.server_metrics import metrics_path, read_samples, read_server_section
+from replay.protocol.table import PROMPT_FORMATS, prompt_format_problem
+from replay.results.server_metrics import read_samples, read_server_section
+from replay.rules.run_files import metrics_path
 
 
 def register(subparsers) -> None:
@@ -38,7 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", help="tokenizer the run used (default: metadata)")
     p.add_argument("--chat-template", help="chat template the run used (default: metadata)")
     p.add_argument("--api", default=None, help="api the run used (default: metadata, else the records' api)")
-    p.add_argument("--prompt-format", choices=("text", "token-ids"), default=None,
+    p.add_argument("--prompt-format", choices=tuple(PROMPT_FORMATS), default=None,
                    help="prompt format the run used (default: metadata, else text)")
     p.add_argument("--seed", type=int, default=None, help="synthesis seed the run used (default: metadata, else 0)")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the run's)")
@@ -88,8 +90,8 @@ def cache_section(args, records: list[dict], meta: dict | None, trace_path: str,
     logging.getLogger("replay.synth.prompts").setLevel(logging.ERROR)
     api = args.api or meta.get("api") or records_api
     prompt_format = _pick(args.prompt_format, (meta.get("options") or {}).get("prompt_format"), "text")
-    if prompt_format == "token-ids" and api != "openai-completions":
-        raise ReportError(f"--prompt-format token-ids: only with --api openai-completions, not --api {api}")
+    if problem := prompt_format_problem(prompt_format, api):
+        raise ReportError(problem)
     return cache_fidelity(
         records,
         trace.rows,

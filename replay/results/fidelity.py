@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from replay.protocol.table import sends_token_ids
 from replay.results.records import Record
 from replay.rules.prefix_cache import block_hashes, hit_blocks
 from replay.synth.prompts import PromptSynthesizer
@@ -171,7 +172,7 @@ def cache_fidelity(
     fixed up), so the expected ids are the ids that were sent."""
     from replay.synth.tokenizer import ServerTokenizer
 
-    token_ids = prompt_format == "token-ids"
+    token_ids = sends_token_ids(prompt_format)
     synth = PromptSynthesizer(ServerTokenizer.load(tokenizer, chat_template), api=api,
                               block_size=trace_block_size or DEFAULT_BLOCK_SIZE, seed=seed, token_ids=token_ids)  # fmt: skip
     checks = check_cache(records, {row.request_id: row for row in rows}, synth, server_block_size, reorder_window_ms)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from replay.rules.run_files import tmp_path
+
 
 class OutputError(Exception):
     """A file of the run could not be written: its path and the system's reason, in one line."""
@@ -80,7 +82,7 @@ def write_atomically(path: str | Path, data: bytes) -> Path:
     """`data` as the whole of `path`: a reader sees the old file or the new one, never half.
     Raises OutputError naming `path`; no temporary file is left, and `path` is as it was."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = tmp_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

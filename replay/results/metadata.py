@@ -19,15 +19,10 @@ import orjson
 
 from replay.protocol.urls import shown
 from replay.results.files import OutputError, overwrite_in_place, write_atomically
+from replay.rules.run_files import meta_path, summary_path
 
-META_SUFFIX = ".meta.json"
-SUMMARY_SUFFIX = ".summary.json"  # the end-of-run summary, as `replay report --json` writes it
 META_VERSION = 1
 MAX_SKIPPED_LISTED = 100
-
-
-def meta_path(output: str | Path) -> Path:
-    return Path(f"{output}{META_SUFFIX}")
 
 
 def _version(dist: str) -> str | None:
@@ -161,10 +156,6 @@ def write_run_metadata(output: str | Path, meta: dict, reserve: int = 0) -> Path
         if overwrite_in_place(path, data):
             return path
         raise
-
-
-def summary_path(output: str | Path) -> Path:
-    return Path(f"{output}{SUMMARY_SUFFIX}")
 
 
 def write_summary(output: str | Path, report: dict) -> Path:

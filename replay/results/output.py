@@ -17,26 +17,19 @@ import atexit
 import errno
 import fcntl
 import os
-import re
 import socket
 import stat
 from pathlib import Path
 
 from replay.errors import OptionError
 from replay.results.files import OutputError
-from replay.results.metadata import meta_path, summary_path
-from replay.results.server_metrics import metrics_path
+from replay.rules.run_files import lock_path, meta_path, metrics_path, summary_path, tmp_path, worker_name_pattern
 
-LOCK_SUFFIX = ".lock"
 MAX_DEFAULT_TRIES = 100  # results/replay-<time>-2.jsonl ... when the default name is taken
 
 
 class OutputTaken(OptionError):
     """The output is locked by another run, or holds an earlier run's results."""
-
-
-def lock_path(output: str | Path) -> Path:
-    return Path(f"{output}{LOCK_SUFFIX}")
 
 
 def earlier_run_files(output: str | Path) -> list[Path]:
@@ -45,7 +38,7 @@ def earlier_run_files(output: str | Path) -> list[Path]:
     have had more workers)."""
     out = Path(output)
     files = [p for p in (out, meta_path(out), summary_path(out), metrics_path(out)) if os.path.lexists(p)]
-    pattern = re.compile(re.escape(out.name) + r"\.worker-\d+\.jsonl")
+    pattern = worker_name_pattern(out)
     if out.parent.is_dir():
         files += sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))
     return files
@@ -55,7 +48,7 @@ def _scratch_files(output: Path) -> list[Path]:
     """What a run on `output` writes besides its results: the lock and the files written and
     then renamed over the results (the merged records', the meta's and the summary's)."""
     renamed = (output, meta_path(output), summary_path(output))
-    return [lock_path(output), *(p.with_name(p.name + ".tmp") for p in renamed)]
+    return [lock_path(output), *(tmp_path(p) for p in renamed)]
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),

@@ -171,11 +171,6 @@ def read_records(path: str | Path) -> Iterator[Record]:
                     raise ValueError(f"{path}:{number}: not a JSON record: {e}") from None
 
 
-def worker_path(output: str | Path, worker: int) -> Path:
-    """Where worker `worker` keeps its own copy of its records."""
-    return Path(f"{output}.worker-{worker}.jsonl")
-
-
 def output_tokens_of(record: Record) -> int:
     """A record's output tokens as a run counts them (replay.rules.usage.output_tokens_believed):
     the server's claim unless it cannot be true; 0 when nothing is known."""

@@ -25,7 +25,8 @@ from typing import Iterable, Iterator
 
 import orjson
 
-SUFFIX = ".server-metrics.jsonl"
+from replay.rules.run_files import metrics_path
+
 # name, {labels} (quoted values with escapes), value, an optional timestamp; blanks are spaces or tabs
 SAMPLE_LINE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*')
 
@@ -59,11 +60,6 @@ FRACTIONS = frozenset({"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", 
                        SGLANG_HIT_RATE})  # fmt: skip
 OTHER_TRAFFIC = ("the server counted {diff:+d} prompt tokens against the records: other traffic on the server, "
                  "or requests the records do not count (failed or lost)")  # fmt: skip
-
-
-def metrics_path(output: str | Path) -> Path:
-    """Where a run's samples go: beside its records, named like OUTPUT.meta.json."""
-    return Path(f"{output}{SUFFIX}")
 
 
 def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:

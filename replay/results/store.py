@@ -23,6 +23,7 @@ import orjson
 
 from replay.results.files import AppendFile, OutputError
 from replay.results.records import Record
+from replay.rules.run_files import tmp_path
 
 NONE, REAL, PLACEHOLDER = 0, 1, 2
 REWRITE_CHUNK = 1 << 20  # the sorted rewrite is written this many bytes at a time
@@ -109,7 +110,7 @@ class RecordStore:
         row, unsorted), and the fault handler hears why."""
         if self._file is None:
             return 0
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = tmp_path(self.path)
         count = 0
         offsets, lengths, read = self._offsets, self._lengths, self._file.read
         out: AppendFile | None = None

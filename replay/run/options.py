@@ -18,18 +18,14 @@ from typing import Any
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import served_max_model_len
-from replay.protocol.table import API_NAMES
+from replay.protocol.table import API_NAMES, PROMPT_FORMATS, TOKEN_ID_APIS, prompt_format_problem
 from replay.results.report import parse_slo
+from replay.engine.plan import PARTITIONS
+from replay.engine.routing import ROUTINGS
 from replay.engine.scraper import MIN_INTERVAL_S as MIN_SCRAPE_INTERVAL_S
 from replay.errors import OptionError
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_INT, block_size_problem
 
-ROUTINGS = ("round-robin", "least-inflight", "session", "prefix")
-PARTITIONS = ("round-robin", "session")
-# How a completions prompt is sent: text the server encodes, or the token ids themselves
-# (exact counts whatever the server's tokenizer does with text; openai-completions only).
-PROMPT_FORMATS = ("text", "token-ids")
-TOKEN_ID_API = "openai-completions"
 # Before the first send, ask each server to count a sample of prompts (replay.synth.server_check):
 # auto checks where the server offers a way, require refuses a server that offers none.
 VERIFY_SERVER = ("auto", "require", "off")
@@ -67,7 +63,7 @@ class ReplayOptions:
     chat_template: str | None = _option(help="tokenizer_config.json or .jinja; overrides the tokenizer's")
     api: str = _option("openai-chat", choices=API_NAMES)
     prompt_format: str = _option("text", "send the prompt as text or as a list of token ids (token-ids: --api "
-                                         f"{TOKEN_ID_API} only)", choices=PROMPT_FORMATS)
+                                         f"{' or '.join(TOKEN_ID_APIS)} only)", choices=tuple(PROMPT_FORMATS))
     verify_server: str = _option("auto", "before the first send, compare this tokenizer's prompt counts with the "
                                          "server's own (auto: where the server offers a way; require: refuse a server "
                                          "that offers none)", choices=VERIFY_SERVER)
@@ -138,8 +134,8 @@ class ReplayOptions:
             raise ValueError("--trace is required")
         if not self.tokenizer:
             raise ValueError("--tokenizer is required (the prompts are synthesized to exact token counts)")
-        if self.prompt_format == "token-ids" and self.api != TOKEN_ID_API:
-            raise ValueError(f"--prompt-format token-ids: only with --api {TOKEN_ID_API}, not --api {self.api}")
+        if problem := prompt_format_problem(self.prompt_format, self.api):
+            raise ValueError(problem)
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"--scale {self.scale}: must be a finite number > 0")
         if not (math.isfinite(self.drain_timeout) and self.drain_timeout >= 0):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from replay.rules.prefix_cache import block_hashes, hit_blocks
+from replay.rules.prefix_cache import block_hashes, hit_blocks, hit_tokens
 
 __all__ = ["PrefixCache", "block_hashes", "hit_blocks"]
 
@@ -40,7 +40,8 @@ class PrefixCache:
         """Tokens a new request would find cached (whole blocks, never the last token)."""
         if hashes is None:
             hashes = block_hashes(token_ids, self.block_size)
-        return hit_blocks(hashes, self._blocks, len(token_ids), self.block_size) * self.block_size
+        hits = hit_blocks(hashes, self._blocks, len(token_ids), self.block_size)
+        return hit_tokens(hits, self.block_size, len(token_ids))
 
     def schedule(self, token_ids: Sequence[int], hashes: Sequence[int] | None = None) -> int:
         """Look the prompt up, then insert all its full blocks; returns the cached tokens.

@@ -13,7 +13,7 @@ from replay.protocol.headers import parse_headers
 from replay.protocol.models import served_max_model_len
 from replay.synth.check import check_prompts, rescale_rows
 from replay.synth.server_check import build_samples, check_server, explain
-from replay.protocol.table import API_NAMES
+from replay.protocol.table import API_NAMES, TOKEN_ID_APIS
 from replay.synth.prompts import PromptError, PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import VocabularyError
@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--tokenizer", required=True, help="tokenizer.json or a folder holding it")
     check.add_argument("--chat-template", help="tokenizer_config.json or .jinja file (overrides the folder's)")
     check.add_argument("--api", choices=API_NAMES, default="openai-chat")
-    check.add_argument("--token-ids", action="store_true", help="openai-completions prompts as token ids")
+    check.add_argument("--token-ids", action="store_true", help=f"{' or '.join(TOKEN_ID_APIS)} prompts as token ids")
     check.add_argument("--limit", type=int, help="check only the first N rows")
     check.add_argument("--seed", type=int, default=0)
     check.add_argument("--server", action="append", default=[], metavar="URL",

@@ -27,7 +27,7 @@ import weakref
 from array import array
 
 from replay.protocol.prompt import Prompt
-from replay.protocol.table import API_NAMES, APIS
+from replay.protocol.table import API_NAMES, APIS, prompt_format_problem
 from replay.synth import setup_cache
 from replay.synth.blocks import TOKEN_ID, BlockSource
 from replay.synth.frames import EMPTY_SYSTEM, USER_ONLY, Frame, Measured, PromptError, chat_messages, measure
@@ -99,8 +99,8 @@ class PromptSynthesizer:
         spec = APIS.get(api)
         if spec is None:
             raise PromptError(f"unknown api {api!r}; expected one of {', '.join(API_NAMES)}")
-        if token_ids and not spec.token_ids:
-            raise PromptError("token-id prompts are only for openai-completions")
+        if token_ids and (problem := prompt_format_problem("token-ids", api)):
+            raise PromptError(problem)
         self.tokenizer = tokenizer
         self.api = api
         self.chat = spec.chat  # prompts are a chat's messages (else a text)

@@ -5,8 +5,11 @@ more on a loaded machine, long enough for a worker to miss Locust heartbeats).
 The set-up is a pure function of its inputs, and the key names all of them: the tokenizer
 and template fingerprint (sha256 of tokenizer.json's bytes and of the template source), the
 special tokens the template is rendered with, the api, the versions of `tokenizers`, jinja2
-and Python, and a digest of the source of the modules that compute it (so changing how the
-vocabulary or the frames are built never reads an older result). FORMAT is the file layout.
+and Python, and a digest of the source of every replay module that computes it (so changing how
+the vocabulary or the frames are built, how a prompt is encoded or what an API's frame is never
+reads an older result). Those modules are found, not listed: the imports of the set-up's entry
+points (SETUP_ENTRIES), followed through every replay module they import, read from the sources
+(replay/source_graph.py). FORMAT is the file layout.
 
 A file is one header line (JSON: format, key, the body's length and sha256) and the body
 (JSON of `Measured`). Nothing read is trusted blindly; before use:
@@ -43,6 +46,7 @@ import jinja2
 import orjson
 import tokenizers
 
+from replay import source_graph
 from replay.rules.tokens import are_token_ids
 from replay.synth import setup_child
 from replay.synth.frames import Frame, Measured
@@ -53,8 +57,10 @@ FORMAT = 1
 ENV = "TRACEREPLAY_CACHE_DIR"
 SPOT_CHECKS = 8  # ~0.3 ms each: a look through tokenizer.json's bytes
 TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joined by NULs: each a space + ASCII letters
-# The modules whose code computes the cached value: any change to them is a new key.
-SOURCES = ("vocab.py", "frames.py", "tokenizer.py", "chat_template.py")
+# Where the cached value is computed: the safe vocabulary (vocab), the frames (frames), the child
+# that builds and writes them (setup_child; it imports this module). Every replay module they
+# import, however far down, is in the key's code digest.
+SETUP_ENTRIES = ("replay.synth.vocab", "replay.synth.frames", "replay.synth.setup_child")
 
 log = logging.getLogger(__name__)
 _in_process: dict[tuple, Measured] = {}  # this process's set-ups (cached(): a second one of the same files is free)
@@ -74,12 +80,9 @@ def cache_dir() -> Path:
 
 
 @cache
-def code_digest() -> str:
-    here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
-    return digest.hexdigest()
+def code_digest(root: Path = source_graph.ROOT) -> str:
+    """The digest of the source of every module that decides a set-up (the package under `root`)."""
+    return source_graph.source_digest(SETUP_ENTRIES, root)
 
 
 def cache_key(fingerprint: str, template_specials: dict, api: str) -> dict:

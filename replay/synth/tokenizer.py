@@ -171,12 +171,20 @@ def tokenizer_fingerprint(tokenizer_path: str | Path, chat_template_path: str | 
     hundreds. The template is the one ServerTokenizer.load would use (--chat-template, else
     the folder's own), so a worker whose tokenizer_config.json differs is told apart too.
     """
-    data = tokenizer_json(tokenizer_path).read_bytes()
-    return fingerprint_of(data, load_chat_template(tokenizer_path, chat_template_path))
+    return fingerprint_with_template(tokenizer_path, chat_template_path)[0]
+
+
+def fingerprint_with_template(tokenizer_path: str | Path,
+                              chat_template_path: str | Path | None = None) -> tuple[str, ChatTemplate | None]:
+    """(tokenizer_fingerprint, the template it covers), for a caller that needs the template too
+    (its special tokens): the files are read once."""
+    template = load_chat_template(tokenizer_path, chat_template_path)
+    return fingerprint_of(tokenizer_json(tokenizer_path).read_bytes(), template), template
 
 
 def fingerprint_of(tokenizer_bytes: bytes, template: ChatTemplate | None) -> str:
-    """tokenizer_fingerprint of a tokenizer.json already read and a template already loaded."""
+    """tokenizer_fingerprint of a tokenizer.json already read and a template already loaded: the
+    one computation of a fingerprint (the set-up cache's key uses it with the bytes it holds)."""
     digest = hashlib.sha256(tokenizer_bytes).hexdigest()
     parts = f"tokenizer.json sha256 {digest}\nchat template sha256 {template.sha256 if template else 'no chat template'}"
     if template is not None and template.special_tokens:

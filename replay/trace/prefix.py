@@ -1,14 +1,16 @@
 """The ideal prefix cache: what an infinite cache would hit, given the trace's block hash ids.
 
-This is the one place that defines a "hit", so stats, the live UI and the cache-fidelity
-report agree: block i of a row hits only if an earlier row had the same blocks 0..i
-(a prefix chain, as vLLM's and SGLang's prefix caches match), not merely the same id.
+A hit is replay.rules.prefix_cache's (its one definition): block i of a row hits only if an
+earlier row had the same blocks 0..i, not merely the same id; here the chain is a trie of the
+hash-id prefixes seen, and the hit's tokens are `rules.prefix_cache.hit_tokens`. Stats, the live
+UI and the cache-fidelity report all count through this module.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Iterator
 
+from replay.rules import prefix_cache
 from replay.trace.pairs import PairIndex
 from replay.trace.record import TraceRow
 
@@ -45,8 +47,8 @@ def prefix_hits(rows: Iterable[TraceRow]) -> Iterator[int]:
 
 
 def hit_tokens(row: TraceRow, hits: int, block_size: int) -> int:
-    """Tokens covered by a row's first `hits` blocks; the last block holds the remainder."""
-    return min(hits * block_size, row.input_length)
+    """Tokens covered by a row's first `hits` blocks (rules.prefix_cache.hit_tokens)."""
+    return prefix_cache.hit_tokens(hits, block_size, row.input_length)
 
 
 class IdealHits:

@@ -1,0 +1,55 @@
+"""The names of a run's files, stated once: each is OUTPUT (the merged records) plus a suffix,
+beside it, so one name finds a run's every file. The run writes them, `--overwrite` removes
+them, the report and `replay compare` read them; each asks here, so they cannot disagree on a name.
+
+- OUTPUT: the merged records, one JSON line a row;
+- OUTPUT.meta.json: the run's metadata, written last;
+- OUTPUT.summary.json: the end-of-run summary (`replay report --json`'s);
+- OUTPUT.server-metrics.jsonl: the servers' scraped metrics;
+- OUTPUT.worker-N.jsonl: worker N's own copy of its records;
+- OUTPUT.lock: held while a run writes OUTPUT;
+- FILE.tmp: a file being written, renamed over FILE when whole.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+META_SUFFIX = ".meta.json"
+SUMMARY_SUFFIX = ".summary.json"
+METRICS_SUFFIX = ".server-metrics.jsonl"
+LOCK_SUFFIX = ".lock"
+TMP_SUFFIX = ".tmp"
+
+
+def meta_path(output: str | Path) -> Path:
+    return Path(f"{output}{META_SUFFIX}")
+
+
+def summary_path(output: str | Path) -> Path:
+    return Path(f"{output}{SUMMARY_SUFFIX}")
+
+
+def metrics_path(output: str | Path) -> Path:
+    return Path(f"{output}{METRICS_SUFFIX}")
+
+
+def worker_path(output: str | Path, worker: int) -> Path:
+    """Where worker `worker` keeps its own copy of its records."""
+    return Path(f"{output}.worker-{worker}.jsonl")
+
+
+def worker_name_pattern(output: str | Path) -> re.Pattern[str]:
+    """Matches the file names (not paths) of every worker's copy of `output`'s records, any N."""
+    return re.compile(re.escape(Path(output).name) + r"\.worker-\d+\.jsonl")
+
+
+def lock_path(output: str | Path) -> Path:
+    return Path(f"{output}{LOCK_SUFFIX}")
+
+
+def tmp_path(path: str | Path) -> Path:
+    """Where `path` is written before it is renamed over `path` (a reader never sees half a file)."""
+    path = Path(path)
+    return path.with_name(path.name + TMP_SUFFIX)
