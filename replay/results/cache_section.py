@@ -111,8 +111,9 @@ def cache_section(job: CacheJob, *, checks: bool = False) -> tuple[dict, list[Ca
         except (OSError, orjson.JSONDecodeError):
             result = None
         if status != 0 or not isinstance(result, dict):
-            raise CacheChildError(f"the child process computing it ended with {status} "
-                                  f"({last_line(paths['stderr'])}); no cache section")
+            how = f"ended with {status}" if status != 0 else "wrote no result"
+            raise CacheChildError(f"the child process computing it {how} ({last_line(paths['stderr'])}); "
+                                  "no cache section")
         if "error" in result:
             raise ReportError(result["error"])
         log.info("cache fidelity computed in a child process in %.1f s (its peak RSS %d MiB)",
