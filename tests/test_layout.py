@@ -5,7 +5,6 @@ line imported only by the command line, and no import-time side effects."""
 import subprocess
 import sys
 
-import pytest
 
 from replay import source_graph
 
@@ -94,15 +93,7 @@ def importers_of_the_report_cli() -> set[str]:
 
 
 def test_only_the_command_line_imports_the_report_command_line():
-    # coordinator.py is checked on its own below
-    assert importers_of_the_report_cli() - {"replay.engine.coordinator"} == set()
-
-
-@pytest.mark.xfail(reason="the end of a run still calls replay report's command line (results/cli.py "
-                          "end_of_run_cache); its replacement (replay/run/finish.py) is another branch's",
-                   strict=False)
-def test_the_coordinator_does_not_import_the_report_command_line():
-    assert "replay.engine.coordinator" not in importers_of_the_report_cli()
+    assert importers_of_the_report_cli() == set()
 
 
 NO_SIDE_EFFECTS = """

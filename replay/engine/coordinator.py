@@ -44,7 +44,7 @@ from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,
                                     WORKER_LOST, WORKER_STOPPED, is_failure, unsent_record)
 from replay.engine.scraper import Scraper
-from replay.results.cli import end_of_run_cache
+from replay.results.cache_section import cache_job, cache_section
 from replay.results.metadata import file_sha256, run_metadata, versions, write_run_metadata, write_summary
 from replay.rules.run_files import meta_path, tmp_path
 from replay.rules.send_time import replay_seconds, send_time
@@ -559,13 +559,15 @@ class Coordinator:
             notes += f"rows whose record could not be written (not in the summary): {self.store.unwritten}\n"
         return notes
 
-    def _cache_fidelity(self, sent: list[dict] | None, meta: dict) -> dict | None:
-        """--server-block-size: the Prefix Cache Fidelity section, as `replay report` makes it;
-        a failure to compute it is logged and leaves the summary without it."""
-        if sent is None:
+    def _cache_fidelity(self, meta: dict) -> dict | None:
+        """--server-block-size: the Prefix Cache Fidelity section, as `replay report` makes it, from
+        the merged file in a child process (the event loop turns meanwhile); a failure to compute
+        it is logged and leaves the summary without it."""
+        if not self.options.server_block_size:
             return None
         try:
-            return end_of_run_cache(self.output, sent, meta, self.options.server_block_size, self.options.api)
+            job = cache_job(self.output, meta, server_block_size=self.options.server_block_size)
+            return off_loop(cache_section, job)[0] if job is not None else None
         except (ValueError, OSError) as e:
             logger.error("cache fidelity: %s", e)
             return None
@@ -596,21 +598,18 @@ class Coordinator:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
         builder = ReportBuilder(parse_slo(self.options.slo))
         failed = 0
-        sent: list[dict] | None = [] if self.options.server_block_size else None  # for the cache check
 
         def each(record: dict) -> None:
             nonlocal failed
             builder.add(record)
             failed += is_failure(record)
-            if sent is not None and record["sent_at"] is not None:
-                sent.append(record)
             for listener in self.final_listeners:
                 listener(record)
 
         count = self.store.finish(each)
         self.schedule.close()
         meta = self.metadata()
-        report = builder.report(self._cache_fidelity(sent, meta))
+        report = builder.report(self._cache_fidelity(meta))
         report["server"] = read_server_section(self.output, report["endpoints"], self.options.server_metric or ())
         try:
             write_summary(self.output, report)

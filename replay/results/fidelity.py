@@ -17,21 +17,28 @@ of each other may still reach the scheduler in the other order; `reorder_window_
 for that: a request also matches when its observed value lies between what it would see if
 every request sent within the window before it came later, and what it would see if every
 request sent within the window after it came first.
+
+This module holds the rule and its arithmetic, one request at a time in send order, and loads
+no tokenizer: a run's whole check streams through it in a child process
+(replay/results/cache_child.py, started by replay/results/cache_section.py).
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple
 
-from replay.protocol.table import sends_token_ids
 from replay.results.records import Record
 from replay.rules.prefix_cache import block_hashes, hit_blocks
-from replay.synth.prompts import PromptSynthesizer
-from replay.trace.fields import DEFAULT_BLOCK_SIZE
-from replay.trace.prefix import ideal_hits
+from replay.trace.pairs import PairIndex
+from replay.trace.prefix import IdealHits
 from replay.trace.record import TraceRow
+
+if TYPE_CHECKING:
+    from replay.synth.prompts import PromptSynthesizer
 
 WORST = 10
 
@@ -58,10 +65,81 @@ class CacheCheck:
         return self.observed is not None and self.low <= self.observed <= self.high
 
 
-def _scheduled(record: Record) -> bool:
+class SentPrompt(NamedTuple):
+    """A request the server took in, in send order: its record's numbers and its prompt's
+    server-block chain hashes."""
+
+    request_id: int
+    sent_at: float
+    reported_prompt_tokens: int | None
+    observed: int | None
+    hashes: list[int]
+    prompt_tokens: int
+
+
+class BlockSet:
+    """A set of block hashes in a PairIndex (about 24 bytes a hash; a Python set of ints costs
+    about 75): what an infinite cache holds grows with a run's distinct blocks."""
+
+    def __init__(self) -> None:
+        self._index = PairIndex()
+
+    def __contains__(self, block_hash: int) -> bool:
+        return self._index.find(0, block_hash) != 0
+
+    def update(self, hashes: Iterable[int]) -> None:
+        index = self._index
+        for h in hashes:
+            if not index.find(0, h):
+                index.add(0, h)
+
+
+def scheduled(record: Record) -> bool:
     """Did the server take this request in (and so cache its prompt)?"""
     status = record.get("status") or 0
     return record.get("sent_at") is not None and (bool(record.get("ok")) or 200 <= status < 300)
+
+
+def send_order_checks(sent: Iterable[SentPrompt], server_block_size: int,
+                      reorder_window_ms: float = 0.0) -> Iterator[CacheCheck]:
+    """A CacheCheck per request of `sent` (in send order), drawn one at a time: only the
+    requests within the reorder window of the current one are held."""
+    if server_block_size <= 0:
+        raise ValueError(f"server block size must be positive, got {server_block_size}")
+    cache = BlockSet()  # an infinite cache: every block hash ever scheduled
+    earlier = BlockSet()  # the same, for requests sent before the window
+    window_s = reorder_window_ms / 1000.0
+    items = iter(sent)
+    ahead: deque[SentPrompt] = deque()  # drawn, not yet checked: the window after the current one
+    behind: deque[SentPrompt] = deque()  # checked, not yet in `earlier`
+    size = server_block_size
+    while (current := ahead.popleft() if ahead else next(items, None)) is not None:
+        t, hashes, length = current.sent_at, current.hashes, current.prompt_tokens
+        expected = hit_blocks(hashes, cache, length, size)
+        low = high = expected
+        if window_s > 0:
+            while behind and behind[0].sent_at < t - window_s:
+                earlier.update(behind.popleft().hashes)
+            low = hit_blocks(hashes, earlier, length, size)
+            k = 0
+            while True:
+                if k == len(ahead):
+                    following = next(items, None)
+                    if following is None:
+                        break
+                    ahead.append(following)
+                if ahead[k].sent_at > t + window_s:
+                    break
+                # chain hashes: hashes[k] is in another's only as its own k-th, after a common prefix
+                high = max(high, hit_blocks(hashes, set(ahead[k].hashes), length, size))
+                k += 1
+            behind.append(current)
+        cache.update(hashes)
+        yield CacheCheck(
+            request_id=current.request_id, sent_at=t, prompt_tokens=length,
+            reported_prompt_tokens=current.reported_prompt_tokens, expected=expected * size,
+            observed=current.observed, low=low * size, high=high * size,
+        )  # fmt: skip
 
 
 def check_cache(
@@ -71,115 +149,105 @@ def check_cache(
     server_block_size: int,
     reorder_window_ms: float = 0.0,
 ) -> list[CacheCheck]:
-    """A CacheCheck per request the server took in, in send order."""
+    """A CacheCheck per request the server took in, in send order, from records and rows in memory."""
     if server_block_size <= 0:
         raise ValueError(f"server block size must be positive, got {server_block_size}")
-    sent = sorted((r for r in records if _scheduled(r)), key=lambda r: (r["sent_at"], r["request_id"]))
+    sent = sorted((r for r in records if scheduled(r)), key=lambda r: (r["sent_at"], r["request_id"]))
     missing = [r["request_id"] for r in sent if r["request_id"] not in rows]
     if missing:
-        raise ValueError(f"{len(missing)} records name rows the trace does not have (first: request_id {missing[0]}); "
-                         "is --trace the file the run replayed?")  # fmt: skip
-    hashes = []
-    lengths = []
-    for r in sent:
-        ids = synth.server_ids(rows[r["request_id"]])
-        lengths.append(len(ids))
-        hashes.append(block_hashes(ids, server_block_size))
-    cache: set[int] = set()  # an infinite cache: every block hash ever scheduled
-    earlier: set[int] = set()  # the same, for requests sent before the window
-    window_s = reorder_window_ms / 1000.0
-    checks = []
-    behind = 0
-    for i, r in enumerate(sent):
-        t = r["sent_at"]
-        expected = hit_blocks(hashes[i], cache, lengths[i], server_block_size)
-        low = high = expected
-        if window_s > 0:
-            while sent[behind]["sent_at"] < t - window_s:
-                earlier.update(hashes[behind])
-                behind += 1
-            low = hit_blocks(hashes[i], earlier, lengths[i], server_block_size)
-            j = i + 1
-            while j < len(sent) and sent[j]["sent_at"] <= t + window_s:
-                # chain hashes: hashes[i][k] is in hashes[j] only as hashes[j][k], after a common prefix
-                high = max(high, hit_blocks(hashes[i], set(hashes[j]), lengths[i], server_block_size))
-                j += 1
-        cache.update(hashes[i])
-        checks.append(CacheCheck(
-            request_id=r["request_id"], sent_at=t, prompt_tokens=lengths[i],
-            reported_prompt_tokens=r.get("prompt_tokens"), expected=expected * server_block_size,
-            observed=r.get("cached_tokens"), low=low * server_block_size, high=high * server_block_size,
-        ))  # fmt: skip
-    return checks
+        raise missing_rows(len(missing), missing[0])
+
+    def prompts() -> Iterator[SentPrompt]:
+        for r in sent:
+            ids = synth.server_ids(rows[r["request_id"]])
+            yield SentPrompt(r["request_id"], r["sent_at"], r.get("prompt_tokens"), r.get("cached_tokens"),
+                             block_hashes(ids, server_block_size), len(ids))
+
+    return list(send_order_checks(prompts(), server_block_size, reorder_window_ms))
 
 
-def summarize_cache(checks: list[CacheCheck], method: str, ideal: dict | None = None) -> dict:
-    """design.md's cache section, plus the counts behind the share and the worst requests."""
-    compared = [c for c in checks if c.observed is not None]
-    expected = sum(c.expected for c in compared)
-    observed = sum(c.observed for c in compared)
-    matching = sum(c.matches for c in compared)
-    explained = sum(c.explained for c in compared)
-    worst = sorted((c for c in compared if not c.matches), key=lambda c: -abs(c.observed - c.expected))[:WORST]
-    section = {
-        "expected_cached_tokens": expected,
-        "observed_cached_tokens": observed,
-        "ratio": observed / expected if expected else None,
-        "requests_matching_share": matching / len(compared) if compared else None,
-        "requests_matching": matching,
-        "requests_compared": len(compared),
-        "requests_explained_by_reordering": explained - matching if explained > matching else 0,
-        "requests_without_cached_tokens": len(checks) - len(compared),
-        "requests_prompt_mismatch": sum(
-            1 for c in checks if c.reported_prompt_tokens is not None and c.reported_prompt_tokens != c.prompt_tokens
-        ),
-        "worst": [
-            {"request_id": c.request_id, "observed": c.observed, "expected": c.expected,
-             "prompt_tokens": c.prompt_tokens, "low": c.low, "high": c.high}
-            for c in worst
-        ],  # fmt: skip
-        "method": method,
-    }
-    if ideal:
-        section.update(ideal)
-    return section
+def missing_rows(count: int, first: int) -> ValueError:
+    """The error for records that name rows the trace does not have (`first`: in send order)."""
+    return ValueError(f"{count} records name rows the trace does not have (first: request_id {first}); "
+                      "is --trace the file the run replayed?")
 
 
-def ideal_trace_hits(rows: list[TraceRow], block_size: int | None) -> dict:
-    """The trace's own ideal (trace blocks, file order): what `replay trace stats` reports."""
-    if not block_size:
+class CacheTally:
+    """The cache section's counts over checks added one at a time (none is kept but the worst)."""
+
+    def __init__(self) -> None:
+        self.checked = self.compared = self.expected = self.observed = 0
+        self.matching = self.explained = self.prompt_mismatch = 0
+        self._worst: list[tuple[tuple[int, int], CacheCheck]] = []  # a min-heap of ((|error|, -order), check)
+
+    def add(self, c: CacheCheck) -> None:
+        self.checked += 1
+        if c.reported_prompt_tokens is not None and c.reported_prompt_tokens != c.prompt_tokens:
+            self.prompt_mismatch += 1
+        if c.observed is None:
+            return
+        self.compared += 1
+        self.expected += c.expected
+        self.observed += c.observed
+        self.matching += c.matches
+        self.explained += c.explained
+        if not c.matches:  # the largest errors; of equal ones, the first sent
+            item = ((abs(c.observed - c.expected), -self.checked), c)
+            if len(self._worst) < WORST:
+                heapq.heappush(self._worst, item)
+            elif item[0] > self._worst[0][0]:
+                heapq.heapreplace(self._worst, item)
+
+    def section(self, method: str, ideal: dict | None = None) -> dict:
+        """design.md's cache section, plus the counts behind the share and the worst requests."""
+        compared, matching = self.compared, self.matching
+        worst = [c for key, c in sorted(self._worst, key=lambda item: (-item[0][0], -item[0][1]))]
+        section = {
+            "expected_cached_tokens": self.expected,
+            "observed_cached_tokens": self.observed,
+            "ratio": self.observed / self.expected if self.expected else None,
+            "requests_matching_share": matching / compared if compared else None,
+            "requests_matching": matching,
+            "requests_compared": compared,
+            "requests_explained_by_reordering": self.explained - matching if self.explained > matching else 0,
+            "requests_without_cached_tokens": self.checked - compared,
+            "requests_prompt_mismatch": self.prompt_mismatch,
+            "worst": [
+                {"request_id": c.request_id, "observed": c.observed, "expected": c.expected,
+                 "prompt_tokens": c.prompt_tokens, "low": c.low, "high": c.high}
+                for c in worst
+            ],  # fmt: skip
+            "method": method,
+        }
+        if ideal:
+            section.update(ideal)
+        return section
+
+
+def summarize_cache(checks: Iterable[CacheCheck], method: str, ideal: dict | None = None) -> dict:
+    """The cache section of `checks` (CacheTally's)."""
+    tally = CacheTally()
+    for c in checks:
+        tally.add(c)
+    return tally.section(method, ideal)
+
+
+def ideal_trace_hits(ideal: IdealHits | None) -> dict:
+    """The trace's own ideal (trace blocks, file order; None: the trace has no block size):
+    what `replay trace stats` reports."""
+    if ideal is None:
         return {}
-    _, _, tokens, total = ideal_hits(rows, block_size)
+    tokens, total = ideal.hit_tokens, ideal.total_tokens
     return {"ideal_trace_cached_tokens": tokens, "ideal_trace_hit_ratio_tokens": tokens / total if total else None}
 
 
-def cache_fidelity(
-    records: list[Record],
-    rows: list[TraceRow],
-    *,
-    tokenizer: str,
-    chat_template: str | None,
-    api: str,
-    seed: int,
-    trace_block_size: int | None,
-    server_block_size: int,
-    reorder_window_ms: float = 0.0,
-    prompt_format: str = "text",
-) -> tuple[dict, list[CacheCheck]]:
-    """The cache section and the per-request checks of a run, from the run's own settings
-    (what `replay report` and the end of a Locust run both call). `prompt_format` is the run's
-    --prompt-format: token-id prompts are built the way the run built them (never encoded and
-    fixed up), so the expected ids are the ids that were sent."""
-    from replay.synth.tokenizer import ServerTokenizer
-
-    token_ids = sends_token_ids(prompt_format)
-    synth = PromptSynthesizer(ServerTokenizer.load(tokenizer, chat_template), api=api,
-                              block_size=trace_block_size or DEFAULT_BLOCK_SIZE, seed=seed, token_ids=token_ids)  # fmt: skip
-    checks = check_cache(records, {row.request_id: row for row in rows}, synth, server_block_size, reorder_window_ms)
+def method_text(*, api: str, token_ids: bool, tokenizer: str, seed: int, trace_block_size: int | None,
+                server_block_size: int, reorder_window_ms: float) -> str:
+    """How the expected values were made, as the section says it."""
     what = f"{api} token-id" if token_ids else api
     method = (f"re-synthesized {what} prompts ({Path(str(tokenizer)).name}, seed {seed}, trace block "
               f"{trace_block_size}) through an infinite vLLM-style cache of {server_block_size}-token blocks, "
               f"in send order")  # fmt: skip
     if reorder_window_ms:
         method += f"; sends within {reorder_window_ms:g} ms may swap"
-    return summarize_cache(checks, method, ideal_trace_hits(rows, trace_block_size)), checks
+    return method

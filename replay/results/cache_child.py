@@ -1,0 +1,166 @@
+"""The child process that computes a run's cache section (replay/results/cache_section.py
+starts it), so the process that asks never loads the tokenizer.
+
+It streams: one pass over the records keeps a few numbers per request the server took in; one
+pass over the trace, in file order, re-synthesizes those requests' prompts and writes their
+server-block hashes to a spool file; then the requests are checked in send order, each one's
+hashes read back from the spool. So memory holds arrays of numbers per request, the infinite
+cache's distinct blocks and the tokenizer, never a list of records or of trace rows.
+
+    python -m replay.results.cache_child JOB.json RESULT.json [CHECKS.bin]
+
+RESULT.json is {"section": {...}}, or {"error": "..."} for a bad input (a trace or records that
+do not fit, a tokenizer that cannot load); CHECKS.bin, when named, the per-request checks
+(CHECK_FORMAT each, in send order) for `replay report --html`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import sys
+import tempfile
+from array import array
+from collections import Counter
+from pathlib import Path
+
+import orjson
+
+from replay.results.fidelity import (CacheCheck, CacheTally, SentPrompt, ideal_trace_hits, method_text,
+                                     missing_rows, scheduled, send_order_checks)
+from replay.results.records import read_records
+from replay.rules.prefix_cache import block_hashes
+from replay.trace.fields import DEFAULT_BLOCK_SIZE
+from replay.trace.prefix import IdealHits
+from replay.trace.reader import TraceStream
+from replay.protocol.table import prompt_format_problem, sends_token_ids
+
+CHECK_FORMAT = struct.Struct("<qdqqqqqq")  # request_id, sent_at, prompt_tokens, reported, expected, observed, low, high
+NONE = -1  # a number the record does not have
+SPOOL_BUFFER = 1 << 20
+
+
+def write_check(out, c: CacheCheck) -> None:
+    out.write(CHECK_FORMAT.pack(c.request_id, c.sent_at, c.prompt_tokens, _number(c.reported_prompt_tokens),
+                                c.expected, _number(c.observed), c.low, c.high))
+
+
+def read_checks(path: str | Path) -> list[CacheCheck]:
+    """The checks a child wrote to `path`, in send order."""
+    return [CacheCheck(rid, t, prompt, _none(reported), expected, _none(observed), low, high)
+            for rid, t, prompt, reported, expected, observed, low, high in
+            CHECK_FORMAT.iter_unpack(Path(path).read_bytes())]  # fmt: skip
+
+
+def _number(value: int | None) -> int:
+    return NONE if value is None else value
+
+
+def _none(value: int) -> int | None:
+    return None if value == NONE else value
+
+
+class _Sent:
+    """The requests the server took in: a few numbers each, and their send order."""
+
+    def __init__(self, results: str) -> None:
+        self.request_id, self.sent_at = array("q"), array("d")
+        self.reported, self.observed = array("q"), array("q")
+        self.apis: Counter[str] = Counter()
+        for record in read_records(results):
+            self.apis[record.get("api")] += 1
+            if scheduled(record):
+                self.request_id.append(record["request_id"])
+                self.sent_at.append(record["sent_at"])
+                self.reported.append(_number(record.get("prompt_tokens")))
+                self.observed.append(_number(record.get("cached_tokens")))
+        # by (sent_at, request_id): sorted by request_id (the file's own order, mostly), then stably by sent_at
+        order = sorted(range(len(self.request_id)), key=self.request_id.__getitem__)
+        order.sort(key=self.sent_at.__getitem__)
+        self.order = array("q", order)
+        del order
+        self.position = array("q", [NONE]) * (max(self.request_id, default=-1) + 1)  # request_id -> index
+        for k, rid in enumerate(self.request_id):
+            self.position[rid] = k
+
+
+def compute(job: dict, checks_path: str | None = None) -> dict:
+    """The cache section of `job` (CacheJob's fields); the per-request checks to `checks_path`."""
+    from replay.synth.prompts import PromptSynthesizer  # the tokenizer: this process only
+    from replay.synth.tokenizer import ServerTokenizer
+
+    sent = _Sent(job["results"])
+    api = job["api"] or (sent.apis.most_common(1)[0][0] if sent.apis else "openai-chat")
+    if problem := prompt_format_problem(job["prompt_format"], api):
+        raise ValueError(problem)
+    token_ids = sends_token_ids(job["prompt_format"])
+    server_block = job["server_block_size"]
+    if server_block <= 0:
+        raise ValueError(f"server block size must be positive, got {server_block}")
+    tokenizer = ServerTokenizer.load(job["tokenizer"], job["chat_template"])
+    n = len(sent.request_id)
+    offset, blocks, length = array("q", [0]) * n, array("q", [0]) * n, array("q", [NONE]) * n
+    stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
+    synth = ideal = None
+    position = sent.position
+    with tempfile.TemporaryFile(prefix="tracereplay-cache-", buffering=SPOOL_BUFFER) as spool:
+        written = 0
+        for row in stream:
+            if synth is None:  # the trace's block size is known from its first row on
+                synth = PromptSynthesizer(tokenizer, api=api, block_size=stream.block_size or DEFAULT_BLOCK_SIZE,
+                                          seed=job["seed"], token_ids=token_ids)
+                ideal = IdealHits() if stream.block_size else None
+            if ideal is not None:
+                ideal.add(row, stream.block_size)
+            k = position[row.request_id] if row.request_id < len(position) else NONE
+            if k == NONE:
+                continue
+            ids = synth.server_ids(row)
+            hashes = array("q", block_hashes(ids, server_block))
+            offset[k], blocks[k], length[k] = written, len(hashes), len(ids)
+            spool.write(hashes)
+            written += 8 * len(hashes)
+        spool.flush()
+        if synth is None and stream.block_size:  # a trace without rows
+            ideal = IdealHits()
+        missing = [sent.request_id[k] for k in sent.order if length[k] == NONE]
+        if missing:
+            raise missing_rows(len(missing), missing[0])
+        fd = spool.fileno()
+
+        def prompts():
+            for k in sent.order:
+                hashes = array("q")
+                hashes.frombytes(os.pread(fd, 8 * blocks[k], offset[k]))
+                yield SentPrompt(sent.request_id[k], sent.sent_at[k], _none(sent.reported[k]), _none(sent.observed[k]),
+                                 hashes.tolist(), length[k])
+
+        tally = CacheTally()
+        with open(checks_path or os.devnull, "wb", buffering=SPOOL_BUFFER) as out:
+            for check in send_order_checks(prompts(), server_block, job["reorder_window_ms"]):
+                tally.add(check)
+                if checks_path:
+                    write_check(out, check)
+    method = method_text(api=api, token_ids=token_ids, tokenizer=job["tokenizer"], seed=job["seed"],
+                         trace_block_size=stream.block_size, server_block_size=server_block,
+                         reorder_window_ms=job["reorder_window_ms"])
+    return tally.section(method, ideal_trace_hits(ideal))
+
+
+def main(argv: list[str]) -> int:
+    """The child: compute the section of the job in argv[0], write it (or the input's error) to argv[1]."""
+    job_path, result_path, checks_path = (argv + [""])[:3]
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # The run already warned about rows too short for the template; the section counts them instead.
+    logging.getLogger("replay.synth.prompts").setLevel(logging.ERROR)
+    try:
+        result = {"section": compute(orjson.loads(Path(job_path).read_bytes()), checks_path or None)}
+    except (ValueError, OSError) as e:  # a bad input, said in one line (TraceError, PromptError are ValueErrors)
+        result = {"error": str(e)}
+    Path(result_path).write_bytes(orjson.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

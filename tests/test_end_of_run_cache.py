@@ -1,0 +1,122 @@
+"""The end of a run computes the cache fidelity section from the run's files, in a child process
+(replay/results/cache_section.py): the same section `replay report --server-block-size N`
+prints; the asking process never loads the tokenizer; a child that fails or is killed is one
+error line and a summary without the section, never a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import mooncake_trace, replay_args, run_locust, spawn_locust, wait_for_text
+from replay.results import cache_section as cache_module
+from replay.results.cache_section import CacheChildError, cache_job, cache_section
+from replay.results.metadata import read_run_metadata
+from replay.results.report import ReportError
+from replay.sim.process import sim_process
+
+SERVER_BLOCK = 32
+SIM_ARGS = ("--block-size", str(SERVER_BLOCK), "--cache-blocks", "100000", "--ttft-ms", "5", "--itl-ms", "1",
+            "--prefill-ms-per-1k", "0")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, toy_tokenizer_dir) -> Path:
+    """A real replay against `replay sim` with --server-block-size: its OUTPUT."""
+    tmp_path = tmp_path_factory.mktemp("run")
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=20)
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, *SIM_ARGS) as sim:
+        run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--server-block-size", str(SERVER_BLOCK),
+                               "--only-summary"), tmp_path)
+    return output
+
+
+def test_the_end_of_run_section_is_replay_reports(finished_run, tmp_path):
+    summary = json.loads(Path(f"{finished_run}.summary.json").read_text())
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "replay", "report", str(finished_run), "--server-block-size",
+                           str(SERVER_BLOCK), "--json", str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cache = summary["cache"]
+    assert cache == json.loads(out.read_text())["cache"]
+    assert cache["requests_compared"] == 40 and cache["requests_matching"] == 40, cache["worst"]
+    assert cache["expected_cached_tokens"] > 0
+
+
+def test_the_asking_process_never_loads_the_tokenizer(finished_run):
+    """Computed from a fresh interpreter: afterwards it has not even imported `tokenizers`."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        from replay.results.cache_section import cache_job, cache_section
+        from replay.results.metadata import read_run_metadata
+        output = {str(finished_run)!r}
+        job = cache_job(output, read_run_metadata(output), server_block_size={SERVER_BLOCK})
+        section, _ = cache_section(job)
+        assert "tokenizers" not in sys.modules and "replay.synth.tokenizer" not in sys.modules, "tokenizer loaded"
+        print(json.dumps(section))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(Path(f"{finished_run}.summary.json").read_text())
+    assert json.loads(proc.stdout) == summary["cache"]
+
+
+def test_the_checks_come_back_for_the_html(finished_run):
+    job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK)
+    section, checks = cache_section(job, checks=True)
+    assert len(checks) == section["requests_compared"] == 40
+    assert sum(c.expected for c in checks) == section["expected_cached_tokens"]
+    assert [c.sent_at for c in checks] == sorted(c.sent_at for c in checks)  # send order
+
+
+@pytest.mark.parametrize("body, said", [
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "signal 9"),
+    ("raise RuntimeError('the child broke')\n", "RuntimeError: the child broke"),
+    ("pass\n", r"wrote no result \(no output\)"),  # ended well, wrote no result
+])  # fmt: skip
+def test_a_faulty_child_is_one_error(finished_run, tmp_path, monkeypatch, body, said):
+    (tmp_path / "faulty_child.py").write_text(body)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(cache_module, "CHILD_MODULE", "faulty_child")
+    job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK)
+    with pytest.raises(CacheChildError, match=said) as caught:
+        cache_section(job)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_bad_input_is_the_childs_one_line_error(finished_run, tmp_path):
+    trace = mooncake_trace(tmp_path / "short.jsonl", rows=5, gap_ms=20)  # the run's records name rows 5..39
+    job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK, trace=str(trace),
+                    block_size=16)
+    with pytest.raises(ReportError, match=r"35 records name rows the trace does not have \(first: request_id 5\)"):
+        cache_section(job)
+
+
+def test_a_run_whose_child_fails_ends_without_the_section(tmp_path, toy_tokenizer_dir):
+    """The trace is removed once the run has read it: the child cannot read it at the end. The
+    run still ends by itself, exit code 0, with one error line and a summary without the section."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=50)
+    output = tmp_path / "run.jsonl"
+    log = tmp_path / "run.log"
+    with sim_process(toy_tokenizer_dir, *SIM_ARGS) as sim:
+        proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--server-block-size",
+                                        str(SERVER_BLOCK), "--only-summary"), tmp_path, log)
+        try:
+            wait_for_text(log, "replay starts at", proc)
+            trace.unlink()
+            assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+        finally:
+            proc.kill()
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if "cache fidelity:" in line]
+    assert len(errors) == 1 and "No such file or directory" in errors[0], errors
+    summary = json.loads(Path(f"{output}.summary.json").read_text())
+    assert summary["requests_ok"] == 40 and summary.get("cache") is None
+    assert "Prefix Cache Fidelity" not in text
