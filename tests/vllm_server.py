@@ -4,8 +4,7 @@ Token counts and prefix-cache behaviour depend on the tokenizer, the chat templa
 block size, never on the weights, so a 2-layer Llama with random weights (`--load-format
 dummy`) stands in for any model. vLLM lives in its own venv (`make vllm`, .ci/install-vllm)
 because it pins its own torch and transformers; the tests only talk to it over HTTP.
-Recipe and measured facts: ../shared/notes/vllm-cpu.md. The shared server fixture
-(`vllm_qwen2`) is in conftest.py, built from the helpers here.
+The shared server fixture (`vllm_qwen2`) is in conftest.py, built from the helpers here.
 
 Policy when vLLM is not installed: with ../shared present (CI, or a full checkout) the test
 FAILS and says `make vllm`, because a silent skip would hide the only check against a real

@@ -199,7 +199,7 @@ class CacheTally:
                 heapq.heapreplace(self._worst, item)
 
     def section(self, method: str, ideal: dict | None = None) -> dict:
-        """design.md's cache section, plus the counts behind the share and the worst requests."""
+        """The cache section (docs/reports.md), plus the counts behind the share and the worst requests."""
         compared, matching = self.compared, self.matching
         worst = [c for key, c in sorted(self._worst, key=lambda item: (-item[0][0], -item[0][1]))]
         section = {

@@ -1,6 +1,6 @@
 """Per-request records: one JSONL line per scheduled trace row, failures and unsent rows included.
 
-Fields and their meaning are fixed by design.md; every record carries all of them (null when
+Fields and their meaning are listed in docs/records.md; every record carries all of them (null when
 unknown), so that records + trace rows always add up and tools can rely on the keys.
 """
 
@@ -17,7 +17,7 @@ from replay.rules.usage import disagreements, output_tokens_believed
 
 
 class Record(TypedDict):
-    """One request's record: the one field list (design.md), in the order written to disk. A
+    """One request's record: the one field list (docs/records.md), in the order written to disk. A
     type for readers and checkers only: records stay plain dicts, on disk and on the wire."""
 
     request_id: int  # the row's index in the trace file

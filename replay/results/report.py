@@ -125,7 +125,7 @@ class ReportBuilder:
             self.endpoints.setdefault(record["endpoint"], EndpointStats()).add(record)
 
     def report(self, cache: dict | None = None) -> dict:
-        """design.md's summary keys, the totals vLLM prints, failure breakdowns, goodput, the
+        """The summary keys (docs/reports.md), the totals vLLM prints, failure breakdowns, goodput, the
         `cache` section as given (replay.results.fidelity's) and the per-endpoint lines. The
         `server` section (replay.results.server_metrics) needs the per-endpoint lines: the
         caller fills it in."""

@@ -126,7 +126,7 @@ def failures(records: Iterable[Record]) -> tuple[dict[str, int], dict[str, int]]
 
 
 class SummaryBuilder:
-    """design.md's summary keys that records alone can give, from records added one at a time.
+    """The summary keys (docs/reports.md) that records alone can give, from records added one at a time.
 
     Token totals add up in record order, as sum() did (token counts are ints, so exactly);
     the first send and the last finish are kept as min() and max() would pick them."""
@@ -205,7 +205,7 @@ class SummaryBuilder:
 
 
 def summarize(records: Iterable[Record]) -> dict:
-    """design.md's summary keys that records alone can give (goodput and cache come later)."""
+    """The summary keys (docs/reports.md) that records alone can give (goodput and cache come later)."""
     builder = SummaryBuilder()
     for r in records:
         builder.add(r)

@@ -1,4 +1,4 @@
-"""The replay's options (design.md's list): what the engine runs with, and their flags.
+"""The replay's options (docs/options.md lists them): what the engine runs with, and their flags.
 
 Plain argparse and a dataclass, no Locust: the adapter adds the flags to Locust's own parser
 (replay.locust.plugin), and the master ships the values to its workers in the plan. One list:
@@ -61,7 +61,7 @@ class ReplayOptions:
     block_size: int | None = _option(help="tokens per hash id block (format default)")
     tokenizer: str | None = _option(help="tokenizer.json or a folder holding it (and tokenizer_config.json)")
     chat_template: str | None = _option(help="tokenizer_config.json or .jinja; overrides the tokenizer's")
-    api: str = _option("openai-chat", choices=API_NAMES)
+    api: str = _option("openai-chat", "the protocol the servers speak: its request paths, bodies and replies", choices=API_NAMES)
     prompt_format: str = _option("text", "send the prompt as text or as a list of token ids (token-ids: --api "
                                          f"{' or '.join(TOKEN_ID_APIS)} only)", choices=tuple(PROMPT_FORMATS))
     verify_server: str = _option("auto", "before the first send, compare this tokenizer's prompt counts with the "
@@ -78,14 +78,15 @@ class ReplayOptions:
     overwrite: bool = _option(False, "replace an earlier run's --output (and its .meta.json, .worker-N.jsonl); "
                                      "default: refuse")
     endpoints: str | None = _option(help="comma-separated server URLs (a fleet); default --host")
-    routing: str = _option("round-robin", choices=ROUTINGS)
+    routing: str = _option("round-robin", "how a worker picks the endpoint of each request among --endpoints", choices=ROUTINGS)
     max_prompt_tokens: int | None = _option(help="rows with longer prompts are recorded, never sent (default: the "
                                                  "server's max_model_len from /v1/models, else "
                                                  f"{DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)")
     partition: str = _option("round-robin", "how rows are split across workers", choices=PARTITIONS)
     drain_timeout: float = _option(60.0, "seconds to wait for answers after the last send")
     no_ignore_eos: bool = _option(False, "let the model stop early (default: exact output length)")
-    on_bad_line: str = _option("fail", choices=("fail", "skip"))
+    on_bad_line: str = _option("fail", "a trace row that cannot be read: fail the run (exit 2), or skip it and count it",
+                               choices=("fail", "skip"))
     slo: str | None = _option(help="ttft_ms=..,tpot_ms=..,e2e_ms=..")
     # A repeatable flag's parser default is [] (append adds to it); ReplayOptions() has None.
     header: list | None = _option(help="'Name: value' ($VAR expanded); repeatable", parser_default=[])
