@@ -80,9 +80,17 @@ def cache_dir() -> Path:
 
 
 @cache
-def code_digest(root: Path = source_graph.ROOT) -> str:
-    """The digest of the source of every module that decides a set-up (the package under `root`)."""
+def code_digest(root: Path | None = None) -> str:
+    """The digest of the source of every module that decides a set-up (the package under `root`;
+    None: this process's own, read once: its source does not change while it runs)."""
+    if root is None:
+        return _own_code_digest()
     return source_graph.source_digest(SETUP_ENTRIES, root)
+
+
+@cache
+def _own_code_digest() -> str:
+    return source_graph.source_digest(SETUP_ENTRIES, source_graph.ROOT)
 
 
 def cache_key(fingerprint: str, template_specials: dict, api: str) -> dict:
