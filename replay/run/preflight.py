@@ -104,11 +104,6 @@ def _load(options: ReplayOptions, host: Callable[[], str | None], urls: list[str
     return spec
 
 
-def not_checked() -> dict:
-    """The verdict for the meta file before (or without) the server check."""
-    return Verdict(skipped="not checked").to_dict()
-
-
 def check_servers(spec: RunSpec) -> dict:
     """--verify-server: the servers count a sample of this run's prompts as the tokenizer does,
     or the run is refused here (ServerCountsDiffer, a ValueError), before any worker starts
