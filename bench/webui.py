@@ -20,10 +20,12 @@ import orjson
 
 from replay.engine.coordinator import Coordinator, WorkerState
 from replay.engine.live import WINDOW_S, LiveStats
+from replay.run import preflight
 from replay.run.options import ReplayOptions
 from replay.engine.transport import LocalLink, Window
 from replay.results.store import RecordStore
 from replay.synth.toy import build_toy_tokenizer
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 from report import records_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +34,9 @@ SHARED = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 def coordinator_for(trace: Path, folder: Path, workers: int = 4) -> Coordinator:
     tokenizer = build_toy_tokenizer(folder / "tok")
-    c = Coordinator(LocalLink(), ReplayOptions(trace=str(trace), tokenizer=str(tokenizer)), host=lambda: "http://127.0.0.1:9")
+    options = ReplayOptions(trace=str(trace), tokenizer=str(tokenizer), output=str(folder / "run.jsonl"),
+                            max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS)  # as with no server to ask
+    c = Coordinator(preflight.load(options, lambda: "http://127.0.0.1:9"), LocalLink())
     c.store = RecordStore(folder / "run.jsonl", *c.schedule.request_id_range())
     for i, positions in enumerate(c.schedule.partition(workers)):
         state = WorkerState(f"host{i}_abc", i, positions, Window(lambda payload: None), plan=None,

@@ -21,9 +21,6 @@ README = REPO / "README.md"
 OPTIONS_DOC = REPO / "docs" / "options.md"
 README_MAX_LINES = 200
 
-# Paths the run/engine rework creates on other branches of the same change; they exist once
-# those branches are merged, and this allow-list is then removed. Only used while missing.
-PENDING_PATHS = {"replay/run/preflight.py", "replay/run/spec.py", "replay/run/finish.py"}
 
 # A repository path as the docs cite it: one of the repository's top-level folders, then a
 # path; not part of a longer path (/app/replay/...) nor a dotted module name.
@@ -88,7 +85,7 @@ def test_cited_repository_paths_exist():
     missing = []
     for doc in doc_files():
         for cited in sorted(_cited_paths(doc.read_text(encoding="utf-8"))):
-            if not (REPO / cited).exists() and cited not in PENDING_PATHS:
+            if not (REPO / cited).exists():
                 missing.append(f"{_relative(doc)}: {cited}")
     assert not missing, "the docs cite paths the repository does not have:\n" + "\n".join(missing)
 

@@ -1,7 +1,11 @@
-"""A worker's clock offset to the master, from message round trips.
+"""Time for the engine: the clock it reads and waits with, and a worker's offset to the master's.
 
-offset = master_time - local_time, taken from the sample with the smallest round trip
-(the one least disturbed by queueing), assuming the reply was stamped half way.
+`Clock` is what the Coordinator reads the time with and sleeps on (`SYSTEM_CLOCK`: the wall
+clock and gevent's sleep); a test hands it a clock of its own, so its timeouts (workers not
+ready, the drain, a stop's wait for held records) come in milliseconds, not minutes.
+
+A worker's offset: master_time - local_time, taken from the sample with the smallest round
+trip (the one least disturbed by queueing), assuming the reply was stamped half way.
 """
 
 from __future__ import annotations
@@ -12,6 +16,19 @@ import gevent
 from gevent.event import Event
 
 from replay.engine import messages, transport
+
+
+class Clock:
+    """The wall clock (unix seconds) and a cooperative sleep: what the engine reads and waits with."""
+
+    def now(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        gevent.sleep(seconds)
+
+
+SYSTEM_CLOCK = Clock()
 
 
 class ClockSync:
@@ -44,6 +61,6 @@ class ClockSync:
         return self.offset
 
 
-def answer_ping(link: transport.Link, data: messages.Ping, sender: str) -> None:
+def answer_ping(link: transport.Link, data: messages.Ping, sender: str, clock: Clock = SYSTEM_CLOCK) -> None:
     """Master side: stamp and return at once."""
-    link.to_worker(sender, messages.PONG, messages.Pong(t0=data["t0"], tm=time.time()))
+    link.to_worker(sender, messages.PONG, messages.Pong(t0=data["t0"], tm=clock.now()))

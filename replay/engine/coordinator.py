@@ -1,5 +1,11 @@
-"""The master's side of the replay (also the local runner's): read the trace, split it across
-workers, ship the rows, set the shared start, collect the records, and account for every row.
+"""The master's side of the replay (also the local runner's): split the run's rows across
+workers, ship them, set the shared start, collect the records, and account for every row.
+
+It is given a run as values (replay.run.spec's RunSpec, made by replay.run.preflight: the
+trace read and spooled, the tokenizer's fingerprint, the prompt limit) and does no I/O until
+`begin`; the run's end past the accounting (the merged file, the summary, the last meta) is
+replay.run.finish's. Its time is read and waited for on the clock it is given
+(replay.engine.clock), so a test can run it on a clock of its own.
 
 The master knows what it assigned, what each worker acknowledged holding, and what came back,
 so it can always write a complete merged file with labels that tell why a row has no answer
@@ -19,11 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import sys
-import time
-import uuid
 from itertools import islice
-from pathlib import Path
 from dataclasses import dataclass, field
 from array import array
 from typing import Callable, Iterable, Iterator
@@ -32,26 +34,18 @@ import gevent
 from gevent.event import Event
 
 from replay.engine import messages, transport
-from replay.engine.clock import answer_ping
-from replay.run.options import ReplayOptions, prompt_token_limit
-from replay.engine.plan import Schedule, check_replay_length
-from replay.engine.same_tokenizer import master_fingerprint
-from replay.engine.dispatcher import build_off_loop, off_loop
-from replay.protocol.headers import parse_headers
-from replay.protocol.table import sends_token_ids
-from replay.synth.server_check import Verdict, skip_reason, verify_servers
+from replay.engine.clock import SYSTEM_CLOCK, Clock, answer_ping
+from replay.engine.plan import Schedule
+from replay.engine.scraper import Scraper
+from replay.synth.server_check import Verdict
 from replay.results.files import OutputError
 from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,
-                                    WORKER_LOST, WORKER_STOPPED, is_failure, unsent_record)
-from replay.engine.scraper import Scraper
-from replay.results.cache_section import cache_job, cache_section
-from replay.results.metadata import file_sha256, run_metadata, versions, write_run_metadata, write_summary
-from replay.rules.run_files import meta_path, tmp_path
-from replay.rules.send_time import replay_seconds, send_time
-from replay.results.server_metrics import read_server_section
-from replay.results.report import ReportBuilder, format_report, parse_slo
+                                    WORKER_LOST, WORKER_STOPPED, unsent_record)
+from replay.results.metadata import write_run_metadata
+from replay.rules.send_time import send_time
 from replay.results.store import REAL, RecordStore
-from replay.trace.reader import TraceStream
+from replay.run.finish import finish
+from replay.run.spec import RunFacts, RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +58,6 @@ PLAN_RESEND_S = 2.0  # a plan not acked by then is sent again
 GO_RESEND_S = GO_LEAD_S / 2  # a go not acked by then is sent again, most often before the first send is due
 ABORT_RESEND_S = 1.0  # at a stop, the abort is sent again this often while the workers' records are awaited
 TICK_S = 0.25
-MAX_SKIPPED_SHOWN = 20  # --on-bad-line skip: lines listed in the log (all are counted)
 # The meta written as the run begins keeps this much room (spaces) for the end's, plus some per
 # worker: their clock figures and the incomplete files are only known later.
 META_ROOM = 8192
@@ -117,12 +110,12 @@ def row_chunks(schedule: Schedule, positions: array) -> Iterator[dict]:
         yield {"rows": [schedule.encoded(p) for p in positions[i : i + CHUNK_ROWS]]}
 
 
-def default_output() -> str:
-    return time.strftime("results/replay-%Y%m%d-%H%M%S.jsonl", time.gmtime())
-
-
-def _no_host() -> str | None:
-    return None
+def listen_for_hellos(link: transport.Link) -> set[str]:
+    """The workers that say HELLO while the preflight runs (its loads yield to the event loop,
+    and a message no handler takes is dropped): hand the set to the Coordinator as `heard`."""
+    heard: set[str] = set()
+    link.on(messages.HELLO, lambda data, sender: heard.add(sender))
+    return heard
 
 
 def _never_gone(client_id: str) -> bool:
@@ -138,31 +131,33 @@ def _ignore_exit_code(code: int) -> None:
 
 
 class Coordinator:
-    """The master's side. What it needs of the runner it is given, not looked up: `host` (the
-    runner's target host, read when needed: a web UI's start form may set it), `worker_gone`
-    (whether the runner lost a worker, by client id), `worker_host` (a worker's host name, for
-    the metadata; None: this host's) and `on_exit_code` (called with 1 when any row failed)."""
+    """The master's side, for the run `spec`. What it needs of the runner it is given, not
+    looked up: `worker_gone` (whether the runner lost a worker, by client id), `worker_host` (a
+    worker's host name, for the metadata; None: this host's) and `on_exit_code` (called with 1
+    when any row failed). The runner's target host is the spec's, read when needed (a web UI's
+    start form may set it). `local_part` is a local run's own Dispatcher; `heard` the workers
+    that said HELLO before it was built (listen_for_hellos)."""
 
-    def __init__(self, link: transport.Link, options: ReplayOptions, local_part=None,
-                 endpoints: list[str] | None = None, *, host: Callable[[], str | None] = _no_host,
-                 worker_gone: Callable[[str], bool] = _never_gone,
+    def __init__(self, spec: RunSpec, link: transport.Link, clock: Clock = SYSTEM_CLOCK, *, local_part=None,
+                 heard: Iterable[str] = (), worker_gone: Callable[[str], bool] = _never_gone,
                  worker_host: Callable[[str], str | None] = _no_hostname,
                  on_exit_code: Callable[[int], None] = _ignore_exit_code):
-        """`endpoints` are asked for the served model's max_model_len (--max-prompt-tokens' default)."""
-        self.host = host
+        self.spec = spec
+        self.clock = clock
         self.worker_gone = worker_gone
         self.worker_host = worker_host
         self.on_exit_code = on_exit_code
         self.link = link
-        self.options = options
         self.local_part = local_part
-        self.output = options.output or default_output()
-        self.run_id = uuid.uuid4().hex[:12]  # X-Request-Id: <run id>-<request_id>
+        # the spec's, by the names the live view and the web UI read them by
+        self.options, self.output, self.schedule, self.trace = spec.options, spec.output, spec.schedule, spec.trace
+        self.origin = spec.schedule.origin
+        self.total = spec.total  # rows the run must record
         self.end_reason: str | None = None  # why the master ended the run itself; None: it was stopped
         self.incomplete: dict[str, str] = {}  # file -> why it is not whole (a write that failed)
         self.workers: dict[str, WorkerState] = {}
         # Workers that said HELLO: they can hear replay messages. The local part hears from the start.
-        self.heard: set[str] = {transport.LOCAL_CLIENT} if local_part is not None else set()
+        self.heard: set[str] = set(heard) | ({transport.LOCAL_CLIENT} if local_part is not None else set())
         self.store: RecordStore | None = None  # every record, on disk; made at the start
         self.epoch: float | None = None
         self.last_due: float | None = None
@@ -170,16 +165,14 @@ class Coordinator:
         self.finished = Event()
         self._ending: gevent.Greenlet | None = None
         self._supervisor: gevent.Greenlet | None = None
-        # the servers' /metrics, scraped by the master from the start of the run to its end
+        # the servers' /metrics, scraped by the master from the start of the run to its end (made by `begin`)
         self.scraper: Scraper | None = None
-        if options.server_metrics_interval > 0:
-            self.scraper = Scraper(self.endpoint_urls(), self.output, options.server_metrics_interval,
-                                   options.server_metric, on_fault=self.on_output_error)
+        self.scrape_listeners: list = []  # handed to the scraper: called with each round (the live Replay view)
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         self.final_listeners: list = []  # called with every record of the merged file, at the end
-        # Registered first: asking the server below yields, and workers' hellos may come meanwhile.
+        self.server_check = Verdict(skipped="not checked").to_dict()  # the preflight's verdict, for the meta file
         link.on(messages.ROWS_ACK, self.on_rows_ack)
-        link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender))
+        link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender, clock))
         link.on(messages.READY, self.on_ready)
         link.on(messages.HELLO, self.on_hello)
         link.on(messages.PLAN_ACK, self.on_plan_ack)
@@ -187,61 +180,18 @@ class Coordinator:
         link.on(messages.STOPPED, self.on_stopped)
         link.on(messages.RECORDS, self.on_records)
         link.on(messages.FAULT, self.on_fault)
-        # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
-        # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
-        # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold
-        # load makes the set-up, a second or more of CPU.
-        self.tokenizer_fingerprint = off_loop(master_fingerprint, options.tokenizer, options.chat_template, options.api)
-        read_started = time.perf_counter()
-        trace = TraceStream(options.trace, options.trace_format, options.block_size, options.on_bad_line)
-        self.max_prompt_tokens = max_prompt_tokens = prompt_token_limit(options, endpoints or [])
-        self.schedule = Schedule(trace, options.start, options.duration, options.max_requests, max_prompt_tokens)
-        for bad in trace.skipped[:MAX_SKIPPED_SHOWN]:
-            logger.warning("skipped %s", bad)
-        if len(trace.skipped) > MAX_SKIPPED_SHOWN:
-            logger.warning("... and %d more bad rows skipped", len(trace.skipped) - MAX_SKIPPED_SHOWN)
-        self.trace = trace
-        self.trace_sha256 = off_loop(file_sha256, trace.path)  # for both metas: the first and the end's
-        versions()  # known now: its first call yields, and `begin` must not (a second Start would come in)
-        self.origin = self.schedule.origin
-        self.total = len(self.schedule) + len(self.schedule.oversized)  # rows the run must record
-        if not self.total:  # a run of nothing would "succeed" with no record at all
-            raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
-                             f"--duration {options.duration}, --max-requests {options.max_requests}; "
-                             f"the trace has {self.schedule.trace_rows} rows)")
-        check_replay_length(self.schedule.window_s, options.scale, options.start)
-        logger.info(
-            "trace %s (%s, block %s): %d rows, %d in the window, %.1f s at scale %g (read in %.1f s)",
-            trace.path, trace.format, trace.block_size, self.schedule.trace_rows, self.total,
-            self.window_seconds(), options.scale, time.perf_counter() - read_started,
-        )  # fmt: skip
-        if self.schedule.oversized:
-            logger.warning("%d rows have prompts over --max-prompt-tokens %d: recorded as %r, never sent",
-                           len(self.schedule.oversized), max_prompt_tokens, OVERSIZED)
-        self.endpoints = endpoints or []
-        self.server_check = Verdict(skipped="not checked").to_dict()  # check_servers' verdict, for the meta file
 
-    def check_servers(self) -> None:
-        """--verify-server: the servers count a sample of this run's prompts as the tokenizer does,
-        or the run is refused here, before any worker starts (replay.synth.server_check). Apart
-        from the constructor, so a stop during the check finds the trace read and can record it."""
-        options, urls = self.options, self.endpoints
-        skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
-        if skipped or not urls:
-            self.server_check = Verdict(skipped=skipped or "no server").to_dict()
-            return
-        synth = build_off_loop(options, self.trace.block_size).synth
-        self.server_check = verify_servers(urls, synth, options.tokenizer, mode=options.verify_server,
-                                           model=options.model, headers=parse_headers(options.header),
-                                           lengths=self.schedule.input_lengths,
-                                           max_len=self.max_prompt_tokens).to_dict()
+    @property
+    def scrapes(self) -> bool:
+        """Whether the run scrapes the servers' /metrics (--server-metrics-interval)."""
+        return self.options.server_metrics_interval > 0
 
     def endpoint_urls(self) -> list[str]:
         """The servers this run sends to: --endpoints, or the runner's host."""
-        return self.options.endpoint_urls(self.host())
+        return self.spec.endpoint_urls()
 
     def window_seconds(self) -> float:
-        return replay_seconds(self.schedule.window_s, self.options.scale)
+        return self.spec.window_seconds
 
     @property
     def recorded(self) -> int:
@@ -262,12 +212,15 @@ class Coordinator:
         has said HELLO (`on_hello` sends it to those that have not yet)."""
         if self.store is not None:  # begun, or cancelled
             return
-        self.started_at = time.time()
+        self.started_at = self.clock.now()
         self._open_records(len(workers))
         if self.end_reason == OUTPUT_ERROR:  # nothing is planned: every row is recorded as not sent
             logger.info("replay: %d rows, output %s: nothing sent", len(self.schedule), self.output)
             return
-        if self.scraper is not None:
+        if self.scrapes:
+            self.scraper = Scraper(self.endpoint_urls(), self.output, self.options.server_metrics_interval,
+                                   self.options.server_metric, on_fault=self.on_output_error)
+            self.scraper.listeners.extend(self.scrape_listeners)
             self.scraper.start()
         parts = self.schedule.partition(len(workers), self.options.partition)
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
@@ -281,10 +234,10 @@ class Coordinator:
                 origin=self.origin,
                 block_size=self.trace.block_size,
                 output=self.output,
-                run_id=self.run_id,
+                run_id=self.spec.run_id,
                 endpoints=self.endpoint_urls(),
                 options=self.options.to_dict(),
-                tokenizer_fingerprint=self.tokenizer_fingerprint,
+                tokenizer_fingerprint=self.spec.tokenizer_fingerprint,
                 master_node=platform.node(),
                 master_pgid=os.getpgrp(),
             )
@@ -310,7 +263,7 @@ class Coordinator:
             self.on_output_error(e)
 
     def _record_oversized(self) -> None:
-        reason = f"{OVERSIZED} ({self.max_prompt_tokens})"
+        reason = f"{OVERSIZED} ({self.spec.max_prompt_tokens})"
         records = (unsent_record(row, worker=None, api=self.options.api, scheduled_at=None, reason=reason)
                    for row in self.schedule.oversized_rows())
         self.ingest(list(records))
@@ -395,11 +348,11 @@ class Coordinator:
             return
         if not force and self.scraper is not None and not self.scraper.first_round.is_set():
             return  # the servers' counters are read once before the first send
-        self.epoch = time.time() + GO_LEAD_S
+        self.epoch = self.clock.now() + GO_LEAD_S
         self.last_due = self.epoch + self.window_seconds()
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
-        logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - time.time())
+        logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
 
     # -- records ------------------------------------------------------------------------------------
 
@@ -476,15 +429,15 @@ class Coordinator:
 
     def _supervise(self) -> None:
         while not self.finished.is_set():
-            gevent.sleep(TICK_S)
+            self.clock.sleep(TICK_S)
             self._check_workers()
-            if self.epoch is None and time.time() - self.started_at > READY_TIMEOUT_S:
+            if self.epoch is None and self.clock.now() - self.started_at > READY_TIMEOUT_S:
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)
                 self._maybe_go(force=True)
             self._maybe_go()
             if self.store.count >= self.total:
                 self._end_by_itself("complete")
-            if self.last_due is not None and time.time() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S:
+            if self.last_due is not None and self.clock.now() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S:
                 logger.warning("drain timeout: ending the run with %d rows unanswered", self.total - self.store.count)
                 self._end_by_itself(DRAIN_TIMEOUT)
 
@@ -536,44 +489,21 @@ class Coordinator:
         abort()
         ids = self.schedule.request_ids
         missing = [ids[p] for w in live for i, p in enumerate(w.positions) if w.holds(i)]
-        deadline = time.time() + ABORT_WAIT_S
-        aborted = time.time()
-        while time.time() < deadline:
+        clock = self.clock
+        deadline = clock.now() + ABORT_WAIT_S
+        aborted = clock.now()
+        while clock.now() < deadline:
             missing = [rid for rid in missing if self.store.state(rid) != REAL]
             if not missing:
                 break
-            if time.time() - aborted >= ABORT_RESEND_S:
+            if clock.now() - aborted >= ABORT_RESEND_S:
                 abort()
-                aborted = time.time()
-            gevent.sleep(0.1)
+                aborted = clock.now()
+            clock.sleep(0.1)
 
-    def _trace_notes(self) -> str:
-        """Rows of the trace the run left out, or whose record the disk did not take, said where the summary is read."""
-        notes = ""
-        if self.trace.skipped:
-            notes += f"trace rows skipped as bad lines (--on-bad-line skip): {len(self.trace.skipped)}\n"
-        if self.schedule.oversized:
-            notes += (f"trace rows over --max-prompt-tokens {self.max_prompt_tokens}, never sent: "
-                      f"{len(self.schedule.oversized)}\n")
-        if self.store.unwritten:
-            notes += f"rows whose record could not be written (not in the summary): {self.store.unwritten}\n"
-        return notes
-
-    def _cache_fidelity(self, meta: dict) -> dict | None:
-        """--server-block-size: the Prefix Cache Fidelity section, as `replay report` makes it, from
-        the merged file in a child process (the event loop turns meanwhile); a failure to compute
-        it is logged and leaves the summary without it."""
-        if not self.options.server_block_size:
-            return None
-        try:
-            job = cache_job(self.output, meta, server_block_size=self.options.server_block_size)
-            return off_loop(cache_section, job)[0] if job is not None else None
-        except (ValueError, OSError) as e:
-            logger.error("cache fidelity: %s", e)
-            return None
-
-    def _finalize(self) -> dict:
-        """Account for every row, write the merged file sorted by request_id, print the summary,
+    def _finalize(self) -> None:
+        """Account for every row (the rows without a record get their labels), then end the run
+        (replay.run.finish: the merged file sorted by request_id, the summary, the last meta)
         and set the exit code: 1 when any row failed for a reason other than the user's stop.
         Run once, by `end`."""
         if self._supervisor is not None:
@@ -596,58 +526,12 @@ class Coordinator:
         self._fill(range(len(self.schedule)), None, never_sent)  # rows never assigned (no worker at all)
         if self.scraper is not None:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
-        builder = ReportBuilder(parse_slo(self.options.slo))
-        failed = 0
+        code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners)
+        if code:
+            self.on_exit_code(code)
 
-        def each(record: dict) -> None:
-            nonlocal failed
-            builder.add(record)
-            failed += is_failure(record)
-            for listener in self.final_listeners:
-                listener(record)
-
-        count = self.store.finish(each)
-        self.schedule.close()
-        meta = self.metadata()
-        report = builder.report(self._cache_fidelity(meta))
-        report["server"] = read_server_section(self.output, report["endpoints"], self.options.server_metric or ())
-        try:
-            write_summary(self.output, report)
-        except OutputError as e:
-            self.on_output_error(e)
-        sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {self.output}\n" + self._trace_notes())
-        sys.stdout.flush()
-        self._write_last_meta()
-        if failed:
-            logger.error("%d of %d rows failed: exit code 1", failed, count)
-            self.on_exit_code(1)
-        return report
-
-    def _write_last_meta(self) -> None:
-        """The meta, last: it names every file a failed write left incomplete (the records as
-        appended when the sorted rewrite failed: whole, each row once, not sorted); with any, the
-        exit code is 1 and one line says where that is written, or that it could not be."""
-        incomplete = dict(self.incomplete)
-        if self.store.unwritten:
-            incomplete[str(self.output)] = (incomplete.get(str(self.output), "") +
-                                            f"; {self.store.unwritten} rows have no record in it").lstrip("; ")
-        tmp = str(tmp_path(self.output))
-        if tmp in incomplete:
-            incomplete[tmp] += (f"; {self.output} is kept as appended: each row once, not sorted by request_id"
-                                if Path(self.output).exists() else f"; {self.output} was removed during the run")
-        try:
-            write_run_metadata(self.output, self.metadata(incomplete))
-            where = f"(listed in {meta_path(self.output)})"
-        except OutputError as e:
-            where = f"and the meta could not be written either ({e})"
-        if incomplete:
-            logger.error("replay: the run's files are not complete: %s %s: exit code 1",
-                         "; ".join(f"{file}: {why}" for file, why in incomplete.items()), where)
-            self.on_exit_code(1)
-
-    def metadata(self, incomplete: dict[str, str] | None = None) -> dict:
-        """The run's metadata (OUTPUT.meta.json, replay.results.metadata.run_metadata);
-        `incomplete`: {file: why} of the files not whole."""
+    def facts(self) -> RunFacts:
+        """What the run learned so far, for its meta file (RunSpec.metadata)."""
         workers = [{
             "index": state.index,
             "client_id": state.client_id,
@@ -657,24 +541,8 @@ class Coordinator:
             "rows_assigned": len(state.positions),
             "lost": state.lost,
         } for state in sorted(self.workers.values(), key=lambda w: w.index)]  # fmt: skip
-        return run_metadata(
-            self.options.to_dict(),
-            trace_path=str(self.trace.path),
-            trace_format=self.trace.format,
-            block_size=self.trace.block_size,
-            rows=self.total,
-            origin=self.origin,
-            window_s=self.window_seconds(),
-            endpoints=self.endpoint_urls(),
-            workers=workers,
-            epoch=self.epoch,
-            started_at=self.started_at,
-            run_id=self.run_id,
-            trace_rows=self.schedule.trace_rows,
-            skipped=[str(bad) for bad in self.trace.skipped],
-            max_prompt_tokens=self.max_prompt_tokens,
-            oversized=len(self.schedule.oversized),
-            server_check=self.server_check,
-            trace_sha256=self.trace_sha256,
-            incomplete=[{"file": file, "error": why} for file, why in (incomplete or {}).items()],
-        )
+        return RunFacts(workers=workers, epoch=self.epoch, started_at=self.started_at, server_check=self.server_check)
+
+    def metadata(self, incomplete: dict[str, str] | None = None) -> dict:
+        """The run's metadata (OUTPUT.meta.json); `incomplete`: {file: why} of the files not whole."""
+        return self.spec.metadata(self.facts(), incomplete)

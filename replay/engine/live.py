@@ -98,8 +98,7 @@ class LiveStats:
         self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
         self.ideal = ideal_hit_tokens(coordinator)
         self.servers = ServerView([shown(url) for url in coordinator.endpoint_urls()])
-        if coordinator.scraper is not None:
-            coordinator.scraper.listeners.append(self.servers.on_round)
+        coordinator.scrape_listeners.append(self.servers.on_round)  # the scraper is made as the run begins
         self._final = FinalCounts()
         coordinator.final_listeners.append(self._final.add)
         self.latest: dict = dict.fromkeys(LATEST_KEYS)
@@ -274,7 +273,7 @@ class LiveStats:
             "history": history,
             "errors": dict(self.errors.most_common()),
             "run": self.run_info(now),
-            "servers": self.servers.info(self.coordinator.scraper is not None),
+            "servers": self.servers.info(self.coordinator.scrapes),
         }
 
     def run_ticks(self) -> None:

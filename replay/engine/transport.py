@@ -29,6 +29,7 @@ class Link:
     """Sends and receives replay messages. `to_worker` takes the runner's client id of a worker."""
 
     def on(self, msg_type: str, handler: Handler) -> None:
+        """Handle `msg_type` with `handler` from now on (replacing an earlier one)."""
         raise NotImplementedError
 
     def to_worker(self, client_id: str, msg_type: str, data: Any) -> None:

@@ -8,13 +8,20 @@ from replay.engine.transport import Handler, Link
 
 
 class RunnerLink(Link):
-    """Locust's own custom messages (MasterRunner or WorkerRunner)."""
+    """Locust's own custom messages (MasterRunner or WorkerRunner). Locust takes one listener
+    per message type, once: the link registers its own, which calls the latest handler."""
 
     def __init__(self, runner):
         self.runner = runner
+        self.handlers: dict[str, Handler] = {}
 
     def on(self, msg_type: str, handler: Handler) -> None:
-        self.runner.register_message(msg_type, lambda environment, msg, **kw: handler(msg.data, msg.node_id))
+        if msg_type not in self.handlers:
+            self.runner.register_message(msg_type, lambda environment, msg, **kw: self._handle(msg_type, msg))
+        self.handlers[msg_type] = handler
+
+    def _handle(self, msg_type: str, msg) -> None:
+        self.handlers[msg_type](msg.data, msg.node_id)
 
     def to_worker(self, client_id: str, msg_type: str, data: Any) -> None:
         self.runner.send_message(msg_type, data, client_id=client_id)

@@ -22,13 +22,14 @@ from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
 from replay.protocol.urls import shown
 from replay.engine import live, messages, transport
-from replay.engine.coordinator import Coordinator, default_output
+from replay.engine.coordinator import Coordinator, listen_for_hellos
 from replay.engine.dispatcher import Dispatcher
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink
+from replay.run import preflight
 from replay.run.config import replay_options
 from replay.run.options import add_arguments
-from replay.results.output import OutputClaim, claim_output
+from replay.run.spec import RunSpec
 from replay.results.records import MASTER_LOST, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
 from replay.trace.record import TraceError
 
@@ -53,34 +54,28 @@ def _add_options(parser) -> None:
 
 
 def _coordinator(environment, link: transport.Link, part: Dispatcher | None = None) -> Coordinator:
-    """The master's preflight, before any worker gets anything: every error is one line, exit 2.
-    `environment.replay` is set as soon as the trace is read, before the server check: a signal
-    from then on records every row (`_stop_on_signals`)."""
-    claim: OutputClaim | None = None
+    """The master's preflight (replay.run.preflight), before any worker gets anything: every
+    error is one line, exit 2. `environment.replay` is set as soon as the trace is read, before
+    the server check: a signal from then on records every row (`_stop_on_signals`)."""
+    spec: RunSpec | None = None
     try:
+        heard = listen_for_hellos(link)  # workers that connect while the preflight loads
         options = replay_options(environment.parsed_options)
-        options.check()
         web_user = getattr(environment.parsed_options, "web_user", None)
         if web_user:  # refused as the web UI refuses it, with or without one (--headless)
             webauth.parse_web_user(web_user)
-        host = _hide_host_credentials(environment)
-        urls = options.endpoint_urls(host())
-        # The output is decided and locked here (held until this process exits), before the
-        # coordinator could write it; an earlier run's files go now, only with --overwrite.
-        claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
-                             default=options.output is None)
-        options.output = claim.output
+        spec = preflight.load(options, _hide_host_credentials(environment))
         runner = environment.runner
-        coordinator = Coordinator(link, options, local_part=part, endpoints=urls, host=host,
+        coordinator = Coordinator(spec, link, local_part=part, heard=heard,
                                   worker_gone=lambda client_id: _worker_gone(runner, client_id),
                                   worker_host=lambda client_id: _worker_host(runner, client_id),
                                   on_exit_code=lambda code: setattr(environment, "process_exit_code", code))
         environment.replay = Replay(coordinator=coordinator, part=part)
-        coordinator.check_servers()
+        coordinator.server_check = preflight.check_servers(spec)
         return coordinator
     except (TraceError, ValueError, OSError) as e:
-        if claim is not None:
-            claim.release()
+        if spec is not None and spec.claim is not None:
+            spec.claim.release()
         logger.error("replay: %s", e)
         sys.exit(2)
 

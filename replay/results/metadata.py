@@ -35,7 +35,7 @@ def _version(dist: str) -> str | None:
 @functools.cache
 def versions() -> dict[str, str | None]:
     """Once per process: platform.platform() runs `uname -p` in a subprocess, which under
-    gevent yields to the event loop (the coordinator asks in its preflight, not at the start)."""
+    gevent yields to the event loop (replay.run.preflight asks, not the run's start)."""
     return {
         "tracereplay": _version("tracereplay"),
         "locust": _version("locust"),

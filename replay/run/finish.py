@@ -1,0 +1,117 @@
+"""Where a run ends: once the engine has a record for every row (replay.engine.coordinator's
+`_finalize` fills the rows left without one with their labels), `finish` merges the records
+(the RecordStore's sorted rewrite), builds the summary (replay.results.report) with its server
+and cache sections, writes OUTPUT.summary.json, prints the summary, writes the last meta file
+(OUTPUT.meta.json, naming any file a failed write left incomplete) and returns the exit code.
+
+Everything it needs comes in as values: the run's spec (replay.run.spec, made by
+replay.run.preflight), the store, what the engine learned (RunFacts), and the files found
+incomplete so far. A file that cannot be written here (a full disk) goes to `on_fault`, which
+adds it to `incomplete` (replay.results.files): the run's other files are still written.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+from replay.engine.dispatcher import off_loop
+from replay.results.cache_section import cache_job, cache_section
+from replay.results.files import OutputError
+from replay.results.metadata import write_run_metadata, write_summary
+from replay.results.records import is_failure
+from replay.results.report import ReportBuilder, format_report, parse_slo
+from replay.results.server_metrics import read_server_section
+from replay.results.store import RecordStore
+from replay.rules.run_files import meta_path, tmp_path
+from replay.run.spec import RunFacts, RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
+           on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[dict], None]] = ()) -> int:
+    """End the run whose every row has a record in `store`; returns the exit code: 1 when any
+    row failed for a reason other than the user's stop, or a file of the run is not whole, else 0.
+    `incomplete` ({file: why}) is the engine's, which `on_fault` adds to; `listeners` see every
+    record of the merged file (the live Replay view's final counts)."""
+    builder = ReportBuilder(parse_slo(spec.options.slo))
+    failed = 0
+
+    def each(record: dict) -> None:
+        nonlocal failed
+        builder.add(record)
+        failed += is_failure(record)
+        for listener in listeners:
+            listener(record)
+
+    count = store.finish(each)
+    spec.schedule.close()
+    report = builder.report(_cache_section(spec, spec.metadata(facts)))
+    report["server"] = read_server_section(spec.output, report["endpoints"], spec.options.server_metric or ())
+    try:
+        write_summary(spec.output, report)
+    except OutputError as e:
+        on_fault(e)
+    sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {spec.output}\n" + _trace_notes(spec, store))
+    sys.stdout.flush()
+    code = _write_last_meta(spec, store, facts, incomplete)
+    if failed:
+        logger.error("%d of %d rows failed: exit code 1", failed, count)
+        code = 1
+    return code
+
+
+def _cache_section(spec: RunSpec, meta: dict) -> dict | None:
+    """--server-block-size: the Prefix Cache Fidelity section, as `replay report` makes it, from
+    the merged file in a child process (replay.results.cache_section: this process never loads
+    the tokenizer, and the event loop turns meanwhile); a failure to compute it is logged and
+    leaves the summary without it."""
+    if not spec.options.server_block_size:
+        return None
+    try:
+        job = cache_job(spec.output, meta, server_block_size=spec.options.server_block_size)
+        return off_loop(cache_section, job)[0] if job is not None else None
+    except (ValueError, OSError) as e:
+        logger.error("cache fidelity: %s", e)
+        return None
+
+
+def _trace_notes(spec: RunSpec, store: RecordStore) -> str:
+    """Rows of the trace the run left out, or whose record the disk did not take, said where the summary is read."""
+    notes = ""
+    if spec.trace.skipped:
+        notes += f"trace rows skipped as bad lines (--on-bad-line skip): {len(spec.trace.skipped)}\n"
+    if spec.schedule.oversized:
+        notes += (f"trace rows over --max-prompt-tokens {spec.max_prompt_tokens}, never sent: "
+                  f"{len(spec.schedule.oversized)}\n")
+    if store.unwritten:
+        notes += f"rows whose record could not be written (not in the summary): {store.unwritten}\n"
+    return notes
+
+
+def _write_last_meta(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str]) -> int:
+    """The meta, last: it names every file a failed write left incomplete (the records as
+    appended when the sorted rewrite failed: whole, each row once, not sorted); with any, the
+    exit code is 1 (returned) and one line says where that is written, or that it could not be."""
+    output = spec.output
+    incomplete = dict(incomplete)
+    if store.unwritten:
+        incomplete[str(output)] = (incomplete.get(str(output), "") +
+                                   f"; {store.unwritten} rows have no record in it").lstrip("; ")
+    tmp = str(tmp_path(output))
+    if tmp in incomplete:
+        incomplete[tmp] += (f"; {output} is kept as appended: each row once, not sorted by request_id"
+                            if Path(output).exists() else f"; {output} was removed during the run")
+    try:
+        write_run_metadata(output, spec.metadata(facts, incomplete))
+        where = f"(listed in {meta_path(output)})"
+    except OutputError as e:
+        where = f"and the meta could not be written either ({e})"
+    if not incomplete:
+        return 0
+    logger.error("replay: the run's files are not complete: %s %s: exit code 1",
+                 "; ".join(f"{file}: {why}" for file, why in incomplete.items()), where)
+    return 1

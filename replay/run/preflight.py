@@ -1,0 +1,119 @@
+"""Where a run starts: every check and every load before anything is sent, in two steps.
+
+1. `load(options, host)` -> RunSpec (replay.run.spec): the options checked, the output claimed
+   (replay.results.output), the tokenizer loaded once for its fingerprint
+   (replay.engine.same_tokenizer), the endpoints asked for the prompt limit
+   (replay.run.options.prompt_token_limit), the trace read, validated and spooled into the
+   Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows or
+   one longer than any replay refused.
+2. `check_servers(spec)` -> the verdict of --verify-server (replay.synth.server_check), which
+   the caller hands to the Coordinator for the meta file.
+
+They are two because a stop can come between them: once the trace is read, the caller builds
+the Coordinator (replay.engine.coordinator) before the server check, so that a signal during
+the check finds the rows and records every one as "run stopped" (replay.locust.plugin's
+`_stop_on_signals`). Every refusal is one line (TraceError, ValueError or OSError; OptionError
+names the option) that the caller turns into exit code 2. The run ends in replay.run.finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Callable
+
+from replay.engine.dispatcher import build_off_loop, off_loop
+from replay.engine.plan import Schedule, check_replay_length
+from replay.engine.same_tokenizer import master_fingerprint
+from replay.protocol.headers import parse_headers
+from replay.protocol.table import sends_token_ids
+from replay.results.metadata import file_sha256, versions
+from replay.results.output import claim_output
+from replay.results.records import OVERSIZED
+from replay.run.options import ReplayOptions, prompt_token_limit
+from replay.run.spec import RunSpec, TraceFacts
+from replay.synth.server_check import Verdict, skip_reason, verify_servers
+from replay.trace.reader import TraceStream
+
+logger = logging.getLogger(__name__)
+
+MAX_SKIPPED_SHOWN = 20  # --on-bad-line skip: lines listed in the log (all are counted)
+
+
+def default_output() -> str:
+    return time.strftime("results/replay-%Y%m%d-%H%M%S.jsonl", time.gmtime())
+
+
+def load(options: ReplayOptions, host: Callable[[], str | None]) -> RunSpec:
+    """Check and load everything a run needs before a worker gets anything (see the module's
+    docstring); `host` gives the runner's target host when asked (a web UI may change it
+    before Start). The output stays claimed (locked) for this process's life; on a refusal
+    here it is released. Sets `options.output` to the output claimed."""
+    options.check()
+    urls = options.endpoint_urls(host())
+    # The output is decided and locked here (held until this process exits), before anything
+    # could write it; an earlier run's files go now, only with --overwrite.
+    claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
+                         default=options.output is None)
+    try:
+        options.output = claim.output
+        return _load(options, host, urls, claim)
+    except BaseException:
+        claim.release()
+        raise
+
+
+def _load(options: ReplayOptions, host: Callable[[], str | None], urls: list[str], claim) -> RunSpec:
+    # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
+    # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
+    # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold load
+    # makes the set-up, a second or more of CPU, and workers' messages keep coming meanwhile.
+    fingerprint = off_loop(master_fingerprint, options.tokenizer, options.chat_template, options.api)
+    read_started = time.perf_counter()
+    trace = TraceStream(options.trace, options.trace_format, options.block_size, options.on_bad_line)
+    max_prompt_tokens = prompt_token_limit(options, urls)
+    schedule = Schedule(trace, options.start, options.duration, options.max_requests, max_prompt_tokens)
+    try:
+        for bad in trace.skipped[:MAX_SKIPPED_SHOWN]:
+            logger.warning("skipped %s", bad)
+        if len(trace.skipped) > MAX_SKIPPED_SHOWN:
+            logger.warning("... and %d more bad rows skipped", len(trace.skipped) - MAX_SKIPPED_SHOWN)
+        facts = TraceFacts(path=trace.path, format=trace.format, block_size=trace.block_size,
+                           sha256=off_loop(file_sha256, trace.path),  # for both metas: the first and the end's
+                           skipped=tuple(str(bad) for bad in trace.skipped))
+        versions()  # known now: its first call yields, and the run's begin must not (a second Start would come in)
+        spec = RunSpec(options=options, output=claim.output, run_id=uuid.uuid4().hex[:12], schedule=schedule,
+                       trace=facts, max_prompt_tokens=max_prompt_tokens, tokenizer_fingerprint=fingerprint,
+                       host=host, claim=claim)
+        if not spec.total:  # a run of nothing would "succeed" with no record at all
+            raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
+                             f"--duration {options.duration}, --max-requests {options.max_requests}; "
+                             f"the trace has {schedule.trace_rows} rows)")
+        check_replay_length(schedule.window_s, options.scale, options.start)
+    except BaseException:
+        schedule.close()
+        raise
+    logger.info(
+        "trace %s (%s, block %s): %d rows, %d in the window, %.1f s at scale %g (read in %.1f s)",
+        trace.path, trace.format, trace.block_size, schedule.trace_rows, spec.total,
+        spec.window_seconds, options.scale, time.perf_counter() - read_started,
+    )  # fmt: skip
+    if schedule.oversized:
+        logger.warning("%d rows have prompts over --max-prompt-tokens %d: recorded as %r, never sent",
+                       len(schedule.oversized), max_prompt_tokens, OVERSIZED)
+    return spec
+
+
+def check_servers(spec: RunSpec) -> dict:
+    """--verify-server: the servers count a sample of this run's prompts as the tokenizer does,
+    or the run is refused here (ServerCountsDiffer, a ValueError), before any worker starts
+    (replay.synth.server_check). Returns the verdict for the meta file."""
+    options, urls = spec.options, spec.endpoint_urls()
+    skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
+    if skipped or not urls:
+        return Verdict(skipped=skipped or "no server").to_dict()
+    synth = build_off_loop(options, spec.trace.block_size).synth
+    return verify_servers(urls, synth, options.tokenizer, mode=options.verify_server, model=options.model,
+                          headers=parse_headers(options.header), lengths=spec.schedule.input_lengths,
+                          max_len=spec.max_prompt_tokens).to_dict()

@@ -1,0 +1,299 @@
+"""The Coordinator in one process, on a fake clock, with fake workers (tests/engine_support.py):
+no trace file, no tokenizer, no server, no Locust. What a run's rows are labelled with, how
+workers coming and going are handled, how rows are shipped (chunks, windows, acks), and the exit
+code. The real Dispatcher against a real server is tests/test_engine.py's; real Locust
+processes are tests/test_distributed.py's."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import replace
+
+import gevent
+import pytest
+
+from engine_support import FakeClock, FakeWorker, Hub, make_rows, spec_of
+from replay.engine import coordinator as coordinator_module, transport
+from replay.engine.coordinator import CHUNK_ROWS, READY_TIMEOUT_S, Coordinator, listen_for_hellos
+from replay.engine.transport import LOCAL_CLIENT, LocalLink
+from replay.results.metadata import meta_path, read_run_metadata, summary_path
+from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,
+                                    WORKER_LOST, WORKER_STOPPED, read_records)
+
+
+class Run:
+    """A Coordinator for `spec` on a fake clock, its exit codes and lost workers noted."""
+
+    def __init__(self, spec, link: transport.Link, clock: FakeClock | None = None, **kwargs):
+        self.spec, self.link = spec, link
+        self.clock = clock or FakeClock()
+        self.exit_codes: list[int] = []
+        self.gone: set[str] = set()
+        self.coordinator = Coordinator(spec, link, self.clock, worker_gone=self.gone.__contains__,
+                                       on_exit_code=self.exit_codes.append, **kwargs)
+
+    def begin(self, workers=((LOCAL_CLIENT, 0),)) -> Run:
+        gevent.sleep(0.001)  # the workers' HELLO is in
+        self.coordinator.begin(list(workers))
+        return self
+
+    def until(self, condition) -> None:
+        self.clock.drive(condition)
+
+    def finish(self) -> dict[int, dict]:
+        """Until the run ends by itself, then its end; the merged records by request id."""
+        self.until(self.coordinator.finished.is_set)
+        return self.end()
+
+    def end(self) -> dict[int, dict]:
+        """The end (a user's stop when the run has not ended by itself), driven on the clock."""
+        ending = gevent.spawn(self.coordinator.end)
+        self.until(lambda: ending.dead)
+        ending.get()
+        records = list(read_records(self.spec.output))
+        assert [r["request_id"] for r in records] == sorted(r["request_id"] for r in records)
+        return {r["request_id"]: r for r in records}
+
+
+def labels(records: dict[int, dict]) -> Counter:
+    return Counter("ok" if r["ok"] else r["error"] for r in records.values())
+
+
+# -- the start: built from values, no I/O -----------------------------------------------------------
+
+def test_a_coordinator_is_built_without_a_trace_a_tokenizer_or_a_server(tmp_path):
+    spec = spec_of(make_rows(10), tmp_path, server_metrics_interval=1.0)
+    c = Coordinator(spec, LocalLink(), FakeClock())
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing asked: the files come with `begin`
+    assert c.scraper is None and c.total == 10 and c.store is None
+
+
+def test_every_row_ok_exit_code_0(tmp_path):
+    rows = 2 * CHUNK_ROWS + 234  # three ROWS chunks
+    spec = spec_of(make_rows(rows), tmp_path)
+    link = LocalLink()
+    run = Run(spec, link)
+    worker = FakeWorker(link).hello()
+    run.begin()
+    records = run.finish()
+    assert labels(records) == {"ok": rows}
+    assert run.coordinator.end_reason == "complete" and run.exit_codes == []
+    assert worker.applied == [0, 1, 2] and run.coordinator.workers[LOCAL_CLIENT].acked == {0, 1, 2}
+    assert worker.chunks_seen == [0, 1, 2]  # each once: every chunk was acked in time
+    meta = read_run_metadata(spec.output)
+    assert meta["complete"] and meta["run_id"] == "testrun" and meta["trace"]["rows"] == rows
+    assert meta["epoch"] == run.coordinator.epoch and meta["workers"][0]["rows_assigned"] == rows
+    assert summary_path(spec.output).exists()
+
+
+def test_a_hello_during_the_preflight_is_kept(tmp_path):
+    """A worker that connects while the preflight loads says HELLO before the Coordinator
+    exists: listen_for_hellos keeps it, and the plan goes to that worker at the start."""
+    link = LocalLink()
+    heard = listen_for_hellos(link)
+    worker = FakeWorker(link).hello()
+    gevent.sleep(0.001)
+    run = Run(spec_of(make_rows(20), tmp_path), link, heard=heard).begin()
+    assert labels(run.finish()) == {"ok": 20} and worker.plan is not None
+
+
+def test_the_scraper_is_made_as_the_run_begins(tmp_path):
+    spec = spec_of(make_rows(5), tmp_path, server_metrics_interval=0.5)
+    link = LocalLink()
+    run = Run(spec, link)
+    FakeWorker(link).hello()
+    assert run.coordinator.scraper is None
+    run.begin()
+    assert run.coordinator.scraper is not None and run.coordinator.scraper.endpoints == [spec.endpoint_urls()[0]]
+    assert labels(run.finish()) == {"ok": 5}
+
+
+# -- labels and exit codes ---------------------------------------------------------------------------
+
+def test_a_failed_row_makes_exit_code_1(tmp_path):
+    link = LocalLink()
+    run = Run(spec_of(make_rows(70), tmp_path), link)
+    FakeWorker(link, answer=lambda row: 500 if row.request_id % 7 == 0 else 200).hello()
+    run.begin()
+    assert labels(run.finish()) == {"ok": 60, "HTTP 500": 10}
+    assert run.exit_codes == [1]
+
+
+def test_a_user_stop_labels_the_rest_run_stopped_exit_code_untouched(tmp_path):
+    link = LocalLink()
+    run = Run(spec_of(make_rows(600), tmp_path), link)
+    worker = FakeWorker(link, answer_first=100).hello()
+    run.begin()
+    run.until(lambda: run.coordinator.recorded >= 100)
+    records = run.end()
+    assert labels(records) == {"ok": 100, RUN_STOPPED: 500}
+    assert worker.aborted == RUN_STOPPED and run.coordinator.end_reason is None and run.exit_codes == []
+
+
+def test_held_rows_the_worker_never_returns_are_no_record_exit_code_1(tmp_path):
+    """At a user's stop, a worker that does not answer the abort: the rows it confirmed holding
+    are "no record from worker" (a failure, whoever stopped the run)."""
+    link = LocalLink()
+    run = Run(spec_of(make_rows(50), tmp_path), link)
+    FakeWorker(link, answer_first=10, hears_abort=False).hello()
+    run.begin()
+    run.until(lambda: run.coordinator.recorded >= 10)
+    assert labels(run.end()) == {"ok": 10, NO_RECORD: 40}
+    assert run.exit_codes == [1]
+
+
+def test_a_stop_before_the_start_records_every_row_run_stopped(tmp_path):
+    spec = spec_of(make_rows(30), tmp_path)
+    run = Run(spec, LocalLink())
+    run.coordinator.cancel()
+    assert labels({r["request_id"]: r for r in read_records(spec.output)}) == {RUN_STOPPED: 30}
+    assert run.exit_codes == [] and meta_path(spec.output).exists() and summary_path(spec.output).exists()
+
+
+def test_the_drain_timeout_ends_the_run(tmp_path):
+    """Rows still unanswered --drain-timeout (+ DRAIN_GRACE_S) after the last send: the run
+    ends by itself, the worker records its held rows with the drain's label."""
+    link = LocalLink()
+    run = Run(spec_of(make_rows(50), tmp_path, drain_timeout=30.0), link)
+    FakeWorker(link, answer_first=10).hello()
+    run.begin()
+    records = run.finish()
+    assert run.coordinator.end_reason == DRAIN_TIMEOUT and run.clock.t > run.coordinator.last_due + 30.0
+    assert labels(records) == {"ok": 10, DRAIN_TIMEOUT: 40} and run.exit_codes == [1]
+
+
+def test_oversized_rows_are_recorded_never_sent(tmp_path):
+    rows = [r if r.request_id % 5 else replace(r, input_length=500) for r in make_rows(25)]
+    link = LocalLink()
+    run = Run(spec_of(rows, tmp_path, max_prompt_tokens=100), link)
+    worker = FakeWorker(link).hello()
+    run.begin()
+    records = run.finish()
+    assert labels(records) == {"ok": 20, f"{OVERSIZED} (100)": 5}
+    assert {row.request_id for row in worker.rows} == {i for i in range(25) if i % 5}  # never shipped
+    assert run.exit_codes == [1] and read_run_metadata(run.spec.output)["trace"]["rows_over_max_prompt_tokens"] == 5
+
+
+def test_a_worker_that_cannot_write_its_file_stops_the_run(tmp_path):
+    link = LocalLink()
+    run = Run(spec_of(make_rows(40), tmp_path), link)
+    worker = FakeWorker(link, answer_first=10).hello()
+    run.begin()
+    run.until(lambda: run.coordinator.recorded >= 10)
+    worker.fault("run.jsonl.worker-0.jsonl", "No space left on device")
+    records = run.finish()
+    assert run.coordinator.end_reason == OUTPUT_ERROR
+    assert labels(records) == {"ok": 10, OUTPUT_ERROR: 30} and run.exit_codes == [1]
+    meta = read_run_metadata(run.spec.output)
+    assert not meta["complete"] and meta["incomplete"] == [{"file": "run.jsonl.worker-0.jsonl",
+                                                             "error": "No space left on device"}]
+
+
+def test_a_worker_that_cannot_replay_fails_its_rows(tmp_path):
+    hub = Hub()
+    run = Run(spec_of(make_rows(40), tmp_path), hub.master)
+    FakeWorker(hub.worker("w0")).hello()
+    FakeWorker(hub.worker("w1"), error="tokenizer mismatch: this worker's differs").hello()
+    run.begin([("w0", 0), ("w1", 1)])
+    records = run.finish()
+    assert labels(records) == {"ok": 20, f"{WORKER_FAILED}: tokenizer mismatch: this worker's differs": 20}
+    assert run.exit_codes == [1]
+
+
+# -- churn: workers lost, late, slow --------------------------------------------------------------
+
+def test_a_worker_lost_mid_run(tmp_path):
+    hub = Hub()
+    run = Run(spec_of(make_rows(40), tmp_path), hub.master)
+    FakeWorker(hub.worker("w0")).hello()
+    FakeWorker(hub.worker("w1"), answer_first=5).hello()
+    run.begin([("w0", 0), ("w1", 1)])
+    run.until(lambda: run.coordinator.recorded >= 25)
+    hub.cut.add("w1")
+    run.gone.add("w1")
+    records = run.finish()
+    assert labels(records) == {"ok": 25, WORKER_LOST: 15}
+    assert {r["worker"] for r in records.values() if r["error"] == WORKER_LOST} == {1}
+    assert run.exit_codes == [1]
+    assert [w["lost"] for w in read_run_metadata(run.spec.output)["workers"]] == [False, True]
+
+
+def test_every_worker_lost_ends_the_run(tmp_path):
+    hub = Hub()
+    run = Run(spec_of(make_rows(10), tmp_path), hub.master)
+    FakeWorker(hub.worker("w0"), answer_first=3).hello()
+    run.begin([("w0", 0)])
+    run.until(lambda: run.coordinator.recorded >= 3)
+    run.gone.add("w0")
+    assert labels(run.finish()) == {"ok": 3, WORKER_LOST: 7} and run.exit_codes == [1]
+
+
+def test_a_worker_stopped_by_its_own_signal(tmp_path):
+    hub = Hub()
+    run = Run(spec_of(make_rows(20), tmp_path), hub.master)
+    FakeWorker(hub.worker("w0")).hello()
+    w1 = FakeWorker(hub.worker("w1"), answer_first=2).hello()
+    run.begin([("w0", 0), ("w1", 1)])
+    run.until(lambda: run.coordinator.recorded >= 12)
+    w1.stopped()
+    gevent.sleep(0.001)
+    hub.cut.add("w1")
+    run.gone.add("w1")
+    assert labels(run.finish()) == {"ok": 12, WORKER_STOPPED: 8} and run.exit_codes == [1]
+
+
+def test_a_late_worker_gets_no_rows(tmp_path):
+    hub = Hub()
+    run = Run(spec_of(make_rows(20), tmp_path), hub.master)
+    FakeWorker(hub.worker("w0")).hello()
+    run.begin([("w0", 0)])
+    late = FakeWorker(hub.worker("w1")).hello()
+    records = run.finish()
+    assert late.idle is not None and "connected after the replay began" in late.idle and late.plan is None
+    assert labels(records) == {"ok": 20} and run.exit_codes == []
+
+
+def test_a_worker_never_ready_is_started_anyway(tmp_path, caplog):
+    hub = Hub()
+    run = Run(spec_of(make_rows(20), tmp_path), hub.master)
+    FakeWorker(hub.worker("w0")).hello()
+    slow = FakeWorker(hub.worker("w1"), ready=False).hello()
+    run.begin([("w0", 0), ("w1", 1)])
+    with caplog.at_level(logging.WARNING, logger=coordinator_module.__name__):
+        run.until(lambda: run.coordinator.epoch is not None)
+    assert run.clock.t - run.coordinator.started_at > READY_TIMEOUT_S
+    assert "not every worker got ready" in caplog.text
+    assert labels(run.finish()) == {"ok": 20} and slow.go is not None
+
+
+# -- shipping rows: chunks and windows ----------------------------------------------------------------
+
+@pytest.mark.parametrize("partition", ["round-robin", "session"])
+def test_rows_are_split_across_workers(tmp_path, partition):
+    hub = Hub()
+    spec = spec_of(make_rows(90, sessions=9), tmp_path, partition=partition)
+    run = Run(spec, hub.master)
+    workers = [FakeWorker(hub.worker(f"w{i}")).hello() for i in range(3)]
+    records = run.begin([(f"w{i}", i) for i in range(3)]).finish()
+    assert labels(records) == {"ok": 90}
+    got = [{row.request_id for row in w.rows} for w in workers]
+    assert sorted(rid for part in got for rid in part) == list(range(90))  # each row to one worker
+    for w in workers:
+        assert {records[row.request_id]["worker"] for row in w.rows} == {w.index}
+    if partition == "session":  # a session's turns go out from one worker
+        assert all(len({row.session_id for row in w.rows} & {row.session_id for row in v.rows}) == 0
+                   for w in workers for v in workers if v is not w)
+
+
+def test_a_worker_holds_a_bounded_window_of_rows(tmp_path, monkeypatch):
+    """A worker is shipped only as far ahead as it asks (RowsAck.want): its memory stays flat
+    however long its part; the rest comes as it answers."""
+    monkeypatch.setattr(transport, "HOLD_ROWS", 2 * CHUNK_ROWS)
+    link = LocalLink()
+    run = Run(spec_of(make_rows(6 * CHUNK_ROWS), tmp_path), link)
+    worker = FakeWorker(link, hold=2 * CHUNK_ROWS).hello()
+    run.begin()
+    assert labels(run.finish()) == {"ok": 6 * CHUNK_ROWS}
+    assert worker.most_held <= 2 * CHUNK_ROWS and worker.applied == list(range(6))
+    assert run.coordinator.workers[LOCAL_CLIENT].acked == set(range(6))
