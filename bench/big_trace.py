@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import orjson
-
 from scale import BLOCK, LOCUST, OUTPUT, Proc, free_port, place, wait_all
+
 from replay.sim.process import sim_process
 from replay.synth.toy import build_toy_tokenizer
 

@@ -30,7 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import split_cores
+from common import split_cores  # noqa: E402
+
 from replay.results.records import read_records  # noqa: E402
 from replay.results.summary import percentile  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402

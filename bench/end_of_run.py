@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import orjson
-
 from big_trace import write_trace
 from scale import BLOCK, OUTPUT, REPO, Proc, free_port, place, wait_all
+
 from replay.sim.process import sim_process
 from replay.synth.toy import build_toy_tokenizer
 

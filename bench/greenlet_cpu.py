@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 cpu: Counter[str] = Counter()
 switches: Counter[str] = Counter()
-names: "weakref.WeakKeyDictionary[greenlet.greenlet, str]" = weakref.WeakKeyDictionary()
+names: weakref.WeakKeyDictionary[greenlet.greenlet, str] = weakref.WeakKeyDictionary()
 last = time.thread_time()
 
 

@@ -22,6 +22,7 @@ import tracemalloc
 from pathlib import Path
 
 from common import median_seconds
+
 from replay.results.fidelity import check_cache, summarize_cache
 from replay.results.records import RECORD_FIELDS, RUN_STOPPED
 from replay.results.report import ReportBuilder, build_report

@@ -106,7 +106,7 @@ class Proc:
     cpu_s: float = float("nan")
     rss_mib: float = float("nan")
 
-    def start(self, cmd: list[str], cpu: int | None) -> "Proc":
+    def start(self, cmd: list[str], cpu: int | None) -> Proc:
         self.cwd.mkdir(parents=True, exist_ok=True)
         preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         with open(self.log, "w") as log:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import gevent
 import orjson
+from common import split_cores
 from geventhttpclient import HTTPClient
 
-from common import split_cores
 from replay.sim.process import sim_process
 
 REPO = Path(__file__).resolve().parent.parent

@@ -29,9 +29,9 @@ from __future__ import annotations
 import argparse
 import compileall
 import json
-import shlex
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 from common import split_cores  # noqa: E402
+
 from replay.results.records import read_records  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402
 

@@ -25,9 +25,9 @@ sys.path.insert(0, str(REPO))
 
 import gevent  # noqa: E402
 import orjson  # noqa: E402
+from common import split_cores  # noqa: E402
 from gevent.pool import Group  # noqa: E402
 
-from common import split_cores
 from replay.protocol.client import Endpoint, read, send, write  # noqa: E402
 from replay.protocol.table import get_api  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402

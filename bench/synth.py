@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from replay.synth.bodies import build_body
 from replay.protocol.table import API_NAMES
+from replay.synth.bodies import build_body
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.record import TraceRow

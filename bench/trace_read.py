@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from common import median_seconds
+
 from replay.trace import read_trace
 from replay.trace.stats import trace_stats
 

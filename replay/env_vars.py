@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from replay.errors import OptionError
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import platform
-from itertools import islice
-from dataclasses import dataclass, field
 from array import array
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
 
 import gevent
 from gevent.event import Event
@@ -37,15 +37,24 @@ from replay.engine import messages, transport
 from replay.engine.clock import SYSTEM_CLOCK, Clock, answer_ping
 from replay.engine.plan import Schedule
 from replay.engine.scraper import Scraper
-from replay.synth.server_check import Verdict
 from replay.results.files import OutputError
-from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,
-                                    WORKER_LOST, WORKER_STOPPED, unsent_record)
 from replay.results.metadata import write_run_metadata
-from replay.rules.send_time import send_time
+from replay.results.records import (
+    DRAIN_TIMEOUT,
+    NO_RECORD,
+    OUTPUT_ERROR,
+    OVERSIZED,
+    RUN_STOPPED,
+    WORKER_FAILED,
+    WORKER_LOST,
+    WORKER_STOPPED,
+    unsent_record,
+)
 from replay.results.store import REAL, RecordStore
+from replay.rules.send_time import send_time
 from replay.run.finish import finish
 from replay.run.spec import RunFacts, RunSpec
+from replay.synth.server_check import Verdict
 
 logger = logging.getLogger(__name__)
 

@@ -17,28 +17,35 @@ import logging
 import os
 import platform
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import gevent
 from gevent.event import Event
 from gevent.pool import Group
 
-from replay.protocol.client import Endpoint, Sent, read, send, write
-from replay.protocol.headers import parse_headers
-from replay.protocol.table import get_api, sends_token_ids
-from replay.errors import OptionError
 from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
-from replay.run.options import ReplayOptions
 from replay.engine.plan import decode_row
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer
 from replay.engine.timing import Alarm, QuietCollector
+from replay.errors import OptionError
+from replay.protocol.client import Endpoint, Sent, read, send, write
+from replay.protocol.headers import parse_headers
+from replay.protocol.table import get_api, sends_token_ids
 from replay.results.files import OutputError
-from replay.results.records import (DRAIN_TIMEOUT, RUN_STOPPED, STOPPED_IN_FLIGHT, RecordWriter, sent_record,
-                                    unsent_record)
+from replay.results.records import (
+    DRAIN_TIMEOUT,
+    RUN_STOPPED,
+    STOPPED_IN_FLIGHT,
+    RecordWriter,
+    sent_record,
+    unsent_record,
+)
 from replay.rules.run_files import worker_path
 from replay.rules.send_time import send_offset_s, send_time
+from replay.run.options import ReplayOptions
 from replay.synth.chat_template import ChatTemplateError
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import gevent
 
-from replay.protocol.urls import shown
 from replay.engine import messages
+from replay.protocol.urls import shown
 from replay.results.records import output_tokens_of
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from array import array
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import orjson
 

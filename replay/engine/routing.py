@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from itertools import count
-from typing import Callable
 
 from replay.protocol.client import Endpoint
 from replay.trace.record import TraceRow

@@ -20,8 +20,8 @@ from __future__ import annotations
 import http.client
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
 import gevent

@@ -13,24 +13,24 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import gevent
 from locust import events
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
-from replay.protocol.urls import shown
 from replay.engine import live, messages, transport
 from replay.engine.coordinator import Coordinator, listen_for_hellos
 from replay.engine.dispatcher import Dispatcher
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink
+from replay.protocol.urls import shown
+from replay.results.records import MASTER_LOST, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
 from replay.run import preflight
 from replay.run.config import replay_options
 from replay.run.options import add_arguments
 from replay.run.spec import RunSpec
-from replay.results.records import MASTER_LOST, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
 from replay.trace.record import TraceError
 
 logger = logging.getLogger(__name__)

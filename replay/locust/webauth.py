@@ -22,8 +22,8 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from flask import Response, redirect, request, session, url_for
 from flask_login import LoginManager, UserMixin, current_user, login_user

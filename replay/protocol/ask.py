@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from replay.errors import OptionError
 from replay.protocol.client import close_with_reset
 from replay.protocol.urls import shown, with_credentials
-from replay.errors import OptionError
 
 ASK_TIMEOUT_S = 30.0  # a /tokenize of a long prompt on a busy CPU server takes seconds
 

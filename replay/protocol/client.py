@@ -39,8 +39,8 @@ from geventhttpclient import HTTPClient
 
 from replay.protocol.gevent_pool import PoolInternals
 from replay.protocol.sse import DONE, sse_data
-from replay.protocol.urls import host_and_port, shown, with_credentials
 from replay.protocol.table import Api
+from replay.protocol.urls import host_and_port, shown, with_credentials
 from replay.rules.usage import is_count
 
 POOL_SIZE = 100_000  # geventhttpclient's own cap: never the limit (see above)

@@ -6,7 +6,7 @@ replay.env_vars'. The master checks that they are set, and so does each worker.
 from __future__ import annotations
 
 import string
-from typing import Mapping
+from collections.abc import Mapping
 
 from replay import env_vars
 from replay.errors import OptionError

@@ -10,8 +10,9 @@ before dispatch and imports it without pulling in the dispatch side.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from replay.protocol import openai, tgi
 from replay.protocol.reading import Read

@@ -27,14 +27,22 @@ from pathlib import Path
 
 import orjson
 
-from replay.results.fidelity import (CacheCheck, CacheTally, SentPrompt, ideal_trace_hits, method_text,
-                                     missing_rows, scheduled, send_order_checks)
+from replay.protocol.table import prompt_format_problem, sends_token_ids
+from replay.results.fidelity import (
+    CacheCheck,
+    CacheTally,
+    SentPrompt,
+    ideal_trace_hits,
+    method_text,
+    missing_rows,
+    scheduled,
+    send_order_checks,
+)
 from replay.results.records import read_records
 from replay.rules.prefix_cache import block_hashes
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.prefix import IdealHits
 from replay.trace.reader import TraceStream
-from replay.protocol.table import prompt_format_problem, sends_token_ids
 
 CHECK_FORMAT = struct.Struct("<qdqqqqqq")  # request_id, sent_at, prompt_tokens, reported, expected, observed, low, high
 NONE = -1  # a number the record does not have

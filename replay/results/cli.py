@@ -10,15 +10,15 @@ import sys
 
 import orjson
 
+from replay.protocol.table import PROMPT_FORMATS
 from replay.results.cache_section import cache_job, cache_section
 from replay.results.files import OutputError, write_atomically
 from replay.results.metadata import read_run_metadata
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
-from replay.trace.cli import block_size_arg
-from replay.protocol.table import PROMPT_FORMATS
 from replay.results.server_metrics import read_samples, read_server_section
 from replay.rules.run_files import metrics_path
+from replay.trace.cli import block_size_arg
 
 
 def register(subparsers) -> None:

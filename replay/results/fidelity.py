@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from replay.results.records import Record
 from replay.rules.prefix_cache import block_hashes, hit_blocks

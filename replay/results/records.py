@@ -6,8 +6,9 @@ unknown), so that records + trace rows always add up and tools can rely on the k
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, TypedDict
+from typing import TypedDict
 
 import orjson
 

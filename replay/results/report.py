@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Iterable
+from collections.abc import Iterable
 
 from replay.results.records import Record, output_tokens_of
 from replay.results.server_metrics import format_server
@@ -159,7 +159,7 @@ def build_report(records: Iterable[Record], slo: dict[str, float] | None = None,
 
 
 def _line(label: str, value) -> str:
-    return "{:<40} {:<10}".format(label, value)
+    return f"{label:<40} {value:<10}"
 
 
 def _num(value: float | None, digits: int = 2) -> str:

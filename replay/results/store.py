@@ -16,8 +16,8 @@ cannot be written either, it is left as the run's records, unsorted.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import orjson
 

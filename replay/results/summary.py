@@ -14,7 +14,7 @@ import math
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from replay.results.records import Record, output_tokens_of, prompt_tokens_of
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from replay.engine.dispatcher import off_loop
 from replay.results.cache_section import cache_job, cache_section

@@ -15,15 +15,15 @@ import math
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from replay.engine.plan import PARTITIONS
+from replay.engine.routing import ROUTINGS
+from replay.engine.scraper import MIN_INTERVAL_S as MIN_SCRAPE_INTERVAL_S
+from replay.errors import OptionError
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import served_max_model_len
 from replay.protocol.table import API_NAMES, PROMPT_FORMATS, TOKEN_ID_APIS, prompt_format_problem
 from replay.results.report import parse_slo
-from replay.engine.plan import PARTITIONS
-from replay.engine.routing import ROUTINGS
-from replay.engine.scraper import MIN_INTERVAL_S as MIN_SCRAPE_INTERVAL_S
-from replay.errors import OptionError
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_INT, block_size_problem
 
 # Before the first send, ask each server to count a sample of prompts (replay.synth.server_check):
@@ -102,13 +102,13 @@ class ReplayOptions:
                                                  "cache fidelity section", metavar="N")
 
     @classmethod
-    def from_parsed(cls, parsed) -> "ReplayOptions":
+    def from_parsed(cls, parsed) -> ReplayOptions:
         """The options as parsed; a --replay-config file is merged first by the caller
         (replay.run.config.replay_options), so this module needs nothing from config."""
         return cls(**{name: getattr(parsed, name, getattr(cls, name, None)) for name in OPTION_NAMES})
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ReplayOptions":
+    def from_dict(cls, data: dict) -> ReplayOptions:
         return cls(**{name: data[name] for name in OPTION_NAMES if name in data})
 
     def to_dict(self) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length

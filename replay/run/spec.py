@@ -10,8 +10,9 @@ the run begins; `endpoint_urls()` reads it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from replay.results.metadata import run_metadata
 from replay.rules.send_time import replay_seconds

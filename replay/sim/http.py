@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import orjson
+
 MAX_HEAD = 64 * 1024
 MAX_BODY = 64 * 1024 * 1024
 RECV = 65536
@@ -176,7 +178,7 @@ class Connection:
                 try:
                     request = self.read_request()
                 except ProtocolError as exc:
-                    body = ('{"detail":"%s"}' % str(exc).replace('"', "'")).encode()
+                    body = orjson.dumps({"detail": str(exc)})
                     sock.sendall(head(exc.status, "application/json", len(body), False) + body)
                     return
                 if request is None:

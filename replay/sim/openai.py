@@ -14,11 +14,11 @@ import time
 
 import orjson
 
+from replay.rules.tokens import TEXT_ADD_SPECIAL_TOKENS
 from replay.sim.engine import Engine, Plan
 from replay.sim.errors import ApiError, context_length_error
 from replay.sim.generation import GenRequest, respond
 from replay.sim.http import Request, Response, Stream
-from replay.rules.tokens import TEXT_ADD_SPECIAL_TOKENS
 from replay.sim.tokens import chat_ids, text_ids
 from replay.synth.chat_template import ChatTemplateError
 

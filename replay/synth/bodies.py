@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import orjson
 
+from replay.protocol.prompt import Prompt
 from replay.protocol.table import get_api
 from replay.rules.usage import max_tokens_asked
-from replay.protocol.prompt import Prompt
 
 
 def build_body(

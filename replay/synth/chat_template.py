@@ -55,7 +55,7 @@ class ChatTemplateError(ValueError):
         at = f", template line {line}" if line is not None else ""
         super().__init__(f"{context + ': ' if context else ''}chat template {where}{at}: {reason}")
 
-    def about(self, context: str) -> "ChatTemplateError":
+    def about(self, context: str) -> ChatTemplateError:
         """The same error, saying what was being rendered (e.g. which trace row)."""
         return ChatTemplateError(self.reason, self.where, self.line, context)
 

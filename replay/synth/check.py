@@ -6,8 +6,8 @@ This is the slow path the replay itself never takes (one tokenizer encode per pr
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
 from replay.synth.chat_template import ChatTemplateError
 from replay.synth.prompts import PromptSynthesizer, server_count

@@ -7,14 +7,14 @@ import sys
 
 import orjson
 
-from replay.synth.chat_template import ChatTemplateError
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import served_max_model_len
-from replay.synth.check import check_prompts, rescale_rows
-from replay.synth.server_check import build_samples, check_server, explain
 from replay.protocol.table import API_NAMES, TOKEN_ID_APIS
+from replay.synth.chat_template import ChatTemplateError
+from replay.synth.check import check_prompts, rescale_rows
 from replay.synth.prompts import PromptError, PromptSynthesizer
+from replay.synth.server_check import build_samples, check_server, explain
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import VocabularyError
 from replay.trace.cli import block_size_arg

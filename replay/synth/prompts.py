@@ -43,7 +43,7 @@ FIX_UP_ROUNDS = 8
 RESEEDED_CACHE_BLOCKS = 256  # a reseeded synthesizer makes a few dozen prompts
 
 log = logging.getLogger(__name__)
-_vocab_cache: "weakref.WeakKeyDictionary[ServerTokenizer, SafeVocab]" = weakref.WeakKeyDictionary()
+_vocab_cache: weakref.WeakKeyDictionary[ServerTokenizer, SafeVocab] = weakref.WeakKeyDictionary()
 
 
 def safe_vocab(tokenizer: ServerTokenizer) -> SafeVocab:
@@ -125,7 +125,7 @@ class PromptSynthesizer:
         self.min_overhead_tokens = min(self.frame.overhead, self.short_frame.overhead if self.short_frame else 1 << 30)
         self.warnings = 0
 
-    def reseeded(self, seed: int) -> "PromptSynthesizer":
+    def reseeded(self, seed: int) -> PromptSynthesizer:
         """The same set-up (vocabulary, frames) with blocks of another seed: prompts of the same
         shapes that share no block with this synthesizer's (the server check's sample)."""
         other = copy.copy(self)

@@ -29,15 +29,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-from operator import itemgetter
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
-from typing import Iterable
 
 from replay.protocol.ask import Unanswered, ask_json
-from replay.protocol.urls import shown
 from replay.protocol.table import Api, get_api
+from replay.protocol.urls import shown
 from replay.rules.tokens import are_token_ids
 from replay.synth.prompts import Prompt, PromptSynthesizer, encode_prompt
 from replay.synth.tokenizer import tokenizer_json

@@ -38,9 +38,9 @@ import os
 import platform
 import re
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Callable
 
 import jinja2
 import orjson

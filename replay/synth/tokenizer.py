@@ -215,7 +215,7 @@ class ServerTokenizer:
 
     @classmethod
     def load(cls, tokenizer_path: str | Path, chat_template_path: str | Path | None = None,
-             lazy: bool = False) -> "ServerTokenizer":
+             lazy: bool = False) -> ServerTokenizer:
         tokenizer_json(tokenizer_path)  # a missing file fails here, also when lazy
         tokenizer = None if lazy else load_tokenizer(tokenizer_path)
         return cls(tokenizer, load_chat_template(tokenizer_path, chat_template_path), str(tokenizer_path), tokenizer_path,

@@ -9,7 +9,6 @@ right with no option, even after `head` or `gzip`.
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 
 import orjson

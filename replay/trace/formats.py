@@ -9,12 +9,23 @@ later rows changed ({request_id: session}), so that rows need not be held to be 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any
 
-from replay.trace.fields import (DEFAULT_BLOCK_SIZE, RowError, block_size_problem, check_blocks, require,
-                                 required_int, required_time, to_hash_ids, to_int, to_time)
+from replay.trace.fields import (
+    DEFAULT_BLOCK_SIZE,
+    RowError,
+    block_size_problem,
+    check_blocks,
+    require,
+    required_int,
+    required_time,
+    to_hash_ids,
+    to_int,
+    to_time,
+)
 from replay.trace.record import TraceRow
 
 

@@ -8,7 +8,7 @@ UI and the cache-fidelity report all count through this module.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from replay.rules import prefix_cache
 from replay.trace.pairs import PairIndex

@@ -6,9 +6,10 @@ import csv
 import functools
 import gc
 import math
+from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import orjson
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import gzip
 import io
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 from replay.trace.record import BadLine, TraceError
 

@@ -13,7 +13,7 @@ import math
 from array import array
 from bisect import bisect_left
 from collections import Counter
-from typing import Mapping
+from collections.abc import Mapping
 
 from replay.trace.pairs import PairIndex
 from replay.trace.prefix import IdealHits
