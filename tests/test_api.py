@@ -11,7 +11,7 @@ import gevent
 import orjson
 import pytest
 
-from conftest import free_port
+from support.ports import free_port
 from replay.protocol.client import Endpoint, send
 from replay.protocol.headers import parse_headers
 from replay.protocol.client import MAX_CONNECTING

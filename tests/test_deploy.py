@@ -23,7 +23,8 @@ from replay.run.config import load_config
 from replay.results.records import read_records
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
-from conftest import check_records, replay_args, run_locust
+from support.processes import replay_args, run_locust
+from support.records import check_records
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"

@@ -16,8 +16,10 @@ from typing import Callable, Iterator
 import orjson
 import pytest
 
-from conftest import (LOCUST, finish, free_port, master_and_workers, ok_record, replay_args, spawn_locust,
-                      spawn_worker, wait_for, wait_for_text)
+from support.ports import free_port
+from support.processes import LOCUST, finish, master_and_workers, replay_args, spawn_locust, spawn_worker
+from support.records import ok_record
+from support.waiting import wait_for, wait_for_text
 from replay.results.files import AppendFile, OutputError
 from replay.results.metadata import read_run_metadata
 from replay.results.records import OUTPUT_ERROR, RECORD_FIELDS, read_records

@@ -20,9 +20,12 @@ import orjson
 import pytest
 import requests
 
-from conftest import (BLOCK, REPO, bailian_trace, check_records, finish, free_port, master_and_workers,
-                      mooncake_trace, replay_args, run_locust, shared_path, spawn_locust, spawn_worker, trace_ids,
-                      wait_for_text)
+from support.paths import REPO, shared_path
+from support.ports import free_port
+from support.processes import finish, master_and_workers, replay_args, run_locust, spawn_locust, spawn_worker
+from support.records import check_records
+from support.traces import BLOCK, bailian_trace, mooncake_trace, trace_ids
+from support.waiting import wait_for_text
 from replay.engine.coordinator import CHUNK_ROWS
 from replay.engine.transport import HOLD_ROWS
 from replay.results.metadata import read_run_metadata, summary_path

@@ -13,7 +13,8 @@ import orjson
 import pytest
 from gevent.monkey import get_original
 
-from conftest import BLOCK, check_records, mooncake_trace
+from support.records import check_records
+from support.traces import BLOCK, mooncake_trace
 from replay.engine import messages
 from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher

@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-from conftest import shared_path
+from support.paths import shared_path
+from support.processes import replay_args, run_locust
+from support.traces import mooncake_trace
 from replay.results.fidelity import check_cache, summarize_cache
 from replay.synth.prompts import encode_prompt
 from replay.results.records import RECORD_FIELDS, read_records
@@ -19,7 +21,6 @@ from replay.sim.process import sim_process
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.record import TraceRow
-from conftest import mooncake_trace, replay_args, run_locust
 
 TRACE_BLOCK = 16
 T0 = 1_700_000_000.0

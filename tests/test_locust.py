@@ -15,8 +15,11 @@ import time
 import pytest
 import requests
 
-from conftest import (BLOCK, LOCUST, bailian_trace, check_records, finish, free_port, master_and_workers,
-                      mooncake_trace, replay_args, run_locust, trace_ids, wait_for, wait_for_text)
+from support.ports import free_port
+from support.processes import LOCUST, finish, master_and_workers, replay_args, run_locust
+from support.records import check_records
+from support.traces import BLOCK, bailian_trace, mooncake_trace, trace_ids
+from support.waiting import wait_for, wait_for_text
 from replay.results.metadata import read_run_metadata
 from replay.results.records import DRAIN_TIMEOUT, OVERSIZED, RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.results.summary import percentile

@@ -3,7 +3,8 @@ imports the locustfile: replay.locust_help's start-up hook, installed by `make i
 
 import subprocess
 
-from conftest import LOCUST, REPO
+from support.paths import REPO
+from support.processes import LOCUST
 
 from replay.locust_help import locustfile_of
 

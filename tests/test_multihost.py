@@ -26,7 +26,9 @@ import pytest
 from replay.results.records import read_records
 from replay.results.summary import percentile
 from replay.sim.process import READY_PREFIX
-from conftest import LOCUST, finish, bailian_trace, check_records, mooncake_trace
+from support.processes import LOCUST, finish
+from support.records import check_records
+from support.traces import bailian_trace, mooncake_trace
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "198.18.0"

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import (LOCUST, check_records, finish, mooncake_trace, replay_args, run_locust, spawn_locust,
-                      wait_for_text)
+from support.processes import LOCUST, finish, replay_args, run_locust, spawn_locust
+from support.records import check_records
+from support.traces import mooncake_trace
+from support.waiting import wait_for_text
 from replay.errors import OptionError
 from replay.results.metadata import meta_path, read_run_metadata, summary_path
 from replay.results.output import OutputTaken, claim_output, earlier_run_files, lock_path

@@ -14,7 +14,8 @@ import pytest
 
 from replay.results.records import RUN_STOPPED, WORKER_LOST
 from replay.results.report import ReportError, build_report, format_report, parse_slo
-from conftest import T0, ok_record, record, write_jsonl
+from support.records import T0, ok_record, record
+from support.traces import write_jsonl
 
 
 @pytest.fixture

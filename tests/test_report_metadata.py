@@ -16,7 +16,7 @@ import pytest
 from replay.results.metadata import meta_path, read_run_metadata
 from replay.results.records import RECORD_FIELDS
 from replay.synth.tokenizer import load_chat_template
-from conftest import mooncake_trace
+from support.traces import mooncake_trace
 
 T0 = 1_700_000_000.0
 

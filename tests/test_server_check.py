@@ -18,7 +18,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, check_records, free_port, mooncake_trace, replay_args, run_locust
+from support.paths import REPO
+from support.ports import free_port
+from support.processes import replay_args, run_locust
+from support.records import check_records
+from support.traces import mooncake_trace
 from replay.results.metadata import meta_path
 from replay.sim.process import sim_process
 from replay.synth.prompts import PromptSynthesizer

@@ -16,8 +16,9 @@ import time
 import pytest
 import requests
 
-from conftest import (BLOCK, check_records, counter_change, finish, master_and_workers, mooncake_trace,
-                      replay_args, run_locust, server_samples)
+from support.processes import finish, master_and_workers, replay_args, run_locust
+from support.records import check_records, counter_change, server_samples
+from support.traces import BLOCK, mooncake_trace
 from replay.results.records import read_records
 from replay.results.server_metrics import KNOWN, CounterChange, parse
 from replay.sim.process import sim_process

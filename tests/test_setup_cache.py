@@ -25,7 +25,7 @@ from replay.synth.prompts import PromptSynthesizer, server_count
 from replay.synth.tokenizer import ServerTokenizer, load_chat_template, tokenizer_fingerprint
 from replay.trace.record import TraceRow
 
-from conftest import REPO, shared_path
+from support.paths import REPO, shared_path
 
 BLOCK = 16
 CASES = [("openai-chat", False), ("openai-completions", False), ("openai-completions", True), ("tgi", False)]

@@ -17,7 +17,7 @@ from replay.synth.frames import PromptError
 from replay.synth.prompts import PromptSynthesizer, set_up
 from replay.synth.tokenizer import ServerTokenizer
 
-from conftest import REPO, shared_path
+from support.paths import REPO, shared_path
 from test_setup_cache import BLOCK, assert_exact, bodies, entries
 
 API = "openai-completions"

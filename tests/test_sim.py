@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from conftest import wait_for
+from support.waiting import wait_for
 from replay.sim.process import sim_process
 from replay.synth.tokenizer import ServerTokenizer
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BLOCK, LOCUST, check_records, mooncake_trace, replay_args, run_locust
+from support.processes import LOCUST, replay_args, run_locust
+from support.records import check_records
+from support.traces import BLOCK, mooncake_trace
 from replay.run.config import ConfigError, apply_config, load_config
 from replay.run.options import ReplayOptions, add_arguments
 from replay.results.metadata import read_run_metadata

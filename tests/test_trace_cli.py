@@ -12,8 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (AZURE_HEADER, GZIP_DAMAGES, HUGE, bailian_rows, damaged_gzip, huge_prompt_trace,
-                      mooncake_rows, shared_path, write_jsonl)
+from support.paths import shared_path
+from support.traces import (
+    AZURE_HEADER,
+    GZIP_DAMAGES,
+    HUGE,
+    bailian_rows,
+    damaged_gzip,
+    huge_prompt_trace,
+    mooncake_rows,
+    write_jsonl,
+)
 from replay.cli import main
 from replay.trace import Trace, read_trace, select_rows
 from replay.trace.convert import rescale_length

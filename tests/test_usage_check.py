@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from conftest import BLOCK, mooncake_trace, replay_args, run_locust
+from support.processes import replay_args, run_locust
+from support.traces import BLOCK, mooncake_trace
 from replay.results.metadata import summary_path
 from replay.results.records import read_records
 from replay.rules.usage import disagreements, max_tokens_asked, output_tokens_believed
