@@ -7,6 +7,7 @@ the disk fills at the moment wanted: before the first send, mid-run, during the 
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -52,12 +53,22 @@ def small_disk(tmp_path) -> Iterator[Callable[[int, str], Path]]:
 
 
 def fill(disk: Path, leave: int = 0) -> Path:
-    """A filler file taking every free byte of `disk` but `leave` (whole pages)."""
+    """A filler file taking every free byte of `disk` but `leave` (whole pages). With leave=0 a
+    run writing to the disk meanwhile only makes it full sooner: the filler stops there."""
     filler = disk / "filler"
     st = os.statvfs(disk)
     size = st.f_bavail * st.f_frsize - leave
-    with open(filler, "wb") as f:
-        f.write(b"\0" * size)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        while size > 0:
+            try:
+                size -= os.write(fd, b"\0" * min(size, 1 << 20))
+            except OSError as e:
+                if e.errno != errno.ENOSPC or leave:
+                    raise
+                break
+    finally:
+        os.close(fd)
     return filler
 
 

@@ -333,6 +333,9 @@ def test_signal_while_waiting_for_workers(tmp_path, toy_tokenizer_dir, fast_sim,
     worker = spawn_worker(tmp_path, port, "worker0")
     try:
         wait_for_text(tmp_path / "master.log", "1 workers connected", master)
+        # and the master's own set-up done (the server check ends it): on a loaded machine the
+        # worker can connect first, and a signal then comes "before the trace was read"
+        wait_for_text(tmp_path / "master.log", "--verify-server:", master)
         master.send_signal(signum)
         finish([master, worker], timeout=40)
     finally:
