@@ -175,6 +175,7 @@ def test_sigterm_to_single_process(tmp_path, toy_tokenizer_dir, fast_sim):
     assert_user_stop(finalized(output, trace, tmp_path / "local.log"))
 
 
+@pytest.mark.timing
 def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
     """Most rows were never shipped (a worker holds HOLD_ROWS ahead of its sends): the master
     records them itself, the held ones come from the workers, each row once."""
@@ -191,6 +192,7 @@ def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
     assert_each_sent_once(output, fast_sim.url, sent)  # nothing was sent after the stop
 
 
+@pytest.mark.timing
 def test_workers_stop_sending_when_the_master_dies(tmp_path, toy_tokenizer_dir, fast_sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=500, gap_ms=40)  # 20 s
     output = tmp_path / "run.jsonl"
