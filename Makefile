@@ -34,13 +34,13 @@ vllm: $(VLLM_STAMP)
 
 # The tests mostly wait on real servers and processes, so they run in TEST_JOBS processes
 # (pytest-xdist) even on 2 cores; --dist loadgroup keeps each real vLLM server's tests in one
-# (tests/conftest.py). TEST_JOBS=0 runs them in this process. The tests marked `timing` run
-# after, alone: the others' CPU load would break their wall-clock bounds (exit 5: none selected).
+# (tests/conftest.py). TEST_JOBS=0 runs them in this process. The tests marked `alone` run
+# after, by themselves: the others' CPU load would break their wall-clock bounds (exit 5: none selected).
 TEST_JOBS ?= 4
 
 test: $(STAMP) $(VLLM_STAMP) bytecode
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not timing" $(PYTEST_ARGS)
-	$(PY) -m pytest -m timing $(PYTEST_ARGS) || test $$? -eq 5
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not alone" $(PYTEST_ARGS)
+	$(PY) -m pytest -m alone $(PYTEST_ARGS) || test $$? -eq 5
 
 demo: $(STAMP) bytecode
 	$(PY) -m replay.demo

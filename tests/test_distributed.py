@@ -51,6 +51,7 @@ def assert_each_sent_once(output: Path, sim_url: str, request_ids) -> None:
     assert set(seen) == expected, (len(seen), len(expected), sorted(set(expected) - set(seen))[:5])
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("workers", [2, 3])
 def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim, workers):
     """More rows per worker than the shipping window and than a worker holds ahead of its sends
@@ -70,6 +71,7 @@ def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim, wor
     assert "missing" not in log  # no worker was dropped for missing heartbeats
 
 
+@pytest.mark.alone
 def test_processes_partition_session_every_row_once(tmp_path, toy_tokenizer_dir, fast_sim):
     """--processes 2 --partition session over many sessions: whole sessions per worker, each row once."""
     trace = bailian_trace(tmp_path / "bailian.jsonl", sessions=1100, turns=8, gap_s=0.0012)  # 8,800 rows
@@ -175,7 +177,7 @@ def test_sigterm_to_single_process(tmp_path, toy_tokenizer_dir, fast_sim):
     assert_user_stop(finalized(output, trace, tmp_path / "local.log"))
 
 
-@pytest.mark.timing
+@pytest.mark.alone
 def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
     """Most rows were never shipped (a worker holds HOLD_ROWS ahead of its sends): the master
     records them itself, the held ones come from the workers, each row once."""
@@ -192,7 +194,7 @@ def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
     assert_each_sent_once(output, fast_sim.url, sent)  # nothing was sent after the stop
 
 
-@pytest.mark.timing
+@pytest.mark.alone
 def test_workers_stop_sending_when_the_master_dies(tmp_path, toy_tokenizer_dir, fast_sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=500, gap_ms=40)  # 20 s
     output = tmp_path / "run.jsonl"

@@ -43,7 +43,7 @@ def test_single_process_headless(tmp_path, toy_tokenizer_dir, sim):
     assert f"openai-chat  {sim.url}" in proc.stderr
 
 
-@pytest.mark.timing
+@pytest.mark.alone
 def test_processes_two_workers(tmp_path, toy_tokenizer_dir, sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=60, gap_ms=40)
     output = tmp_path / "run.jsonl"
@@ -71,7 +71,7 @@ def test_master_and_two_workers(tmp_path, toy_tokenizer_dir, sim):
     assert "clock offset" in log
 
 
-@pytest.mark.timing
+@pytest.mark.alone
 def test_open_loop_slow_server(tmp_path, toy_tokenizer_dir):
     """A 2 s TTFT never delays later sends: drift stays small and TTFT is the server's, not queued."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=100, gap_ms=20, output_length=(2, 3))
@@ -122,7 +122,7 @@ def _time_wait_to(port: int) -> int:
     return sum(1 for r in rows if r[3] == "06" and int(r[2].rsplit(":", 1)[1], 16) == port)
 
 
-@pytest.mark.timing
+@pytest.mark.alone
 def test_connections_opened_follow_in_flight_demand(tmp_path, toy_tokenizer_dir):
     """A worker opens about as many connections as it has requests in flight, plus the sends
     due within WARM_S: not a multiple of it (a rate measured over 20 ms ticks overshot it, and

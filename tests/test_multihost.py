@@ -185,7 +185,7 @@ def test_round_robin_spreads_across_hosts(tmp_path, toy_tokenizer_dir, network):
         assert all(a != b for a, b in zip(sent, sent[1:])), sent
 
 
-@pytest.mark.timing
+@pytest.mark.alone
 def test_worker_with_a_skewed_clock(tmp_path, toy_tokenizer_dir, network):
     """A worker host whose clock is 2.5 s ahead (no NTP): it measures its offset to the master,
     sends on the master's schedule, and its records are in the master's clock like the others'."""
