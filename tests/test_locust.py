@@ -89,6 +89,7 @@ def test_open_loop_slow_server(tmp_path, toy_tokenizer_dir):
     assert 1950 < percentile(ttft, 50) < 2500 and ttft[-1] < 3500, (ttft[:3], ttft[-3:])
 
 
+@pytest.mark.alone
 def test_500_concurrent_streams_one_worker(tmp_path, toy_tokenizer_dir):
     """500 requests in flight at once on one worker: no client-side queueing (pool sized to demand)."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=500, gap_ms=1, output_length=(3, 5))
