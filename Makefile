@@ -32,8 +32,16 @@ $(VLLM_STAMP): .ci/install-vllm
 
 vllm: $(VLLM_STAMP)
 
+# The tests mostly wait on real servers and processes, so they run in TEST_JOBS processes
+# (pytest-xdist) even on 2 cores; --dist loadgroup keeps each real vLLM server's tests in one
+# (tests/conftest.py). TEST_JOBS=0 runs them in this process. The tests marked `alone` run
+# after, by themselves: the others' CPU load would break their wall-clock bounds (exit 5: none selected).
+TEST_JOBS ?= 4
+
 test: $(STAMP) $(VLLM_STAMP) bytecode
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not alone" $(PYTEST_ARGS)
+	$(PY) -m pytest -m alone $(PYTEST_ARGS) || test $$? -eq 5
 
 demo: $(STAMP) bytecode
 	$(PY) -m replay.demo

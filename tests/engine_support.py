@@ -13,8 +13,9 @@ tests/test_engine_pipeline.py runs the Coordinator with.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import gevent
 from gevent.event import Event

@@ -11,14 +11,13 @@ import gevent
 import orjson
 import pytest
 
-from conftest import free_port
-from replay.protocol.client import Endpoint, send
+from replay.engine.timing import Alarm
+from replay.protocol.client import MAX_CONNECTING, Endpoint, send
 from replay.protocol.headers import parse_headers
-from replay.protocol.client import MAX_CONNECTING
 from replay.protocol.sse import DONE, sse_data
 from replay.protocol.table import get_api
-from replay.engine.timing import Alarm
 from replay.sim.process import sim_process
+from support.ports import free_port
 
 
 def chat_body(stream: bool, max_tokens: int = 6) -> bytes:
@@ -124,8 +123,11 @@ def test_a_server_that_stops_accepting_gets_no_connect_storm():
     listener.bind(("127.0.0.1", 0))
     listener.listen(0)  # never accepted: one connection fills the queue, later SYNs are dropped
     filler = socket.create_connection(listener.getsockname(), timeout=1)
-    endpoint = Endpoint("http://%s:%d" % listener.getsockname(), connection_timeout=1.0)
-    fds = lambda: len(os.listdir("/proc/self/fd"))
+    host, port = listener.getsockname()
+    endpoint = Endpoint(f"http://{host}:{port}", connection_timeout=1.0)
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
     before = fds()
     n = MAX_CONNECTING + 200
     try:

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from replay.protocol.prompt import Prompt
 from replay.protocol.table import API_NAMES, APIS, get_api
 from replay.synth.bodies import build_body
-from replay.protocol.prompt import Prompt
 
 CHAT = Prompt([{"role": "user", "content": "hi"}], None, None, 5)
 TEXT = Prompt(None, "hi", None, 2)

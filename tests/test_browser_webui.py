@@ -20,7 +20,11 @@ import pytest
 import requests
 
 from replay.results.records import read_records
-from conftest import BROWSERS, CHROMIUM_FLAGS, finish, free_port, mooncake_trace, need, start_web_locust, wait_for, web_args
+from support.browser import BROWSERS, CHROMIUM_FLAGS, need
+from support.ports import free_port
+from support.processes import finish, start_web_locust, web_args
+from support.traces import mooncake_trace
+from support.waiting import wait_for
 
 # The README's picture is refreshed only on request (TRACEREPLAY_SCREENSHOT=docs/replay-view.png),
 # so a test run leaves the checkout clean.

@@ -26,8 +26,7 @@ from replay.synth.chat_template import ChatTemplateError
 from replay.synth.prompts import PromptSynthesizer, server_count
 from replay.synth.tokenizer import ServerTokenizer, load_chat_template
 from replay.trace.reader import read_trace
-
-from conftest import shared_path
+from support.paths import shared_path
 
 USER = {"role": "user", "content": "hi"}
 TOOLS = [{"type": "function", "function": {"name": "wetter", "description": "Wetter für <Ort>",

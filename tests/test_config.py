@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import shared_path
 from replay.run.config import ConfigError, apply_config, config_keys, load_config, replay_options
 from replay.run.options import LOCAL_OPTION_NAMES, ReplayOptions, add_arguments
 from replay.sim.process import sim_process
-from conftest import LOCUST, bailian_trace, check_records
+from support.paths import shared_path
+from support.processes import LOCUST
+from support.records import check_records
+from support.traces import bailian_trace
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from replay.run.config import load_config
 from replay.results.records import read_records
 from replay.results.summary import percentile
+from replay.run.config import load_config
 from replay.sim.process import sim_process
-from conftest import check_records, replay_args, run_locust
+from support.processes import replay_args, run_locust
+from support.records import check_records
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
@@ -67,8 +68,9 @@ def in_repo(path: str) -> Path:
 
 
 def locust_parser():
-    import replay.locust.plugin  # noqa: F401  (registers the replay options with Locust's parser)
     from locust.argument_parser import get_parser
+
+    import replay.locust.plugin  # noqa: F401  (registers the replay options with Locust's parser)
 
     return get_parser()
 
@@ -169,8 +171,11 @@ def test_docker_compose_config():
             pytest.fail("docker-compose is not installed (Debian package docker-compose; needs no engine)")
         pytest.skip("needs docker-compose (Debian package docker-compose) to validate docker-compose.yml")
     env = {k: v for k, v in os.environ.items() if k not in ("REPLAY_CONFIG", "REPLAY_MASTER_ARGS")}
-    run = lambda *args: subprocess.run([*tool, "-f", str(COMPOSE), *args], cwd=REPO, capture_output=True,
-                                       text=True, timeout=60, env=env)  # noqa: E731
+
+    def run(*args):
+        return subprocess.run([*tool, "-f", str(COMPOSE), *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=60, env=env)
+
     checked = run("config", "-q")
     assert checked.returncode == 0, checked.stderr
     services = run("--profile", "fleet", "config", "--services")

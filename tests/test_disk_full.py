@@ -7,21 +7,24 @@ the disk fills at the moment wanted: before the first send, mid-run, during the 
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import orjson
 import pytest
 
-from conftest import (LOCUST, finish, free_port, master_and_workers, ok_record, replay_args, spawn_locust,
-                      spawn_worker, wait_for, wait_for_text)
 from replay.results.files import AppendFile, OutputError
 from replay.results.metadata import read_run_metadata
 from replay.results.records import OUTPUT_ERROR, RECORD_FIELDS, read_records
 from replay.results.store import RecordStore
+from support.ports import free_port
+from support.processes import LOCUST, finish, master_and_workers, replay_args, spawn_locust, spawn_worker
+from support.records import ok_record
+from support.waiting import wait_for, wait_for_text
 
 SAMPLE = Path(__file__).resolve().parent.parent / "replay" / "data" / "sample_trace.jsonl"  # 258 rows, 60 s
 SAMPLE_ROWS = 258
@@ -50,12 +53,22 @@ def small_disk(tmp_path) -> Iterator[Callable[[int, str], Path]]:
 
 
 def fill(disk: Path, leave: int = 0) -> Path:
-    """A filler file taking every free byte of `disk` but `leave` (whole pages)."""
+    """A filler file taking every free byte of `disk` but `leave` (whole pages). With leave=0 a
+    run writing to the disk meanwhile only makes it full sooner: the filler stops there."""
     filler = disk / "filler"
     st = os.statvfs(disk)
     size = st.f_bavail * st.f_frsize - leave
-    with open(filler, "wb") as f:
-        f.write(b"\0" * size)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        while size > 0:
+            try:
+                size -= os.write(fd, b"\0" * min(size, 1 << 20))
+            except OSError as e:
+                if e.errno != errno.ENOSPC or leave:
+                    raise
+                break
+    finally:
+        os.close(fd)
     return filler
 
 

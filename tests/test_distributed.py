@@ -20,16 +20,25 @@ import orjson
 import pytest
 import requests
 
-from conftest import (BLOCK, REPO, bailian_trace, check_records, finish, free_port, master_and_workers,
-                      mooncake_trace, replay_args, run_locust, shared_path, spawn_locust, spawn_worker, trace_ids,
-                      wait_for_text)
 from replay.engine.coordinator import CHUNK_ROWS
 from replay.engine.transport import HOLD_ROWS
 from replay.results.metadata import read_run_metadata
-from replay.results.records import (MASTER_LOST, RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, WORKER_STOPPED,
-                                    read_records)
-from replay.sim.process import sim_process
+from replay.results.records import (
+    MASTER_LOST,
+    RUN_STOPPED,
+    STOPPED_IN_FLIGHT,
+    WORKER_LOST,
+    WORKER_STOPPED,
+    read_records,
+)
 from replay.rules.run_files import summary_path
+from replay.sim.process import sim_process
+from support.paths import REPO, shared_path
+from support.ports import free_port
+from support.processes import finish, master_and_workers, replay_args, run_locust, spawn_locust, spawn_worker
+from support.records import check_records
+from support.traces import BLOCK, bailian_trace, mooncake_trace, trace_ids
+from support.waiting import wait_for_text
 
 SHIP_WINDOW_ROWS = 8 * CHUNK_ROWS  # what a worker holds before acks must flow
 
@@ -49,6 +58,7 @@ def assert_each_sent_once(output: Path, sim_url: str, request_ids) -> None:
     assert set(seen) == expected, (len(seen), len(expected), sorted(set(expected) - set(seen))[:5])
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("workers", [2, 3])
 def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim, workers):
     """More rows per worker than the shipping window and than a worker holds ahead of its sends
@@ -68,6 +78,7 @@ def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim, wor
     assert "missing" not in log  # no worker was dropped for missing heartbeats
 
 
+@pytest.mark.alone
 def test_processes_partition_session_every_row_once(tmp_path, toy_tokenizer_dir, fast_sim):
     """--processes 2 --partition session over many sessions: whole sessions per worker, each row once."""
     trace = bailian_trace(tmp_path / "bailian.jsonl", sessions=1100, turns=8, gap_s=0.0012)  # 8,800 rows
@@ -173,6 +184,7 @@ def test_sigterm_to_single_process(tmp_path, toy_tokenizer_dir, fast_sim):
     assert_user_stop(finalized(output, trace, tmp_path / "local.log"))
 
 
+@pytest.mark.alone
 def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
     """Most rows were never shipped (a worker holds HOLD_ROWS ahead of its sends): the master
     records them itself, the held ones come from the workers, each row once."""
@@ -189,6 +201,7 @@ def test_sigterm_to_master(tmp_path, toy_tokenizer_dir, fast_sim):
     assert_each_sent_once(output, fast_sim.url, sent)  # nothing was sent after the stop
 
 
+@pytest.mark.alone
 def test_workers_stop_sending_when_the_master_dies(tmp_path, toy_tokenizer_dir, fast_sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=500, gap_ms=40)  # 20 s
     output = tmp_path / "run.jsonl"
@@ -249,8 +262,8 @@ def test_worker_set_up_leaves_the_event_loop_running(off_loop, tmp_path, monkeyp
     import gevent
 
     monkeypatch.setenv("TRACEREPLAY_CACHE_DIR", str(tmp_path / "cache"))
-    from replay.run.options import ReplayOptions
     from replay.engine.dispatcher import BodyBuilder, build_off_loop
+    from replay.run.options import ReplayOptions
 
     options = ReplayOptions(trace="unused", tokenizer=str(shared_path("tokenizers", "qwen2")), model="m")
     ticks: list[float] = []
@@ -331,6 +344,9 @@ def test_signal_while_waiting_for_workers(tmp_path, toy_tokenizer_dir, fast_sim,
     worker = spawn_worker(tmp_path, port, "worker0")
     try:
         wait_for_text(tmp_path / "master.log", "1 workers connected", master)
+        # and the master's own set-up done (the server check ends it): on a loaded machine the
+        # worker can connect first, and a signal then comes "before the trace was read"
+        wait_for_text(tmp_path / "master.log", "--verify-server:", master)
         master.send_signal(signum)
         finish([master, worker], timeout=40)
     finally:

@@ -22,12 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import counter_change, mooncake_slice, run_locust, server_samples, shared_path
 from replay.results.metadata import read_run_metadata
 from replay.results.records import read_records
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
-from vllm_server import reset_prefix_cache
+from support.paths import shared_path
+from support.processes import run_locust
+from support.records import counter_change, server_samples
+from support.traces import mooncake_slice
+from support.vllm import reset_prefix_cache
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(560)]
 

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mooncake_trace, replay_args, run_locust, spawn_locust, wait_for_text
 from replay.results import cache_section as cache_module
 from replay.results.cache_section import CacheChildError, cache_job, cache_section
 from replay.results.metadata import read_run_metadata
 from replay.results.report import ReportError
 from replay.sim.process import sim_process
+from support.processes import replay_args, run_locust, spawn_locust
+from support.traces import mooncake_trace
+from support.waiting import wait_for_text
 
 SERVER_BLOCK = 32
 SIM_ARGS = ("--block-size", str(SERVER_BLOCK), "--cache-blocks", "100000", "--ttft-ms", "5", "--itl-ms", "1",

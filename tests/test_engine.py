@@ -13,16 +13,17 @@ import orjson
 import pytest
 from gevent.monkey import get_original
 
-from conftest import BLOCK, check_records, mooncake_trace
 from replay.engine import messages
 from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
-from replay.run.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
-from replay.run import preflight
 from replay.results.metadata import read_run_metadata
 from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.rules.run_files import meta_path, summary_path, worker_path
+from replay.run import preflight
+from replay.run.options import ReplayOptions
+from support.records import check_records
+from support.traces import BLOCK, mooncake_trace
 
 
 def test_engine_imports_without_locust():

@@ -12,14 +12,24 @@ from dataclasses import replace
 
 import gevent
 import pytest
-
 from engine_support import FakeClock, FakeWorker, Hub, make_rows, spec_of
-from replay.engine import coordinator as coordinator_module, transport
+
+from replay.engine import coordinator as coordinator_module
+from replay.engine import transport
 from replay.engine.coordinator import CHUNK_ROWS, READY_TIMEOUT_S, Coordinator, listen_for_hellos
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.results.metadata import meta_path, read_run_metadata, summary_path
-from replay.results.records import (DRAIN_TIMEOUT, NO_RECORD, OUTPUT_ERROR, OVERSIZED, RUN_STOPPED, WORKER_FAILED,
-                                    WORKER_LOST, WORKER_STOPPED, read_records)
+from replay.results.records import (
+    DRAIN_TIMEOUT,
+    NO_RECORD,
+    OUTPUT_ERROR,
+    OVERSIZED,
+    RUN_STOPPED,
+    WORKER_FAILED,
+    WORKER_LOST,
+    WORKER_STOPPED,
+    read_records,
+)
 
 
 class Run:

@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
-from conftest import shared_path
 from replay.results.fidelity import check_cache, summarize_cache
-from replay.synth.prompts import encode_prompt
 from replay.results.records import RECORD_FIELDS, read_records
 from replay.sim.process import sim_process
-from replay.synth.prompts import PromptSynthesizer
+from replay.synth.prompts import PromptSynthesizer, encode_prompt
 from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.record import TraceRow
-from conftest import mooncake_trace, replay_args, run_locust
+from support.paths import shared_path
+from support.processes import replay_args, run_locust
+from support.traces import mooncake_trace
 
 TRACE_BLOCK = 16
 T0 = 1_700_000_000.0

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from replay.protocol.headers import parse_headers
 from replay.errors import OptionError
+from replay.protocol.headers import parse_headers
 
 ENV = {"SECRET": "s3cret", "EMPTY": "", "A_1": "x"}
 

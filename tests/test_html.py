@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from replay.results.html import PLOTS
-from conftest import BROWSERS, CHROMIUM_FLAGS, T0, mooncake_trace, need, ok_record, record
+from support.browser import BROWSERS, CHROMIUM_FLAGS, need
+from support.records import T0, ok_record, record
+from support.traces import mooncake_trace
 
 
 @pytest.fixture(scope="module")

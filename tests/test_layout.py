@@ -5,7 +5,6 @@ line imported only by the command line, and no import-time side effects."""
 import subprocess
 import sys
 
-
 from replay import source_graph
 
 MODULES = source_graph.all_modules()

@@ -15,12 +15,15 @@ import time
 import pytest
 import requests
 
-from conftest import (BLOCK, LOCUST, bailian_trace, check_records, finish, free_port, master_and_workers,
-                      mooncake_trace, replay_args, run_locust, trace_ids, wait_for, wait_for_text)
 from replay.results.metadata import read_run_metadata
 from replay.results.records import DRAIN_TIMEOUT, OVERSIZED, RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
+from support.ports import free_port
+from support.processes import LOCUST, finish, master_and_workers, replay_args, run_locust
+from support.records import check_records
+from support.traces import BLOCK, bailian_trace, mooncake_trace, trace_ids
+from support.waiting import wait_for, wait_for_text
 
 
 def test_single_process_headless(tmp_path, toy_tokenizer_dir, sim):
@@ -40,6 +43,7 @@ def test_single_process_headless(tmp_path, toy_tokenizer_dir, sim):
     assert f"openai-chat  {sim.url}" in proc.stderr
 
 
+@pytest.mark.alone
 def test_processes_two_workers(tmp_path, toy_tokenizer_dir, sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=60, gap_ms=40)
     output = tmp_path / "run.jsonl"
@@ -67,6 +71,7 @@ def test_master_and_two_workers(tmp_path, toy_tokenizer_dir, sim):
     assert "clock offset" in log
 
 
+@pytest.mark.alone
 def test_open_loop_slow_server(tmp_path, toy_tokenizer_dir):
     """A 2 s TTFT never delays later sends: drift stays small and TTFT is the server's, not queued."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=100, gap_ms=20, output_length=(2, 3))
@@ -84,6 +89,7 @@ def test_open_loop_slow_server(tmp_path, toy_tokenizer_dir):
     assert 1950 < percentile(ttft, 50) < 2500 and ttft[-1] < 3500, (ttft[:3], ttft[-3:])
 
 
+@pytest.mark.alone
 def test_500_concurrent_streams_one_worker(tmp_path, toy_tokenizer_dir):
     """500 requests in flight at once on one worker: no client-side queueing (pool sized to demand)."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=500, gap_ms=1, output_length=(3, 5))
@@ -117,6 +123,7 @@ def _time_wait_to(port: int) -> int:
     return sum(1 for r in rows if r[3] == "06" and int(r[2].rsplit(":", 1)[1], 16) == port)
 
 
+@pytest.mark.alone
 def test_connections_opened_follow_in_flight_demand(tmp_path, toy_tokenizer_dir):
     """A worker opens about as many connections as it has requests in flight, plus the sends
     due within WARM_S: not a multiple of it (a rate measured over 20 ms ticks overshot it, and

@@ -3,9 +3,9 @@ imports the locustfile: replay.locust_help's start-up hook, installed by `make i
 
 import subprocess
 
-from conftest import LOCUST, REPO
-
 from replay.locust_help import locustfile_of
+from support.paths import REPO
+from support.processes import LOCUST
 
 OPTIONS = {  # option: a piece of its help text
     "--trace TRACE": "trace file to replay",

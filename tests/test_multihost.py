@@ -26,7 +26,9 @@ import pytest
 from replay.results.records import read_records
 from replay.results.summary import percentile
 from replay.sim.process import READY_PREFIX
-from conftest import LOCUST, finish, bailian_trace, check_records, mooncake_trace
+from support.processes import LOCUST, finish
+from support.records import check_records
+from support.traces import bailian_trace, mooncake_trace
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "198.18.0"
@@ -183,6 +185,7 @@ def test_round_robin_spreads_across_hosts(tmp_path, toy_tokenizer_dir, network):
         assert all(a != b for a, b in zip(sent, sent[1:])), sent
 
 
+@pytest.mark.alone
 def test_worker_with_a_skewed_clock(tmp_path, toy_tokenizer_dir, network):
     """A worker host whose clock is 2.5 s ahead (no NTP): it measures its offset to the master,
     sends on the master's schedule, and its records are in the master's clock like the others'."""

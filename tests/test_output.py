@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import (LOCUST, check_records, finish, mooncake_trace, replay_args, run_locust, spawn_locust,
-                      wait_for_text)
 from replay.errors import OptionError
 from replay.results.metadata import read_run_metadata
 from replay.results.output import OutputTaken, claim_output, earlier_run_files
 from replay.results.records import RecordWriter
 from replay.rules.run_files import lock_path, meta_path, metrics_path, summary_path, worker_path
+from support.processes import LOCUST, finish, replay_args, run_locust, spawn_locust
+from support.records import check_records
+from support.traces import mooncake_trace
+from support.waiting import wait_for_text
 
 # -- claim_output -------------------------------------------------------------------------------
 

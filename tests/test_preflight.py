@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from conftest import BLOCK, mooncake_trace
 from replay.results.output import lock_path
 from replay.run import preflight
 from replay.run.options import ReplayOptions
 from replay.synth.tokenizer import tokenizer_fingerprint
+from support.traces import BLOCK, mooncake_trace
 
 
 def options_for(tmp_path, toy_tokenizer_dir, **kwargs) -> ReplayOptions:

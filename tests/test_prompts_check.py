@@ -8,7 +8,7 @@ import sys
 import orjson
 import pytest
 
-from conftest import REPO, shared_path
+from support.paths import REPO, shared_path
 
 
 def run_check(*args: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,8 @@ import pytest
 
 from replay.results.records import RUN_STOPPED, WORKER_LOST
 from replay.results.report import ReportError, build_report, format_report, parse_slo
-from conftest import T0, ok_record, record, write_jsonl
+from support.records import T0, ok_record, record
+from support.traces import write_jsonl
 
 
 @pytest.fixture
@@ -112,7 +113,7 @@ def test_vllm_block_layout(records):
     assert lines[-1] == "=" * 50
     for header in ("Time to First Token", "Time per Output Token (excl. 1st token)", "Inter-token Latency",
                    "End-to-end Latency", "Dispatch Drift (sent - scheduled)"):  # fmt: skip
-        assert "{s:-^50}".format(s=header) in lines
+        assert f"{header:-^50}" in lines
     assert "{:<40} {:<10}".format("Successful requests:", 57) in lines
     assert "{:<40} {:<10}".format("Failed requests:", 5) in lines
     for label in ("Mean", "Median", "Std", "P25", "P50", "P75", "P90", "P99"):

@@ -9,7 +9,7 @@ import random
 import tracemalloc
 from array import array
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import orjson
 import pytest

@@ -17,7 +17,7 @@ from replay.results.metadata import read_run_metadata
 from replay.results.records import RECORD_FIELDS
 from replay.rules.run_files import meta_path
 from replay.synth.tokenizer import load_chat_template
-from conftest import mooncake_trace
+from support.traces import mooncake_trace
 
 T0 = 1_700_000_000.0
 

@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import (LOCUST, finish, free_port, mooncake_trace, replay_args, spawn_locust, spawn_worker, trace_ids)
-from replay.errors import OptionError
 from replay.engine.same_tokenizer import check_worker_tokenizer, master_fingerprint, short
+from replay.errors import OptionError
 from replay.results.records import WORKER_FAILED, read_records
 from replay.synth.tokenizer import tokenizer_fingerprint
 from replay.synth.toy import build_toy_tokenizer
+from support.ports import free_port
+from support.processes import LOCUST, finish, replay_args, spawn_locust, spawn_worker
+from support.traces import mooncake_trace, trace_ids
 
 
 @pytest.fixture(scope="module")

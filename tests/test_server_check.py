@@ -18,12 +18,16 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, check_records, free_port, mooncake_trace, replay_args, run_locust
+from replay.rules.run_files import meta_path
 from replay.sim.process import sim_process
 from replay.synth.prompts import PromptSynthesizer
 from replay.synth.server_check import MAX_SAMPLE_TOKENS, build_samples
 from replay.synth.tokenizer import ServerTokenizer
-from replay.rules.run_files import meta_path
+from support.paths import REPO
+from support.ports import free_port
+from support.processes import replay_args, run_locust
+from support.records import check_records
+from support.traces import mooncake_trace
 
 ROWS = 40
 

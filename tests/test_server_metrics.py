@@ -16,11 +16,12 @@ import time
 import pytest
 import requests
 
-from conftest import (BLOCK, check_records, counter_change, finish, master_and_workers, mooncake_trace,
-                      replay_args, run_locust, server_samples)
 from replay.results.records import read_records
 from replay.results.server_metrics import KNOWN, CounterChange, parse
 from replay.sim.process import sim_process
+from support.processes import finish, master_and_workers, replay_args, run_locust
+from support.records import check_records, counter_change, server_samples
+from support.traces import BLOCK, mooncake_trace
 
 HITS, QUERIES, PROMPT = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:prompt_tokens_total"
 

@@ -17,15 +17,14 @@ import orjson
 import pytest
 
 from replay.engine.dispatcher import BodyBuilder
-from replay.run.options import ReplayOptions
 from replay.engine.same_tokenizer import master_fingerprint
+from replay.run.options import ReplayOptions
 from replay.synth import setup_cache
 from replay.synth.bodies import build_body
 from replay.synth.prompts import PromptSynthesizer, server_count
 from replay.synth.tokenizer import ServerTokenizer, load_chat_template, tokenizer_fingerprint
 from replay.trace.record import TraceRow
-
-from conftest import REPO, shared_path
+from support.paths import REPO, shared_path
 
 BLOCK = 16
 CASES = [("openai-chat", False), ("openai-completions", False), ("openai-completions", True), ("tgi", False)]

@@ -11,14 +11,14 @@ import subprocess
 import sys
 
 import pytest
+from test_setup_cache import BLOCK, assert_exact, bodies, entries
 
-from replay.synth import setup_cache, setup_child, tokenizer as tokenizer_module
+from replay.synth import setup_cache, setup_child
+from replay.synth import tokenizer as tokenizer_module
 from replay.synth.frames import PromptError
 from replay.synth.prompts import PromptSynthesizer, set_up
 from replay.synth.tokenizer import ServerTokenizer
-
-from conftest import REPO, shared_path
-from test_setup_cache import BLOCK, assert_exact, bodies, entries
+from support.paths import REPO, shared_path
 
 API = "openai-completions"
 

@@ -14,9 +14,9 @@ import time
 import pytest
 import requests
 
-from conftest import wait_for
 from replay.sim.process import sim_process
 from replay.synth.tokenizer import ServerTokenizer
+from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -407,8 +407,11 @@ def test_eviction_under_small_cache(toy_tokenizer_dir):
                      "--itl-ms", "0") as sim:
         a = list(range(200, 241))  # 5 full blocks
         b = list(range(300, 341))
-        cached = lambda p: post(sim, COMPLETIONS, {"prompt": p, "max_tokens": 1}).json()["usage"][
-            "prompt_tokens_details"]["cached_tokens"]
+
+        def cached(prompt: list[int]) -> int:
+            usage = post(sim, COMPLETIONS, {"prompt": prompt, "max_tokens": 1}).json()["usage"]
+            return usage["prompt_tokens_details"]["cached_tokens"]
+
         assert cached(a) == 0
         assert cached(a) == 40
         assert cached(b) == 0  # 5 more blocks in a 6-block cache: a keeps only its head block
@@ -529,10 +532,15 @@ def test_ttft_follows_the_latency_model(toy_tokenizer_dir):
         warm_ttft, decode = timed()
         cold.join()
         cold_ttft = results["cold"][0]
+        # A client that reads its first event late (a loaded machine) sees the decode shorter than
+        # the sim made it: up to two more warm requests decide, the longest decode counts.
+        decodes = [decode]
+        while decodes[-1] < 4 * 0.015 - 0.005 and len(decodes) < 3:
+            decodes.append(timed()[1])
         # lower bounds: the model's own sleeps; upper ones what a loaded 2-core machine adds
         assert 0.66 <= cold_ttft < 0.66 + 1.0, cold_ttft
         assert 0.08 <= warm_ttft < 0.4, warm_ttft  # a cache miss pays the 600 ms prefill
-        assert 4 * 0.015 - 0.005 <= decode < 4 * 0.015 + 0.5, decode
+        assert 4 * 0.015 - 0.005 <= max(decodes) < 4 * 0.015 + 0.5, decodes
 
 
 def test_fault_injection(toy_tokenizer_dir):

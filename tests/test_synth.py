@@ -18,8 +18,7 @@ from replay.synth.prompts import Prompt, PromptError, PromptSynthesizer, safe_vo
 from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.reader import read_trace
 from replay.trace.record import TraceRow
-
-from conftest import REPO, shared_path
+from support.paths import REPO, shared_path
 
 _loaded: dict[str, ServerTokenizer] = {}
 

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BLOCK, LOCUST, check_records, mooncake_trace, replay_args, run_locust
-from replay.run.config import ConfigError, apply_config, load_config
-from replay.run.options import ReplayOptions, add_arguments
 from replay.results.metadata import read_run_metadata
 from replay.results.records import RECORD_FIELDS
+from replay.run.config import ConfigError, apply_config, load_config
+from replay.run.options import ReplayOptions, add_arguments
 from replay.sim.process import sim_process
+from support.processes import LOCUST, replay_args, run_locust
+from support.records import check_records
+from support.traces import BLOCK, mooncake_trace
 
 SIM_FLAGS = ("--block-size", str(BLOCK), "--ttft-ms", "30", "--itl-ms", "2", "--prefill-ms-per-1k", "0")
 

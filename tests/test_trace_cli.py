@@ -12,12 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (AZURE_HEADER, GZIP_DAMAGES, HUGE, bailian_rows, damaged_gzip, huge_prompt_trace,
-                      mooncake_rows, shared_path, write_jsonl)
 from replay.cli import main
 from replay.trace import Trace, read_trace, select_rows
 from replay.trace.convert import rescale_length
 from replay.trace.stats import trace_stats
+from support.paths import shared_path
+from support.traces import (
+    AZURE_HEADER,
+    GZIP_DAMAGES,
+    HUGE,
+    bailian_rows,
+    damaged_gzip,
+    huge_prompt_trace,
+    mooncake_rows,
+    write_jsonl,
+)
 
 MOONCAKE = ("traces", "mooncake_synthetic_trace.jsonl")
 AZURE = ("traces", "azure_conv_2023.csv")

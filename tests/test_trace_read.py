@@ -8,14 +8,21 @@ import json
 
 import pytest
 
-from conftest import (AZURE_HEADER, GZIP_DAMAGES, HUGE, bailian_rows, damaged_gzip, huge_prompt_trace,
-                      mooncake_rows, write_jsonl)
 from replay.trace import FORMATS, BadLine, TraceError, detect_format, prefix_hits, read_trace
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 from replay.trace.formats import parse_datetime
 from replay.trace.record import Trace, TraceRow
 from replay.trace.stats import trace_stats
-
+from support.traces import (
+    AZURE_HEADER,
+    GZIP_DAMAGES,
+    HUGE,
+    bailian_rows,
+    damaged_gzip,
+    huge_prompt_trace,
+    mooncake_rows,
+    write_jsonl,
+)
 
 # --- formats -------------------------------------------------------------------------------
 

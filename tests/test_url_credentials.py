@@ -18,13 +18,16 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import (BLOCK, LOCUST, check_records, finish, free_port, master_and_workers, mooncake_trace, replay_args,
-                      run_locust, server_samples, start_web_locust, wait_for, web_args)
 from replay.protocol.ask import Unanswered, ask, check_url
 from replay.protocol.urls import shown
 from replay.results.metadata import read_run_metadata
-from replay.sim.process import sim_process
 from replay.rules.run_files import summary_path
+from replay.sim.process import sim_process
+from support.ports import free_port
+from support.processes import LOCUST, finish, master_and_workers, replay_args, run_locust, start_web_locust, web_args
+from support.records import check_records, server_samples
+from support.traces import BLOCK, mooncake_trace
+from support.waiting import wait_for
 
 USER, PASSWORD = "alice", "pw-S3cr3t-Xq9"
 BASIC = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()

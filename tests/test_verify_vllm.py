@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import mooncake_slice, run_locust, shared_path
 from replay.results.records import read_records
-from vllm_server import make_tiny_model, metric_total, require_vllm, vllm_server
+from support.paths import shared_path
+from support.processes import run_locust
+from support.traces import mooncake_slice
+from support.vllm import make_tiny_model, metric_total, require_vllm, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(560)]
 

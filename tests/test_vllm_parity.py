@@ -18,11 +18,11 @@ import orjson
 import pytest
 import requests
 
-from conftest import shared_path
 from replay.sim.process import sim_process
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.vocab import SafeVocab, build_safe_vocab
-from vllm_server import KV_BYTES_PER_TOKEN, metric_total, reset_prefix_cache
+from support.paths import shared_path
+from support.vllm import KV_BYTES_PER_TOKEN, metric_total, reset_prefix_cache
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 

@@ -11,8 +11,11 @@ import subprocess
 import pytest
 import requests
 
-from conftest import finish, free_port, mooncake_trace, run_locust, spawn_locust, start_web_locust, wait_for, web_args
 from replay.locust.webauth import Credentials, parse_web_user, safe_next
+from support.ports import free_port
+from support.processes import finish, run_locust, spawn_locust, start_web_locust, web_args
+from support.traces import mooncake_trace
+from support.waiting import wait_for
 
 PASSWORD = "s3cret:with-colon"  # a ':' in the password is the password's
 

@@ -13,8 +13,10 @@ import requests
 from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.trace import read_trace
 from replay.trace.prefix import hit_tokens, prefix_hits
-from conftest import (BLOCK, finish, free_port, mooncake_trace, replay_args, run_locust, start_web_locust,
-                      wait_for, web_args)
+from support.ports import free_port
+from support.processes import finish, replay_args, run_locust, start_web_locust, web_args
+from support.traces import BLOCK, mooncake_trace
+from support.waiting import wait_for
 
 
 def start_swarm(base: str, host: str) -> dict:

@@ -4,7 +4,9 @@ Token counts and prefix-cache behaviour depend on the tokenizer, the chat templa
 block size, never on the weights, so a 2-layer Llama with random weights (`--load-format
 dummy`) stands in for any model. vLLM lives in its own venv (`make vllm`, .ci/install-vllm)
 because it pins its own torch and transformers; the tests only talk to it over HTTP.
-The shared server fixture (`vllm_qwen2`) is in conftest.py, built from the helpers here.
+The shared server fixture (`vllm_qwen2`) is in conftest.py, built from the helpers here;
+conftest.py's SERIAL_GROUPS keeps each server's tests in one pytest-xdist worker, so each
+server starts once.
 
 Policy when vLLM is not installed: with ../shared present (CI, or a full checkout) the test
 FAILS and says `make vllm`, because a silent skip would hide the only check against a real
@@ -30,7 +32,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, SHARED, free_port
+from support.paths import REPO, SHARED
+from support.ports import free_port
 
 VLLM_VENV = Path(os.environ.get("TRACEREPLAY_VLLM_VENV", REPO / ".venv-vllm"))
 SKIP_ENV = "TRACEREPLAY_SKIP_VLLM"
