@@ -1,8 +1,8 @@
-"""End to end against real vLLM on CPU: 300 real Mooncake rows, replayed by `locust --headless`,
+"""End to end against real vLLM on CPU: 150 real Mooncake rows, replayed by `locust --headless`,
 reported by `replay report`.
 
-The slice is the first 300 rows of ../shared/traces/mooncake_synthetic_trace.jsonl, rescaled
-to 32-token blocks (vLLM's block size here) and compressed to about a minute of sends. The
+The slice is the first 150 rows of ../shared/traces/mooncake_synthetic_trace.jsonl, rescaled
+to 32-token blocks (vLLM's block size here) and compressed to about half a minute of sends. The
 tiny model serves the Qwen2 tokenizer and chat template.
 
 Why two runs: with Qwen2's chat template a chat prompt cannot be shorter than 13 tokens (an
@@ -34,9 +34,9 @@ from support.vllm import reset_prefix_cache
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(560)]
 
-ROWS = 300
+ROWS = 150
 BLOCK = 32
-TIME_SCALE = 1.5  # the slice spans 86.8 s of trace
+TIME_SCALE = 1.5  # the slice spans 44.3 s of trace
 # vLLM on 2 shared CPU cores answers the slice's tail up to ~95 s after it was sent (P99 E2EL
 # 69-96 s seen): the default 60 s drain timeout would fail rows this test is not about
 DRAIN_TIMEOUT_S = 240
