@@ -18,7 +18,7 @@ from replay.engine import coordinator as coordinator_module
 from replay.engine import transport
 from replay.engine.coordinator import CHUNK_ROWS, READY_TIMEOUT_S, Coordinator, listen_for_hellos
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
-from replay.results.metadata import meta_path, read_run_metadata, summary_path
+from replay.results.metadata import read_run_metadata
 from replay.results.records import (
     DRAIN_TIMEOUT,
     NO_RECORD,
@@ -30,6 +30,7 @@ from replay.results.records import (
     WORKER_STOPPED,
     read_records,
 )
+from replay.rules.run_files import meta_path, summary_path
 
 
 class Run:

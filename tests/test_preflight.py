@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from replay.results.output import lock_path
+from replay.rules.run_files import lock_path
 from replay.run import preflight
 from replay.run.options import ReplayOptions
 from replay.synth.tokenizer import tokenizer_fingerprint

@@ -49,7 +49,7 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
 
     count = store.finish(each)
     spec.schedule.close()
-    report = builder.report(_cache_section(spec, spec.metadata(facts)))
+    report = builder.report(_cache_section(spec, facts))
     report["server"] = read_server_section(spec.output, report["endpoints"], spec.options.server_metric or ())
     try:
         write_summary(spec.output, report)
@@ -64,15 +64,15 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     return code
 
 
-def _cache_section(spec: RunSpec, meta: dict) -> dict | None:
+def _cache_section(spec: RunSpec, facts: RunFacts) -> dict | None:
     """--server-block-size: the Prefix Cache Fidelity section, as `replay report` makes it, from
     the merged file in a child process (replay.results.cache_section: this process never loads
     the tokenizer, and the event loop turns meanwhile); a failure to compute it is logged and
-    leaves the summary without it."""
+    leaves the summary without it. The run's metadata it reads is made only then."""
     if not spec.options.server_block_size:
         return None
     try:
-        job = cache_job(spec.output, meta, server_block_size=spec.options.server_block_size)
+        job = cache_job(spec.output, spec.metadata(facts), server_block_size=spec.options.server_block_size)
         return off_loop(cache_section, job)[0] if job is not None else None
     except (ValueError, OSError) as e:
         logger.error("cache fidelity: %s", e)
