@@ -53,6 +53,7 @@ class RecordStore:
         self._lengths = array("I", bytes(4 * size))
         self.count = 0  # request ids with a record of either kind
         self.unwritten = 0  # of them, rows whose record could not be written (a full disk)
+        self.finished = False  # the sorted file is written: records that come later are not taken
 
     def state(self, request_id: int) -> int:
         return self._state[request_id - self.first]
@@ -66,7 +67,11 @@ class RecordStore:
         self.on_fault(error)
 
     def add(self, records: Iterable[Record], placeholder: bool = False) -> list[Record]:
-        """Store the records that are new (or replace a placeholder); returns those stored."""
+        """Store the records that are new (or replace a placeholder); returns those stored. After
+        `finish` none is: a worker's records that arrive while the run's end is written (every
+        row already has its record by then) would go to a closed file."""
+        if self.finished:
+            return []
         fresh, lines = [], []
         replaced: dict[int, tuple[int, int]] = {}  # index -> the placeholder line's (offset, length)
         offset = self._file.size if self._file is not None else 0
@@ -108,6 +113,7 @@ class RecordStore:
         `each` sees every record in that order (the end-of-run summary), also when the
         rewrite cannot be written: the appended file is then kept as it is (one line per
         row, unsorted), and the fault handler hears why."""
+        self.finished = True
         if self._file is None:
             return 0
         tmp = tmp_path(self.path)
