@@ -59,10 +59,11 @@ def assert_each_sent_once(output: Path, sim_url: str, request_ids) -> None:
 
 
 @pytest.mark.alone
-@pytest.mark.parametrize("workers", [2, 3])
-def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim, workers):
+def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim):
     """More rows per worker than the shipping window and than a worker holds ahead of its sends
-    (it must ask for the rest as it goes); every row ok, sent once, by its own worker."""
+    (it must ask for the rest as it goes); every row ok, sent once, by its own worker. Three
+    workers here; two, in one process: tests/test_engine_pipeline.py."""
+    workers = 3
     per_worker = max(SHIP_WINDOW_ROWS, HOLD_ROWS) + 1100
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=per_worker * workers, gap_ms=2, output_length=(1, 2))
     output = tmp_path / "run.jsonl"
@@ -385,19 +386,33 @@ def test_signal_during_the_server_check(tmp_path, toy_tokenizer_dir, mode):
     all_run_stopped(output, trace)
 
 
-def test_signal_before_the_trace_is_read(tmp_path, toy_tokenizer_dir):
+@pytest.mark.parametrize("mode", ["local", "master"])
+def test_signal_before_the_trace_is_read(tmp_path, toy_tokenizer_dir, mode):
     """Asking the server its max_model_len comes before the trace is read: a SIGTERM there has
-    nothing to record; one line, no traceback, exit 128 + 15, no output."""
+    nothing to record; one line, no traceback, exit 128 + 15, no output; a worker already
+    connected is told to quit (not left for Locust's 60 s check on a master that is gone)."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
     output = tmp_path / "run.jsonl"
     server = BlackHole()
-    proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, server.url, output), tmp_path, tmp_path / "run.log")
+    args = replay_args(trace, toy_tokenizer_dir, server.url, output)
+    port = free_port()
+    if mode == "master":
+        args += ["--master", "--expect-workers", "1", "--master-bind-host", "127.0.0.1", "--master-bind-port",
+                 str(port)]
+    procs = []
     try:
+        if mode == "master":  # the worker first, started and waiting, so it connects as the master binds
+            procs.append(spawn_worker(tmp_path, port, "worker0"))
+            wait_for_text(tmp_path / "worker0.log", "Starting Locust", procs[0])
+        proc = spawn_locust(args, tmp_path, tmp_path / "run.log")
+        procs.insert(0, proc)
         server.wait_asked(proc)
+        if mode == "master":
+            wait_for_text(tmp_path / "run.log", "1 workers connected", proc)
         proc.send_signal(signal.SIGTERM)
-        finish([proc], timeout=40)
+        finish(procs, timeout=20)  # the worker too: it quits with the master, within seconds
     finally:
-        finish([proc], timeout=5)
+        finish(procs, timeout=5)
         server.close()
     log = (tmp_path / "run.log").read_text()
     assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]

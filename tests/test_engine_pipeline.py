@@ -297,6 +297,22 @@ def test_rows_are_split_across_workers(tmp_path, partition):
                    for w in workers for v in workers if v is not w)
 
 
+def test_real_sizes_every_row_once_by_its_worker(tmp_path):
+    """At the code's own sizes (no monkeypatch): each of two workers' parts is longer than it
+    holds ahead (transport.HOLD_ROWS) and than the shipping window, so each must ask for the
+    rest as it answers; every row ok, once, by its round-robin worker. The same with real
+    Locust processes and three workers: tests/test_distributed.py."""
+    hub = Hub()
+    per_worker = transport.HOLD_ROWS + 1100
+    run = Run(spec_of(make_rows(2 * per_worker, gap_s=0.001), tmp_path), hub.master)
+    workers = [FakeWorker(hub.worker(f"w{i}"), hold=transport.HOLD_ROWS).hello() for i in range(2)]
+    records = run.begin([(f"w{i}", i) for i in range(2)]).finish()
+    assert labels(records) == {"ok": 2 * per_worker}
+    assert all(r["worker"] == rid % 2 for rid, r in records.items())
+    for w in workers:
+        assert len(w.rows) == per_worker and w.most_held <= transport.HOLD_ROWS
+
+
 def test_a_worker_holds_a_bounded_window_of_rows(tmp_path, monkeypatch):
     """A worker is shipped only as far ahead as it asks (RowsAck.want): its memory stays flat
     however long its part; the rest comes as it answers."""

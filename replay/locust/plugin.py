@@ -77,7 +77,16 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
         if spec is not None and spec.claim is not None:
             spec.claim.release()
         logger.error("replay: %s", e)
+        _workers_quit(environment)
         sys.exit(2)
+
+
+def _workers_quit(environment) -> None:
+    """A master that ends before its run began tells the workers already connected to quit:
+    left alone, they wait for Locust's own 60 s check on a master that is gone."""
+    runner = environment.runner
+    if isinstance(runner, MasterRunner) and runner.clients.all:
+        runner.quit()
 
 
 def _hide_host_credentials(environment) -> Callable[[], str | None]:
@@ -187,6 +196,7 @@ def _stop_on_signals(environment) -> None:
         coordinator = replay.coordinator if replay is not None else None
         if coordinator is None:
             logger.error("replay: %s before the trace was read: nothing was sent or recorded", name)
+            _workers_quit(environment)
             hub.handle_system_error(SystemExit, SystemExit(128 + signum))
         elif coordinator.ending:
             logger.warning("%s received while the run's records are being written: finishing them first", name)
