@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check", help="synthesize each row's prompt and count it with the server's rule; exit 1 unless all exact"
     )
     check.add_argument("--trace", required=True, help="trace file")
-    check.add_argument("--format", choices=list(FORMATS), help="trace format (detected when omitted)")
+    check.add_argument("--trace-format", "--format", dest="format", choices=list(FORMATS), metavar="FORMAT",
+                       help=f"trace format: {', '.join(FORMATS)} (detected when omitted)")
     check.add_argument("--block-size", type=block_size_arg,
                        help="tokens per hash id block (overrides the format default)")
     check.add_argument(
