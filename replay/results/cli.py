@@ -71,7 +71,7 @@ def run(args) -> int:
             if args.html_out and record.get("sent_at") is not None:
                 sent.append(record)
         if not builder.summary.requests:
-            raise ReportError(f"{args.results}: no records")
+            raise ReportError(f"{args.results}: no records: expected the per-request JSONL a replay writes (its --output)")
         cache, checks = None, None
         if job is not None:
             cache, checks = cache_section(job, checks=bool(args.html_out))
