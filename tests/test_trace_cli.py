@@ -368,7 +368,8 @@ def test_an_unreadable_file_is_one_line_naming_it(tmp_path, command):
         assert_one_line_error(done, f"'{path}'")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions say")
+@pytest.mark.skipif(os.geteuid() == 0, reason="runs only as a user other than root: root reads a file whatever "
+                                                 "its permissions say")
 @pytest.mark.parametrize("command", ["validate", "stats", "convert"])
 def test_a_file_without_read_permission_is_one_line_naming_it(tmp_path, command):
     path = write_jsonl(tmp_path / "secret.jsonl", mooncake_rows(2))
