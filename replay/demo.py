@@ -23,6 +23,8 @@ SAMPLE_BLOCK_SIZE = 16
 
 def make_sample_trace(path: Path, seconds: float = 60.0, rate: float = 4.0, seed: int = 7) -> int:
     """A mooncake-format trace with production-like sharing, at SAMPLE_BLOCK_SIZE-token blocks.
+    Each row says so in its own "block_size" (the readers honour it): the file is read right,
+    by every command, with no --block-size (Mooncake's default, 512, would make every row bad).
 
     A few "applications" each own a system prompt of several blocks; conversations grow turn
     by turn, each turn's hash ids extending the previous turn's (multi-turn reuse), and some
@@ -56,7 +58,7 @@ def make_sample_trace(path: Path, seconds: float = 60.0, rate: float = 4.0, seed
         input_length = (len(hash_ids) - 1) * SAMPLE_BLOCK_SIZE + rng.randint(1, SAMPLE_BLOCK_SIZE)
         assert len(hash_ids) == math.ceil(input_length / SAMPLE_BLOCK_SIZE)
         rows.append({"timestamp": int(t * 1000), "input_length": input_length,
-                     "output_length": rng.randint(8, 64), "hash_ids": hash_ids})
+                     "output_length": rng.randint(8, 64), "hash_ids": hash_ids, "block_size": SAMPLE_BLOCK_SIZE})
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     return len(rows)
 

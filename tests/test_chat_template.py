@@ -321,7 +321,8 @@ CROSS_CHECKED = {
 
 @pytest.mark.parametrize("name", list(CROSS_CHECKED))
 def test_same_text_as_transformers(name, tmp_path, toy_tokenizer_dir):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional cross-check)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (an optional "
+                                       "cross-check of the template's rendering: pip install transformers)")
     folder = tokenizer_with(tmp_path / "tok", toy_tokenizer_dir, CROSS_CHECKED[name], pad_token=None)
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     tok = ServerTokenizer.load(folder)

@@ -43,7 +43,8 @@ def small_disk(tmp_path) -> Iterator[Callable[[int, str], Path]]:
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+            pytest.skip(f"needs root to mount a small tmpfs (a full disk on demand); run the tests as root (CI "
+                        f"does) to cover it: {proc.stderr.strip()}")
         mounted.append(path)
         return path
 
@@ -311,7 +312,8 @@ def test_report_json_and_html_on_a_full_disk(tmp_path, small_disk):
     fill(disk)
     for flag, name in (("--json", "summary.json"), ("--html", "report.html")):
         if flag == "--html":
-            pytest.importorskip("matplotlib")
+            pytest.importorskip("matplotlib", reason="matplotlib (the report extra) is not installed: "
+                                "pip install 'tracereplay[report]' (make install does)")
         proc = subprocess.run([sys.executable, "-m", "replay", "report", str(results), flag, str(disk / name)],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1, proc.stderr

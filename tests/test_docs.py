@@ -139,3 +139,19 @@ def test_docs_cite_nothing_outside_the_repository():
 ])
 def test_slug_is_githubs(heading, slug):
     assert _slug(heading) == slug
+
+
+SKIPS = re.compile(r"pytest\.skip\(|importorskip\(|skipif\(|\bneed\(")
+
+
+def test_every_skip_says_what_is_missing_and_is_listed():
+    """A newcomer never skips silently: every test file that can skip is in docs/testing.md's
+    table of what the tests need, and every importorskip says why (its default names only the
+    module). shared_path's and require_vllm's skips are their helpers' (tests/support/)."""
+    section = (REPO / "docs" / "testing.md").read_text().split("## What the tests need", 1)[1].split("\n## ", 1)[0]
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        text = path.read_text()
+        if path.name != "test_docs.py" and SKIPS.search(text):
+            assert path.name in section, f"{path.name} can skip: name it in docs/testing.md's table of what tests need"
+        for call in re.findall(r"importorskip\([^)]*\)", text):
+            assert "reason=" in call, f"{path.name}: {call} needs a reason= saying how to install it"

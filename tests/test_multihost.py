@@ -52,11 +52,11 @@ def _namespaces_unavailable() -> str | None:
     if shutil.which("ip") is None:
         return "needs the `ip` command (Debian package iproute2)"
     if os.geteuid() != 0:
-        return "needs root to create network namespaces"
+        return "needs root to create network namespaces; run the tests as root (CI does) to cover it"
     probe = f"trprobe-{uuid.uuid4().hex[:8]}"
     made = _ip("netns", "add", probe)
     if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
+        return f"`ip netns add` fails here (a container without CAP_SYS_ADMIN?): {made.stderr.strip()}"
     _ip("netns", "del", probe)
     return None
 

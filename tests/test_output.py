@@ -97,7 +97,7 @@ def _char_device(path: Path) -> Path:
     try:
         os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
     except PermissionError:
-        pytest.skip("making a character device needs root")
+        pytest.skip("needs root to make a character device (CAP_MKNOD); run the tests as root (CI does) to cover it")
     return path
 
 
@@ -260,9 +260,10 @@ def read_only_dir(tmp_path) -> tuple[Path, list[str]]:
     try:
         probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
     except FileNotFoundError:
-        pytest.skip("needs unshare (util-linux)")
+        pytest.skip("needs the unshare command (Debian package util-linux)")
     if probe.returncode != 0:
-        pytest.skip(f"cannot mount in a user namespace here: {probe.stderr.decode().strip()}")
+        pytest.skip("cannot mount a read-only tmpfs in a user namespace here (this kernel or container forbids "
+                    f"unprivileged user namespaces; root in CI can): {probe.stderr.decode().strip()}")
     return ro, prefix
 
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from replay.cli import main
 from replay.results.records import RUN_STOPPED, WORKER_LOST
 from replay.results.report import ReportError, build_report, format_report, parse_slo
 from support.records import T0, ok_record, record
@@ -167,3 +168,23 @@ def test_cli_errors_name_file_and_line(tmp_path, records):
     assert proc.returncode == 2 and f"{results}:2" in proc.stderr
     proc = run_report(str(write_jsonl(tmp_path / "ok.jsonl", records)), "--slo", "ttft=1")
     assert proc.returncode == 2 and "--slo" in proc.stderr
+
+
+@pytest.mark.parametrize("content", ["trace", "empty", "json", "array", "summary"])
+def test_a_file_that_is_not_a_runs_records_is_refused(tmp_path, records, content, capsys):
+    """Before, a trace or any JSON printed an all-"n/a" summary and exit 0. (In this process:
+    test_cli_errors_name_file_and_line goes through the command.)"""
+    path = tmp_path / "file.jsonl"
+    path.write_text({"trace": '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n',
+                     "empty": "\n",
+                     "json": '{"a": 1}\n',
+                     "array": "[1, 2]\n",
+                     "summary": json.dumps(records[0]) + "\n" + json.dumps({"requests": 1}) + "\n"}[content])
+    assert main(["report", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    line = 2 if content == "summary" else 1
+    assert err == (f"replay report: {path}: no records: expected the per-request JSONL a replay writes "
+                           f"(its --output)\n" if content == "empty" else
+                           f"replay report: {path}:{line}: not a run's record: expected the per-request JSONL a "
+                           f"replay writes (its --output), whose every line has 'request_id' and 'ok'\n")

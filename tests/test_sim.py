@@ -461,7 +461,8 @@ def test_a_burst_of_2500_connections_is_queued_not_dropped(toy_tokenizer_dir, tm
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < n + 200:
         if hard != resource.RLIM_INFINITY and hard < n + 200:
-            pytest.skip(f"needs {n + 200} open files, the hard limit is {hard}")
+            pytest.skip(f"needs {n + 200} open files but the hard limit is {hard}: raise it (ulimit -Hn, "
+                        f"or LimitNOFILE for a service) to cover it")
         resource.setrlimit(resource.RLIMIT_NOFILE, (n + 200, hard))
 
     def usual_limit():

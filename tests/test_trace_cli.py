@@ -169,6 +169,25 @@ def test_validate_exit_codes_through_the_console_script(tmp_path):
     undetectable.write_text("x,y\n")
     done = run_replay("trace", "validate", str(undetectable))
     assert done.returncode == 1 and "what.csv:1: field '(format)'" in done.stderr
+    assert "give it with --trace-format (mooncake, bailian, jsonl, azure, burstgpt)" in done.stderr
+
+
+def test_the_bundled_sample_validates_as_shipped(capsys):
+    """Its rows carry their block size (16): no --block-size, and Mooncake's default (512) is not
+    applied to it."""
+    sample = Path(__file__).resolve().parent.parent / "replay" / "data" / "sample_trace.jsonl"
+    assert main(["trace", "validate", str(sample)]) == 0
+    assert capsys.readouterr().out == f"OK: {sample}: 258 rows (jsonl, block size 16)\n"
+
+
+def test_trace_format_is_the_flag_of_every_command(tmp_path, capsys):
+    """The name the hint gives (and a run and report use); --format and convert's --from stay."""
+    path = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(3))
+    for command in (["trace", "validate", str(path)], ["trace", "stats", str(path)],
+                    ["trace", "convert", str(path), str(tmp_path / "out.jsonl")]):
+        assert main([*command, "--trace-format", "bailian"]) != 0, command
+        assert main([*command, "--trace-format", "mooncake"]) == 0, command
+    capsys.readouterr()
 
 
 def test_validate_the_shared_azure_trace_and_a_format_override(tmp_path, capsys):
@@ -349,7 +368,8 @@ def test_an_unreadable_file_is_one_line_naming_it(tmp_path, command):
         assert_one_line_error(done, f"'{path}'")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions say")
+@pytest.mark.skipif(os.geteuid() == 0, reason="runs only as a user other than root: root reads a file whatever "
+                                                 "its permissions say")
 @pytest.mark.parametrize("command", ["validate", "stats", "convert"])
 def test_a_file_without_read_permission_is_one_line_naming_it(tmp_path, command):
     path = write_jsonl(tmp_path / "secret.jsonl", mooncake_rows(2))

@@ -18,6 +18,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import gevent
@@ -108,12 +109,16 @@ class BodyBuilder:
     encoding (rows with their own messages, templates that touch the content).
     """
 
-    def __init__(self, options: ReplayOptions, block_size: int | None):
+    def __init__(self, options: ReplayOptions, block_size: int | None, tokenizer_path: str | Path | None = None):
+        """`tokenizer_path`: --tokenizer as this host resolved it (None: resolved here)."""
         from replay.synth.bodies import build_body
         from replay.synth.prompts import PromptSynthesizer
         from replay.synth.tokenizer import ServerTokenizer
+        from replay.synth.tokenizer_source import resolve_tokenizer
 
-        tokenizer = ServerTokenizer.load(options.tokenizer, options.chat_template, lazy=True)
+        if tokenizer_path is None:
+            tokenizer_path = resolve_tokenizer(options.tokenizer)
+        tokenizer = ServerTokenizer.load(tokenizer_path, options.chat_template, lazy=True)
         self._build_body = build_body
         self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=options.seed,
                                        token_ids=sends_token_ids(options.prompt_format))
@@ -136,19 +141,22 @@ class BodyBuilder:
         )
 
 
-def _checked_builder(options: ReplayOptions, block_size: int | None, fingerprint: str | None) -> BodyBuilder:
-    # the master's tokenizer, proved before the set-up (OptionError "tokenizer mismatch: ...")
-    check_worker_tokenizer(options.tokenizer, options.chat_template, fingerprint)
-    return BodyBuilder(options, block_size)
+def _checked_builder(options: ReplayOptions, block_size: int | None, fingerprint: str | None,
+                     tokenizer_path: str | None) -> BodyBuilder:
+    if tokenizer_path is None:  # resolved on this host, proved the master's before the set-up
+        tokenizer_path = check_worker_tokenizer(options.tokenizer, options.chat_template, fingerprint)
+    return BodyBuilder(options, block_size, tokenizer_path)
 
 
-def build_off_loop(options: ReplayOptions, block_size: int | None, fingerprint: str | None = None) -> BodyBuilder:
-    """A BodyBuilder made in a thread, after checking this host's tokenizer against the master's
-    `fingerprint` (None: no check). Cold, it costs seconds of CPU for a real tokenizer (safe
+def build_off_loop(options: ReplayOptions, block_size: int | None, fingerprint: str | None = None,
+                   tokenizer_path: str | None = None) -> BodyBuilder:
+    """A BodyBuilder made in a thread, after resolving this host's --tokenizer and checking it
+    against the master's `fingerprint` (None: no check); `tokenizer_path`: resolved already
+    (the master's preflight), then no check. Cold, it costs seconds of CPU for a real tokenizer (safe
     vocabulary, template measurement); from the set-up cache tens of ms, still file reads and
     hashing. Meanwhile this process must keep answering Locust's heartbeats, or the master
     drops it as missing. The GIL still passes to the event loop every few ms."""
-    return off_loop(_checked_builder, options, block_size, fingerprint)
+    return off_loop(_checked_builder, options, block_size, fingerprint, tokenizer_path)
 
 
 def off_loop(function: Callable[..., T], *args) -> T:

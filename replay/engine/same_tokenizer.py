@@ -17,6 +17,7 @@ from replay.errors import OptionError
 from replay.synth import setup_cache
 from replay.synth.prompts import set_up
 from replay.synth.tokenizer import ServerTokenizer, fingerprint_with_template, load_tokenizer, tokenizer_fingerprint
+from replay.synth.tokenizer_source import parse_hub_id, resolve_tokenizer
 
 SHORT = 12  # hex digits of a fingerprint shown in messages
 
@@ -25,8 +26,18 @@ def short(fingerprint: str) -> str:
     return fingerprint[:SHORT]
 
 
+def master_tokenizer(tokenizer: str) -> str:
+    """The master's `--tokenizer` resolved on its host (replay.synth.tokenizer_source), the path
+    every later step of its preflight uses. Raises OptionError naming the option."""
+    try:
+        return str(resolve_tokenizer(tokenizer))
+    except FileNotFoundError as e:
+        raise OptionError(f"--tokenizer {tokenizer}: cannot load: {_first_line(e)}") from None
+
+
 def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: str | None = None) -> str:
-    """Load the tokenizer and its chat template as a worker will, and return their fingerprint.
+    """Load the tokenizer (a path: master_tokenizer's) and its chat template as a worker will,
+    and return their fingerprint.
 
     The load is proved by making the set-up a worker will need (_prove_loadable), which this
     host's workers and the server check then read from the cache; it is skipped when this
@@ -65,21 +76,40 @@ def _prove_loadable(tokenizer: str, chat_template: str | None, api: str | None) 
         raise OptionError(f"--tokenizer {tokenizer}: cannot load: {_first_line(e)}") from None
 
 
-def check_worker_tokenizer(tokenizer: str, chat_template: str | None, expected: str | None) -> None:
-    """Raise OptionError ("tokenizer mismatch: ...") when this host's tokenizer and template
-    differ from the master's `expected` fingerprint (None: the master sent none, no check)."""
-    if expected is None:
-        return
-    where = f"--tokenizer {Path(tokenizer).absolute()}"  # as given, resolved in this worker's folder
-    if chat_template:
-        where += f" --chat-template {Path(chat_template).absolute()}"
+def check_worker_tokenizer(tokenizer: str, chat_template: str | None, expected: str | None) -> Path:
+    """This host's `--tokenizer` resolved (replay.synth.tokenizer_source), the path its set-up
+    uses. Raises OptionError ("tokenizer mismatch: ...") when it and the template differ from
+    the master's `expected` fingerprint (None: the master sent none, no check), or when it
+    cannot be read."""
     try:
-        mine = tokenizer_fingerprint(tokenizer, chat_template)
+        path = resolve_tokenizer(tokenizer)
+    except FileNotFoundError as e:
+        raise OptionError(f"this worker's {_where(tokenizer, None, chat_template)} cannot be read: "
+                          f"{_first_line(e)}") from None
+    where = _where(tokenizer, path, chat_template)
+    if expected is None:
+        return path
+    try:
+        mine = tokenizer_fingerprint(path, chat_template)
     except Exception as e:
         raise OptionError(f"this worker's {where} cannot be read: {_first_line(e)}") from None
     if mine != expected:
         raise OptionError(f"tokenizer mismatch: this worker's {where} has fingerprint {short(mine)} "
                           f"but the master's is {short(expected)}")
+    return path
+
+
+def _where(tokenizer: str, path: Path | None, chat_template: str | None) -> str:
+    """The worker's tokenizer in its messages: a path as given, made absolute in this worker's
+    folder; a Hugging Face id with the snapshot it resolved to."""
+    where = f"--tokenizer {Path(tokenizer).absolute()}"
+    if path is not None and path != Path(tokenizer).expanduser():
+        where = f"--tokenizer {tokenizer} ({path})"
+    elif path is None and parse_hub_id(tokenizer) is not None:
+        where = f"--tokenizer {tokenizer}"
+    if chat_template:
+        where += f" --chat-template {Path(chat_template).absolute()}"
+    return where
 
 
 def _first_line(e: BaseException) -> str:

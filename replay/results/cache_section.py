@@ -26,6 +26,7 @@ from replay.child import last_line, run_module
 from replay.results.fidelity import CacheCheck
 from replay.results.metadata import file_sha256
 from replay.results.report import ReportError
+from replay.synth.tokenizer_source import resolve_tokenizer
 
 CHILD_MODULE = "replay.results.cache_child"
 
@@ -64,7 +65,7 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
     """The cache check of the run whose records are `results` and metadata `meta` (None: none
     beside them); the arguments win over the metadata. None when there is no cache check: no
     trace named, or (said on `out`) no server block size. Raises ReportError when the run's
-    tokenizer is unknown."""
+    tokenizer is unknown, TokenizerNotFound (an OSError) when it is not on this host."""
     meta = meta or {}
     meta_trace = meta.get("trace") or {}
     trace_path = _pick(trace, meta_trace.get("path"))
@@ -84,7 +85,7 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
         trace=str(trace_path),
         trace_format=_pick(trace_format, meta_trace.get("format") if same_trace else None),
         block_size=_pick(block_size, meta_trace.get("block_size") if same_trace else None),
-        tokenizer=str(tokenizer_path),
+        tokenizer=str(resolve_tokenizer(tokenizer_path)),  # a Hugging Face id: its snapshot, for the child
         chat_template=_pick(chat_template, meta.get("chat_template")),
         api=api or meta.get("api"),
         prompt_format=_pick(prompt_format, (meta.get("options") or {}).get("prompt_format"), "text"),

@@ -18,6 +18,7 @@ from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
 from replay.results.server_metrics import read_samples, read_server_section
 from replay.rules.run_files import metrics_path
+from replay.synth.tokenizer_source import TOKENIZER_HELP
 from replay.trace.cli import block_size_arg
 
 
@@ -35,7 +36,7 @@ def register(subparsers) -> None:
                    help="the trace's block size (default: metadata / format)")
     p.add_argument("--server-block-size", type=block_size_arg, default=None,
                    help="the server's KV block size (vLLM --block-size)")
-    p.add_argument("--tokenizer", help="tokenizer the run used (default: metadata)")
+    p.add_argument("--tokenizer", help=f"the run's tokenizer (default: metadata): {TOKENIZER_HELP}")
     p.add_argument("--chat-template", help="chat template the run used (default: metadata)")
     p.add_argument("--api", default=None, help="api the run used (default: metadata, else the records' api)")
     p.add_argument("--prompt-format", choices=tuple(PROMPT_FORMATS), default=None,
@@ -70,7 +71,7 @@ def run(args) -> int:
             if args.html_out and record.get("sent_at") is not None:
                 sent.append(record)
         if not builder.summary.requests:
-            raise ReportError(f"{args.results}: no records")
+            raise ReportError(f"{args.results}: no records: expected the per-request JSONL a replay writes (its --output)")
         cache, checks = None, None
         if job is not None:
             cache, checks = cache_section(job, checks=bool(args.html_out))

@@ -92,12 +92,15 @@ def run_metadata(
     server_check: dict | None = None,
     trace_sha256: str | None = None,
     incomplete: list[dict] | None = None,
+    tokenizer_path: str | None = None,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
     bad lines --on-bad-line skip dropped (all counted, the first MAX_SKIPPED_LISTED listed);
     `trace_sha256` the trace's hash when already known; `incomplete` the run's files that are
-    not whole, [{file, error}] (see "The output" in README.md)."""
+    not whole, [{file, error}] (see "The output" in README.md); `tokenizer_path` the --tokenizer
+    as resolved (a Hugging Face id: its snapshot folder; None: the option is a path)."""
+    tokenizer = tokenizer_path or options.get("tokenizer")
     opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials, and so may URLs
     if opts.get("endpoints"):
         opts["endpoints"] = ",".join(shown(url) for url in opts["endpoints"].split(","))
@@ -126,9 +129,9 @@ def run_metadata(
             "window_s": window_s,
         },
         "scale": options.get("scale"),
-        "tokenizer": str(Path(options["tokenizer"]).resolve()) if options.get("tokenizer") else None,
+        "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None,  # a path replay report can load
         "chat_template": str(Path(options["chat_template"]).resolve()) if options.get("chat_template") else None,
-        "template_sha256": template_sha256(options.get("tokenizer"), options.get("chat_template")),
+        "template_sha256": template_sha256(tokenizer, options.get("chat_template")),
         "api": options.get("api"),
         "model": options.get("model"),
         "stream": options.get("stream"),

@@ -162,14 +162,27 @@ class RecordWriter:
         self._file.close()
 
 
+# What makes a line a record: every record a replay ever wrote has these (the other fields
+# came over time); a trace row, a summary or any other JSON has not both.
+IDENTIFYING_FIELDS = ("request_id", "ok")
+
+
 def read_records(path: str | Path) -> Iterator[Record]:
+    """The records of a run's JSONL (--output, or a worker's file). Raises ValueError naming the
+    file and line at a line that is not a record (a trace, a summary, any other JSON): a
+    report of another file would be a summary of nothing that looks like one."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    yield orjson.loads(line)
+                    record = orjson.loads(line)
                 except orjson.JSONDecodeError as e:
                     raise ValueError(f"{path}:{number}: not a JSON record: {e}") from None
+                if type(record) is not dict or not all(key in record for key in IDENTIFYING_FIELDS):
+                    raise ValueError(f"{path}:{number}: not a run's record: expected the per-request JSONL a "
+                                     f"replay writes (its --output), whose every line has "
+                                     f"{' and '.join(map(repr, IDENTIFYING_FIELDS))}")
+                yield record
 
 
 def output_tokens_of(record: Record) -> int:

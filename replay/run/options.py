@@ -24,6 +24,7 @@ from replay.protocol.headers import parse_headers
 from replay.protocol.models import served_max_model_len
 from replay.protocol.table import API_NAMES, PROMPT_FORMATS, TOKEN_ID_APIS, prompt_format_problem
 from replay.results.report import parse_slo
+from replay.synth.tokenizer_source import TOKENIZER_HELP
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_INT, block_size_problem
 
 # Before the first send, ask each server to count a sample of prompts (replay.synth.server_check):
@@ -59,7 +60,7 @@ class ReplayOptions:
     trace: str | None = _option(help="trace file to replay")
     trace_format: str | None = _option(help="mooncake, bailian, jsonl, azure, burstgpt (auto-detected)")
     block_size: int | None = _option(help="tokens per hash id block (format default)")
-    tokenizer: str | None = _option(help="tokenizer.json or a folder holding it (and tokenizer_config.json)")
+    tokenizer: str | None = _option(help=TOKENIZER_HELP)
     chat_template: str | None = _option(help="tokenizer_config.json or .jinja; overrides the tokenizer's")
     api: str = _option("openai-chat", "the protocol the servers speak: its request paths, bodies and replies", choices=API_NAMES)
     prompt_format: str = _option("text", "send the prompt as text or as a list of token ids (token-ids: --api "

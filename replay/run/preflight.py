@@ -1,7 +1,8 @@
 """Where a run starts: every check and every load before anything is sent, in two steps.
 
 1. `load(options, host)` -> RunSpec (replay.run.spec): the options checked, the output claimed
-   (replay.results.output), the tokenizer loaded once for its fingerprint
+   (replay.results.output), the tokenizer resolved (a path, or a Hugging Face id in this
+   host's cache: replay.synth.tokenizer_source) and loaded once for its fingerprint
    (replay.engine.same_tokenizer), the endpoints asked for the prompt limit
    (replay.run.options.prompt_token_limit), the trace read, validated and spooled into the
    Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows or
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length
-from replay.engine.same_tokenizer import master_fingerprint
+from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.protocol.headers import parse_headers
 from replay.protocol.table import sends_token_ids
 from replay.results.metadata import file_sha256, versions
@@ -69,7 +70,8 @@ def _load(options: ReplayOptions, host: Callable[[], str | None], urls: list[str
     # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
     # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold load
     # makes the set-up, a second or more of CPU, and workers' messages keep coming meanwhile.
-    fingerprint = off_loop(master_fingerprint, options.tokenizer, options.chat_template, options.api)
+    tokenizer = master_tokenizer(options.tokenizer)  # a Hugging Face id: its snapshot; the options keep the id
+    fingerprint = off_loop(master_fingerprint, tokenizer, options.chat_template, options.api)
     read_started = time.perf_counter()
     trace = TraceStream(options.trace, options.trace_format, options.block_size, options.on_bad_line)
     max_prompt_tokens = prompt_token_limit(options, urls)
@@ -85,6 +87,7 @@ def _load(options: ReplayOptions, host: Callable[[], str | None], urls: list[str
         versions()  # known now: its first call yields, and the run's begin must not (a second Start would come in)
         spec = RunSpec(options=options, output=claim.output, run_id=uuid.uuid4().hex[:12], schedule=schedule,
                        trace=facts, max_prompt_tokens=max_prompt_tokens, tokenizer_fingerprint=fingerprint,
+                       tokenizer_path=tokenizer,
                        host=host, claim=claim)
         if not spec.total:  # a run of nothing would "succeed" with no record at all
             raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
@@ -113,7 +116,7 @@ def check_servers(spec: RunSpec) -> dict:
     skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
     if skipped or not urls:
         return Verdict(skipped=skipped or "no server").to_dict()
-    synth = build_off_loop(options, spec.trace.block_size).synth
-    return verify_servers(urls, synth, options.tokenizer, mode=options.verify_server, model=options.model,
+    synth = build_off_loop(options, spec.trace.block_size, tokenizer_path=spec.tokenizer_path).synth
+    return verify_servers(urls, synth, spec.tokenizer_path or options.tokenizer, mode=options.verify_server, model=options.model,
                           headers=parse_headers(options.header), lengths=spec.schedule.input_lengths,
                           max_len=spec.max_prompt_tokens).to_dict()

@@ -47,6 +47,7 @@ class RunSpec:
     trace: TraceFacts
     max_prompt_tokens: int | None  # rows with longer prompts are recorded, never sent; None: no limit
     tokenizer_fingerprint: str | None = None  # each worker proves it has the same (same_tokenizer); None: no check
+    tokenizer_path: str | None = None  # --tokenizer as this host resolved it (a Hugging Face id: its snapshot)
     host: Callable[[], str | None] = _no_host  # the runner's target host, read when needed
     claim: OutputClaim | None = field(default=None, compare=False, repr=False)  # the output's lock, this process's
 
@@ -87,6 +88,7 @@ class RunSpec:
             server_check=facts.server_check,
             trace_sha256=self.trace.sha256,
             incomplete=[{"file": file, "error": why} for file, why in (incomplete or {}).items()],
+            tokenizer_path=self.tokenizer_path,
         )
 
 

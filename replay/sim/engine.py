@@ -20,6 +20,7 @@ from replay.sim.ledger import Ledger
 from replay.sim.options import SimOptions, false_usage
 from replay.sim.vocab import OutputVocabulary
 from replay.synth.tokenizer import ServerTokenizer
+from replay.synth.tokenizer_source import resolve_tokenizer
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Engine:
     def __init__(self, options: SimOptions, tokenizer: ServerTokenizer | None = None):
         self.options = options
         self.false_usage = false_usage(options) if options.false_usage is not None else None
-        self.tokenizer = tokenizer or ServerTokenizer.load(options.tokenizer, options.chat_template)
+        self.tokenizer = tokenizer or ServerTokenizer.load(resolve_tokenizer(options.tokenizer), options.chat_template)
         self.vocab = OutputVocabulary(self.tokenizer)
         self.cache = PrefixCache(options.block_size, options.cache_blocks)
         self.counters = Counters()

@@ -6,6 +6,8 @@ import argparse
 import json
 from dataclasses import dataclass, fields
 
+from replay.synth.tokenizer_source import TOKENIZER_HELP
+
 
 @dataclass
 class SimOptions:
@@ -35,7 +37,7 @@ class SimOptions:
 
 
 HELP = {
-    "tokenizer": "tokenizer.json or a folder holding it (its tokenizer_config.json supplies the chat template)",
+    "tokenizer": TOKENIZER_HELP,
     "chat_template": "tokenizer_config.json or .jinja file overriding the tokenizer's chat template",
     "host": "address to bind",
     "port": "port to bind (0 = pick a free one)",

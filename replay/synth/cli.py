@@ -16,6 +16,7 @@ from replay.synth.check import check_prompts, rescale_rows
 from replay.synth.prompts import PromptError, PromptSynthesizer
 from replay.synth.server_check import build_samples, check_server, explain
 from replay.synth.tokenizer import ServerTokenizer
+from replay.synth.tokenizer_source import TOKENIZER_HELP, resolve_tokenizer
 from replay.synth.vocab import VocabularyError
 from replay.trace.cli import block_size_arg
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
@@ -33,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check", help="synthesize each row's prompt and count it with the server's rule; exit 1 unless all exact"
     )
     check.add_argument("--trace", required=True, help="trace file")
-    check.add_argument("--format", choices=list(FORMATS), help="trace format (detected when omitted)")
+    check.add_argument("--trace-format", "--format", dest="format", choices=list(FORMATS), metavar="FORMAT",
+                       help=f"trace format: {', '.join(FORMATS)} (detected when omitted)")
     check.add_argument("--block-size", type=block_size_arg,
                        help="tokens per hash id block (overrides the format default)")
     check.add_argument(
@@ -42,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="first rescale lengths to blocks of N tokens, ceil(L*N/B) with the same hash ids (faster; rows "
         "that become shorter than the chat template cannot be exact)",
     )
-    check.add_argument("--tokenizer", required=True, help="tokenizer.json or a folder holding it")
+    check.add_argument("--tokenizer", required=True, help=TOKENIZER_HELP)
     check.add_argument("--chat-template", help="tokenizer_config.json or .jinja file (overrides the folder's)")
     check.add_argument("--api", choices=API_NAMES, default="openai-chat")
     check.add_argument("--token-ids", action="store_true", help=f"{' or '.join(TOKEN_ID_APIS)} prompts as token ids")
@@ -72,7 +74,7 @@ def run_check(args: argparse.Namespace) -> int:
             if trace.block_size is not None:
                 rows = rescale_rows(rows, trace.block_size, args.block_size_to)
             block_size = args.block_size_to
-        tokenizer = ServerTokenizer.load(args.tokenizer, args.chat_template)
+        tokenizer = ServerTokenizer.load(resolve_tokenizer(args.tokenizer), args.chat_template)
         synth = PromptSynthesizer(tokenizer, args.api, block_size, args.seed, token_ids=args.token_ids)
     except (TraceError, PromptError, VocabularyError, ValueError, OSError) as err:
         return _fail(str(err))
@@ -110,7 +112,7 @@ def _check_servers(args: argparse.Namespace, synth: PromptSynthesizer, rows: lis
         check = check_server(url, samples, synth.api, args.model, headers)
         entry = check.to_dict()
         if check.mismatch is not None:
-            entry["explanation"] = explain(check, synth, args.tokenizer)
+            entry["explanation"] = explain(check, synth, str(synth.tokenizer.path))
             code = 1
         elif check.method is None:
             code = max(code, 2)

@@ -56,7 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _format_options(parser: argparse.ArgumentParser, flag: str) -> None:
-    parser.add_argument(flag, dest="format", choices=list(FORMATS), help="trace format (detected when omitted)")
+    """--trace-format, the name a run and `replay report` use (and the error that asks for a
+    format names), with the command's own short name `flag` kept as its alias."""
+    parser.add_argument("--trace-format", flag, dest="format", choices=list(FORMATS), metavar="FORMAT",
+                        help=f"trace format: {', '.join(FORMATS)} (detected when omitted)")
     parser.add_argument("--block-size", type=block_size_arg, metavar="N",
                         help=f"tokens per hash id block, 1 to {MAX_BLOCK_SIZE} (overrides the format default)")
 

@@ -170,7 +170,7 @@ def detect_format(path: str | Path) -> str:
             str(path),
             first_line,
             "(format)",
-            f"cannot detect the trace format from {first[:80]!r}; give it with --format "
+            f"cannot detect the trace format from {first[:80]!r}; give it with --trace-format "
             f"({', '.join(FORMATS)})",
         )
     )

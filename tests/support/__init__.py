@@ -9,4 +9,5 @@
 - waiting: polling with a deadline (`wait_for`), never sleeping and hoping
 - browser: Chromium's flags, and `need` for optional tools (fails in CI, skips elsewhere)
 - vllm: real vLLM on CPU: a tiny model folder around a real tokenizer, and its server process
+- hf_cache: a Hugging Face hub cache laid out by hand (blobs, symlinked snapshots, refs)
 """

@@ -15,5 +15,6 @@ def shared_path(*parts: str) -> Path:
     """A path under ../shared, or a skip that says why when it is not there."""
     p = SHARED.joinpath(*parts)
     if not p.exists():
-        pytest.skip(f"needs {p} (../shared beside the checkout is absent)")
+        pytest.skip(f"needs {p}: the project's shared test data (real traces and tokenizers) is not at {SHARED}; "
+                    "put it beside the checkout as ../shared, or set TRACEREPLAY_SHARED to its folder")
     return p

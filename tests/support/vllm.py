@@ -55,7 +55,8 @@ def require_vllm() -> Path:
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"{SKIP_ENV}=1: tests against real vLLM are skipped on request")
     if not SHARED.exists():
-        pytest.skip(f"real vLLM tests serve a tokenizer from {SHARED}, which is absent")
+        pytest.skip(f"real vLLM tests serve a real tokenizer from the project's shared test data, which is not "
+                    f"at {SHARED}: put it beside the checkout as ../shared, or set TRACEREPLAY_SHARED to its folder")
     python = vllm_python()
     if python is None:
         pytest.fail(
