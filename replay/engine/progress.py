@@ -157,17 +157,22 @@ class ProgressLine:
         now = self.clock.now()
         line = progress_line(figures(self.stats, now))
         if self.tty:
-            self.stream.write(ERASE + line[: max(terminal_width(self.stream) - 1, 1)])
+            self._put(ERASE + line[: max(terminal_width(self.stream) - 1, 1)])
             self.drawn = True
         else:
-            self.stream.write(f"[{stamp(now)}] {line}\n")
-        self.stream.flush()
+            self._put(f"[{stamp(now)}] {line}\n")
 
     def erase(self) -> None:
         if self.drawn:
             self.drawn = False
-            self.stream.write(ERASE)
+            self._put(ERASE)
+
+    def _put(self, text: str) -> None:
+        try:
+            self.stream.write(text)
             self.stream.flush()
+        except (OSError, ValueError):  # the stream is closed, or its reader gone (`| head`): no one to tell
+            pass
 
     def stop(self) -> None:
         """The last line, finished: called as the run stops, before its summary is printed."""
@@ -181,6 +186,5 @@ class ProgressLine:
             handler.removeFilter(self._filter)
         self.write()
         if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+            self._put("\n")
             self.drawn = False

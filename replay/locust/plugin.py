@@ -334,6 +334,8 @@ def _on_quitting(environment, **kwargs) -> None:
 def _end(environment) -> None:
     replay = getattr(environment, "replay", None)
     if replay is not None and replay.coordinator is not None:
-        if replay.progress is not None:
-            replay.progress.stop()  # its last line, finished before the summary is printed
-        replay.coordinator.end()
+        try:
+            if replay.progress is not None:
+                replay.progress.stop()  # its last line, finished before the summary is printed
+        finally:
+            replay.coordinator.end()  # whatever the line did: the records come first
