@@ -27,7 +27,8 @@ from support.traces import BLOCK, mooncake_trace
 
 
 def test_engine_imports_without_locust():
-    code = ("import sys, replay.engine.coordinator, replay.engine.dispatcher, replay.engine.live; "
+    code = ("import sys, replay.engine.coordinator, replay.engine.dispatcher, replay.engine.live, "
+            "replay.engine.progress; "
             "assert 'locust' not in sys.modules, 'the engine imported locust'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -121,14 +121,18 @@ def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers)
 
 
 def test_headless_serves_no_view_and_workers_report_quietly(tmp_path, toy_tokenizer_dir, sim):
-    """Headless master + 2 workers: the workers' live reports are accepted without a word."""
+    """Headless master + 2 workers, --no-progress: the workers' live reports, which no progress
+    line reads, are accepted without a word, and no line is printed (tests/test_progress.py's
+    run has it)."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=30, gap_ms=40)
     output = tmp_path / "run.jsonl"
     port = free_port()
     proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--processes", "2",
                                   "--master-bind-host", "127.0.0.1", "--master-host", "127.0.0.1",
-                                  "--master-bind-port", str(port), "--master-port", str(port)), tmp_path)  # fmt: skip
+                                  "--master-bind-port", str(port), "--master-port", str(port), "--no-progress"),
+                     tmp_path)  # fmt: skip
     assert "Unknown message" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "progress:" not in proc.stderr and "Serving Benchmark Result" in proc.stdout
     assert len(list(read_records(output))) == 30
 
 

@@ -83,9 +83,12 @@ class Reported:
 
 
 class LiveStats:
-    """The master's live view of the run. `snapshot()` is what `/replay/stats` serves."""
+    """The master's live view of the run. `snapshot()` is what `/replay/stats` serves.
+    `view` False (the headless progress line, replay.engine.progress): without what only the
+    Replay view shows, the ideal cache line (its per-row table is built from the whole window
+    before the run) and the exact figures after the end (a recount of the merged file)."""
 
-    def __init__(self, coordinator, local_part=None):
+    def __init__(self, coordinator, local_part=None, view: bool = True):
         self.coordinator = coordinator
         self.local_part = local_part
         self.reported: dict[str, Reported] = {}
@@ -96,11 +99,12 @@ class LiveStats:
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.errors: Counter[str] = Counter()
         self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
-        self.ideal = ideal_hit_tokens(coordinator)
+        self.ideal = ideal_hit_tokens(coordinator) if view else {}
         self.servers = ServerView([shown(url) for url in coordinator.endpoint_urls()])
         coordinator.scrape_listeners.append(self.servers.on_round)  # the scraper is made as the run begins
         self._final = FinalCounts()
-        coordinator.final_listeners.append(self._final.add)
+        if view:
+            coordinator.final_listeners.append(self._final.add)
         self.latest: dict = dict.fromkeys(LATEST_KEYS)
         self.stopped = False
         self.final: dict | None = None

@@ -4,7 +4,7 @@ and end of a run, signals, and a worker's watch on its master.
 The engine (replay.engine) never sees a Locust object: what it needs of the runner is handed
 to it here as values and callbacks. The web UI's login and Replay view are set up from this
 module's init listener too, after `environment.replay` is set, so no listener order depends
-on which module was imported first."""
+on which module was imported first; so is a headless run's progress line."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 from replay.engine import live, messages, transport
 from replay.engine.coordinator import Coordinator, listen_for_hellos
 from replay.engine.dispatcher import Dispatcher
+from replay.engine.progress import ProgressLine
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink
 from replay.protocol.urls import shown
@@ -46,6 +47,7 @@ class Replay:
 
     coordinator: Coordinator | None = None
     part: Dispatcher | None = None
+    progress: ProgressLine | None = None  # a headless master's (or single process's)
 
 
 @events.init_command_line_parser.add_listener
@@ -166,6 +168,26 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
     # whose test_stop listener, added now, runs after this module's (the coordinator has finalized).
     webauth.register(environment, runner, web_ui)
     webui.register(environment, runner, web_ui)
+    _progress(environment, runner, web_ui)
+
+
+def _progress(environment, runner, web_ui) -> None:
+    """A headless run's progress line (replay.engine.progress), printed by the master or the
+    single process from the live figures the Replay view would show; `--no-progress` turns it
+    off. A master without it still takes the workers' reports, and drops them."""
+    replay = environment.replay
+    coordinator = replay.coordinator
+    if web_ui is not None or coordinator is None:
+        return  # a worker, or the web UI's Replay view (replay.locust.webui)
+    master = isinstance(runner, MasterRunner)
+    if not getattr(environment.parsed_options, "progress", True):
+        if master:
+            coordinator.link.on(messages.LIVE, lambda data, sender: None)
+        return
+    stats = live.LiveStats(coordinator, local_part=None if master else replay.part, view=False)
+    if master:
+        coordinator.link.on(messages.LIVE, stats.on_report)
+    replay.progress = ProgressLine(stats, sys.stderr, coordinator.clock)
 
 
 def _stop_on_signals(environment) -> None:
@@ -297,6 +319,8 @@ def _on_test_start(environment, **kwargs) -> None:
     replay = getattr(environment, "replay", None)
     if replay is not None and replay.coordinator is not None:
         replay.coordinator.begin(_participants(environment.runner))
+        if replay.progress is not None:
+            replay.progress.start()
 
 
 @events.test_stopping.add_listener
@@ -320,4 +344,8 @@ def _on_quitting(environment, **kwargs) -> None:
 def _end(environment) -> None:
     replay = getattr(environment, "replay", None)
     if replay is not None and replay.coordinator is not None:
-        replay.coordinator.end()
+        try:
+            if replay.progress is not None:
+                replay.progress.stop()  # its last line, finished before the summary is printed
+        finally:
+            replay.coordinator.end()  # whatever the line did: the records come first

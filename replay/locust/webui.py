@@ -3,8 +3,8 @@
 
 Locust's React UI can add tabs, but only tables (`extended_tabs`), so the charts live on a
 page of their own served by Locust's Flask app: one static file drawing SVG with plain
-JavaScript, nothing to build or install. Headless runs serve nothing and compute nothing;
-only workers send their one small message a second (replay.engine.live).
+JavaScript, nothing to build or install. Headless runs serve nothing: their master prints the
+progress line from the same figures (replay.engine.progress, set up by replay.locust.plugin).
 
 A replay is one pass over the trace: the Start button runs it through ReplayShape (Locust
 hides the user count form for a shape with use_common_options=False), and a second Start
@@ -53,9 +53,7 @@ def register(environment, runner, web_ui) -> None:
     if coordinator is None:
         return
     if web_ui is None:
-        if isinstance(runner, MasterRunner):
-            coordinator.link.on(messages.LIVE, lambda data, sender: None)  # headless: nothing to show
-        return
+        return  # headless: the workers' reports go to the progress line (replay.locust.plugin)
     stats = LiveStats(coordinator, local_part=None if isinstance(runner, MasterRunner) else replay.part)
     if isinstance(runner, MasterRunner):
         coordinator.link.on(messages.LIVE, stats.on_report)

@@ -166,10 +166,13 @@ class ReplayOptions:
 class LocalOptions:
     """Options the master (or a single process) uses itself: never shipped to workers nor
     written to the run's metadata, since the web UI's login holds a password
-    (replay.locust.webauth). A dataclass only so their flags are declared as the others are."""
+    (replay.locust.webauth), and what the master prints is nothing of what the run is. A
+    dataclass only so their flags are declared as the others are."""
 
     web_user: str | None = _option(help="the web UI's login (turns on --web-login); $VAR in it is read from the "
                                         "environment", metavar="USER:PASSWORD")
+    progress: bool = _option(True, "in a headless run, a progress line on stderr every few seconds: rows sent, "
+                                   "ok and failed, trace time, elapsed, ETA, drift p99, in flight (default on)")
 
 
 # Option names (argparse dests) that travel from the master to workers in the plan.
