@@ -36,7 +36,7 @@ def coordinator_for(trace: Path, folder: Path, workers: int = 4) -> Coordinator:
     tokenizer = build_toy_tokenizer(folder / "tok")
     options = ReplayOptions(trace=str(trace), tokenizer=str(tokenizer), output=str(folder / "run.jsonl"),
                             max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS)  # as with no server to ask
-    c = Coordinator(preflight.load(options, lambda: "http://127.0.0.1:9"), LocalLink())
+    c = Coordinator(preflight.load(options, "http://127.0.0.1:9"), LocalLink())
     c.store = RecordStore(folder / "run.jsonl", *c.schedule.request_id_range())
     for i, positions in enumerate(c.schedule.partition(workers)):
         state = WorkerState(f"host{i}_abc", i, positions, Window(lambda payload: None), plan=None,

@@ -1,7 +1,9 @@
 """The Replay view in a real browser: headless Chromium (the system's, driven by Selenium
-through the system chromedriver; nothing is downloaded) presses Locust's own Start button,
-follows the link to the Replay view (a master and 2 workers), waits for the charts to draw, checks the figures in the
-DOM and saves a screenshot (docs/replay-view.png for the README when TRACEREPLAY_SCREENSHOT names it).
+through the system chromedriver; nothing is downloaded) finds Locust's Host field read-only (a
+Start naming another host is refused), presses Locust's own Start button, follows the link to
+the Replay view (a master and 2 workers), waits for the charts to draw, checks the figures in
+the DOM (once finished: the whole run's, as the summary) and saves a screenshot
+(docs/replay-view.png for the README when TRACEREPLAY_SCREENSHOT names it).
 
 In CI (CI=true) a missing browser, driver or selenium fails the test; elsewhere it skips.
 """
@@ -19,7 +21,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from replay.engine.live import SUMMARY_FIGURES
+from replay.locust.webui import TAB_COLUMNS
 from replay.results.records import read_records
+from replay.rules.run_files import summary_path
 from support.browser import BROWSERS, CHROMIUM_FLAGS, need
 from support.ports import free_port
 from support.processes import finish, start_web_locust, web_args
@@ -90,6 +95,16 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
         start = wait_for(lambda: browser.find_elements("css selector", "form button[type=submit]"), "Start")[0]
         users = browser.find_element("css selector", "input[name=userCount]")
         assert users.get_attribute("disabled") is not None  # the shape drives: nothing to fill in
+        # the Host field shows where the replay sends, read-only: its servers were checked at start
+        host = wait_for(lambda: (f := browser.find_element("css selector", "input[name=host]")).get_attribute("readonly")
+                        and f, "a read-only Host field", timeout=10)  # fmt: skip
+        assert host.get_attribute("value") == sim.url and "restart locust" in host.get_attribute("title")
+        host.send_keys("9")
+        assert host.get_attribute("value") == sim.url
+        elsewhere = requests.post(f"{base}/swarm", data={"user_count": "0", "spawn_rate": "0",
+                                                         "host": "http://127.0.0.1:9"}, timeout=10).json()
+        assert not elsewhere["success"] and "restart locust with --host" in elsewhere["message"], elsewhere
+        assert requests.get(f"{base}/replay/stats", timeout=2).json()["run"]["state"] == "waiting"
         start.click()
         stats = wait_for(lambda: (s := requests.get(f"{base}/replay/stats", timeout=2).json())["run"]["epoch"] and s,
                          "the run to start")  # fmt: skip
@@ -128,6 +143,13 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
 
         wait_for(lambda: text(browser, "state") == "FINISHED", "the run to finish in the page", timeout=60)
         assert text(browser, "progress-pct") == "100.0%"
+        # finished: the figures are the whole run's, the summary's, each shown by the page's own format
+        summary = json.loads(summary_path(output).read_text())
+        for key, path in SUMMARY_FIGURES.items():
+            value = summary[path[0]] if len(path) == 1 else summary[path[0]][path[1]]
+            shown = browser.execute_script("return fmt(arguments[0])", round(value, 3))
+            assert text(browser, f"legend-{key}") == shown, key
+        assert "the whole run" in text(browser, "window-note")
         assert text(browser, "rows-done") == str(rows)
         records = list(read_records(output))
         assert text(browser, "rows-sent") == str(sum(r["sent_at"] is not None for r in records))
@@ -135,9 +157,12 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
         assert not severe, severe
 
         browser.get(base + "/?tab=replay")  # the Replay tab inside Locust's own UI: the per-worker table
-        tab = wait_for(lambda: [tr.text.split()[0] for tr in browser.find_elements("css selector", "table tbody tr")],
+        tab = wait_for(lambda: [[td.text for td in tr.find_elements("tag name", "td")]
+                                for tr in browser.find_elements("css selector", "table tbody tr")],
                        "the Replay tab's table")  # fmt: skip
-        assert tab == ["0", "1", "all"]
+        assert [row[0] for row in tab] == ["0", "1", "all"]
+        drift = [column for column, _ in TAB_COLUMNS].index("drift_p99_ms")
+        assert float(tab[2][drift]) == pytest.approx(summary["drift_ms"]["p99"], abs=0.01)  # the run's, as the summary
         assert browser.find_element("id", "replay-view-link").get_attribute("href") == base + "/replay"
     finally:
         procs[0].send_signal(signal.SIGTERM)

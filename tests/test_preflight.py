@@ -21,14 +21,13 @@ def options_for(tmp_path, toy_tokenizer_dir, **kwargs) -> ReplayOptions:
 
 
 def test_load_makes_a_frozen_spec(tmp_path, toy_tokenizer_dir):
-    hosts = iter(["http://127.0.0.1:9", "http://127.0.0.1:10"])
-    spec = preflight.load(options_for(tmp_path, toy_tokenizer_dir), lambda: next(hosts))
+    spec = preflight.load(options_for(tmp_path, toy_tokenizer_dir), "http://127.0.0.1:9")
     try:
         assert spec.total == 12 and len(spec.schedule) == 12 and spec.max_prompt_tokens == 100_000
         assert spec.trace.format == "mooncake" and spec.trace.block_size == BLOCK and len(spec.trace.sha256) == 64
         assert spec.tokenizer_fingerprint == tokenizer_fingerprint(str(toy_tokenizer_dir), None)
         assert spec.output == str(tmp_path / "run.jsonl") and lock_path(spec.output).exists()
-        assert spec.endpoint_urls() == ["http://127.0.0.1:10"]  # the host is read when asked (a web UI may change it)
+        assert spec.endpoint_urls() == ["http://127.0.0.1:9"]  # the host the preflight looked at, fixed
         with pytest.raises(dataclasses.FrozenInstanceError):
             spec.run_id = "another"  # type: ignore[misc]
     finally:
@@ -39,12 +38,12 @@ def test_load_makes_a_frozen_spec(tmp_path, toy_tokenizer_dir):
 def test_a_refusal_releases_the_output(tmp_path, toy_tokenizer_dir):
     options = options_for(tmp_path, toy_tokenizer_dir, max_requests=0)
     with pytest.raises(ValueError, match="no rows to replay in the window"):
-        preflight.load(options, lambda: "http://127.0.0.1:9")
+        preflight.load(options, "http://127.0.0.1:9")
     assert not lock_path(tmp_path / "run.jsonl").exists()
 
 
 def test_the_server_check_off_asks_nothing(tmp_path, toy_tokenizer_dir):
-    spec = preflight.load(options_for(tmp_path, toy_tokenizer_dir, verify_server="off"), lambda: "http://127.0.0.1:9")
+    spec = preflight.load(options_for(tmp_path, toy_tokenizer_dir, verify_server="off"), "http://127.0.0.1:9")
     try:
         assert preflight.check_servers(spec) == {"skipped": "--verify-server off", "endpoints": []}
     finally:

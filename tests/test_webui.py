@@ -1,15 +1,20 @@
 """The Replay view's data: a real master + 2 workers with Locust's web UI on loopback, started
 through the HTTP API the Start button uses, read back from /replay/stats and checked against
-the merged JSONL the run wrote."""
+the merged JSONL the run wrote; and, in one process, what the Host field shows and which Starts are
+refused."""
 
 from __future__ import annotations
 
 import signal
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import requests
+from engine_support import make_rows, spec_of
+from locust.runners import STATE_INIT, STATE_RUNNING, STATE_STOPPED
 
+from replay.locust.webui import start_refusal
 from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.trace import read_trace
 from replay.trace.prefix import hit_tokens, prefix_hits
@@ -17,6 +22,36 @@ from support.ports import free_port
 from support.processes import finish, replay_args, run_locust, start_web_locust, web_args
 from support.traces import BLOCK, mooncake_trace
 from support.waiting import wait_for
+
+
+def test_the_host_field_shows_every_endpoint_as_shown(tmp_path):
+    """--endpoints (a fleet): the field shows them all, credentials hidden; the run keeps them."""
+    from replay.locust.plugin import _hide_host_credentials, _show_endpoints  # its listeners, only when asked
+
+    environment = SimpleNamespace(host="http://u:secret@a:1")
+    assert _hide_host_credentials(environment) == "http://u:secret@a:1" and "secret" not in environment.host
+    spec = spec_of(make_rows(2), tmp_path, endpoints="http://a:1,http://u:secret@b:2")
+    _show_endpoints(environment, spec)
+    assert environment.host == "http://a:1,http://***@b:2"
+    assert spec.endpoint_urls() == ["http://a:1", "http://u:secret@b:2"]
+    spec.schedule.close()
+
+
+def test_a_start_naming_another_host_is_refused():
+    """The form's own value (or none) starts the run; another host, a second Start, a Start while running do not."""
+    environment = SimpleNamespace(host="http://a:1,http://b:2", runner=SimpleNamespace(state=STATE_INIT))
+    coordinator = SimpleNamespace(started_at=None, output="run.jsonl")
+    assert start_refusal(coordinator, environment, "http://a:1,http://b:2") is None
+    assert start_refusal(coordinator, environment, None) is None
+    refused = start_refusal(coordinator, environment, "http://u:secret@c:3")
+    assert "sends to http://a:1,http://b:2" in refused and "restart locust with --host" in refused
+    assert "secret" not in refused and "http://***@c:3" in refused
+    assert start_refusal(coordinator, SimpleNamespace(host=None, runner=environment.runner), "") is None
+    coordinator.started_at = 1.0
+    environment.runner.state = STATE_RUNNING
+    assert "running" in start_refusal(coordinator, environment, "http://a:1,http://b:2")
+    environment.runner.state = STATE_STOPPED
+    assert "already run" in start_refusal(coordinator, environment, None)
 
 
 def start_swarm(base: str, host: str) -> dict:

@@ -143,9 +143,8 @@ class Coordinator:
     """The master's side, for the run `spec`. What it needs of the runner it is given, not
     looked up: `worker_gone` (whether the runner lost a worker, by client id), `worker_host` (a
     worker's host name, for the metadata; None: this host's) and `on_exit_code` (called with 1
-    when any row failed). The runner's target host is the spec's, read when needed (a web UI's
-    start form may set it). `local_part` is a local run's own Dispatcher; `heard` the workers
-    that said HELLO before it was built (listen_for_hellos)."""
+    when any row failed). The runner's target host is the spec's. `local_part` is a local run's
+    own Dispatcher; `heard` the workers that said HELLO before it was built (listen_for_hellos)."""
 
     def __init__(self, spec: RunSpec, link: transport.Link, clock: Clock = SYSTEM_CLOCK, *, local_part=None,
                  heard: Iterable[str] = (), worker_gone: Callable[[str], bool] = _never_gone,
@@ -179,6 +178,7 @@ class Coordinator:
         self.scrape_listeners: list = []  # handed to the scraper: called with each round (the live Replay view)
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         self.final_listeners: list = []  # called with every record of the merged file, at the end
+        self.summary_listeners: list = []  # called with the run's summary (OUTPUT.summary.json's), at the end
         self.server_check = Verdict(skipped="not checked").to_dict()  # the preflight's verdict, for the meta file
         link.on(messages.ROWS_ACK, self.on_rows_ack)
         link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender, clock))
@@ -535,7 +535,8 @@ class Coordinator:
         self._fill(range(len(self.schedule)), None, never_sent)  # rows never assigned (no worker at all)
         if self.scraper is not None:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
-        code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners)
+        code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners,
+                      self.summary_listeners)
         if code:
             self.on_exit_code(code)
 

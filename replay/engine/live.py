@@ -6,8 +6,10 @@ each worker with what only the worker knows (rows sent, requests in flight). Not
 runs on a worker's dispatch path.
 
 Latencies, token rates and drift (also each worker's) are over the records that arrived in
-the last WINDOW_S seconds; once the run has ended a worker's drift p99 is over its whole run.
-The cache hit ratios are cumulative over the run so far. Per endpoint (`servers`, in
+the last WINDOW_S seconds. Once the run has ended they are the whole run's: the summary's own
+figures (OUTPUT.summary.json, handed over by replay.run.finish, so each is computed one way),
+and each worker's drift p99 over its records of the merged file, so that with one worker its
+row and the run's agree. The cache hit ratios are cumulative over the run so far. Per endpoint (`servers`, in
 --endpoints order) the view adds the server's own figures from the master's /metrics scraper. The ideal ratio is the
 trace's own (replay.trace.prefix, an infinite cache over trace blocks, starting empty at the
 window's first row) taken over exactly the rows behind the observed ratio: answered rows
@@ -45,6 +47,13 @@ LATEST_KEYS = (
     "input_tokens_per_s", "in_flight", "drift_p50_ms", "drift_p99_ms", "cache_hit_ratio", "ideal_cache_hit_ratio",
     "servers",
 )  # fmt: skip
+# the whole run's figures once it has ended: LATEST_KEYS -> where the summary (replay.results.report) has them
+SUMMARY_FIGURES = {
+    "ttft_p50_ms": ("ttft_ms", "p50"), "ttft_p99_ms": ("ttft_ms", "p99"), "tpot_p50_ms": ("tpot_ms", "p50"),
+    "e2e_p50_ms": ("e2e_ms", "p50"), "e2e_p99_ms": ("e2e_ms", "p99"), "output_tokens_per_s": ("output_token_throughput",),
+    "input_tokens_per_s": ("input_token_throughput",), "drift_p50_ms": ("drift_ms", "p50"),
+    "drift_p99_ms": ("drift_ms", "p99"),
+}  # fmt: skip
 
 
 def worker_report(part) -> messages.Live:
@@ -105,6 +114,8 @@ class LiveStats:
         self._final = FinalCounts()
         if view:
             coordinator.final_listeners.append(self._final.add)
+        self.summary: dict | None = None  # the run's summary, once it has ended
+        coordinator.summary_listeners.append(self.on_summary)
         self.latest: dict = dict.fromkeys(LATEST_KEYS)
         self.stopped = False
         self.final: dict | None = None
@@ -130,6 +141,9 @@ class LiveStats:
                 self.ideal_cached += ideal
                 self.ideal_prompt += r["input_length"]
                 self.servers.add_record(r, ideal)
+
+    def on_summary(self, summary: dict) -> None:
+        self.summary = summary
 
     def on_stop(self) -> None:
         """After the coordinator's finalize: the figures become exact and stop changing."""
@@ -185,11 +199,12 @@ class LiveStats:
 
     def _exact(self) -> dict:
         """Per-worker counts and errors recounted from the complete merged records (they now
-        include the rows the master accounted for itself: worker lost, run stopped)."""
+        include the rows the master accounted for itself: worker lost, run stopped), and the
+        whole run's figures from its summary."""
         final = self._final
         self.sent, self.failed, self.errors = final.sent, final.failed, final.errors
         self.worker_drift_p99 = {w: _round(percentile(sorted(d), 99)) for w, d in final.drift.items()}
-        self.latest = {**self.latest, "in_flight": 0}
+        self.latest = {**self.latest, **whole_run(self.summary), "in_flight": 0}
         return {"progress": self.progress(time.time()), "workers": self.workers()}
 
     def progress(self, now: float) -> dict:
@@ -262,6 +277,7 @@ class LiveStats:
             "elapsed_s": None if c.epoch is None else round(max(now - c.epoch, 0.0), 1),
             "eta_s": eta,
             "window_s": WINDOW_S,
+            "latest_over": "window" if self.final is None or self.summary is None else "run",
         }
 
     def snapshot(self, since: float | None = None) -> dict:
@@ -356,6 +372,20 @@ class FinalCounts:
             self.errors[failure_reason(r)] += 1
         if r["drift_ms"] is not None:
             self.drift.setdefault(r["worker"], array("d")).append(r["drift_ms"])
+
+
+def whole_run(summary: dict | None) -> dict:
+    """The `latest` figures the summary has, as it has them (rounded as the live ones); none
+    without a summary (the run's end failed before it: the last window's stay)."""
+    if summary is None:
+        return {}
+    out = {}
+    for key, path in SUMMARY_FIGURES.items():
+        value = summary
+        for part in path:
+            value = value[part]
+        out[key] = _round(value)
+    return out
 
 
 def ideal_hit_tokens(coordinator) -> dict[int, int]:

@@ -65,7 +65,7 @@ class Chunk(TypedDict):
 
 class Plan(Chunk):
     """PLAN: a worker's part of the run. All of it comes from the master, which alone has seen
-    the options, the trace and the target host (a web UI's start form may set --host late).
+    the options, the trace and the target host (a worker's own --host is not asked).
     Sent after the worker's HELLO (Locust acks a worker's connection before the worker has
     registered its replay messages: a plan sent then is dropped) and resent until PLAN_ACK."""
 

@@ -67,6 +67,7 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
         if web_user:  # refused as the web UI refuses it, with or without one (--headless)
             webauth.parse_web_user(web_user)
         spec = preflight.load(options, _hide_host_credentials(environment))
+        _show_endpoints(environment, spec)
         runner = environment.runner
         coordinator = Coordinator(spec, link, local_part=part, heard=heard,
                                   worker_gone=lambda client_id: _worker_gone(runner, client_id),
@@ -91,23 +92,21 @@ def _workers_quit(environment) -> None:
         runner.quit()
 
 
-def _hide_host_credentials(environment) -> Callable[[], str | None]:
+def _hide_host_credentials(environment) -> str | None:
     """Locust shows `environment.host` (its web UI, its HTML report) and sends it to workers:
-    it gets the URL as shown (replay.protocol.urls), and the returned function gives the full one,
-    credentials included, to connect with. A host typed into the web UI's form is hidden the
-    same way when asked; the shown URL left as it was means the same credentials."""
-    full: list[str | None] = [None]
+    it gets the URL as shown (replay.protocol.urls); the full one, credentials included, is
+    returned for the run to connect with."""
+    full = environment.host
+    if full is not None:
+        environment.host = shown(full)
+    return full
 
-    def host() -> str | None:
-        current = environment.host
-        if current is not None and current != shown(current):  # credentials given (again)
-            full[0], environment.host = current, shown(current)
-        elif current != (full[0] and shown(full[0])):  # another host, without credentials
-            full[0] = current
-        return full[0]
 
-    host()
-    return host
+def _show_endpoints(environment, spec: RunSpec) -> None:
+    """What Locust's Host field and header show: where this run sends, as shown, comma-separated
+    (--endpoints, or the host). The field is read-only (replay.locust.webui): the preflight
+    asked these servers, and the run is theirs."""
+    environment.host = ",".join(shown(url) for url in spec.endpoint_urls())
 
 
 def _worker_gone(runner, client_id: str) -> bool:

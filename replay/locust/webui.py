@@ -9,7 +9,11 @@ progress line from the same figures (replay.engine.progress, set up by replay.lo
 A replay is one pass over the trace: the Start button runs it through ReplayShape (Locust
 hides the user count form for a shape with use_common_options=False), and a second Start
 after it ended is refused with a message, since the coordinator, output file and records
-belong to that one run.
+belong to that one run. Locust's Host field shows where the run sends and is read-only, and a
+Start naming another host is refused (`start_refusal` says why).
+
+Once the run has ended the view's figures are the whole run's, the summary's own
+(replay.engine.live).
 
 Every route follows Locust's login (`--web-login`, set up by replay.locust.webauth). Both are
 set up by replay.locust.plugin's init listener, the login first, once `environment.replay` is set.
@@ -27,6 +31,7 @@ from locust.runners import STATE_RUNNING, STATE_SPAWNING, MasterRunner, WorkerRu
 from replay.engine import messages
 from replay.engine.live import LiveStats
 from replay.locust import webauth
+from replay.protocol.urls import shown
 
 PAGE = Path(__file__).resolve().parent / "static" / "replay.html"
 TAB = "replay"
@@ -35,6 +40,16 @@ TAB_COLUMNS = (
     ("in_flight", "In flight"), ("failed", "Failed"), ("drift_p99_ms", "Drift p99 (ms)"),
     ("clock_offset_ms", "Clock offset (ms)"),
 )  # fmt: skip
+# Locust's form has no read-only Host field: this makes it one, as React (re)draws it (start_refusal says why)
+HOST_FIELD = (
+    "<script>(function () {"
+    "const hint = 'Where this replay sends, fixed when locust started (its servers were checked then):"
+    " restart locust with --host or --endpoints to replay against another';"
+    "const fix = () => document.querySelectorAll('input[name=host]').forEach((input) => {"
+    "if (!input.readOnly) { input.readOnly = true; input.title = hint; input.style.cursor = 'not-allowed'; } });"
+    "new MutationObserver(fix).observe(document.body, {childList: true, subtree: true}); fix();"
+    "})();</script>"
+)
 LINK = (
     '<a id="replay-view-link" href="{href}" title="Trace replay: progress, TTFT, TPOT, tokens/s, drift, cache hits"'
     ' style="position:fixed;right:20px;bottom:64px;z-index:2000;padding:10px 16px;border-radius:22px;'
@@ -79,14 +94,12 @@ def add_routes(web_ui, stats: LiveStats, base: str = "") -> None:
         return Response(orjson.dumps(stats.snapshot(since)), mimetype="application/json")
 
     @app.before_request
-    def refuse_second_start():
-        if request.endpoint != "locust.swarm" or coordinator.started_at is None or not webauth.logged_in(web_ui):
+    def guard_start():
+        if request.endpoint != "locust.swarm" or not webauth.logged_in(web_ui):
             return None  # not logged in: the view's own check sends the request to the login
-        if web_ui.environment.runner.state in (STATE_SPAWNING, STATE_RUNNING):
-            message = "The replay is running; its pace comes from the trace, so there is nothing to change."
-        else:
-            message = (f"This replay has already run (records in {coordinator.output}). A replay is one pass over"
-                       " the trace: restart locust to replay it again.")  # fmt: skip
+        message = start_refusal(coordinator, web_ui.environment, request.form.get("host"))
+        if message is None:
+            return None
         return jsonify({"success": False, "message": message, "host": web_ui.environment.host})
 
     web_ui.template_args["extended_tabs"] = [{"title": "Replay", "key": TAB}]
@@ -103,8 +116,25 @@ def add_routes(web_ui, stats: LiveStats, base: str = "") -> None:
         elif request.endpoint == "locust.index" and response.mimetype == "text/html":
             page = response.get_data(as_text=True)
             if "</body>" in page:
-                response.set_data(page.replace("</body>", LINK.format(href=f"{base}/replay") + "</body>", 1))
+                response.set_data(page.replace("</body>", LINK.format(href=f"{base}/replay") + HOST_FIELD + "</body>", 1))
         return response
+
+
+def start_refusal(coordinator, environment, host: str | None) -> str | None:
+    """Why a Start (Locust's /swarm) is refused, or None. A second one: a replay is one pass
+    over the trace. One with a host other than the run's (`environment.host`, shown: see
+    replay.locust.plugin): the preflight asked the run's servers before the web UI opened (their
+    prompt limit decided which rows are sent; --verify-server checked them), the /metrics scraper
+    and the meta file name them, and --endpoints may be several; a run sends where it looked."""
+    if coordinator.started_at is not None:
+        if environment.runner.state in (STATE_SPAWNING, STATE_RUNNING):
+            return "The replay is running; its pace comes from the trace, so there is nothing to change."
+        return (f"This replay has already run (records in {coordinator.output}). A replay is one pass over"
+                " the trace: restart locust to replay it again.")  # fmt: skip
+    if host is not None and host != (environment.host or ""):
+        return (f"This replay sends to {environment.host}, the servers it checked when locust started; to"
+                f" replay against {shown(host)}, restart locust with --host (or --endpoints) naming it.")  # fmt: skip
+    return None
 
 
 def tab_rows(snapshot: dict) -> list[dict]:

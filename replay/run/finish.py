@@ -32,11 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
-           on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[dict], None]] = ()) -> int:
+           on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[dict], None]] = (),
+           summary_listeners: Iterable[Callable[[dict], None]] = ()) -> int:
     """End the run whose every row has a record in `store`; returns the exit code: 1 when any
     row failed for a reason other than the user's stop, or a file of the run is not whole, else 0.
     `incomplete` ({file: why}) is the engine's, which `on_fault` adds to; `listeners` see every
-    record of the merged file (the live Replay view's final counts)."""
+    record of the merged file, `summary_listeners` the summary as printed and written (the live
+    Replay view's final counts and figures: one computation of each, the summary's)."""
     builder = ReportBuilder(parse_slo(spec.options.slo))
     failed = 0
 
@@ -51,6 +53,8 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     spec.schedule.close()
     report = builder.report(_cache_section(spec, facts))
     report["server"] = read_server_section(spec.output, report["endpoints"], spec.options.server_metric or ())
+    for listener in summary_listeners:
+        listener(report)
     try:
         write_summary(spec.output, report)
     except OutputError as e:

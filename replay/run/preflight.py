@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
 
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length
@@ -46,13 +45,12 @@ def default_output() -> str:
     return time.strftime("results/replay-%Y%m%d-%H%M%S.jsonl", time.gmtime())
 
 
-def load(options: ReplayOptions, host: Callable[[], str | None]) -> RunSpec:
+def load(options: ReplayOptions, host: str | None) -> RunSpec:
     """Check and load everything a run needs before a worker gets anything (see the module's
-    docstring); `host` gives the runner's target host when asked (a web UI may change it
-    before Start). The output stays claimed (locked) for this process's life; on a refusal
+    docstring); `host` is the runner's target host (--host; --endpoints wins). The output stays claimed (locked) for this process's life; on a refusal
     here it is released. Sets `options.output` to the output claimed."""
     options.check()
-    urls = options.endpoint_urls(host())
+    urls = options.endpoint_urls(host)
     # The output is decided and locked here (held until this process exits), before anything
     # could write it; an earlier run's files go now, only with --overwrite.
     claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
@@ -65,7 +63,7 @@ def load(options: ReplayOptions, host: Callable[[], str | None]) -> RunSpec:
         raise
 
 
-def _load(options: ReplayOptions, host: Callable[[], str | None], urls: list[str], claim) -> RunSpec:
+def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> RunSpec:
     # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
     # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
     # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold load

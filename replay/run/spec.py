@@ -3,14 +3,14 @@ a frozen `RunSpec` the engine (replay.engine.coordinator) runs and replay.run.fi
 
 The spec holds values, not places to look them up: the options as checked, the output as
 claimed, the tokenizer's fingerprint, the rows of the window (spooled, replay.engine.plan's
-Schedule), the trace's facts and the prompt limit. One thing is read when needed instead: the
-runner's host (`host`), which a web UI's start form may change after the preflight and before
-the run begins; `endpoint_urls()` reads it.
+Schedule), the trace's facts and the prompt limit. The runner's host (`host`, Locust's
+`--host`) is one of them: the preflight asked its /v1/models for the prompt limit and checked it
+(--verify-server), so a run sends where its preflight looked; the web UI's Host field is
+read-only for that reason (replay.locust.webui).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,10 +34,6 @@ class TraceFacts:
     skipped: tuple[str, ...] = ()  # the bad lines --on-bad-line skip dropped, as logged
 
 
-def _no_host() -> str | None:
-    return None
-
-
 @dataclass(frozen=True)
 class RunSpec:
     options: ReplayOptions
@@ -48,7 +44,7 @@ class RunSpec:
     max_prompt_tokens: int | None  # rows with longer prompts are recorded, never sent; None: no limit
     tokenizer_fingerprint: str | None = None  # each worker proves it has the same (same_tokenizer); None: no check
     tokenizer_path: str | None = None  # --tokenizer as this host resolved it (a Hugging Face id: its snapshot)
-    host: Callable[[], str | None] = _no_host  # the runner's target host, read when needed
+    host: str | None = None  # the runner's target host (--host), credentials included; --endpoints wins
     claim: OutputClaim | None = field(default=None, compare=False, repr=False)  # the output's lock, this process's
 
     @property
@@ -62,8 +58,8 @@ class RunSpec:
         return replay_seconds(self.schedule.window_s, self.options.scale)
 
     def endpoint_urls(self) -> list[str]:
-        """The servers this run sends to: --endpoints, or the runner's host as it is now."""
-        return self.options.endpoint_urls(self.host())
+        """The servers this run sends to: --endpoints, or the runner's host."""
+        return self.options.endpoint_urls(self.host)
 
     def metadata(self, facts: RunFacts, incomplete: dict[str, str] | None = None) -> dict:
         """The run's metadata (OUTPUT.meta.json, replay.results.metadata.run_metadata) from this

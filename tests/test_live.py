@@ -1,0 +1,72 @@
+"""The Replay view's model (replay.engine.live.LiveStats) in one process: a Coordinator on a
+fake clock with a fake worker (tests/engine_support.py), no Locust process, no server. What the
+view shows while the run goes (the last WINDOW_S seconds) and once it has ended (the whole
+run, the summary's own figures), and that the Replay tab's "all" row agrees with its workers'.
+The view in a real browser is tests/test_browser_webui.py's."""
+
+from __future__ import annotations
+
+import json
+
+import gevent
+from engine_support import FakeClock, FakeWorker, make_rows, spec_of
+
+from replay.engine.coordinator import Coordinator
+from replay.engine.live import SUMMARY_FIGURES, LiveStats
+from replay.engine.transport import LOCAL_CLIENT, LocalLink
+from replay.locust.webui import tab_rows
+from replay.results.summary import percentile
+from replay.rules.run_files import summary_path
+
+ROWS = 40
+
+
+class VariedWorker(FakeWorker):
+    """The fake endpoint with latencies that grow with the row, so a window and the whole run differ."""
+
+    def _ship(self, records: list[dict]) -> None:
+        for r in records:
+            if r["ok"]:
+                i = r["request_id"]
+                r.update(ttft_ms=5.0 + i, tpot_ms=1.0 + i / 10, e2e_ms=10.0 + 2 * i, finished_at=r["sent_at"] + 0.01 * i)
+        super()._ship(records)
+
+
+def test_the_finished_view_shows_the_whole_run_as_the_summary(tmp_path):
+    link, clock = LocalLink(), FakeClock()
+    spec = spec_of(make_rows(ROWS, gap_s=0.05), tmp_path)
+    coordinator = Coordinator(spec, link, clock)
+    stats = LiveStats(coordinator)
+    VariedWorker(link, clock=clock).hello()
+    gevent.sleep(0.001)
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    clock.drive(lambda: coordinator.recorded == ROWS)
+
+    # the first half answered a minute ago: the live figures are the last WINDOW_S seconds' (the second half)
+    stats.recent = type(stats.recent)((t - 60 if r["request_id"] < ROWS // 2 else t, r) for t, r in stats.recent)
+    stats.tick()
+    window_ttft = [5.0 + i for i in range(ROWS // 2, ROWS)]
+    assert stats.latest["ttft_p99_ms"] == round(percentile(window_ttft, 99), 3)
+    live = stats.snapshot()
+    assert live["run"]["latest_over"] == "window"
+    (worker, everyone) = tab_rows(live)
+    assert everyone["worker"] == "all" and everyone["drift_p99_ms"] == worker["drift_p99_ms"] != ""
+
+    clock.drive(coordinator.finished.is_set)
+    ending = gevent.spawn(coordinator.end)
+    clock.drive(lambda: ending.dead)
+    stats.on_stop()  # as the web UI's test_stop listener, after the coordinator's end
+    final = stats.snapshot()
+    summary = json.loads(summary_path(spec.output).read_text())
+    assert final["run"]["state"] == "finished" and final["run"]["latest_over"] == "run"
+    for key, path in SUMMARY_FIGURES.items():
+        value = summary
+        for part in path:
+            value = value[part]
+        assert final["latest"][key] == round(value, 3), key
+    assert final["latest"]["ttft_p99_ms"] == round(percentile([5.0 + i for i in range(ROWS)], 99), 3)
+    assert final["latest"]["ttft_p99_ms"] != round(percentile(window_ttft, 99), 3)
+    assert final["latest"]["in_flight"] == 0
+    (worker, everyone) = tab_rows(final)
+    assert everyone["drift_p99_ms"] == worker["drift_p99_ms"] == final["latest"]["drift_p99_ms"]
+    assert everyone["failed"] == worker["failed"] == 0 and everyone["rows_sent"] == worker["rows_sent"] == ROWS
