@@ -243,11 +243,11 @@ def test_slow_worker_set_up_keeps_heartbeats(tmp_path):
     """A real tokenizer's set-up (seconds of CPU for the safe vocabulary and the template) runs
     off the event loop: no worker is dropped as missing, and every row is ok."""
     tokenizer = shared_path("tokenizers", "qwen2")
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=100, gap_ms=20)
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=20)
     output = tmp_path / "run.jsonl"
     with sim_process(tokenizer, "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "0",
                      "--max-num-seqs", "10000") as server:
-        master, procs = master_and_workers(tmp_path, replay_args(trace, tokenizer, server.url, output))
+        master, procs = master_and_workers(tmp_path, replay_args(trace, tokenizer, server.url, output), workers=1)
         finish([master, *procs], timeout=180)
     log = (tmp_path / "master.log").read_text()
     assert master.returncode == 0, log[-3000:]
