@@ -143,6 +143,14 @@ def ok_record(row: TraceRow, worker: int, scheduled: float, sent_at: float) -> d
     return record
 
 
+def failed_record(row: TraceRow, worker: int, scheduled: float, sent_at: float, status: int) -> dict:
+    """What a worker records for a request the server answered with an HTTP error."""
+    record = unsent_record(row, worker=worker, api="openai-chat", scheduled_at=scheduled, reason=f"HTTP {status}",
+                           endpoint=URL, sent_at=sent_at)
+    record.update(status=status, finished_at=sent_at + 0.01, e2e_ms=10.0)
+    return record
+
+
 class FakeWorker:
     """The worker side of the protocol, as replay.engine.dispatcher.Dispatcher speaks it, with
     every row answered at once on the GO by a fake endpoint: `answer(row)` is its HTTP status
@@ -232,8 +240,7 @@ class FakeWorker:
             if status == 200:
                 batch.append(ok_record(row, self.index, scheduled, self.clock.now()))
             else:
-                batch.append(unsent_record(row, worker=self.index, api="openai-chat", scheduled_at=scheduled,
-                                           reason=f"HTTP {status}", endpoint=URL, sent_at=self.clock.now()))
+                batch.append(failed_record(row, self.index, scheduled, self.clock.now(), status))
         self.answered = max(self.answered, end)
         self._ship(batch)
         if batch and self.answered < self.plan["rows"]:

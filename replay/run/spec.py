@@ -20,6 +20,7 @@ from replay.run.options import ReplayOptions
 
 if TYPE_CHECKING:
     from replay.engine.plan import Schedule
+    from replay.protocol.models import Served
     from replay.results.output import OutputClaim
 
 
@@ -48,6 +49,7 @@ class RunSpec:
     max_prompt_tokens: int | None  # rows with longer prompts are recorded, never sent; None: no limit
     tokenizer_fingerprint: str | None = None  # each worker proves it has the same (same_tokenizer); None: no check
     host: Callable[[], str | None] = _no_host  # the runner's target host, read when needed
+    served: tuple[Served, ...] = ()  # what each endpoint said it serves (replay.protocol.models); (): not asked
     claim: OutputClaim | None = field(default=None, compare=False, repr=False)  # the output's lock, this process's
 
     @property
