@@ -157,7 +157,7 @@ class FakeWorker:
     (200: ok; else a failed record "HTTP <status>").
 
     Knobs: `ready` False never says READY; `error` refuses the part (READY with an error);
-    `answer_first` answers only that many rows and holds the rest; `hears_abort` False ignores a
+    `answer_first` answers only that many rows and holds the rest (`release` answers more); `hears_abort` False ignores a
     stop's ABORT (its held rows come back from no one); `hold` caps the rows it takes ahead
     of its answers (its RowsAck.want, transport.HOLD_ROWS for the Dispatcher).
     """
@@ -245,6 +245,11 @@ class FakeWorker:
         self._ship(batch)
         if batch and self.answered < self.plan["rows"]:
             self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
+
+    def release(self, count: int) -> None:
+        """Answer `count` more of the rows it holds, now (with `answer_first`: answers come in steps)."""
+        self.answer_first = (self.answer_first or 0) + count
+        self._answer()
 
     def _ship(self, records: list[dict]) -> None:
         for i in range(0, len(records), 500):

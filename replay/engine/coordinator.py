@@ -73,6 +73,7 @@ PLAN_RESEND_S = 2.0  # a plan not acked by then is sent again
 GO_RESEND_S = GO_LEAD_S / 2  # a go not acked by then is sent again, most often before the first send is due
 ABORT_RESEND_S = 1.0  # at a stop, the abort is sent again this often while the workers' records are awaited
 TICK_S = 0.25
+REFUSED_EXIT_CODE = 2  # a run refused before the first send (`refuse`), as any refusal of its input
 # The meta written as the run begins keeps this much room (spaces) for the end's, plus some per
 # worker: their clock figures and the incomplete files are only known later.
 META_ROOM = 8192
@@ -173,6 +174,7 @@ class Coordinator:
         # the error rate, a refusal); None: it ended by itself, or the user stopped it
         self.fault_label: str | None = None
         self.error_rate = ErrorRate(self.options.max_error_rate, clock)
+        self.refused = False  # the servers could not take the run (`refuse`): nothing was sent
         self.incomplete: dict[str, str] = {}  # file -> why it is not whole (a write that failed)
         self.workers: dict[str, WorkerState] = {}
         # Workers that said HELLO: they can hear replay messages. The local part hears from the start.
@@ -511,8 +513,9 @@ class Coordinator:
     def refuse(self, reason: str) -> None:
         """End a run that has not begun because its servers cannot take it (a dead endpoint, a
         model it does not serve: replay.run.preflight.check_servers): every row is recorded as
-        "run refused before the first send: `reason`", the files written as at any end. The
-        caller exits 2."""
+        "run refused before the first send: `reason`", the files written as at any end, and the
+        exit code is 2, as for any refusal before the first send."""
+        self.refused = True
         self._stop_for(f"{REFUSED}: {reason}")
         self.cancel()
 
@@ -547,7 +550,8 @@ class Coordinator:
     def _finalize(self) -> None:
         """Account for every row (the rows without a record get their labels), then end the run
         (replay.run.finish: the merged file sorted by request_id, the summary, the last meta)
-        and set the exit code: 1 when any row failed for a reason other than the user's stop.
+        and set the exit code: 1 when any row failed for a reason other than the user's stop, 2
+        when the run was refused.
         Run once, by `end`."""
         if self._supervisor is not None:
             self._supervisor.kill(block=False)
@@ -568,7 +572,8 @@ class Coordinator:
         self._fill(range(len(self.schedule)), None, never_sent)  # rows never assigned (no worker at all)
         if self.scraper is not None:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
-        code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners)
+        code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners,
+                      least_code=REFUSED_EXIT_CODE if self.refused else 0)
         if code:
             self.on_exit_code(code)
 
