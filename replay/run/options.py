@@ -83,7 +83,8 @@ class ReplayOptions:
     endpoints: str | None = _option(help="comma-separated server URLs (a fleet); default --host")
     routing: str = _option("round-robin", "how a worker picks the endpoint of each request among --endpoints", choices=ROUTINGS)
     max_prompt_tokens: int | None = _option(help="rows with longer prompts are recorded, never sent (default: the "
-                                                 "server's max_model_len from /v1/models, else "
+                                                 "served model's limit: max_model_len from GET /v1/models, TGI's "
+                                                 "max_input_tokens from /info; else "
                                                  f"{DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)")
     partition: str = _option("round-robin", "how rows are split across workers", choices=PARTITIONS)
     drain_timeout: float = _option(60.0, "seconds to wait for answers after the last send")
