@@ -418,3 +418,19 @@ def test_a_refused_run_records_every_row(tmp_path):
     records = {r["request_id"]: r for r in read_records(spec.output)}
     assert labels(records) == {f"{REFUSED}: http://127.0.0.1:9 did not answer GET /v1/models (connection refused)": 30}
     assert meta_path(spec.output).exists() and summary_path(spec.output).exists() and run.exit_codes == [2]
+
+
+def test_failures_after_the_run_ended_by_itself_relabel_nothing(tmp_path):
+    """Ended by its drain timeout, the run then hears failed answers before its end is written:
+    it stays a drain timeout's end, nothing is labelled as the error rate's."""
+    link = LocalLink()
+    run = Run(spec_of(make_rows(80), tmp_path, drain_timeout=30.0), link)
+    worker = FakeWorker(link, answer_first=10).hello()
+    run.begin()
+    run.until(run.coordinator.finished.is_set)
+    worker.answer = failing
+    worker.release(60)
+    run.until(lambda: run.coordinator.recorded == 70)
+    records = run.end()
+    assert run.coordinator.end_reason == DRAIN_TIMEOUT and run.coordinator.fault_label is None
+    assert labels(records) == {"ok": 10, "HTTP 500": 60, DRAIN_TIMEOUT: 10}

@@ -426,7 +426,7 @@ class Coordinator:
             return  # answers that arrive while the run ends change nothing of how it ended
         if self.store.count >= self.total:
             self._end_by_itself("complete")
-        elif self.error_rate.add(fresh) and self.fault_label is None:
+        elif not self.finished.is_set() and self.error_rate.add(fresh):  # once it ended, nothing stops it
             label = error_rate_label(self.error_rate.limit)
             logger.error("replay: %d of the last %d answers failed, more than --max-error-rate %g (over the last "
                          "%g s and at least %d answers): stopping the run; the rows left are recorded as %r",
