@@ -28,7 +28,7 @@ from replay.rules.run_files import summary_path
 from replay.run.options import ReplayOptions, add_arguments
 from replay.sim.process import sim_process
 from support.ports import free_port
-from support.processes import replay_args, run_locust
+from support.processes import replay_args, run_locust, web_args
 from support.traces import BLOCK, mooncake_trace
 
 # -- the error rate's window ----------------------------------------------------------------------
@@ -185,6 +185,16 @@ def test_a_dead_endpoint_and_a_wrong_model_end_before_the_first_send(tmp_path, t
         assert {r["error"] for r in records} == {f"{REFUSED}: {reason}"} and not any(r["sent_at"] for r in records)
         assert summary_path(output).exists() and read_run_metadata(output)["trace"]["rows"] == 12
     assert requests_received(sim) == 0
+
+
+def test_in_the_web_uis_mode_a_refusal_records_nothing(tmp_path, toy_tokenizer_dir):
+    """No run was asked for yet (no --headless): the line and exit 2, no file."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=4, gap_ms=10)
+    dead = f"http://127.0.0.1:{free_port()}"
+    output = tmp_path / "run.jsonl"
+    proc = run_locust(web_args(trace, toy_tokenizer_dir, dead, output, free_port()), tmp_path, exit_code=2, timeout=60)
+    assert f"replay: {dead} did not answer GET /v1/models (connection refused): nothing was sent\n" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run.jsonl")) == []
 
 
 def requests_received(sim) -> int:

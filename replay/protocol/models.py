@@ -34,7 +34,7 @@ class Served:
     problem: str | None = None
 
     def describe(self) -> str:
-        """"URL serves a, b", or "URL did not answer ..." for the one-line refusal."""
+        """For the one-line refusal: 'URL serves a, b', or 'URL did not answer ...'."""
         if self.problem is not None:
             return f"{self.endpoint} {self.problem}"
         return f"{self.endpoint} serves {', '.join(self.models) or 'no model'}"
