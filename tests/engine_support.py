@@ -143,13 +143,21 @@ def ok_record(row: TraceRow, worker: int, scheduled: float, sent_at: float) -> d
     return record
 
 
+def failed_record(row: TraceRow, worker: int, scheduled: float, sent_at: float, status: int) -> dict:
+    """What a worker records for a request the server answered with an HTTP error."""
+    record = unsent_record(row, worker=worker, api="openai-chat", scheduled_at=scheduled, reason=f"HTTP {status}",
+                           endpoint=URL, sent_at=sent_at)
+    record.update(status=status, finished_at=sent_at + 0.01, e2e_ms=10.0)
+    return record
+
+
 class FakeWorker:
     """The worker side of the protocol, as replay.engine.dispatcher.Dispatcher speaks it, with
     every row answered at once on the GO by a fake endpoint: `answer(row)` is its HTTP status
     (200: ok; else a failed record "HTTP <status>").
 
     Knobs: `ready` False never says READY; `error` refuses the part (READY with an error);
-    `answer_first` answers only that many rows and holds the rest; `hears_abort` False ignores a
+    `answer_first` answers only that many rows and holds the rest (`release` answers more); `hears_abort` False ignores a
     stop's ABORT (its held rows come back from no one); `hold` caps the rows it takes ahead
     of its answers (its RowsAck.want, transport.HOLD_ROWS for the Dispatcher).
     """
@@ -232,12 +240,16 @@ class FakeWorker:
             if status == 200:
                 batch.append(ok_record(row, self.index, scheduled, self.clock.now()))
             else:
-                batch.append(unsent_record(row, worker=self.index, api="openai-chat", scheduled_at=scheduled,
-                                           reason=f"HTTP {status}", endpoint=URL, sent_at=self.clock.now()))
+                batch.append(failed_record(row, self.index, scheduled, self.clock.now(), status))
         self.answered = max(self.answered, end)
         self._ship(batch)
         if batch and self.answered < self.plan["rows"]:
             self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
+
+    def release(self, count: int) -> None:
+        """Answer `count` more of the rows it holds, now (with `answer_first`: answers come in steps)."""
+        self.answer_first = (self.answer_first or 0) + count
+        self._answer()
 
     def _ship(self, records: list[dict]) -> None:
         for i in range(0, len(records), 500):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -299,27 +301,47 @@ def mooncake_row():
 
 
 class BlackHole:
-    """A server that accepts connections and never answers: whatever the replay asks it first
-    (the served model's length, the server check) blocks, so a signal can land there."""
+    """A server that accepts connections and never answers, but, with `serves`, what it serves
+    (GET /v1/models): whatever the replay asks it first (what it serves; else the server check, the
+    /metrics scrape) blocks, so a signal can land there."""
 
-    def __init__(self):
-        import socket
-
+    def __init__(self, serves: str | None = None):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.serves = serves
         self.held: list = []
+        self.asked = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            try:
+                asked = conn.recv(65536) if self.serves is not None else b""
+            except OSError:  # reset before it asked anything
+                conn.close()
+                continue
+            if asked.startswith(b"GET /v1/models "):
+                body = orjson.dumps({"object": "list", "data": [{"id": self.serves}]})
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                conn.close()
+                continue
+            self.held.append(conn)
+            self.asked.set()
 
     def wait_asked(self, proc) -> None:
-        """Until the replay's first connection is in (the replay blocks on it from then on)."""
-        self.sock.settimeout(60)
-        conn, _ = self.sock.accept()
-        self.held.append(conn)
+        """Until the replay's first question it holds is in (the replay blocks on it from then on)."""
+        assert self.asked.wait(60)
         assert proc.poll() is None
 
     def close(self) -> None:
+        self.sock.close()
         for conn in self.held:
             conn.close()
-        self.sock.close()
 
 
 def all_run_stopped(output: Path, trace: Path) -> list[dict]:
@@ -362,11 +384,11 @@ def test_signal_while_waiting_for_workers(tmp_path, toy_tokenizer_dir, fast_sim,
 
 @pytest.mark.parametrize("mode", ["local", "master"])
 def test_signal_during_the_server_check(tmp_path, toy_tokenizer_dir, mode):
-    """The trace is read, the server check blocks on a server that never answers: a SIGTERM then
-    records every row, as any stop before the first send."""
+    """The trace is read, the server check blocks on a server that never answers it (but said
+    what it serves): a SIGTERM then records every row, as any stop before the first send."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
     output = tmp_path / "run.jsonl"
-    server = BlackHole()
+    server = BlackHole(serves="sim")
     args = [*replay_args(trace, toy_tokenizer_dir, server.url, output), "--max-prompt-tokens", "4096"]
     if mode == "master":
         args += ["--master", "--expect-workers", "1", "--master-bind-host", "127.0.0.1", "--master-bind-port",
@@ -388,7 +410,7 @@ def test_signal_during_the_server_check(tmp_path, toy_tokenizer_dir, mode):
 
 @pytest.mark.parametrize("mode", ["local", "master"])
 def test_signal_before_the_trace_is_read(tmp_path, toy_tokenizer_dir, mode):
-    """Asking the server its max_model_len comes before the trace is read: a SIGTERM there has
+    """Asking the server what it serves (its max_model_len) comes before the trace is read: a SIGTERM there has
     nothing to record; one line, no traceback, exit 128 + 15, no output; a worker already
     connected is told to quit (not left for Locust's 60 s check on a master that is gone)."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
@@ -423,11 +445,11 @@ def test_signal_before_the_trace_is_read(tmp_path, toy_tokenizer_dir, mode):
 @pytest.mark.parametrize("mode", ["local", "master"])
 def test_signal_between_plan_and_go(tmp_path, toy_tokenizer_dir, mode):
     """The plan is out, and the go waits for the first round of the server's /metrics, which a
-    server that never answers holds back for the scrape's timeout: a SIGTERM then stops the run
-    as a user's stop, every row "run stopped", exit 0."""
+    server that never answers it (but said what it serves) holds back for the scrape's timeout:
+    a SIGTERM then stops the run as a user's stop, every row "run stopped", exit 0."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
     output = tmp_path / "run.jsonl"
-    server = BlackHole()
+    server = BlackHole(serves="sim")
     args = [*replay_args(trace, toy_tokenizer_dir, server.url, output), "--verify-server", "off",
             "--max-prompt-tokens", "4096", "--server-metrics-interval", "5"]
     procs = []

@@ -12,11 +12,12 @@ from dataclasses import replace
 
 import gevent
 import pytest
-from engine_support import FakeClock, FakeWorker, Hub, make_rows, spec_of
+from engine_support import FakeClock, FakeWorker, Hub, failed_record, make_rows, spec_of
 
 from replay.engine import coordinator as coordinator_module
 from replay.engine import transport
 from replay.engine.coordinator import CHUNK_ROWS, READY_TIMEOUT_S, Coordinator, listen_for_hellos
+from replay.engine.error_rate import DEFAULT_MAX_ERROR_RATE, MIN_ANSWERS, WINDOW_S
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.results.metadata import read_run_metadata
 from replay.results.records import (
@@ -24,10 +25,12 @@ from replay.results.records import (
     NO_RECORD,
     OUTPUT_ERROR,
     OVERSIZED,
+    REFUSED,
     RUN_STOPPED,
     WORKER_FAILED,
     WORKER_LOST,
     WORKER_STOPPED,
+    error_rate_label,
     read_records,
 )
 from replay.rules.run_files import meta_path, summary_path
@@ -324,3 +327,126 @@ def test_a_worker_holds_a_bounded_window_of_rows(tmp_path, monkeypatch):
     assert labels(run.finish()) == {"ok": 6 * CHUNK_ROWS}
     assert worker.most_held <= 2 * CHUNK_ROWS and worker.applied == list(range(6))
     assert run.coordinator.workers[LOCAL_CLIENT].acked == set(range(6))
+
+
+# -- --max-error-rate: servers that fail most answers stop the run (replay.engine.error_rate) ----------
+
+def failing(row) -> int:
+    return 500
+
+
+def test_servers_failing_most_answers_stop_the_run(tmp_path):
+    """Every answer failed: the run stops once MIN_ANSWERS came, the rows left get the error
+    rate's label, exit code 1, and the files are written as at any end."""
+    link = LocalLink()
+    run = Run(spec_of(make_rows(100), tmp_path), link)
+    worker = FakeWorker(link, answer=failing, answer_first=MIN_ANSWERS).hello()
+    run.begin()
+    records = run.finish()
+    label = error_rate_label(DEFAULT_MAX_ERROR_RATE)
+    assert label == "run aborted: error rate over 0.5"
+    assert labels(records) == {"HTTP 500": MIN_ANSWERS, label: 100 - MIN_ANSWERS}
+    assert run.coordinator.end_reason == label and worker.aborted == label and run.exit_codes == [1]
+    assert meta_path(run.spec.output).exists() and summary_path(run.spec.output).exists()
+
+
+def test_the_error_rate_is_judged_over_every_workers_answers(tmp_path):
+    """The master decides from what all workers report: one worker failing every answer beside
+    one answering every one is half, not over 0.5; one more failure is over."""
+    hub = Hub()
+    run = Run(spec_of(make_rows(200), tmp_path), hub.master)
+    good = FakeWorker(hub.worker("w0"), answer_first=MIN_ANSWERS).hello()
+    bad = FakeWorker(hub.worker("w1"), answer=failing, answer_first=0).hello()
+    run.begin([("w0", 0), ("w1", 1)])
+    run.until(lambda: run.coordinator.recorded == MIN_ANSWERS)
+    bad.release(MIN_ANSWERS)
+    run.until(lambda: run.coordinator.recorded == 2 * MIN_ANSWERS)
+    gevent.sleep(0.01)
+    assert not run.coordinator.finished.is_set()
+    bad.release(1)
+    records = run.finish()
+    label = error_rate_label(0.5)
+    assert labels(records) == {"ok": MIN_ANSWERS, "HTTP 500": MIN_ANSWERS + 1, label: 200 - 2 * MIN_ANSWERS - 1}
+    assert good.aborted == bad.aborted == label and run.exit_codes == [1]
+
+
+def test_max_error_rate_0_stops_at_one_failure_and_1_never(tmp_path):
+    rows = 60
+    zero = LocalLink()
+    run = Run(spec_of(make_rows(rows), tmp_path / "zero", max_error_rate=0.0), zero)
+    FakeWorker(zero, answer=lambda row: 503 if row.request_id == 3 else 200, answer_first=MIN_ANSWERS).hello()
+    run.begin()
+    assert labels(run.finish()) == {"ok": MIN_ANSWERS - 1, "HTTP 503": 1, "run aborted: error rate over 0": rows - MIN_ANSWERS}
+    one = LocalLink()
+    run = Run(spec_of(make_rows(rows), tmp_path / "one", max_error_rate=1.0), one)
+    worker = FakeWorker(one, answer=failing, answer_first=2 * MIN_ANSWERS).hello()
+    run.begin()
+    run.until(lambda: run.coordinator.recorded == 2 * MIN_ANSWERS)
+    worker.release(rows)
+    records = run.finish()  # every answer failed, and the run went to its end
+    assert labels(records) == {"HTTP 500": rows} and run.coordinator.end_reason == "complete"
+
+
+def test_fewer_answers_than_the_minimum_never_stop_the_run(tmp_path):
+    link = LocalLink()
+    run = Run(spec_of(make_rows(100), tmp_path), link)
+    worker = FakeWorker(link, answer=failing, answer_first=MIN_ANSWERS - 1).hello()
+    run.begin()
+    run.until(lambda: run.coordinator.recorded == MIN_ANSWERS - 1)
+    run.clock.advance(2 * WINDOW_S)
+    gevent.sleep(0.01)
+    assert not run.coordinator.finished.is_set()
+    worker.release(1)  # the minimum reached: judged now
+    assert labels(run.finish()) == {"HTTP 500": MIN_ANSWERS, error_rate_label(0.5): 100 - MIN_ANSWERS}
+
+
+class FailsAtTheStop(FakeWorker):
+    """A stop's ABORT finds its held requests answered by the server, every one failed."""
+
+    def on_abort(self, data, sender) -> None:
+        if self.aborted is None:
+            self.aborted = data["reason"]
+            held, self.answered = self.rows[self.answered:], len(self.rows)
+            self._ship([failed_record(row, self.index, self._scheduled(row), self.clock.now(), 502) for row in held])
+
+
+def test_failures_that_arrive_as_the_run_ends_change_nothing(tmp_path, caplog):
+    """Answers that come in while the run ends (a user's stop here) are recorded as they are;
+    they stop nothing and relabel nothing, however many failed."""
+    link = LocalLink()
+    run = Run(spec_of(make_rows(80), tmp_path), link)
+    FailsAtTheStop(link, answer_first=10).hello()
+    run.begin()
+    run.until(lambda: run.coordinator.recorded == 10)
+    with caplog.at_level(logging.ERROR):
+        records = run.end()
+    assert labels(records) == {"ok": 10, "HTTP 502": 70}
+    assert run.coordinator.end_reason is None and run.coordinator.fault_label is None
+    assert "max-error-rate" not in caplog.text
+
+
+def test_a_refused_run_records_every_row(tmp_path):
+    """Servers the preflight refuses (replay.run.preflight.check_servers): every row recorded
+    with the reason, the files written, exit code 2 (as replay.locust.plugin's own exit)."""
+    spec = spec_of(make_rows(30), tmp_path)
+    run = Run(spec, LocalLink())
+    run.coordinator.refuse("http://127.0.0.1:9 did not answer GET /v1/models (connection refused)")
+    records = {r["request_id"]: r for r in read_records(spec.output)}
+    assert labels(records) == {f"{REFUSED}: http://127.0.0.1:9 did not answer GET /v1/models (connection refused)": 30}
+    assert meta_path(spec.output).exists() and summary_path(spec.output).exists() and run.exit_codes == [2]
+
+
+def test_failures_after_the_run_ended_by_itself_relabel_nothing(tmp_path):
+    """Ended by its drain timeout, the run then hears failed answers before its end is written:
+    it stays a drain timeout's end, nothing is labelled as the error rate's."""
+    link = LocalLink()
+    run = Run(spec_of(make_rows(80), tmp_path, drain_timeout=30.0), link)
+    worker = FakeWorker(link, answer_first=10).hello()
+    run.begin()
+    run.until(run.coordinator.finished.is_set)
+    worker.answer = failing
+    worker.release(60)
+    run.until(lambda: run.coordinator.recorded == 70)
+    records = run.end()
+    assert run.coordinator.end_reason == DRAIN_TIMEOUT and run.coordinator.fault_label is None
+    assert labels(records) == {"ok": 10, "HTTP 500": 60, DRAIN_TIMEOUT: 10}

@@ -1,5 +1,6 @@
 """Where a run starts (replay.run.preflight): a trace and a tokenizer become a frozen RunSpec,
-and a refusal leaves nothing held. No server: --max-prompt-tokens is given, so none is asked."""
+and a refusal leaves nothing held. No server: the one asked what it serves is dead (the spec
+holds its answer; check_servers refuses it), --max-prompt-tokens is given."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from replay.protocol.models import Served
 from replay.rules.run_files import lock_path
 from replay.run import preflight
 from replay.run.options import ReplayOptions
@@ -43,9 +45,15 @@ def test_a_refusal_releases_the_output(tmp_path, toy_tokenizer_dir):
 
 
 def test_the_server_check_off_asks_nothing(tmp_path, toy_tokenizer_dir):
+    """--verify-server off asks no server to count; what each serves is checked all the same."""
     spec = preflight.load(options_for(tmp_path, toy_tokenizer_dir, verify_server="off"), "http://127.0.0.1:9")
     try:
-        assert preflight.check_servers(spec) == {"skipped": "--verify-server off", "endpoints": []}
+        assert spec.served == (Served("http://127.0.0.1:9", problem="did not answer GET /v1/models "
+                                                                    "(connection refused)"),)
+        with pytest.raises(preflight.ServersRefused, match="^http://127.0.0.1:9 did not answer GET /v1/models"):
+            preflight.check_servers(spec)
+        serving = dataclasses.replace(spec, served=(Served("http://127.0.0.1:9", {"m": None}),))
+        assert preflight.check_servers(serving) == {"skipped": "--verify-server off", "endpoints": []}
     finally:
         spec.schedule.close()
         spec.claim.release()

@@ -124,9 +124,10 @@ def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if "/ERROR/" in line]
 
 
-def test_web_login_without_credentials_is_refused(tmp_path, toy_tokenizer_dir):
+def test_web_login_without_credentials_is_refused(tmp_path, toy_tokenizer_dir, sim):
+    """A live server: the servers are asked what they serve before the web UI's login is set up."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=4, gap_ms=20)
-    args = [*web_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", tmp_path / "run.jsonl", free_port()),
+    args = [*web_args(trace, toy_tokenizer_dir, sim.url, tmp_path / "run.jsonl", free_port()),
             "--web-login"]  # fmt: skip
     proc = run_locust(args, tmp_path, timeout=30, exit_code=2)
     (line,) = error_lines(proc)
@@ -144,15 +145,16 @@ def test_unset_password_variable_is_refused(tmp_path, toy_tokenizer_dir, monkeyp
     assert "--web-user: $TRACEREPLAY_UNSET_PW is not set on this host" in line
 
 
-def test_all_interfaces_with_no_login_is_warned(tmp_path, toy_tokenizer_dir):
+def test_all_interfaces_with_no_login_is_warned(tmp_path, toy_tokenizer_dir, sim):
     """--web-host 0.0.0.0 on a port this test holds: the warning comes at start-up, and the UI
-    cannot bind, so the test never opens a UI to the network."""
+    cannot bind, so the test never opens a UI to the network. (A live server: the servers are
+    asked what they serve before the web UI's login is set up.)"""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=4, gap_ms=20)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        args = [a for a in web_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", tmp_path / "run.jsonl", port)]
+        args = [a for a in web_args(trace, toy_tokenizer_dir, sim.url, tmp_path / "run.jsonl", port)]
         args[args.index("--web-host") + 1] = "0.0.0.0"
         proc = spawn_locust(args, tmp_path, tmp_path / "master.log")
         try:

@@ -16,7 +16,10 @@ worker held but never reported are "no record from worker".
 A file of the run that cannot be written (a full disk, replay.results.files.OutputError: the
 master's own files, or a worker's, told by FAULT) stops the run as a fault: one line in the log,
 the rows left recorded as "output error", exit code 1, and the file named in the meta's
-`incomplete`. The meta is written, with its room reserved, as the run begins, so that at the
+`incomplete`. Servers that fail more than --max-error-rate of their answers
+(replay.engine.error_rate) stop it the same way, the rows left recorded as "run aborted: error
+rate over R"; servers the preflight refuses (`refuse`) leave every row recorded as "run refused
+before the first send: why". The meta is written, with its room reserved, as the run begins, so that at the
 end it can still say what is missing when the disk has filled since.
 """
 
@@ -35,6 +38,7 @@ from gevent.event import Event
 
 from replay.engine import messages, transport
 from replay.engine.clock import SYSTEM_CLOCK, Clock, answer_ping
+from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
 from replay.engine.plan import Schedule
 from replay.engine.scraper import Scraper
 from replay.results.files import OutputError
@@ -44,10 +48,12 @@ from replay.results.records import (
     NO_RECORD,
     OUTPUT_ERROR,
     OVERSIZED,
+    REFUSED,
     RUN_STOPPED,
     WORKER_FAILED,
     WORKER_LOST,
     WORKER_STOPPED,
+    error_rate_label,
     unsent_record,
 )
 from replay.results.store import REAL, RecordStore
@@ -67,6 +73,7 @@ PLAN_RESEND_S = 2.0  # a plan not acked by then is sent again
 GO_RESEND_S = GO_LEAD_S / 2  # a go not acked by then is sent again, most often before the first send is due
 ABORT_RESEND_S = 1.0  # at a stop, the abort is sent again this often while the workers' records are awaited
 TICK_S = 0.25
+REFUSED_EXIT_CODE = 2  # a run refused before the first send (`refuse`), as any refusal of its input
 # The meta written as the run begins keeps this much room (spaces) for the end's, plus some per
 # worker: their clock figures and the incomplete files are only known later.
 META_ROOM = 8192
@@ -162,6 +169,11 @@ class Coordinator:
         self.origin = spec.schedule.origin
         self.total = spec.total  # rows the run must record
         self.end_reason: str | None = None  # why the master ended the run itself; None: it was stopped
+        # the label of the rows left when the master stopped the run for a fault (an output error,
+        # the error rate, a refusal); None: it ended by itself, or the user stopped it
+        self.fault_label: str | None = None
+        self.error_rate = ErrorRate(self.options.max_error_rate, clock)
+        self.refused = False  # the servers could not take the run (`refuse`): nothing was sent
         self.incomplete: dict[str, str] = {}  # file -> why it is not whole (a write that failed)
         self.workers: dict[str, WorkerState] = {}
         # Workers that said HELLO: they can hear replay messages. The local part hears from the start.
@@ -223,7 +235,7 @@ class Coordinator:
             return
         self.started_at = self.clock.now()
         self._open_records(len(workers))
-        if self.end_reason == OUTPUT_ERROR:  # nothing is planned: every row is recorded as not sent
+        if self.fault_label is not None:  # nothing is planned: every row is recorded as not sent
             logger.info("replay: %d rows, output %s: nothing sent", len(self.schedule), self.output)
             return
         if self.scrapes:
@@ -350,7 +362,7 @@ class Coordinator:
         self._maybe_go()
 
     def _maybe_go(self, force: bool = False) -> None:
-        if self.epoch is not None or self.end_reason == OUTPUT_ERROR:
+        if self.epoch is not None or self.fault_label is not None:
             return
         live = [w for w in self.workers.values() if not w.lost]
         if not force and not all(w.ready for w in live):
@@ -389,10 +401,17 @@ class Coordinator:
         if self._ending is None:
             if first:
                 logger.error("replay: %scannot write %s: %s: stopping the run", who, file, reason)
-            self.end_reason = OUTPUT_ERROR  # over any other: the rows left are recorded as its
-            self.finished.set()
+            self._stop_for(OUTPUT_ERROR, over_any=True)  # the rows left are recorded as its
         elif first:  # the end of the run: the rest are said with this one in the meta and the last line
             logger.error("replay: %scannot write %s: %s", who, file, reason)
+
+    def _stop_for(self, label: str, over_any: bool = False) -> None:
+        """The master stops the run for a fault: the rows left unanswered get `label`. The first
+        fault names the end, unless this one is to win `over_any` other (an output error: the
+        rows left can no longer be written as anything else)."""
+        if self.fault_label is None or over_any:
+            self.fault_label = self.end_reason = label
+        self.finished.set()
 
     def ingest(self, records: list[dict], placeholder: bool = False) -> None:
         fresh = self.store.add(records, placeholder)
@@ -403,8 +422,17 @@ class Coordinator:
                 state.failed += 1
         for listener in self.listeners:
             listener(fresh)
-        if self.store.count >= self.total and self._ending is None:
+        if self._ending is not None:
+            return  # answers that arrive while the run ends change nothing of how it ended
+        if self.store.count >= self.total:
             self._end_by_itself("complete")
+        elif not self.finished.is_set() and self.error_rate.add(fresh):  # once it ended, nothing stops it
+            label = error_rate_label(self.error_rate.limit)
+            logger.error("replay: %d of the last %d answers failed, more than --max-error-rate %g (over the last "
+                         "%g s and at least %d answers): stopping the run; the rows left are recorded as %r",
+                         self.error_rate.failed, self.error_rate.answers, self.error_rate.limit, WINDOW_S,
+                         MIN_ANSWERS, label)
+            self._stop_for(label)
 
     def _fill(self, positions: Iterable[int], worker: int | None, reason: str, placeholder: bool = False) -> int:
         """Records for the rows at `positions` that have none yet, made and stored a batch at a
@@ -482,6 +510,15 @@ class Coordinator:
             self._open_records(0)
         self.end()
 
+    def refuse(self, reason: str) -> None:
+        """End a run that has not begun because its servers cannot take it (a dead endpoint, a
+        model it does not serve: replay.run.preflight.check_servers): every row is recorded as
+        "run refused before the first send: `reason`", the files written as at any end, and the
+        exit code is 2, as for any refusal before the first send."""
+        self.refused = True
+        self._stop_for(f"{REFUSED}: {reason}")
+        self.cancel()
+
     def _collect_held_records(self, reason: str) -> None:
         """Tell the workers to stop and give them a few seconds to return the records of every
         row they confirmed holding. The abort is sent again every ABORT_RESEND_S meanwhile (a
@@ -513,7 +550,8 @@ class Coordinator:
     def _finalize(self) -> None:
         """Account for every row (the rows without a record get their labels), then end the run
         (replay.run.finish: the merged file sorted by request_id, the summary, the last meta)
-        and set the exit code: 1 when any row failed for a reason other than the user's stop.
+        and set the exit code: 1 when any row failed for a reason other than the user's stop, 2
+        when the run was refused.
         Run once, by `end`."""
         if self._supervisor is not None:
             self._supervisor.kill(block=False)
@@ -521,10 +559,9 @@ class Coordinator:
         user_stopped = self.end_reason is None
         logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
                     self.end_reason or "stopped", self.store.count, self.total)
-        fault = self.end_reason == OUTPUT_ERROR
-        never_sent = RUN_STOPPED if user_stopped else OUTPUT_ERROR if fault else NO_RECORD
+        never_sent = RUN_STOPPED if user_stopped else self.fault_label or NO_RECORD
         if self.store.count < self.total:
-            self._collect_held_records(RUN_STOPPED if user_stopped else OUTPUT_ERROR if fault else DRAIN_TIMEOUT)
+            self._collect_held_records(RUN_STOPPED if user_stopped else self.fault_label or DRAIN_TIMEOUT)
         for state in self.workers.values():
             if state.lost:
                 self._fill(state.positions, state.index, state.unrecorded_label())
@@ -536,7 +573,7 @@ class Coordinator:
         if self.scraper is not None:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
         code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners,
-                      self.summary_listeners)
+                      self.summary_listeners, least_code=REFUSED_EXIT_CODE if self.refused else 0)
         if code:
             self.on_exit_code(code)
 

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import gevent
 from locust import events
@@ -27,7 +28,7 @@ from replay.engine.progress import ProgressLine
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink
 from replay.protocol.urls import shown
-from replay.results.records import MASTER_LOST, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
+from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
 from replay.run import preflight
 from replay.run.config import replay_options
 from replay.run.options import add_arguments
@@ -58,8 +59,10 @@ def _add_options(parser) -> None:
 def _coordinator(environment, link: transport.Link, part: Dispatcher | None = None) -> Coordinator:
     """The master's preflight (replay.run.preflight), before any worker gets anything: every
     error is one line, exit 2. `environment.replay` is set as soon as the trace is read, before
-    the server check: a signal from then on records every row (`_stop_on_signals`)."""
+    the server check: a signal from then on records every row (`_stop_on_signals`), and so do
+    servers that cannot take the run (`_refuse`)."""
     spec: RunSpec | None = None
+    coordinator: Coordinator | None = None
     try:
         heard = listen_for_hellos(link)  # workers that connect while the preflight loads
         options = replay_options(environment.parsed_options)
@@ -76,6 +79,8 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
         environment.replay = Replay(coordinator=coordinator, part=part)
         coordinator.server_check = preflight.check_servers(spec)
         return coordinator
+    except preflight.ServersRefused as e:
+        _refuse(environment, coordinator, str(e))
     except (TraceError, ValueError, OSError) as e:
         if spec is not None and spec.claim is not None:
             spec.claim.release()
@@ -90,6 +95,29 @@ def _workers_quit(environment) -> None:
     runner = environment.runner
     if isinstance(runner, MasterRunner) and runner.clients.all:
         runner.quit()
+
+
+def _run_asked(environment) -> bool:
+    """Whether a run was asked for at start (--headless, --autostart); else the web UI waits
+    for its Start."""
+    options = environment.parsed_options
+    return bool(getattr(options, "headless", False) or getattr(options, "autostart", False))
+
+
+def _refuse(environment, coordinator: Coordinator, reason: str) -> NoReturn:
+    """Servers that cannot take the run, found before the first send: one line, exit 2, and,
+    when a run was asked for, every row recorded as refused with the run's files written (as a
+    stop before the start). The web UI's mode asked for no run yet: nothing is recorded."""
+    if _run_asked(environment):
+        logger.error("replay: %s: nothing was sent; every row is recorded as %r", reason, REFUSED)
+        coordinator.refuse(reason)
+        environment.runner.quit()  # workers already connected quit too
+    else:
+        logger.error("replay: %s: nothing was sent", reason)
+        if coordinator.spec.claim is not None:
+            coordinator.spec.claim.release()
+        _workers_quit(environment)
+    sys.exit(2)
 
 
 def _hide_host_credentials(environment) -> str | None:
@@ -206,8 +234,7 @@ def _stop_on_signals(environment) -> None:
     - While the records are being written: ignored, it would cut them off.
     SIGHUP (the terminal closed) is a stop too, not a death with nothing written."""
     hub = gevent.get_hub()
-    options = environment.parsed_options
-    run_asked = bool(getattr(options, "headless", False) or getattr(options, "autostart", False))
+    run_asked = _run_asked(environment)
     interrupted = False
 
     def stop(signum: int) -> None:

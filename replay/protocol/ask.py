@@ -22,7 +22,21 @@ ASK_TIMEOUT_S = 30.0  # a /tokenize of a long prompt on a busy CPU server takes 
 
 
 class Unanswered(OSError):
-    """The server could not be reached or answered no HTTP."""
+    """The server could not be reached or answered no HTTP; `reason` says why without the URL
+    ("connection refused", "no answer in 5 s", ...)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+def _why(error: BaseException, timeout: float) -> str:
+    """Why a question got no HTTP answer, in a few words."""
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(error, TimeoutError):
+        return f"no answer in {timeout:g} s"
+    return str(error) or type(error).__name__
 
 
 def ask(url: str, body: dict | None = None, headers: dict[str, str] | None = None,
@@ -43,7 +57,8 @@ def ask(url: str, body: dict | None = None, headers: dict[str, str] | None = Non
         answer = connection.getresponse()
         return answer.status, answer.read()
     except (OSError, http.client.HTTPException) as e:
-        raise Unanswered(f"{shown(url)}: {e or type(e).__name__}") from None
+        why = _why(e, timeout)
+        raise Unanswered(f"{shown(url)}: {why}", why) from None
     finally:
         if connection.sock is not None:
             close_with_reset(connection.sock)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from replay.protocol.reading import Read, Usage, error_text
+from replay.protocol.reading import Models, Read, Usage, error_text, token_limit
 
 if TYPE_CHECKING:
     from replay.protocol.prompt import Prompt
@@ -117,3 +117,15 @@ def _usage(obj: dict) -> Usage | None:
         "output_tokens": usage.get("completion_tokens"),
         "cached_tokens": details.get("cached_tokens"),
     }
+
+
+# -- what is served -----------------------------------------------------------------------------
+
+
+def read_models(answer: object) -> Models | None:
+    """GET /v1/models: {"data": [{"id", "max_model_len"}, ...]} (vLLM and `replay sim` say
+    max_model_len; other servers only the ids). None when the answer is not a model list."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        return None
+    return {str(m["id"]): token_limit(m.get("max_model_len")) for m in data if isinstance(m, dict) and "id" in m}

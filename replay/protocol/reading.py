@@ -1,6 +1,6 @@
 """What every API's response reader returns, and the error field the APIs share.
 
-A reader returns (content_tokens, usage, error): content_tokens is how many output tokens the
+A reader of a reply returns (content_tokens, usage, error): content_tokens is how many output tokens the
 event carries (0 for role-only or usage-only chunks, so TTFT is taken at the first real
 token), usage is {prompt_tokens, output_tokens, cached_tokens} when the server said so.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 Usage = dict[str, int | None]
 Read = tuple[int, Usage | None, str | None]
+Models = dict[str, int | None]  # a server's models by id, each with its prompt limit in tokens (None: not said)
 
 
 def error_text(obj: dict) -> str | None:
@@ -19,3 +20,8 @@ def error_text(obj: dict) -> str | None:
     if isinstance(err, dict):
         return str(err.get("message") or err)
     return str(err)
+
+
+def token_limit(value: object) -> int | None:
+    """A server's stated limit in tokens: a positive integer, else None (not said)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

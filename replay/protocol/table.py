@@ -1,5 +1,5 @@
 """The APIs a replay speaks, each described once: where its requests go, how its request and
-/tokenize bodies are shaped, and how its replies are read.
+/tokenize bodies are shaped, how its replies are read, and where it says what it serves.
 
 Synth builds the bodies ahead of send time, the server check asks /tokenize and the usage
 fallback, dispatch picks the path and reads the replies: all from this one table, so an API
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from replay.protocol import openai, tgi
-from replay.protocol.reading import Read
+from replay.protocol.reading import Models, Read
 
 if TYPE_CHECKING:
     from replay.protocol.prompt import Prompt
@@ -35,6 +35,8 @@ class Api:
     tokenize_body: Callable[[Prompt, str | None], dict]  # (prompt, model) -> the POST /tokenize body
     read_event: Callable[[dict], Read]  # one streamed event
     read_body: Callable[[dict], Read]  # a whole non-streamed reply
+    models_path: str  # GET: what the server serves, asked before the first send (replay.protocol.models)
+    read_models: Callable[[object], Models | None]  # its answer read
 
     def path(self, stream: bool) -> str:
         return self.stream_path if stream else self.body_path
@@ -45,13 +47,16 @@ APIS: dict[str, Api] = {
     for api in (
         Api("openai-chat", "/v1/chat/completions", "/v1/chat/completions", chat=True, token_ids=False,
             usage_counts_prompt=True, body=openai.chat_body, tokenize_body=openai.chat_tokenize_body,
-            read_event=openai.read_chat_event, read_body=openai.read_chat_body),
+            read_event=openai.read_chat_event, read_body=openai.read_chat_body,
+            models_path="/v1/models", read_models=openai.read_models),
         Api("openai-completions", "/v1/completions", "/v1/completions", chat=False, token_ids=True,
             usage_counts_prompt=True, body=openai.completions_body, tokenize_body=openai.completions_tokenize_body,
-            read_event=openai.read_completions_event, read_body=openai.read_completions_body),
+            read_event=openai.read_completions_event, read_body=openai.read_completions_body,
+            models_path="/v1/models", read_models=openai.read_models),
         Api("tgi", "/generate_stream", "/generate", chat=False, token_ids=False,
             usage_counts_prompt=False, body=tgi.generate_body, tokenize_body=tgi.tokenize_body,
-            read_event=tgi.read_event, read_body=tgi.read_body),
+            read_event=tgi.read_event, read_body=tgi.read_body,
+            models_path="/info", read_models=tgi.read_info),
     )
 }
 API_NAMES = tuple(APIS)  # the --api choices

@@ -1,6 +1,6 @@
 """Hugging Face TGI: /generate and /generate_stream, a text prompt in `inputs`.
 
-TGI takes no model name, has no ignore_eos, and streams by path (/generate_stream), not by a
+TGI takes no model name in a request (it serves one, which GET /info names), has no ignore_eos, and streams by path (/generate_stream), not by a
 body field; it reports counts in `details`, asked for in every body.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from replay.protocol.reading import Read, Usage, error_text
+from replay.protocol.reading import Models, Read, Usage, error_text, token_limit
 
 if TYPE_CHECKING:
     from replay.protocol.prompt import Prompt
@@ -55,3 +55,12 @@ def _usage(details: dict | None) -> Usage | None:
         "output_tokens": details.get("generated_tokens"),
         "cached_tokens": details.get("cached_tokens"),
     }
+
+
+def read_info(answer: object) -> Models | None:
+    """GET /info (TGI's Info): the one model it serves, `model_id`, and its prompt limit,
+    `max_input_tokens` (`max_input_length` before TGI 2). None when the answer says no model."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("model_id"), str):
+        return None
+    limit = answer.get("max_input_tokens", answer.get("max_input_length"))
+    return {answer["model_id"]: token_limit(limit)}

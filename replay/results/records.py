@@ -60,7 +60,20 @@ WORKER_STOPPED = "worker stopped"  # its worker got a signal of its own (SIGTERM
 OUTPUT_ERROR = "output error"  # a file of the run could not be written (a full disk): the run was stopped
 NO_RECORD = "no record from worker"  # the worker held the row but never returned its record
 OVERSIZED = "prompt over --max-prompt-tokens"  # never synthesized nor sent (" (limit)" follows)
+REFUSED = "run refused before the first send"  # the servers' check refused the run (": reason" follows)
+ERROR_RATE = "run aborted: error rate over"  # --max-error-rate stopped the run (" R" follows: error_rate_label)
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
+
+
+def error_rate_label(limit: float) -> str:
+    """The label of the rows a run stopped by --max-error-rate `limit` left unanswered."""
+    return f"{ERROR_RATE} {limit:g}"
+
+
+def is_answer(record: Record) -> bool:
+    """Whether the record is a server's answer to a sent request (ok, an HTTP error, a broken
+    stream or connection): the client read its outcome. A label's record has no `finished_at`."""
+    return record["finished_at"] is not None
 
 
 def prompt_tokens_of(record: Record) -> int:

@@ -33,9 +33,10 @@ logger = logging.getLogger(__name__)
 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
            on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[dict], None]] = (),
-           summary_listeners: Iterable[Callable[[dict], None]] = ()) -> int:
+           summary_listeners: Iterable[Callable[[dict], None]] = (), least_code: int = 0) -> int:
     """End the run whose every row has a record in `store`; returns the exit code: 1 when any
-    row failed for a reason other than the user's stop, or a file of the run is not whole, else 0.
+    row failed for a reason other than the user's stop, or a file of the run is not whole, else 0;
+    never under `least_code` (2: a run refused before the first send, whose rows all fail).
     `incomplete` ({file: why}) is the engine's, which `on_fault` adds to; `listeners` see every
     record of the merged file, `summary_listeners` the summary as printed and written (the live
     Replay view's final counts and figures: one computation of each, the summary's)."""
@@ -61,10 +62,10 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
         on_fault(e)
     sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {spec.output}\n" + _trace_notes(spec, store))
     sys.stdout.flush()
-    code = _write_last_meta(spec, store, facts, incomplete)
+    code = max(_write_last_meta(spec, store, facts, incomplete), least_code)
     if failed:
-        logger.error("%d of %d rows failed: exit code 1", failed, count)
-        code = 1
+        code = max(code, 1)
+        logger.error("%d of %d rows failed: exit code %d", failed, count, code)
     return code
 
 

@@ -15,13 +15,15 @@ import math
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from replay.engine.error_rate import DEFAULT_MAX_ERROR_RATE, MIN_ANSWERS
+from replay.engine.error_rate import WINDOW_S as ERROR_WINDOW_S
 from replay.engine.plan import PARTITIONS
 from replay.engine.routing import ROUTINGS
 from replay.engine.scraper import MIN_INTERVAL_S as MIN_SCRAPE_INTERVAL_S
 from replay.errors import OptionError
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
-from replay.protocol.models import served_max_model_len
+from replay.protocol.models import Served, prompt_limit
 from replay.protocol.table import API_NAMES, PROMPT_FORMATS, TOKEN_ID_APIS, prompt_format_problem
 from replay.results.report import parse_slo
 from replay.synth.tokenizer_source import TOKENIZER_HELP
@@ -68,7 +70,8 @@ class ReplayOptions:
     verify_server: str = _option("auto", "before the first send, compare this tokenizer's prompt counts with the "
                                          "server's own (auto: where the server offers a way; require: refuse a server "
                                          "that offers none)", choices=VERIFY_SERVER)
-    model: str | None = _option(help="model name sent in request bodies")
+    model: str | None = _option(help="model name sent in request bodies; every endpoint must serve it (GET /v1/models, "
+                                     "TGI: /info) before the first send (default: the one model every endpoint serves)")
     stream: bool = _option(True, "stream responses (default on)")
     scale: float = _option(1.0, "time scale: 2 replays twice as fast")
     start: float | None = _option(help="start of the trace window, trace seconds")
@@ -81,10 +84,15 @@ class ReplayOptions:
     endpoints: str | None = _option(help="comma-separated server URLs (a fleet); default --host")
     routing: str = _option("round-robin", "how a worker picks the endpoint of each request among --endpoints", choices=ROUTINGS)
     max_prompt_tokens: int | None = _option(help="rows with longer prompts are recorded, never sent (default: the "
-                                                 "server's max_model_len from /v1/models, else "
+                                                 "served model's limit: max_model_len from GET /v1/models, TGI's "
+                                                 "max_input_tokens from /info; else "
                                                  f"{DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)")
     partition: str = _option("round-robin", "how rows are split across workers", choices=PARTITIONS)
     drain_timeout: float = _option(60.0, "seconds to wait for answers after the last send")
+    max_error_rate: float = _option(DEFAULT_MAX_ERROR_RATE, "stop the run (exit 1) when more than this share of the "
+                                    f"servers' answers fail, over the last {ERROR_WINDOW_S:g} s and at least the last "
+                                    f"{MIN_ANSWERS} answers (default {DEFAULT_MAX_ERROR_RATE:g}; 1: never)",
+                                    metavar="R")
     no_ignore_eos: bool = _option(False, "let the model stop early (default: exact output length)")
     on_bad_line: str = _option("fail", "a trace row that cannot be read: fail the run (exit 2), or skip it and count it",
                                choices=("fail", "skip"))
@@ -142,6 +150,8 @@ class ReplayOptions:
             raise ValueError(f"--scale {self.scale}: must be a finite number > 0")
         if not (math.isfinite(self.drain_timeout) and self.drain_timeout >= 0):
             raise ValueError(f"--drain-timeout {self.drain_timeout}: must be a finite number of seconds >= 0")
+        if not 0.0 <= self.max_error_rate <= 1.0:  # NaN fails every comparison
+            raise OptionError(f"--max-error-rate {self.max_error_rate}: must be a number from 0 to 1 (1: never stop)")
         if self.start is not None and not math.isfinite(self.start):
             raise ValueError(f"--start {self.start}: must be a finite number of trace seconds")
         if self.duration is not None and not (math.isfinite(self.duration) and self.duration >= 0):
@@ -192,8 +202,9 @@ def add_arguments(parser) -> None:
     group.add_argument(CONFIG_FLAG, default=None, help="YAML file of these options (flags win)")
 
 
-def prompt_token_limit(options: ReplayOptions, urls: list[str]) -> int | None:
-    """--max-prompt-tokens, or the served model's max_model_len, or the default; None: no limit."""
+def prompt_token_limit(options: ReplayOptions, served: tuple[Served, ...]) -> int | None:
+    """--max-prompt-tokens, or the served model's limit (replay.protocol.models), or the
+    default; None: no limit."""
     if options.max_prompt_tokens is not None:
         return options.max_prompt_tokens or None
-    return served_max_model_len(urls, options.model, parse_headers(options.header)) or DEFAULT_MAX_PROMPT_TOKENS
+    return prompt_limit(served, options.model) or DEFAULT_MAX_PROMPT_TOKENS

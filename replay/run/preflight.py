@@ -3,18 +3,21 @@
 1. `load(options, host)` -> RunSpec (replay.run.spec): the options checked, the output claimed
    (replay.results.output), the tokenizer resolved (a path, or a Hugging Face id in this
    host's cache: replay.synth.tokenizer_source) and loaded once for its fingerprint
-   (replay.engine.same_tokenizer), the endpoints asked for the prompt limit
-   (replay.run.options.prompt_token_limit), the trace read, validated and spooled into the
+   (replay.engine.same_tokenizer), the endpoints asked what they serve (replay.protocol.models:
+   the model when --model is not given, and the prompt limit,
+   replay.run.options.prompt_token_limit), the trace read, validated and spooled into the
    Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows or
    one longer than any replay refused.
-2. `check_servers(spec)` -> the verdict of --verify-server (replay.synth.server_check), which
-   the caller hands to the Coordinator for the meta file.
+2. `check_servers(spec)`: every endpoint answered and serves the model, or ServersRefused;
+   then the verdict of --verify-server (replay.synth.server_check), which the caller hands to
+   the Coordinator for the meta file.
 
 They are two because a stop can come between them: once the trace is read, the caller builds
 the Coordinator (replay.engine.coordinator) before the server check, so that a signal during
 the check finds the rows and records every one as "run stopped" (replay.locust.plugin's
-`_stop_on_signals`). Every refusal is one line (TraceError, ValueError or OSError; OptionError
-names the option) that the caller turns into exit code 2. The run ends in replay.run.finish.
+`_stop_on_signals`), and a ServersRefused records every one as refused. Every refusal is one
+line (TraceError, ValueError or OSError; OptionError names the option) that the caller turns
+into exit code 2. The run ends in replay.run.finish.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.protocol.headers import parse_headers
+from replay.protocol.models import ask_served, only_model, refusal
 from replay.protocol.table import sends_token_ids
 from replay.results.metadata import file_sha256, versions
 from replay.results.output import claim_output
@@ -72,7 +76,11 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
     fingerprint = off_loop(master_fingerprint, tokenizer, options.chat_template, options.api)
     read_started = time.perf_counter()
     trace = TraceStream(options.trace, options.trace_format, options.block_size, options.on_bad_line)
-    max_prompt_tokens = prompt_token_limit(options, urls)
+    served = ask_served(urls, options.api, parse_headers(options.header))
+    if options.model is None and (model := only_model(served)) is not None:
+        options.model = model  # in the request bodies, the server check's and the plan's options
+        logger.info("no --model: every endpoint serves %r, the run's model", model)
+    max_prompt_tokens = prompt_token_limit(options, served)
     schedule = Schedule(trace, options.start, options.duration, options.max_requests, max_prompt_tokens)
     try:
         for bad in trace.skipped[:MAX_SKIPPED_SHOWN]:
@@ -86,7 +94,7 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         spec = RunSpec(options=options, output=claim.output, run_id=uuid.uuid4().hex[:12], schedule=schedule,
                        trace=facts, max_prompt_tokens=max_prompt_tokens, tokenizer_fingerprint=fingerprint,
                        tokenizer_path=tokenizer,
-                       host=host, claim=claim)
+                       host=host, claim=claim, served=served)
         if not spec.total:  # a run of nothing would "succeed" with no record at all
             raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
                              f"--duration {options.duration}, --max-requests {options.max_requests}; "
@@ -106,11 +114,19 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
     return spec
 
 
+class ServersRefused(ValueError):
+    """An endpoint did not answer what it serves, or does not serve the run's model: refused
+    before the first send, with every row recorded (the caller's Coordinator.refuse)."""
+
+
 def check_servers(spec: RunSpec) -> dict:
-    """--verify-server: the servers count a sample of this run's prompts as the tokenizer does,
-    or the run is refused here (ServerCountsDiffer, a ValueError), before any worker starts
-    (replay.synth.server_check). Returns the verdict for the meta file."""
+    """Every endpoint answered what it serves and serves the model (replay.protocol.models), or
+    ServersRefused; then --verify-server: the servers count a sample of this run's prompts as
+    the tokenizer does, or the run is refused here (ServerCountsDiffer, a ValueError), before any
+    worker starts (replay.synth.server_check). Returns the verdict for the meta file."""
     options, urls = spec.options, spec.endpoint_urls()
+    if problem := refusal(spec.served, options.model):
+        raise ServersRefused(problem)
     skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
     if skipped or not urls:
         return Verdict(skipped=skipped or "no server").to_dict()

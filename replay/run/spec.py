@@ -20,6 +20,7 @@ from replay.run.options import ReplayOptions
 
 if TYPE_CHECKING:
     from replay.engine.plan import Schedule
+    from replay.protocol.models import Served
     from replay.results.output import OutputClaim
 
 
@@ -45,6 +46,7 @@ class RunSpec:
     tokenizer_fingerprint: str | None = None  # each worker proves it has the same (same_tokenizer); None: no check
     tokenizer_path: str | None = None  # --tokenizer as this host resolved it (a Hugging Face id: its snapshot)
     host: str | None = None  # the runner's target host (--host), credentials included; --endpoints wins
+    served: tuple[Served, ...] = ()  # what each endpoint said it serves (replay.protocol.models); (): not asked
     claim: OutputClaim | None = field(default=None, compare=False, repr=False)  # the output's lock, this process's
 
     @property

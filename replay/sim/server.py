@@ -68,6 +68,7 @@ ROUTES: dict[str, tuple[str, Handler, str]] = {
     "/reset_prefix_cache": ("POST", _reset_prefix_cache, "openai"),
     "/generate": ("POST", tgi.generate, "tgi"),
     "/generate_stream": ("POST", tgi.generate_stream, "tgi"),
+    "/info": ("GET", tgi.info, "tgi"),
     "/debug/requests": ("GET", _debug_requests, "openai"),
 }
 # Requests on these paths have their X-Request-Id counted in the ledger (whatever their method

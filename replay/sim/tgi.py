@@ -1,4 +1,5 @@
-"""TGI's /generate and /generate_stream (router/src/lib.rs GenerateResponse, StreamResponse).
+"""TGI's /generate and /generate_stream (router/src/lib.rs GenerateResponse, StreamResponse),
+and its GET /info (Info: the served model and its limits).
 
 TGI tokenizes `inputs` with the tokenizer's special tokens, like a completions prompt.
 Its stream events are `data:{...}` (axum writes no space after the colon), one per token,
@@ -100,6 +101,18 @@ def generate(engine: Engine, request: Request) -> Response | Stream:
 def generate_stream(engine: Engine, request: Request) -> Response | Stream:
     gen, _ = _params(engine, parse_body_tgi(request), stream=True)
     return respond(engine, gen, TgiFrames(engine, True))
+
+
+def info(engine: Engine, request: Request) -> Response:
+    """TGI's Info, the fields a client reads: `model_id` (the sim's --model), and the prompt
+    limit `max_input_tokens`, a token under `max_total_tokens` (--max-model-len) as TGI's own."""
+    opts = engine.options
+    return Response(200, orjson.dumps({
+        "model_id": opts.model, "model_sha": None, "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": opts.max_num_seqs, "max_best_of": 1, "max_stop_sequences": 4,
+        "max_input_tokens": opts.max_model_len - 1, "max_total_tokens": opts.max_model_len,
+        "validation_workers": 1, "max_client_batch_size": 1, "router": "text-generation-router", "version": "sim",
+    }))  # fmt: skip
 
 
 def parse_body_tgi(request: Request) -> dict:

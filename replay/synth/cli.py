@@ -9,7 +9,7 @@ import orjson
 
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
-from replay.protocol.models import served_max_model_len
+from replay.protocol.models import ask_served, prompt_limit
 from replay.protocol.table import API_NAMES, TOKEN_ID_APIS
 from replay.synth.chat_template import ChatTemplateError
 from replay.synth.check import check_prompts, rescale_rows
@@ -105,7 +105,7 @@ def _check_servers(args: argparse.Namespace, synth: PromptSynthesizer, rows: lis
     for url in args.server:
         check_url("--server", url)
     lengths = [r.input_length for r in rows if r.messages is None]
-    max_len = served_max_model_len(args.server, args.model, headers)
+    max_len = prompt_limit(ask_served(args.server, synth.api, headers), args.model)
     samples = build_samples(synth, (min(lengths), max(lengths)) if lengths else (), max_len)
     code = 0
     for url in args.server:
