@@ -3,4 +3,6 @@ is `replay run --headless --host URL --trace T ...`; the locustfile itself ships
 (replay/locust/locustfile.py).
 """
 
-from replay.locust.locustfile import ReplayShape, ReplayUser  # noqa: F401  (Locust finds them here)
+from replay.locust.locustfile import ReplayShape, ReplayUser
+
+__all__ = ["ReplayShape", "ReplayUser"]  # Locust finds them here
