@@ -44,13 +44,12 @@ def _usage(parser) -> None:
 
 
 def run(args: list[str]) -> int:
-    """Run Locust's main with `locust_argv(args)`; it ends the process itself (sys.exit)."""
+    """Run Locust's main with `locust_argv(args)`; Locust ends the process itself (sys.exit with its exit code)."""
     argv = locust_argv(args)
     import locust.main  # first: importing Locust monkey-patches the standard library with gevent
 
     if not names_a_locustfile(args):
         importlib.import_module("replay.locust.plugin")  # the replay options on Locust's parser, for --help too
-
         locust.events.init_command_line_parser.add_listener(_usage)
     sys.argv = ["replay run", *argv]  # Locust's parsers read sys.argv; argv[0] names the command in errors
     locust.main.main()
