@@ -10,7 +10,6 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,report]'
-	$(PY) -m replay.locust_help  # `locust -f locustfile.py --help` lists the replay options
 	touch $(STAMP)
 
 install: $(STAMP)

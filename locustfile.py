@@ -1,6 +1,8 @@
-"""Trace replay on Locust: `locust -f locustfile.py --headless --host URL --trace T --tokenizer TOK`.
-
-Only wiring: the options, the placeholder user and the shape live in replay.locust.
+"""Trace replay on Locust, for a checkout: `locust -f locustfile.py --headless --host URL --trace T ...`
+is `replay run --headless --host URL --trace T ...`; the locustfile itself ships in the package
+(replay/locust/locustfile.py).
 """
 
-from replay.locust import ReplayShape, ReplayUser  # noqa: F401  (Locust finds them here)
+from replay.locust.locustfile import ReplayShape, ReplayUser
+
+__all__ = ["ReplayShape", "ReplayUser"]  # Locust finds them here

@@ -1,3 +1,4 @@
-"""tracereplay: replay production LLM request traces against LLM servers, on Locust."""
+"""tracereplay: replay production LLM request traces against LLM servers, on Locust.
 
-__version__ = "0.1.0"
+The version is the installed distribution's (`replay --version`, importlib.metadata), from
+pyproject.toml alone."""

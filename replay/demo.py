@@ -1,12 +1,16 @@
-"""`make demo`: replay the bundled sample trace against the built-in reference server.
+"""`python -m replay.demo` (`make demo`): replay the bundled sample trace against the built-in reference server.
 
-Needs nothing outside the project: the tokenizer is trained here (replay.synth.toy), the
-trace ships in replay/data/, the server is `replay sim`. Exits non-zero when any request
-failed or any record is missing, so the demo doubles as a smoke test.
+Needs nothing outside the installed package, and runs from any folder: the tokenizer is trained
+into a temporary folder it removes (replay.synth.toy), the trace ships in replay/data/, the server
+is `replay sim`, the replay is `replay run`. The run's files go under the current folder
+(results/demo.jsonl by default, as every replay writes its --output there), never into the
+package. Exits non-zero when any request failed or any record is missing, so the demo doubles as
+a smoke test.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import subprocess
@@ -16,9 +20,9 @@ from pathlib import Path
 
 import orjson
 
-REPO = Path(__file__).resolve().parent.parent
 SAMPLE_TRACE = Path(__file__).resolve().parent / "data" / "sample_trace.jsonl"
 SAMPLE_BLOCK_SIZE = 16
+DEFAULT_OUTPUT = "results/demo.jsonl"
 
 
 def make_sample_trace(path: Path, seconds: float = 60.0, rate: float = 4.0, seed: int = 7) -> int:
@@ -63,37 +67,26 @@ def make_sample_trace(path: Path, seconds: float = 60.0, rate: float = 4.0, seed
     return len(rows)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from replay.results.records import read_records
+    from replay.sim.process import sim_process
     from replay.synth.toy import build_toy_tokenizer
     from replay.trace import read_trace
 
-    work = Path(tempfile.mkdtemp(prefix="replay-demo-"))
-    tokenizer_dir = build_toy_tokenizer(work / "tokenizer")
-    output = REPO / "results" / "demo.jsonl"
-    output.parent.mkdir(exist_ok=True)
-    sim = subprocess.Popen(
-        [sys.executable, "-m", "replay", "sim", "--tokenizer", str(tokenizer_dir), "--port", "0",
-         "--block-size", str(SAMPLE_BLOCK_SIZE), "--model", "sim"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        line = sim.stdout.readline()
-        if "listening on" not in line:
-            print(f"replay sim did not start (exit {sim.poll()})", file=sys.stderr)
-            return 1
-        url = line.rsplit(" ", 1)[-1].strip()
-        print(f"demo: replaying {SAMPLE_TRACE.name} against replay sim at {url}", flush=True)
-        cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless",
-               "--host", url, "--trace", str(SAMPLE_TRACE), "--block-size", str(SAMPLE_BLOCK_SIZE),
-               "--tokenizer", str(tokenizer_dir), "--api", "openai-chat", "--model", "sim",
-               "--output", str(output), "--overwrite", "--only-summary", "--loglevel", "WARNING"]  # rerun at will
-        rc = subprocess.run(cmd, cwd=REPO).returncode
-    finally:
-        sim.terminate()
-        sim.wait(timeout=10)
+    args = parse_args(argv)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="replay-demo-") as work:
+        tokenizer_dir = build_toy_tokenizer(Path(work) / "tokenizer")
+        with sim_process(tokenizer_dir, "--port", "0", "--block-size", str(SAMPLE_BLOCK_SIZE), "--model", "sim") as sim:
+            print(f"demo: replaying {SAMPLE_TRACE.name} against replay sim at {sim.url}", flush=True)
+            cmd = [sys.executable, "-m", "replay", "run", "--headless", "--host", sim.url, "--trace", str(SAMPLE_TRACE),
+                   "--block-size", str(SAMPLE_BLOCK_SIZE), "--tokenizer", str(tokenizer_dir), "--api", "openai-chat",
+                   "--model", "sim", "--scale", str(args.scale), "--output", str(output),
+                   "--overwrite", "--only-summary", "--loglevel", "WARNING"]  # rerun at will
+            rc = subprocess.run(cmd).returncode
     if rc != 0:
-        print(f"demo: locust exited {rc}", file=sys.stderr)
+        print(f"demo: replay run exited {rc}", file=sys.stderr)
         return rc
     records = list(read_records(output))
     expected = len(read_trace(SAMPLE_TRACE, block_size=SAMPLE_BLOCK_SIZE).rows)
@@ -102,8 +95,17 @@ def main() -> int:
     return 0 if len(records) == expected and ok == expected else 1
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m replay.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", default=DEFAULT_OUTPUT,
+                        help="the run's JSONL, relative to the current folder (default %(default)s; its "
+                             ".meta.json and .summary.json beside it)")
+    parser.add_argument("--scale", type=float, default=1.0, help="time scale: 2 replays twice as fast (default 1)")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "make-sample":
+    if sys.argv[1:] == ["make-sample"]:  # the maintainers' command that wrote replay/data/sample_trace.jsonl
         print(make_sample_trace(SAMPLE_TRACE), "rows written to", SAMPLE_TRACE)
         sys.exit(0)
     sys.exit(main())

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from replay.locust.cli import LOCUSTFILE, locust_argv
 from replay.results.records import read_records
 from replay.results.summary import percentile
 from replay.run.config import load_config
@@ -76,15 +77,15 @@ def locust_parser():
 
 
 def locust_command(service: dict) -> list[str]:
-    entry = json.loads(instruction("ENTRYPOINT")[-1])
-    assert entry[:2] == ["locust", "-f"]
-    return [*entry[1:], *shlex.split(service["command"])]
+    """The arguments Locust gets from the image's `replay run` entry point and the service's command."""
+    assert json.loads(instruction("ENTRYPOINT")[-1]) == ["replay", "run"]
+    return locust_argv(shlex.split(service["command"]))
 
 
 def parse_locust(args: list[str]):
     parsed, unknown = locust_parser().parse_known_args(args)
     assert not unknown and not parsed.user_classes, f"options Locust + replay do not know: {unknown or parsed.user_classes}"
-    assert in_repo(parsed.locustfile).is_file(), parsed.locustfile
+    assert Path(parsed.locustfile) == LOCUSTFILE, parsed.locustfile  # the package's, wherever it is installed
     return parsed
 
 
@@ -203,11 +204,8 @@ def test_dockerfile():
             assert (REPO / src).exists(), f"COPY {src}: not in the checkout"
             assert src not in ignored and src.split("/")[0] not in ignored, f"COPY {src}: excluded by .dockerignore"
     run = " ".join(instruction("RUN"))
-    assert "pip install ." in run
-    # locust imports `replay` from /app (the locustfile's folder), where PYTHONDONTWRITEBYTECODE
-    # would leave it to be compiled again at every start of a master or worker
-    assert f"compileall -q {APP}/replay {APP}/locustfile.py" in run
-    assert json.loads(instruction("ENTRYPOINT")[-1]) == ["locust", "-f", f"{APP}/locustfile.py"]
+    assert "pip install ." in run  # not editable: `replay run` imports the package from site-packages
+    assert json.loads(instruction("ENTRYPOINT")[-1]) == ["replay", "run"]
 
 
 def test_dockerfile_python_steps_run(tmp_path):

@@ -194,7 +194,7 @@ def test_worker_with_a_skewed_clock(tmp_path, toy_tokenizer_dir, network):
     (skew / "sitecustomize.py").write_text("import time\n_real = time.time\ntime.time = lambda: _real() + 2.5\n")
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=40)
     records, log, _ = _replay(network, tmp_path, toy_tokenizer_dir, trace, "--block-size", str(BLOCK),
-                              worker_env={1: {"PYTHONPATH": str(skew)}})
+                              worker_env={1: {"PYTHONPATH": os.pathsep.join([str(skew), os.environ.get("PYTHONPATH", "")])}})
     check_records(tmp_path / "results" / "run.jsonl", trace)
     offsets = sorted(float(m) for m in re.findall(r"worker \d ready \(clock offset (-?[\d.]+) ms", log))
     # the 2.5 s skew measured and applied: bounds a loaded machine meets (a ping's half round

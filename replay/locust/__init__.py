@@ -1,8 +1,8 @@
 """Distributed, timestamp-accurate trace replay on Locust: the adapter between Locust and the
 replay engine (replay.engine).
 
-`locustfile.py` imports ReplayUser and ReplayShape from here; asking for either (or for `plugin`)
-imports plugin.py, which registers the command-line options and event listeners. The engine
+`locustfile.py` (this package's, which `replay run` loads) imports ReplayUser and ReplayShape
+from here; asking for either (or for `plugin`) imports plugin.py, which registers the command-line options and event listeners. The engine
 never imports it back: its options live in replay.run.options.
 
 The names are loaded on first use (PEP 562), not while this package is being imported: importing

@@ -20,7 +20,7 @@ _HEADER = f"""\
 
 <!-- Generated from replay/run/options.py by `{REGENERATE}`; do not edit by hand. -->
 
-The options of a replay, as `locust -f locustfile.py --help` lists them under "trace replay".
+The options of a replay, as `replay run --help` lists them under "trace replay".
 Every option is also a key of a `{CONFIG_FLAG} FILE.yaml` (the flag's name without the leading
 dashes; `block_size` is accepted for `block-size`); flags given on the command line win over
 the file. What the options do in depth: [replaying.md](replaying.md); the config files:

@@ -8,11 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from support.paths import REPO
 from support.ports import free_port
 from support.traces import BLOCK
 
-LOCUST = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py")]
+LOCUST = [sys.executable, "-m", "replay", "run"]  # Locust with the package's locustfile, as users start it
 
 
 def replay_args(trace: Path, tokenizer: Path, url: str, output: Path, *extra: str) -> list[str]:
