@@ -365,3 +365,17 @@ def test_trace_convert_on_a_full_disk(small_disk, name):
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip() == f"error: cannot write {out}: No space left on device (errno 28)", proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["out.jsonl", "out.jsonl.gz"])
+def test_trace_amplify_on_a_full_disk(small_disk, name):
+    """`replay trace amplify` to a full disk (its sort spool and OUT.tmp are beside OUT): one
+    line naming OUT, exit 1, and neither OUT nor a temporary file left behind."""
+    disk = small_disk(16)
+    fill(disk, leave=PAGE)  # less than the output takes, gzipped or not
+    out = disk / name
+    proc = subprocess.run([sys.executable, "-m", "replay", "trace", "amplify", str(SAMPLE), str(out), "--factor",
+                           "4"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == f"error: cannot write {out}: No space left on device (errno 28)", proc.stderr
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]

@@ -1,19 +1,23 @@
-"""`replay trace stats|validate|convert`."""
+"""`replay trace stats|validate|convert|amplify`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import orjson
 
 from replay.results.files import OutputError
+from replay.trace.amplify import amplify_trace, factor_problem
 from replay.trace.convert import convert_trace
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZE, block_size_problem
 from replay.trace.formats import FORMATS
 from replay.trace.reader import ON_BAD_LINE, TraceStream, read_trace
 from replay.trace.record import TraceError
-from replay.trace.stats import format_stats, trace_stats
+from replay.trace.sessions import DEFAULT_GLOBAL_MIN_ROWS
+from replay.trace.stats import format_comparison, format_stats, inferred_sessions, trace_stats
 
 MAX_ERRORS_SHOWN = 50
 
@@ -22,11 +26,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     trace = subparsers.add_parser("trace", help="inspect, validate and convert trace files")
     commands = trace.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
 
-    stats = commands.add_parser("stats", help="load, lengths and ideal prefix-cache reuse of a trace")
+    stats = commands.add_parser("stats", help="load, lengths and ideal prefix-cache reuse of a trace (or two, side by side)")
     stats.add_argument("file")
+    stats.add_argument("other", nargs="?", metavar="OTHER",
+                       help="a second trace (e.g. amplify's OUT): both side by side, sessions inferred where a "
+                            "trace has none")
     _format_options(stats, "--format")
     stats.add_argument("--json", action="store_true", help="print one JSON document")
     stats.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
+    _global_min_rows_option(stats)
     stats.set_defaults(func=run_stats)
 
     validate = commands.add_parser("validate", help="check every row; exit 1 and list line-numbered errors")
@@ -54,11 +62,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
     convert.set_defaults(func=run_convert)
 
+    amplify = commands.add_parser("amplify", help="K times a trace's sessions over the same time span, as jsonl")
+    amplify.add_argument("input")
+    amplify.add_argument("output", help="jsonl file; gzipped when it ends in .gz")
+    _format_options(amplify)
+    amplify.add_argument("--factor", type=factor_arg, required=True, metavar="K",
+                         help="sessions out per session in (1.5: all once, half of them twice; 0.5: half of them)")
+    amplify.add_argument("--seed", type=int, default=0, metavar="N",
+                         help="which sessions and which clone start times (default 0)")
+    _global_min_rows_option(amplify)
+    amplify.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
+    amplify.set_defaults(func=run_amplify)
 
-def _format_options(parser: argparse.ArgumentParser, flag: str) -> None:
+
+def _format_options(parser: argparse.ArgumentParser, flag: str | None = None) -> None:
     """--trace-format, the name a run and `replay report` use (and the error that asks for a
-    format names), with the command's own short name `flag` kept as its alias."""
-    parser.add_argument("--trace-format", flag, dest="format", choices=list(FORMATS), metavar="FORMAT",
+    format names), with the command's own older short name `flag` kept as its alias."""
+    parser.add_argument("--trace-format", *([flag] if flag else []), dest="format", choices=list(FORMATS), metavar="FORMAT",
                         help=f"trace format: {', '.join(FORMATS)} (detected when omitted)")
     parser.add_argument("--block-size", type=block_size_arg, metavar="N",
                         help=f"tokens per hash id block, 1 to {MAX_BLOCK_SIZE} (overrides the format default)")
@@ -72,6 +92,34 @@ def block_size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
     if problem := block_size_problem(value):
         raise argparse.ArgumentTypeError(f"{problem}, got {value}")
+    return value
+
+
+def _global_min_rows_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--global-min-rows", type=_min_rows, default=DEFAULT_GLOBAL_MIN_ROWS, metavar="M",
+                        help="in a trace without sessions: a hash id carried by M rows or more is global (shared "
+                             "content), ids carried by fewer link rows into sessions (default "
+                             f"{DEFAULT_GLOBAL_MIN_ROWS})")
+
+
+def factor_arg(text: str) -> float:
+    """A --factor value, under amplify.factor_problem's rule (argparse: exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if problem := factor_problem(value):
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+def _min_rows(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rows, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (an id one row carries links nothing), got {value}")
     return value
 
 
@@ -107,6 +155,8 @@ def _report_skipped(skipped: list, count: int) -> None:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    if args.other is not None:
+        return _run_comparison(args)
     try:
         trace = TraceStream(args.file, args.format, args.block_size, args.on_bad_line, keep_skipped=MAX_ERRORS_SHOWN)
         stats = trace_stats(trace)  # one pass: the rows are never held
@@ -117,6 +167,52 @@ def run_stats(args: argparse.Namespace) -> int:
         print(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
     else:
         print(format_stats(stats))
+    return 0
+
+
+def _run_comparison(args: argparse.Namespace) -> int:
+    """Two traces side by side; --trace-format and --block-size apply to the first (the second
+    is detected: amplify's output says its own block size)."""
+    both = []
+    for path, fmt, block in ((args.file, args.format, args.block_size), (args.other, None, None)):
+        def stream_of(path=path, fmt=fmt, block=block) -> TraceStream:
+            return TraceStream(path, fmt, block, args.on_bad_line, keep_skipped=MAX_ERRORS_SHOWN)
+        try:
+            trace = stream_of()
+            stats = trace_stats(trace)
+            if stats["sessions"] is None:  # none of its own: what amplify would find
+                stats.update(inferred_sessions(stream_of, args.global_min_rows))
+        except (TraceError, ValueError, OSError, EOFError) as err:
+            return _fail(str(err))
+        _report_skipped(trace.skipped, trace.bad_rows)
+        both.append(stats)
+    if args.json:
+        print(orjson.dumps({"first": both[0], "second": both[1]}, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(format_comparison(*both))
+    return 0
+
+
+def run_amplify(args: argparse.Namespace) -> int:
+    source, out = Path(args.input), Path(args.output)
+    if out.resolve() == source.resolve() or (out.exists() and source.exists() and os.path.samefile(source, out)):
+        print(f"error: OUT {args.output} is IN: amplify writes a new file", file=sys.stderr)
+        return 2
+    streams: list[TraceStream] = []
+
+    def stream_of() -> TraceStream:
+        streams.append(TraceStream(source, args.format, args.block_size, args.on_bad_line,
+                                   keep_skipped=MAX_ERRORS_SHOWN))
+        return streams[-1]
+
+    try:
+        done = amplify_trace(stream_of, out, args.factor, args.seed, args.global_min_rows)
+    except (TraceError, ValueError, OSError, EOFError, OutputError) as err:
+        return _fail(str(err))
+    _report_skipped(streams[-1].skipped, streams[-1].bad_rows)
+    how = f"inferred from hash ids, --global-min-rows {args.global_min_rows}" if done.inferred else "the trace's own"
+    print(f"wrote {done.rows_out} rows, {done.sessions_out} sessions to {args.output}: {args.factor:g} x "
+          f"{done.rows_in} rows, {done.sessions_in} sessions ({how}); {done.global_ids} global hash ids kept")
     return 0
 
 

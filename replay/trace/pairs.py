@@ -58,6 +58,11 @@ class PairIndex:
             found += 1
         return found, a
 
+    def second(self, number: int) -> int:
+        """The b of pair `number` (1, 2, ...), as it was added."""
+        b = self._second[number]
+        return b + _TWO_64 if self._first[number] & 1 else b
+
     def add(self, a: int, b: int) -> int:
         """Number a pair that `find` did not find (adding a pair twice numbers it twice)."""
         key = 2 * a

@@ -62,8 +62,9 @@ def gzip_error(path: str | Path, err: Exception, last_line: int) -> TraceError:
     return TraceError(BadLine(str(path), last_line + 1, "(gzip)", message))
 
 
-def open_output(path: str | Path) -> IO[bytes]:
-    """A binary writer, gzip when the name ends in .gz."""
-    if str(path).endswith(".gz"):
+def open_output(path: str | Path, gz: bool | None = None) -> IO[bytes]:
+    """A binary writer, gzip when `gz` (by default: when the name ends in .gz; a temporary
+    file, FILE.gz.tmp, names the file it becomes)."""
+    if str(path).endswith(".gz") if gz is None else gz:
         return gzip.open(path, "wb")
     return open(path, "wb")

@@ -13,12 +13,13 @@ import math
 from array import array
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from replay.trace.pairs import PairIndex
 from replay.trace.prefix import IdealHits
 from replay.trace.reader import TraceStream
 from replay.trace.record import Trace
+from replay.trace.sessions import find_sessions
 
 
 def nearest_rank(counts: Mapping[int, int], q: float) -> int:
@@ -161,3 +162,54 @@ def format_stats(stats: dict) -> str:
     if stats["rows_with_messages"]:
         lines.append(f"messages    {num(stats['rows_with_messages'])} rows carry their own messages")
     return "\n".join(lines)
+
+
+def inferred_sessions(stream_of: Callable[[], TraceStream], global_min_rows: int) -> dict:
+    """The sessions keys of trace_stats() for a trace without sessions of its own, found as
+    `replay trace amplify` finds them (replay.trace.sessions: two more passes)."""
+    sessions = find_sessions(stream_of, global_min_rows)
+    return {
+        "sessions": len(sessions) or None,
+        "turns_per_session": length_stats(sessions.turns()),
+        "sessions_inferred": True,
+    }
+
+
+def format_comparison(first: dict, second: dict) -> str:
+    """Two trace_stats() side by side, with the second's ratio to the first (a difference, in
+    points, for the hit ratios): `replay trace stats IN OUT`."""
+
+    def num(value, digits: int = 2) -> str:
+        if value is None:
+            return "n/a"
+        if isinstance(value, int) or float(value).is_integer():
+            return f"{int(value):,}"
+        return f"{value:,.{digits}f}"
+
+    def ratio(a, b) -> str:
+        return f"x{b / a:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else ""
+
+    def points(a, b) -> str:
+        return f"{100 * (b - a):+.2f} pt" if a is not None and b is not None else ""
+
+    def sessions(stats: dict) -> str:
+        return num(stats["sessions"]) + (" (inferred)" if stats.get("sessions_inferred") else "")
+
+    lines = [("", "first", "second", "second/first"),
+             ("trace", f"{first['path']} ({first['format']})", f"{second['path']} ({second['format']})", "")]
+    for label, key in (("requests", "requests"), ("duration s", "duration_s"), ("mean req/s", "mean_rps"),
+                       ("peak req in 1 s", "peak_rps_1s"), ("input tokens", "input_tokens"),
+                       ("distinct hash ids", "distinct_hash_ids")):
+        lines.append((label, num(first[key]), num(second[key]), ratio(first[key], second[key])))
+    lines.append(("sessions", sessions(first), sessions(second), ratio(first["sessions"], second["sessions"])))
+    for label, key in (("input len", "input_length"), ("output len", "output_length"),
+                       ("turns/session", "turns_per_session")):
+        for part in ("mean", "p50", "p90", "p99", "max"):
+            a = first[key][part] if first[key] else None
+            b = second[key][part] if second[key] else None
+            lines.append((f"{label} {part}", num(a, 1), num(b, 1), "same" if a == b and a is not None else ratio(a, b)))
+    for label, key in (("ideal hit (blocks)", "ideal_prefix_hit_ratio"),
+                       ("ideal hit (tokens)", "ideal_prefix_hit_ratio_tokens")):
+        lines.append((label, num(first[key], 4), num(second[key], 4), points(first[key], second[key])))
+    widths = [max(len(line[i]) for line in lines) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)

@@ -172,3 +172,28 @@ def huge_prompt_trace(tmp_path, fmt):
     path.write_text(text)
     line = lengths.index(HUGE) + (2 if fmt in ("azure", "burstgpt") else 1)
     return path, line
+
+
+def conversation_trace(path: Path, conversations: int = 12, turns: tuple[int, int] = (1, 4), system_blocks: int = 2,
+                       seed: int = 0) -> Path:
+    """Mooncake rows of multi-turn conversations, as Mooncake's traces have them: no session
+    field; a later turn's hash ids repeat the earlier turn's but its last (partial) block, then
+    add 2-3 of its own; every row starts with the same `system_blocks` ids (a shared system
+    prompt, ids 0, 1, ...). Rows in time order; conversations overlap."""
+    rng = random.Random(seed)
+    rows, next_id = [], 100
+    for _ in range(conversations):
+        time_ms = rng.uniform(0, 2000.0 * conversations)
+        carried = list(range(system_blocks))
+        for _ in range(rng.randint(*turns)):
+            added = list(range(next_id, next_id + rng.randint(2, 3)))
+            next_id += len(added)
+            ids = carried + added
+            rows.append({"timestamp": round(time_ms, 3), "input_length": len(ids) * BLOCK - rng.randint(0, BLOCK - 1),
+                         "output_length": rng.randint(1, 20), "hash_ids": ids})
+            carried = ids[:-1]
+            time_ms += rng.uniform(1000, 5000)
+    rows.sort(key=lambda r: r["timestamp"])
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path

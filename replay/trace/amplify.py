@@ -1,0 +1,195 @@
+"""`replay trace amplify`: K times a trace's sessions over the same time span.
+
+Each session of IN (replay.trace.sessions: the trace's own, or inferred from its hash ids)
+appears floor(K) times, and a seeded, exact share frac(K) of the sessions once more (K < 1: a
+seeded sample of round(K x sessions) sessions). Copy 0 of a session is the session as it was;
+copy c >= 1 (a clone) is the whole session shifted in time, so that its turns, the gaps between
+them and its lengths are the source's. A clone's start is drawn from the source's own session
+starts: a session start chosen uniformly, plus a uniform share of the gap to the next start (the
+empirical distribution of starts, smoothed between them). So clones arrive as the sessions of IN
+do, busy hours busy and quiet ones quiet, and the rate of session arrivals is K times IN's at
+every point of the span; a random shift modulo the span would spread clones evenly and flatten
+the trace's daily shape.
+
+A clone's hash ids are fresh (the source's shifted by c times the span of IN's ids, so no clone
+shares an id with IN or with another clone by accident) except the global ones, kept as they are:
+a system prompt stays shared by every clone, a clone's later turns reuse its own earlier turns'
+ids as the source's did. Written as the project's jsonl (replay.trace.convert.to_record), sorted
+by time (replay.trace.sorted_spool), to OUT.tmp renamed to OUT when whole.
+
+Memory: replay.trace.sessions' (about 20 bytes a row and 36 a distinct hash id, while sessions
+are found), then per session 13 bytes and the set of global ids, and one sort chunk of lines.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from replay.results.files import OutputError
+from replay.rules.run_files import tmp_path
+from replay.trace.convert import to_record
+from replay.trace.reader import TraceStream
+from replay.trace.sessions import DEFAULT_GLOBAL_MIN_ROWS, Sessions, find_sessions
+from replay.trace.sorted_spool import DEFAULT_CHUNK_ROWS, SortedSpool
+from replay.trace.source import open_output
+
+MAX_FACTOR = 10_000.0
+"""Largest --factor: ten thousand times a trace is a typo, not a load test (the output would be
+ten thousand times the file)."""
+
+_HIGHEST_ID = (1 << 64) - 1  # what a JSON hash id may be (replay.trace.pairs)
+_LOWEST_ID = -(1 << 63)
+_M64 = (1 << 64) - 1
+
+
+def factor_problem(value: float) -> str | None:
+    """Why `value` cannot be a --factor (None when it can)."""
+    if not math.isfinite(value) or value <= 0:
+        return f"must be a finite number > 0, got {value!r}"
+    if value > MAX_FACTOR:
+        return f"must be at most {MAX_FACTOR:g}, got {value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class Amplified:
+    rows_in: int
+    sessions_in: int
+    rows_out: int
+    sessions_out: int
+    inferred: bool  # IN's sessions were (partly) inferred from its hash ids
+    global_ids: int
+
+
+def copies_per_session(sessions: int, factor: float, seed: int) -> array:
+    """How many times each session appears: floor(factor), plus one for exactly
+    round(frac(factor) x sessions) of them, chosen by the seed (selection sampling)."""
+    whole = math.floor(factor)
+    extra = round((factor - whole) * sessions)
+    copies = array("H", [whole]) * sessions
+    rng = random.Random(seed)
+    for session in range(sessions):
+        if extra and rng.random() * (sessions - session) < extra:
+            copies[session] += 1
+            extra -= 1
+    return copies
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit value of x (a clone's draw, computed where
+    it is needed instead of held)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class CloneTimes:
+    """The start of each clone: a draw from the empirical distribution of session starts, among
+    the starts that leave the session room to end within IN's span (as every session of IN
+    does: a long session of IN starts early, and so do its clones)."""
+
+    def __init__(self, sessions: Sessions, seed: int):
+        self.starts, self.ends = sessions.starts, sessions.ends
+        self.sorted = array("d", sorted(self.starts))
+        self.last = max(self.ends, default=0.0)
+        self.seed = _mix(seed & _M64)
+
+    def shift(self, session: int, copy: int) -> float:
+        """Seconds to add to each row of `session` in clone `copy` (0 for copy 0)."""
+        if copy == 0:
+            return 0.0
+        draw = _mix(self.seed ^ _mix((session << 16) ^ copy))
+        pick, fraction = draw >> 32, (draw & 0xFFFFFFFF) / 2.0**32
+        start, ordered = self.starts[session], self.sorted
+        latest = self.last - (self.ends[session] - start)  # >= start: the session itself fits
+        room = bisect_right(ordered, latest)  # starts a clone may take
+        index = pick * room >> 32
+        low = ordered[index]
+        high = min(ordered[index + 1], latest) if index + 1 < room else low
+        return low + fraction * (high - low) - start
+
+
+def id_shift(id_range: tuple[int, int] | None, most_copies: int) -> int:
+    """What clone c adds to a private hash id: c times the span of IN's ids (negative when the
+    room is below them); ValueError when neither side has room for the clones' ids."""
+    if id_range is None or most_copies <= 1:
+        return 0
+    low, high = id_range
+    span = high - low + 1
+    if high + (most_copies - 1) * span <= _HIGHEST_ID:
+        return span
+    if low - (most_copies - 1) * span >= _LOWEST_ID:
+        return -span
+    raise ValueError(f"the trace's hash ids span {low} to {high}: {most_copies} copies of them do not fit in 64 bits")
+
+
+def amplify_trace(
+    stream_of: Callable[[], TraceStream],
+    out_path: str | Path,
+    factor: float,
+    seed: int = 0,
+    global_min_rows: int = DEFAULT_GLOBAL_MIN_ROWS,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> Amplified:
+    """Write IN (read three times: `stream_of()` gives a fresh TraceStream) amplified `factor`
+    times to out_path (.gz => gzip). OutputError when it cannot be written (nothing is left at
+    out_path then); ValueError when no session would be kept, or the ids do not fit."""
+    if problem := factor_problem(factor):
+        raise ValueError(f"--factor {problem}")
+    sessions = find_sessions(stream_of, global_min_rows)
+    copies = copies_per_session(len(sessions), factor, seed)
+    kept = sum(1 for n in copies if n)
+    if not kept:
+        raise ValueError(f"--factor {factor:g} keeps none of the trace's {len(sessions)} sessions "
+                         f"(at least {1 / max(len(sessions), 1):.3g} keeps one)")
+    shift = id_shift(sessions.id_range, max(copies))
+    out_path = Path(out_path)
+    temporary = tmp_path(out_path)
+    try:
+        with SortedSpool(out_path.parent, chunk_rows) as spool:
+            rows_in = _spool_clones(stream_of(), sessions, copies, CloneTimes(sessions, seed), shift, spool)
+            with open_output(temporary, gz=out_path.name.endswith(".gz")) as out:
+                spool.write_to(out)
+        os.replace(temporary, out_path)
+    except OSError as e:  # a full disk: no half trace is left to be replayed by mistake
+        temporary.unlink(missing_ok=True)
+        raise OutputError(out_path, e) from None
+    return Amplified(rows_in, len(sessions), spool.rows, sum(copies), sessions.inferred, len(sessions.global_ids))
+
+
+def _spool_clones(stream: TraceStream, sessions: Sessions, copies, times: CloneTimes, shift: int,
+                  spool: SortedSpool) -> int:
+    """Every copy of every row into the spool; returns the rows read."""
+    row_session, names, global_ids = sessions.row_session, sessions.names, sessions.global_ids
+    rows = len(row_session)
+    dumps, add = orjson.dumps, spool.add
+    position = -1
+    for position, row in enumerate(stream):
+        if position >= rows:
+            raise ValueError(f"{stream.path}: changed while it was read (more rows than the first reading's {rows})")
+        session = row_session[position]
+        name = names[session] if names[session] is not None else f"s{session}"
+        ids, start = row.hash_ids, row.timestamp_s
+        block = stream.block_size
+        for copy in range(copies[session]):
+            if copy:
+                row.session_id = f"{name}#{copy}"
+                if ids is not None:
+                    moved = copy * shift
+                    row.hash_ids = tuple(h if h in global_ids else h + moved for h in ids)
+            else:
+                row.session_id = name
+                row.hash_ids = ids
+            record = to_record(row, start + times.shift(session, copy), row.input_length, block)
+            add(record["timestamp"], copy * rows + position, dumps(record) + b"\n")
+    return position + 1
