@@ -82,6 +82,14 @@ def text(driver, element_id: str) -> str:
     return driver.find_element("id", element_id).text
 
 
+
+def table_cells(browser, rows_selector: str) -> list[list[str]]:
+    """The text of each cell of the rows `rows_selector` finds, read in one script: the page
+    redraws its tables every second, so cells read one by one can be gone (stale) halfway."""
+    return browser.execute_script(
+        "return [...document.querySelectorAll(arguments[0])]"
+        ".map(tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))", rows_selector)
+
 def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
     trace = wavy_trace(tmp_path / "trace.jsonl")
     rows = sum(1 for _ in open(trace))
@@ -130,8 +138,7 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
             assert int(svg.get_attribute("data-points")) >= 3, chart
         assert browser.find_elements("css selector", "#chart-server-0-cache polyline.series")
         assert float(text(browser, "legend-ttft_p50_ms")) >= 25  # the sim's TTFT is 30 ms
-        table = [[td.text for td in tr.find_elements("tag name", "td")]
-                 for tr in browser.find_elements("css selector", "#workers tbody tr")]
+        table = table_cells(browser, "#workers tbody tr")
         assert [r[0] for r in table] == ["0", "1"] and sum(int(r[3]) for r in table) == rows
         height = browser.execute_script("return document.documentElement.scrollHeight")
         browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
@@ -157,9 +164,7 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
         assert not severe, severe
 
         browser.get(base + "/?tab=replay")  # the Replay tab inside Locust's own UI: the per-worker table
-        tab = wait_for(lambda: [[td.text for td in tr.find_elements("tag name", "td")]
-                                for tr in browser.find_elements("css selector", "table tbody tr")],
-                       "the Replay tab's table")  # fmt: skip
+        tab = wait_for(lambda: table_cells(browser, "table tbody tr"), "the Replay tab's table")
         assert [row[0] for row in tab] == ["0", "1", "all"]
         drift = [column for column, _ in TAB_COLUMNS].index("drift_p99_ms")
         assert float(tab[2][drift]) == pytest.approx(summary["drift_ms"]["p99"], abs=0.01)  # the run's, as the summary
