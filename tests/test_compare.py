@@ -18,6 +18,7 @@ from replay.results.compare import SAME, CompareError, Run, compare
 from replay.results.gates import parse_gate
 from replay.results.report import build_report
 from replay.sim.process import sim_process
+from support.browser import need
 from support.records import ok_record
 from support.traces import BLOCK, mooncake_trace
 
@@ -144,7 +145,10 @@ def test_runs_of_another_trace_or_seed_are_refused(runs, other, named, capsys):
 
 
 def test_html_has_the_verdicts_and_both_plots(runs, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        need("matplotlib", "pip install 'tracereplay[report]'")
     page = tmp_path / "c.html"
     assert main(["compare", runs["a1"], runs["b"], "--resamples", "100", "--html", str(page)]) == 0
     text = page.read_text()
