@@ -4,6 +4,7 @@ whose gate holds, runs of another trace or seed refused with the difference name
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import subprocess
@@ -145,9 +146,7 @@ def test_runs_of_another_trace_or_seed_are_refused(runs, other, named, capsys):
 
 
 def test_html_has_the_verdicts_and_both_plots(runs, tmp_path, capsys):
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         need("matplotlib", "pip install 'tracereplay[report]'")
     page = tmp_path / "c.html"
     assert main(["compare", runs["a1"], runs["b"], "--resamples", "100", "--html", str(page)]) == 0
