@@ -10,7 +10,8 @@ import sys
 # Each module has register(subparsers): it adds its subcommand with set_defaults(func=...),
 # and func(args) returns the process exit code. `run` is listed by replay.locust.cli, but its
 # arguments are Locust's to parse (main hands them over before any parsing here).
-COMMAND_MODULES = ("replay.locust.cli", "replay.trace.cli", "replay.synth.cli", "replay.sim.cli", "replay.results.cli")
+COMMAND_MODULES = ("replay.locust.cli", "replay.trace.cli", "replay.synth.cli", "replay.sim.cli", "replay.results.cli",
+                   "replay.results.compare_cli")
 
 
 def version() -> str:

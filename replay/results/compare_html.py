@@ -1,0 +1,107 @@
+"""`replay compare --html`: BASE and NEW side by side in one self-contained file: the CDFs of
+TTFT and E2E, each row's change over trace time, the verdict table. Drawn as the run report
+is (replay.results.html: matplotlib from the `report` extra, inline SVG, no JavaScript)."""
+
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+
+from replay.results.compare import Run
+from replay.results.compare_cli import format_compare, table_rows
+from replay.results.files import write_atomically
+from replay.results.html import _cdf, _matplotlib, figure_svg
+
+PLOTS = (
+    ("compare-cdf", "TTFT and end-to-end latency, cumulative distribution: BASE and NEW"),
+    ("compare-rows", "Each row's change (NEW - BASE, mean over a side's runs) over trace time"),
+)
+
+
+def _ok_values(runs: list[Run], key: str) -> list[float]:
+    return [r[key] for run in runs for r in run.records if r.get("ok") and r.get(key) is not None]
+
+
+def _row_means(runs: list[Run], key: str) -> dict[int, tuple[float, float]]:
+    """request id -> (its mean over the runs that answered it, its scheduled offset in s)."""
+    sums: dict[int, list[float]] = {}
+    for run in runs:
+        t0 = min((r["scheduled_at"] for r in run.records if r.get("scheduled_at") is not None), default=0.0)
+        for r in run.records:
+            if r.get("ok") and r.get(key) is not None and r.get("scheduled_at") is not None:
+                s = sums.setdefault(r["request_id"], [0.0, 0.0, 0])
+                s[0] += r[key]
+                s[1] += r["scheduled_at"] - t0
+                s[2] += 1
+    return {rid: (s[0] / s[2], s[1] / s[2]) for rid, s in sums.items()}
+
+
+def render_figures(base: list[Run], new: list[Run]) -> dict:
+    Figure = _matplotlib()
+    figures = {}
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "e2e_ms", "End-to-end")):
+        _cdf(ax, _ok_values(base, key), "BASE")
+        _cdf(ax, _ok_values(new, key), "NEW")
+        ax.set(xlabel=f"{title} (ms)", title=title)
+        ax.legend(loc="lower right")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of requests")
+    figures["compare-cdf"] = fig
+
+    scale = float(((base[0].meta or {}).get("scale")) or 1.0)
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    ax = fig.subplots()
+    for key, label in (("ttft_ms", "TTFT"), ("e2e_ms", "E2E")):
+        b, n = _row_means(base, key), _row_means(new, key)
+        ids = sorted(b.keys() & n.keys())
+        ax.scatter([b[i][1] * scale for i in ids], [n[i][0] - b[i][0] for i in ids], s=7, alpha=0.6, label=label)
+    ax.axhline(0.0, color="grey", lw=1)
+    ax.set(xlabel=f"trace time (s){'' if scale == 1 else f', run time x {scale:g}'}", ylabel="NEW - BASE (ms)")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    figures["compare-rows"] = fig
+    return figures
+
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>tracereplay comparison</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 62em; color: #222; }}
+pre {{ background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 0.85em; }}
+table {{ border-collapse: collapse; font-size: 0.9em; }} td, th {{ padding: 0.2em 0.7em; text-align: right; }}
+td:first-child, th:first-child, td:last-child {{ text-align: left; }} tr:nth-child(even) {{ background: #f6f6f6; }}
+.worse {{ color: #b00; font-weight: 600; }} .better {{ color: #070; font-weight: 600; }}
+figure {{ margin: 1.5em 0; }} figcaption {{ font-weight: 600; margin-bottom: 0.4em; }}
+svg {{ max-width: 100%; height: auto; }}
+</style></head><body>
+<h1>tracereplay comparison</h1>
+<p>{subtitle}</p>
+<table id="verdicts"><tr>{header}</tr>
+{rows}
+</table>
+{figures}
+<pre id="summary">{summary}</pre>
+</body></html>
+"""
+
+
+def render_html(result: dict, figures: dict) -> str:
+    header = "".join(f"<th>{html.escape(h)}</th>" for h in ("metric", "BASE", "NEW", "change", "95% interval", "verdict"))
+    rows = []
+    for cells in table_rows(result):
+        kind = cells[-1] if cells[-1] in ("worse", "better") else ""
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells[:-1])
+                    + f'<td class="{kind}">{html.escape(cells[-1])}</td></tr>')  # fmt: skip
+    parts = [f'<figure id="plot-{name}" class="plot"><figcaption>{html.escape(caption)}</figcaption>\n'
+             f"{figure_svg(figures[name])}</figure>" for name, caption in PLOTS]  # fmt: skip
+    subtitle = (f"BASE {html.escape(', '.join(result['base']))} | NEW {html.escape(', '.join(result['new']))} | "
+                f"{result['rows_matched']} rows | " + time.strftime("generated %Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    return PAGE.format(subtitle=subtitle, header=header, rows="\n".join(rows), figures="\n".join(parts),
+                       summary=html.escape(format_compare(result)))  # fmt: skip
+
+
+def write_compare_html(path: str | Path, result: dict, base: list[Run], new: list[Run]) -> Path:
+    return write_atomically(path, render_html(result, render_figures(base, new)).encode("utf-8"))
