@@ -58,6 +58,7 @@ class Schedule:
         cap = float("inf") if max_requests is None else max_requests
         limit = max_prompt_tokens or float("inf")
         in_order, last_time, offset, chosen = True, float("-inf"), 0, 0
+        latest = float("-inf")  # the trace's last time, in the window or not
         shortest, longest = 1 << 62, 0
         write, dumps = self._spool.write, orjson.dumps
         add_id, add_time, add_offset, add_length, add_session = (
@@ -66,6 +67,8 @@ class Schedule:
         for row in stream:  # the hot loop of a big trace's start-up: names bound, one test per rule
             self.trace_rows += 1
             time_s = row.timestamp_s
+            if time_s > latest:
+                latest = time_s
             if chosen >= cap or not begin <= time_s < end:
                 continue  # read on all the same: every row is validated before anything is sent
             chosen += 1
@@ -89,6 +92,7 @@ class Schedule:
                 add_session(-1 if row.session_id is None else self._session_number(row.session_id))
             offset += len(line)
         self._spool.flush()
+        self.latest = latest
         # the window's extremes among sent rows, for the server check's sample (replay.synth.server_check)
         self.input_lengths = (shortest, longest) if longest else ()
         self._fixups = stream.sessions  # sessions that later rows re-rooted
