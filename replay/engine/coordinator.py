@@ -327,7 +327,8 @@ class Coordinator:
                 continue
             w.round_window.put(messages.Round(rows=len(w.part), more=True))  # type: ignore[typeddict-item]
             w.window.feed(w.part.round_chunks(r))
-        self._fill(self.whole.round_range(r), None, NO_RECORD)  # none (no worker at all): nobody sends them
+        if not self.workers:  # no worker at all: nobody sends them
+            self._fill(self.whole, self.whole.round_range(r), None, NO_RECORD)
 
     def cut_round(self, reason: str) -> None:
         """The current probe can no longer meet its target: its rows not yet sent are recorded
