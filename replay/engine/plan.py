@@ -54,7 +54,7 @@ class Schedule:
         self._session_numbers: dict[str, int] = {}
         self._sessions = array("q")  # per position: a number for the row's session, -1 for none
         begin = float("-inf") if start is None else start
-        end = float("inf") if duration is None else begin + duration
+        end = float("inf") if duration is None else (start or 0.0) + duration  # start defaults to 0 for the end
         cap = float("inf") if max_requests is None else max_requests
         limit = max_prompt_tokens or float("inf")
         in_order, last_time, offset, chosen = True, float("-inf"), 0, 0
