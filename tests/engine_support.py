@@ -178,6 +178,10 @@ class FakeWorker:
         self.go: dict | None = None
         self.idle: str | None = None
         self.aborted: str | None = None
+        self.total = 0  # its part's rows so far (the plan's, then a search's ROUND's)
+        self.more = False  # a search: more rounds may follow
+        self.skip_to, self.skip_reason = 0, ""  # a probe cut short: rows below it recorded, never sent
+        self.rounds_seen: list[dict] = []
         self.records = transport.Window(lambda payload: link.to_master(messages.RECORDS, payload))
         link.on(messages.PLAN, self.on_plan)
         link.on(messages.ROWS, self.on_rows)
@@ -186,6 +190,7 @@ class FakeWorker:
         link.on(messages.ABORT, self.on_abort)
         link.on(messages.IDLE, self.on_idle)
         link.on(messages.PONG, lambda data, sender: None)
+        link.on(messages.ROUND, self.on_round)
 
     def hello(self) -> FakeWorker:
         self.link.to_master(messages.HELLO, messages.Hello())
@@ -196,13 +201,14 @@ class FakeWorker:
         return self.plan["worker"]
 
     def _want(self) -> int:
-        return self.plan["rows"] if self.hold is None else self.answered + self.hold
+        return self.total if self.hold is None else self.answered + self.hold
 
     def on_plan(self, data: messages.Plan, sender: str) -> None:
         self.link.to_master(messages.PLAN_ACK, messages.PlanAck(seq=data["seq"]))
         if self.plan is not None:
             return
         self.plan = data
+        self.total, self.more = data["rows"], data.get("more", False)
         if self.error is not None:
             self.link.to_master(messages.READY, messages.Ready(worker=self.index, error=self.error))
         elif self.ready:
@@ -225,6 +231,18 @@ class FakeWorker:
             self.go = data
             self._answer()
 
+    def on_round(self, data: messages.Round, sender: str) -> None:
+        """As the Dispatcher: a search's part grew, a probe was cut short, or no more rounds follow."""
+        self.link.to_master(messages.ROUND_ACK, messages.RoundAck(seq=data["seq"]))
+        if data["seq"] < len(self.rounds_seen):
+            return
+        self.rounds_seen.append(data)
+        self.total, self.more = data["rows"], data["more"]
+        if "skip_to" in data:
+            self.skip_to, self.skip_reason = data["skip_to"], data["skip_reason"]
+        self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
+        self._answer()
+
     def _scheduled(self, row: TraceRow) -> float:
         return self.go["epoch"] + (row.timestamp_s - self.plan["origin"]) / self.plan["options"]["scale"]
 
@@ -234,8 +252,12 @@ class FakeWorker:
             return
         end = len(self.rows) if self.answer_first is None else min(len(self.rows), self.answer_first)
         batch = []
-        for row in self.rows[self.answered:end]:
+        for i, row in enumerate(self.rows[self.answered:end], self.answered):
             scheduled = self._scheduled(row)
+            if i < self.skip_to:
+                batch.append(unsent_record(row, worker=self.index, api="openai-chat", scheduled_at=scheduled,
+                                           reason=self.skip_reason))
+                continue
             status = self.answer(row)
             if status == 200:
                 batch.append(ok_record(row, self.index, scheduled, self.clock.now()))
@@ -243,7 +265,7 @@ class FakeWorker:
                 batch.append(failed_record(row, self.index, scheduled, self.clock.now(), status))
         self.answered = max(self.answered, end)
         self._ship(batch)
-        if batch and self.answered < self.plan["rows"]:
+        if batch and self.answered < self.total:
             self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
 
     def release(self, count: int) -> None:

@@ -29,7 +29,7 @@ import logging
 import os
 import platform
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -39,7 +39,8 @@ from gevent.event import Event
 from replay.engine import messages, transport
 from replay.engine.clock import SYSTEM_CLOCK, Clock, answer_ping
 from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
-from replay.engine.plan import Schedule
+from replay.engine.probes import Probes
+from replay.engine.rounds import Part, Round
 from replay.engine.scraper import Scraper
 from replay.results.files import OutputError
 from replay.results.metadata import write_run_metadata
@@ -86,10 +87,12 @@ class WorkerState:
     client_id: str
     index: int
     positions: array  # its rows' places in the schedule, in send order
+    part: Part  # its rows, once per round (a run without a search: one round)
     window: transport.Window  # its ROWS, started once the plan is acked
     plan: messages.Plan
     plan_window: transport.Window  # the PLAN, put in once the worker said HELLO, resent until acked
     go_window: transport.Window  # the GO, resent until acked
+    round_window: transport.Window  # a search's ROUND messages, resent until acked
     plan_sent: bool = False
     plan_acked: bool = False
     ready: bool = False
@@ -100,30 +103,20 @@ class WorkerState:
     failed: int = 0
     acked: set[int] = field(default_factory=set)  # ROWS chunks the worker confirmed holding
 
-    def holds(self, position: int) -> bool:
-        """Whether the worker confirmed receiving its `position`-th row."""
-        return position // CHUNK_ROWS in self.acked
+    def holds(self, i: int) -> bool:
+        """Whether the worker confirmed receiving its `i`-th row."""
+        return self.part.chunk_of(i) in self.acked
 
     def close(self) -> None:
         """Nothing more is sent to this worker (it is lost or failed)."""
         self.window.close()
         self.plan_window.close()
         self.go_window.close()
+        self.round_window.close()
 
     def unrecorded_label(self) -> str:
         """Why its rows without a record of its own have none, once it is gone."""
         return WORKER_STOPPED if self.stopped else WORKER_LOST
-
-
-def row_chunks(schedule: Schedule, positions: array) -> Iterator[dict]:
-    """One worker's rows as ROWS payloads (messages.Rows, less the `seq` the window numbers
-    them with), read from the spool only when the window has room.
-
-    A function, not a generator expression in `begin`'s loop: an expression's body reads the
-    loop variable late, when it already names the last worker's rows.
-    """
-    for i in range(0, len(positions), CHUNK_ROWS):
-        yield {"rows": [schedule.encoded(p) for p in positions[i : i + CHUNK_ROWS]]}
 
 
 def listen_for_hellos(link: transport.Link) -> set[str]:
@@ -192,6 +185,12 @@ class Coordinator:
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         self.summary_listeners: list = []  # called with the run's summary (OUTPUT.summary.json's), at the end
         self.server_check = Verdict(skipped="not checked").to_dict()  # the preflight's verdict, for the meta file
+        # A capacity search (docs/capacity.md): its probes, run as rounds of the window's rows; a
+        # run without one is one round of the rows as the trace has them.
+        self.probes = Probes(self) if self.options.capacity_search else None
+        self.rounds: list[Round | None] = [None] if self.probes is None else []
+        # every row of the window, for the rows no worker was given (no worker at all)
+        self.whole = Part(self.schedule, array("q", range(len(self.schedule))), self.rounds, CHUNK_ROWS)
         link.on(messages.ROWS_ACK, self.on_rows_ack)
         link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender, clock))
         link.on(messages.READY, self.on_ready)
@@ -201,6 +200,7 @@ class Coordinator:
         link.on(messages.STOPPED, self.on_stopped)
         link.on(messages.RECORDS, self.on_records)
         link.on(messages.FAULT, self.on_fault)
+        link.on(messages.ROUND_ACK, self.on_round_ack)
 
     @property
     def scrapes(self) -> bool:
@@ -225,7 +225,10 @@ class Coordinator:
         """The first meta (for `workers` workers), then the merged file, with the rows no one sends
         (over --max-prompt-tokens) recorded."""
         self._write_first_meta(workers)
-        self.store = RecordStore(self.output, *self.schedule.request_id_range(), on_fault=self.on_output_error)
+        first, last = self.schedule.request_id_range()
+        if self.probes is not None:  # room for every probe's request ids
+            last += self.probes.stride * self.probes.max_probes
+        self.store = RecordStore(self.output, first, last, on_fault=self.on_output_error)
         self._record_oversized()
 
     def begin(self, workers: list[tuple[str, int]]) -> None:
@@ -243,15 +246,17 @@ class Coordinator:
                                    self.options.server_metric, on_fault=self.on_output_error)
             self.scraper.listeners.extend(self.scrape_listeners)
             self.scraper.start()
+        if self.probes is not None:
+            self.rounds.append(self.probes.first_round())
         parts = self.schedule.partition(len(workers), self.options.partition)
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
-            chunks = row_chunks(self.schedule, positions)
-            window = transport.Window(self._sender(client_id, messages.ROWS), source=chunks,
-                                      limit=transport.HOLD_ROWS // CHUNK_ROWS)
+            part = Part(self.schedule, positions, self.rounds, CHUNK_ROWS)
+            window = transport.Window(self._sender(client_id, messages.ROWS), source=part.round_chunks(0),
+                                      limit=part.chunks_below(transport.HOLD_ROWS))
             plan_window = transport.Window(self._sender(client_id, messages.PLAN), size=1, resend_s=PLAN_RESEND_S)
             plan = messages.Plan(  # type: ignore[typeddict-item]  # the window adds the seq
                 worker=index,
-                rows=len(positions),
+                rows=len(part),
                 origin=self.origin,
                 block_size=self.trace.block_size,
                 output=self.output,
@@ -262,9 +267,12 @@ class Coordinator:
                 master_node=platform.node(),
                 master_pgid=os.getpgrp(),
             )
+            if self.probes is not None:
+                plan["more"] = True
             go_window = transport.Window(self._sender(client_id, messages.GO), size=1, resend_s=GO_RESEND_S)
-            state = self.workers[client_id] = WorkerState(client_id, index, positions, window, plan, plan_window,
-                                                          go_window)
+            round_window = transport.Window(self._sender(client_id, messages.ROUND), size=1, resend_s=PLAN_RESEND_S)
+            state = self.workers[client_id] = WorkerState(client_id, index, positions, part, window, plan,
+                                                          plan_window, go_window, round_window)
             if client_id in self.heard:
                 self._send_plan(state)
         logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
@@ -298,7 +306,41 @@ class Coordinator:
             if seq is not None:
                 state.acked.add(seq)
                 state.window.ack(seq)
-            state.window.grant(-(-data["want"] // CHUNK_ROWS))
+            state.window.grant(state.part.chunks_below(data["want"]))
+
+    def on_round_ack(self, data: messages.RoundAck, sender: str) -> None:
+        state = self.workers.get(sender)
+        if state is not None:
+            state.round_window.ack(data["seq"])
+
+    def live_workers(self) -> list[WorkerState]:
+        return [w for w in self.workers.values() if not w.lost]
+
+    def new_round(self, round_: Round) -> None:
+        """A search's next probe: its rows are shipped to every live worker, each told its part grew."""
+        self.rounds.append(round_)
+        r = len(self.rounds) - 1
+        self.last_due = self.epoch + round_.offset_s + self.window_seconds() / round_.factor
+        for w in self.workers.values():
+            if w.lost:
+                self._fill(w.part.round_range(r), w.index, w.unrecorded_label())
+                continue
+            w.round_window.put(messages.Round(rows=len(w.part), more=True))  # type: ignore[typeddict-item]
+            w.window.feed(w.part.round_chunks(r))
+        if not self.workers:  # no worker at all: nobody sends them
+            self._fill(self.whole, self.whole.round_range(r), None, NO_RECORD)
+
+    def cut_round(self, reason: str) -> None:
+        """The current probe can no longer meet its target: its rows not yet sent are recorded
+        as `reason` by their workers, and never sent."""
+        for w in self.live_workers():
+            w.round_window.put(messages.Round(rows=len(w.part), more=True, skip_to=len(w.part),  # type: ignore[typeddict-item]
+                                              skip_reason=reason))
+
+    def end_rounds(self) -> None:
+        """The search is over: no more rounds; each worker ends once its rows are done."""
+        for w in self.live_workers():
+            w.round_window.put(messages.Round(rows=len(w.part), more=False))  # type: ignore[typeddict-item]
 
     def _send_plan(self, state: WorkerState) -> None:
         if not state.plan_sent and not state.lost:
@@ -352,7 +394,7 @@ class Coordinator:
             logger.error("worker %d cannot replay: %s", state.index, error)
             state.lost = True
             state.close()
-            self._fill(state.positions, state.index, f"{WORKER_FAILED}: {error}")
+            self._fill(state.part, range(len(state.part)), state.index, f"{WORKER_FAILED}: {error}")
             self._maybe_go()
             return
         state.ready = True
@@ -370,7 +412,8 @@ class Coordinator:
         if not force and self.scraper is not None and not self.scraper.first_round.is_set():
             return  # the servers' counters are read once before the first send
         self.epoch = self.clock.now() + GO_LEAD_S
-        self.last_due = self.epoch + self.window_seconds()
+        factor = self.rounds[0].factor if self.probes is not None else 1.0
+        self.last_due = self.epoch + self.window_seconds() / factor
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
@@ -414,6 +457,8 @@ class Coordinator:
         self.finished.set()
 
     def ingest(self, records: list[dict], placeholder: bool = False) -> None:
+        if self.probes is not None:
+            self.probes.label(records)
         fresh = self.store.add(records, placeholder)
         by_index = {w.index: w for w in self.workers.values()}
         for record in fresh:
@@ -424,7 +469,9 @@ class Coordinator:
             listener(fresh)
         if self._ending is not None:
             return  # answers that arrive while the run ends change nothing of how it ended
-        if self.store.count >= self.total:
+        if self.probes is not None:  # a probe's failures are the search's, never an error-rate stop
+            self.probes.tally(fresh)
+        elif self.store.count >= self.total:
             self._end_by_itself("complete")
         elif not self.finished.is_set() and self.error_rate.add(fresh):  # once it ended, nothing stops it
             label = error_rate_label(self.error_rate.limit)
@@ -434,14 +481,15 @@ class Coordinator:
                          MIN_ANSWERS, label)
             self._stop_for(label)
 
-    def _fill(self, positions: Iterable[int], worker: int | None, reason: str, placeholder: bool = False) -> int:
-        """Records for the rows at `positions` that have none yet, made and stored a batch at a
-        time (a stop may leave millions); returns how many."""
-        store, schedule, scale, filled = self.store, self.schedule, self.options.scale, 0
-        todo = (p for p in positions if not store.has(schedule.request_ids[p]))
+    def _fill(self, part: Part, indices: Iterable[int], worker: int | None, reason: str,
+              placeholder: bool = False) -> int:
+        """Records for the rows of `part` numbered `indices` that have none yet, made and stored
+        a batch at a time (a stop may leave millions); returns how many."""
+        store, scale, filled = self.store, self.options.scale, 0
+        todo = (i for i in indices if i < len(part) and not store.has(part.request_id(i)))
         while batch := list(islice(todo, CHUNK_ROWS)):
             records = []
-            for position, row in zip(batch, schedule.rows(batch)):
+            for row in part.rows(batch):
                 scheduled = send_time(self.epoch, row.timestamp_s, self.origin, scale) if self.epoch else None
                 records.append(unsent_record(row, worker=worker, api=self.options.api, scheduled_at=scheduled,
                                              reason=reason))
@@ -458,7 +506,7 @@ class Coordinator:
                 state.close()
                 # placeholders: replaced if the worker's own records still arrive
                 label = state.unrecorded_label()
-                lost = self._fill(state.positions, state.index, label, placeholder=True)
+                lost = self._fill(state.part, range(len(state.part)), state.index, label, placeholder=True)
                 logger.warning("worker %d lost: %d of its rows recorded as %r", state.index, lost, label)
         if self.workers and all(w.lost for w in self.workers.values()) and self.end_reason is None:
             logger.error("every worker is lost; ending the run")
@@ -472,7 +520,7 @@ class Coordinator:
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)
                 self._maybe_go(force=True)
             self._maybe_go()
-            if self.store.count >= self.total:
+            if self.probes is None and self.store.count >= self.total:
                 self._end_by_itself("complete")
             if self.last_due is not None and self.clock.now() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S:
                 logger.warning("drain timeout: ending the run with %d rows unanswered", self.total - self.store.count)
@@ -533,8 +581,7 @@ class Coordinator:
                     self.link.to_worker(w.client_id, messages.ABORT, messages.Abort(reason=reason))
 
         abort()
-        ids = self.schedule.request_ids
-        missing = [ids[p] for w in live for i, p in enumerate(w.positions) if w.holds(i)]
+        missing = [w.part.request_id(i) for w in live for i in range(len(w.part)) if w.holds(i)]
         clock = self.clock
         deadline = clock.now() + ABORT_WAIT_S
         aborted = clock.now()
@@ -560,20 +607,23 @@ class Coordinator:
         logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
                     self.end_reason or "stopped", self.store.count, self.total)
         never_sent = RUN_STOPPED if user_stopped else self.fault_label or NO_RECORD
-        if self.store.count < self.total:
+        if self.probes is not None:
+            self.probes.stop()
+        if self.store.count < self.total or self.probes is not None:
             self._collect_held_records(RUN_STOPPED if user_stopped else self.fault_label or DRAIN_TIMEOUT)
         for state in self.workers.values():
+            everything = range(len(state.part))
             if state.lost:
-                self._fill(state.positions, state.index, state.unrecorded_label())
+                self._fill(state.part, everything, state.index, state.unrecorded_label())
                 continue
-            held = (p for i, p in enumerate(state.positions) if state.holds(i))
-            self._fill(held, state.index, NO_RECORD)
-            self._fill(state.positions, state.index, never_sent)  # never delivered to the worker
-        self._fill(range(len(self.schedule)), None, never_sent)  # rows never assigned (no worker at all)
+            self._fill(state.part, (i for i in everything if state.holds(i)), state.index, NO_RECORD)
+            self._fill(state.part, everything, state.index, never_sent)  # never delivered to the worker
+        self._fill(self.whole, range(len(self.whole)), None, never_sent)  # rows never assigned (no worker at all)
         if self.scraper is not None:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
+        capacity = self.probes.report() if self.probes is not None else None
         code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners,
-                      self.summary_listeners, least_code=REFUSED_EXIT_CODE if self.refused else 0)
+                      self.summary_listeners, least_code=REFUSED_EXIT_CODE if self.refused else 0, capacity=capacity)
         if code:
             self.on_exit_code(code)
 

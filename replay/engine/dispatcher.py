@@ -203,6 +203,10 @@ class Dispatcher:
         self.rows = RowBuffer()
         self._wanted = 0  # rows asked of the master so far (its flow control)
         self.total = 0
+        self.more = False  # a capacity search: more rounds of rows may follow `total` (messages.Round)
+        self.skip_to = 0  # rows numbered below it not yet sent are recorded as `skip_reason`, never sent
+        self.skip_reason = ""
+        self._next_round = 0  # the next ROUND's seq: each applied once, in order
         self.origin = 0.0
         self.epoch = 0.0
         self.offset = 0.0  # master clock - local clock, seconds
@@ -236,6 +240,7 @@ class Dispatcher:
         link.on(messages.RECORDS_ACK, self.on_records_ack)
         link.on(messages.ABORT, self.on_abort)
         link.on(messages.IDLE, self.on_idle)
+        link.on(messages.ROUND, self.on_round)
 
     # -- messages from the master -------------------------------------------------------------
 
@@ -246,6 +251,7 @@ class Dispatcher:
         self.options = ReplayOptions.from_dict(data["options"])
         self.index = data["worker"]
         self.total = data["rows"]
+        self.more = data.get("more", False)
         self.origin = data["origin"]
         self.block_size = data["block_size"]
         self.output = data["output"]
@@ -288,6 +294,19 @@ class Dispatcher:
         self.epoch = data["epoch"]
         self.go.set()
         gevent.spawn(self.run)
+
+    def on_round(self, data: messages.Round, sender: str) -> None:
+        """A capacity search's news: the part grew (its rows follow as ROWS), a probe was cut
+        short (`skip_to`), or no more rounds follow."""
+        self.link.to_master(messages.ROUND_ACK, messages.RoundAck(seq=data["seq"]))
+        if data["seq"] < self._next_round:  # resent: the ack was lost or late
+            return
+        self._next_round = data["seq"] + 1
+        self.total, self.more = data["rows"], data["more"]
+        if "skip_to" in data:
+            self.skip_to, self.skip_reason = data["skip_to"], data["skip_reason"]
+        self.alarm.ring()
+        self._to_flush.set()  # asks for the new rows
 
     def on_records_ack(self, data: messages.RecordsAck, sender: str) -> None:
         self.record_window.ack(data["seq"])
@@ -346,8 +365,10 @@ class Dispatcher:
     def _row(self, pos: int) -> TraceRow | None:
         """Row `pos` once it has arrived; None when the part has fewer rows."""
         while pos >= len(self.rows):
-            if pos >= self.total or self._stopped:
+            if self._stopped or (pos >= self.total and not self.more):
                 return None
+            if pos >= self.total:  # a search's next round is not decided yet: all there is, is built
+                self.primed.set()
             gevent.sleep(0.001)
         return self.rows[pos]
 
@@ -360,6 +381,9 @@ class Dispatcher:
             if row is None:
                 self.primed.set()
                 return
+            if pos < self.skip_to:  # a probe cut short: never sent, nothing to build
+                pos += 1
+                continue
             while True:
                 if self._stopped:
                     return
@@ -403,7 +427,11 @@ class Dispatcher:
             while not self._stopped:
                 pos = self.dispatch_pos
                 if pos >= self.total:
-                    break
+                    if not self.more:
+                        break
+                    collector.idle(0.0)
+                    gevent.sleep(0.005)  # a search's next round is not decided yet
+                    continue
                 if pos >= len(self.rows):  # its rows have not all arrived yet
                     collector.idle(0.0)
                     gevent.sleep(0.001)
@@ -436,6 +464,12 @@ class Dispatcher:
             pos = self.dispatch_pos
             row = self.rows[pos]
             scheduled = self.due(row)
+            if pos < self.skip_to:  # a probe cut short: recorded, never sent
+                self.bodies.pop(pos, None)
+                self.dispatch_pos = pos + 1
+                self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
+                                           reason=self.skip_reason))
+                continue
             deadline = scheduled - self.offset
             if deadline > now or pos not in self.bodies:
                 self.next_due = deadline

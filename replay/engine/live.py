@@ -66,7 +66,7 @@ def report_loop(part) -> None:
     """Worker side: once a second from the start of the run to its end, then once more."""
     part.go.wait()
     while True:
-        done = part.dispatch_pos >= part.total and not part.in_flight
+        done = part.dispatch_pos >= part.total and not part.more and not part.in_flight
         part.link.to_master(messages.LIVE, worker_report(part))
         if done:
             return

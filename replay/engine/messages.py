@@ -19,6 +19,8 @@ A run, in order:
     worker -> master  RECORDS ...           outcomes; each chunk acked by RECORDS_ACK
     worker -> master  LIVE                  once a second, for the Replay view
     worker -> master  FAULT                 its own records file cannot be written: the master stops the run
+    master -> worker  ROUND                 a capacity search's next round of rows, a probe cut short,
+                                            or its end; resent until acked by ROUND_ACK
     master -> worker  ABORT                 the run ends before the worker did: record what is left
                                             (resent while its records are awaited)
     master -> worker  IDLE                  to a worker that joined after the start
@@ -42,6 +44,7 @@ GO = "replay_go"
 RECORDS_ACK = "replay_records_ack"
 ABORT = "replay_abort"
 IDLE = "replay_idle"
+ROUND = "replay_round"
 
 # -- worker -> master -------------------------------------------------------------------------------
 
@@ -55,6 +58,7 @@ RECORDS = "replay_records"
 LIVE = "replay_live"
 STOPPED = "replay_stopped"
 FAULT = "replay_fault"
+ROUND_ACK = "replay_round_ack"
 
 
 class Chunk(TypedDict):
@@ -80,6 +84,7 @@ class Plan(Chunk):
     tokenizer_fingerprint: str  # the master's tokenizer: a worker with other files refuses to run
     master_node: str  # the master's host name and process group: a worker in the same group got
     master_pgid: int  # a signal the master got too (a terminal's Ctrl-C, --processes), so it is not a stop of its own
+    more: NotRequired[bool]  # a capacity search: more rounds of rows may follow `rows` (ROUND); absent: no
 
 
 class Rows(Chunk):
@@ -102,6 +107,24 @@ class Go(Chunk):
     the drain timeout."""
 
     epoch: float  # master clock (unix seconds) at which the window's first row is due
+
+
+class Round(Chunk):
+    """ROUND: a capacity search's news for a worker (docs/capacity.md): its part now has `rows`
+    rows (the next probe's are shipped as ROWS), whether more may follow (the last ROUND says
+    none: the worker ends once it has sent them), and, when a probe failed early, the row number
+    below which it sends nothing more (its rows not yet sent are recorded as `skip_reason`)."""
+
+    rows: int
+    more: bool
+    skip_to: NotRequired[int]
+    skip_reason: NotRequired[str]
+
+
+class RoundAck(TypedDict):
+    """ROUND_ACK: the worker holds this ROUND (a resent one is acked again, applied once)."""
+
+    seq: int
 
 
 class RecordsAck(TypedDict):

@@ -54,10 +54,11 @@ class Schedule:
         self._session_numbers: dict[str, int] = {}
         self._sessions = array("q")  # per position: a number for the row's session, -1 for none
         begin = float("-inf") if start is None else start
-        end = float("inf") if duration is None else begin + duration
+        end = float("inf") if duration is None else (start or 0.0) + duration  # start defaults to 0 for the end
         cap = float("inf") if max_requests is None else max_requests
         limit = max_prompt_tokens or float("inf")
         in_order, last_time, offset, chosen = True, float("-inf"), 0, 0
+        latest = float("-inf")  # the trace's last time, in the window or not
         shortest, longest = 1 << 62, 0
         write, dumps = self._spool.write, orjson.dumps
         add_id, add_time, add_offset, add_length, add_session = (
@@ -66,6 +67,8 @@ class Schedule:
         for row in stream:  # the hot loop of a big trace's start-up: names bound, one test per rule
             self.trace_rows += 1
             time_s = row.timestamp_s
+            if time_s > latest:
+                latest = time_s
             if chosen >= cap or not begin <= time_s < end:
                 continue  # read on all the same: every row is validated before anything is sent
             chosen += 1
@@ -89,6 +92,7 @@ class Schedule:
                 add_session(-1 if row.session_id is None else self._session_number(row.session_id))
             offset += len(line)
         self._spool.flush()
+        self.latest = latest
         # the window's extremes among sent rows, for the server check's sample (replay.synth.server_check)
         self.input_lengths = (shortest, longest) if longest else ()
         self._fixups = stream.sessions  # sessions that later rows re-rooted

@@ -80,6 +80,15 @@ class Window:
         self._unacked: OrderedDict[int, tuple[float, dict]] = OrderedDict()
         self._next_seq = 0
         self._resender: gevent.Greenlet | None = None
+        self._sources: list[Iterator[dict]] = []  # more payloads, each taken once the one before is used up
+
+    def feed(self, source: Iterator[dict]) -> None:
+        """More payloads, after those of the sources given so far (a search's next round)."""
+        if self._source is None:
+            self._source = source
+        else:
+            self._sources.append(source)
+        self._pump()
 
     def put(self, payload: dict) -> None:
         self._enqueue(payload)
@@ -108,7 +117,7 @@ class Window:
                and (self.limit is None or self._next_seq < self.limit)):
             payload = next(self._source, None)
             if payload is None:
-                self._source = None
+                self._source = self._sources.pop(0) if self._sources else None
             else:
                 self._enqueue(payload)
         while self._queue and len(self._unacked) < self.size:

@@ -25,6 +25,7 @@ from replay.engine import live, messages, transport
 from replay.engine.coordinator import Coordinator, listen_for_hellos
 from replay.engine.dispatcher import Dispatcher
 from replay.engine.progress import ProgressLine
+from replay.errors import OptionError
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink
 from replay.protocol.urls import shown
@@ -66,6 +67,8 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
     try:
         heard = listen_for_hellos(link)  # workers that connect while the preflight loads
         options = replay_options(environment.parsed_options)
+        if options.capacity_search and getattr(environment.parsed_options, "run_time", None):
+            raise OptionError("--run-time: not with --capacity-search (the search ends when its answer is known)")
         web_user = getattr(environment.parsed_options, "web_user", None)
         if web_user:  # refused as the web UI refuses it, with or without one (--headless)
             webauth.parse_web_user(web_user)

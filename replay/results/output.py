@@ -23,7 +23,15 @@ from pathlib import Path
 
 from replay.errors import OptionError
 from replay.results.files import OutputError
-from replay.rules.run_files import lock_path, meta_path, metrics_path, summary_path, tmp_path, worker_name_pattern
+from replay.rules.run_files import (
+    capacity_path,
+    lock_path,
+    meta_path,
+    metrics_path,
+    summary_path,
+    tmp_path,
+    worker_name_pattern,
+)
 
 MAX_DEFAULT_TRIES = 100  # results/replay-<time>-2.jsonl ... when the default name is taken
 
@@ -37,7 +45,8 @@ def earlier_run_files(output: str | Path) -> list[Path]:
     meta, summary and server-metrics files and the per-worker files (any N: an earlier run may
     have had more workers)."""
     out = Path(output)
-    files = [p for p in (out, meta_path(out), summary_path(out), metrics_path(out)) if os.path.lexists(p)]
+    files = [p for p in (out, meta_path(out), summary_path(out), metrics_path(out), capacity_path(out))
+             if os.path.lexists(p)]
     pattern = worker_name_pattern(out)
     if out.parent.is_dir():
         files += sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))
@@ -47,7 +56,7 @@ def earlier_run_files(output: str | Path) -> list[Path]:
 def _scratch_files(output: Path) -> list[Path]:
     """What a run on `output` writes besides its results: the lock and the files written and
     then renamed over the results (the merged records', the meta's and the summary's)."""
-    renamed = (output, meta_path(output), summary_path(output))
+    renamed = (output, meta_path(output), summary_path(output), capacity_path(output))
     return [lock_path(output), *(tmp_path(p) for p in renamed)]
 
 

@@ -44,6 +44,8 @@ class Record(TypedDict):
     cached_tokens: int | None
     received_tokens: int | None  # content events received in the stream (null: not streamed)
     usage_mismatch: str | None  # the usage claims that cannot be true (replay.rules.usage), "; "-joined
+    probe: int | None  # a capacity search's probe (docs/capacity.md), in the merged file; null: no search
+    factor: float | None  # that probe's load factor
 
 
 RECORD_FIELDS = tuple(Record.__annotations__)
@@ -62,6 +64,7 @@ NO_RECORD = "no record from worker"  # the worker held the row but never returne
 OVERSIZED = "prompt over --max-prompt-tokens"  # never synthesized nor sent (" (limit)" follows)
 REFUSED = "run refused before the first send"  # the servers' check refused the run (": reason" follows)
 ERROR_RATE = "run aborted: error rate over"  # --max-error-rate stopped the run (" R" follows: error_rate_label)
+PROBE_CUT = "probe failed early"  # a capacity search's probe could no longer meet its target: never sent
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
 
 
@@ -119,6 +122,8 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "cached_tokens": outcome.cached_tokens,
         "received_tokens": received,
         "usage_mismatch": "; ".join(found) or None,
+        "probe": None,
+        "factor": None,
     }
 
 

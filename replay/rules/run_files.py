@@ -6,6 +6,7 @@ them, the report and `replay compare` read them; each asks here, so they cannot 
 - OUTPUT.meta.json: the run's metadata, written last;
 - OUTPUT.summary.json: the end-of-run summary (`replay report --json`'s);
 - OUTPUT.server-metrics.jsonl: the servers' scraped metrics;
+- OUTPUT.capacity.json: a capacity search's probes and answer (docs/capacity.md);
 - OUTPUT.worker-N.jsonl: worker N's own copy of its records;
 - OUTPUT.lock: held while a run writes OUTPUT;
 - FILE.tmp: a file being written, renamed over FILE when whole.
@@ -19,6 +20,7 @@ from pathlib import Path
 META_SUFFIX = ".meta.json"
 SUMMARY_SUFFIX = ".summary.json"
 METRICS_SUFFIX = ".server-metrics.jsonl"
+CAPACITY_SUFFIX = ".capacity.json"
 LOCK_SUFFIX = ".lock"
 TMP_SUFFIX = ".tmp"
 
@@ -29,6 +31,10 @@ def meta_path(output: str | Path) -> Path:
 
 def summary_path(output: str | Path) -> Path:
     return Path(f"{output}{SUMMARY_SUFFIX}")
+
+
+def capacity_path(output: str | Path) -> Path:
+    return Path(f"{output}{CAPACITY_SUFFIX}")
 
 
 def metrics_path(output: str | Path) -> Path:

@@ -17,10 +17,11 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from replay.engine.capacity import BELOW_LO, CLIENT_LIMITED, quotable_line
 from replay.engine.dispatcher import off_loop
 from replay.results.cache_section import cache_job, cache_section
 from replay.results.files import OutputError
-from replay.results.metadata import write_run_metadata, write_summary
+from replay.results.metadata import write_capacity, write_run_metadata, write_summary
 from replay.results.records import is_failure
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.server_metrics import read_server_section
@@ -33,13 +34,19 @@ logger = logging.getLogger(__name__)
 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
            on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[dict], None]] = (),
-           summary_listeners: Iterable[Callable[[dict], None]] = (), least_code: int = 0) -> int:
+           summary_listeners: Iterable[Callable[[dict], None]] = (), least_code: int = 0,
+           capacity: dict | None = None) -> int:
     """End the run whose every row has a record in `store`; returns the exit code: 1 when any
     row failed for a reason other than the user's stop, or a file of the run is not whole, else 0;
     never under `least_code` (2: a run refused before the first send, whose rows all fail).
     `incomplete` ({file: why}) is the engine's, which `on_fault` adds to; `listeners` see every
     record of the merged file, `summary_listeners` the summary as printed and written (the live
-    Replay view's final counts and figures: one computation of each, the summary's)."""
+    Replay view's final counts and figures: one computation of each, the summary's).
+
+    A capacity search's (`capacity`: replay.engine.capacity.capacity_report) goes to
+    OUTPUT.capacity.json and the summary's last line; its exit code is the search's (1: no
+    capacity found, below LO or the client the limit), not its rows' (a failing probe's rows fail
+    by design)."""
     builder = ReportBuilder(parse_slo(spec.options.slo))
     failed = 0
 
@@ -60,10 +67,23 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
         write_summary(spec.output, report)
     except OutputError as e:
         on_fault(e)
-    sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {spec.output}\n" + _trace_notes(spec, store))
+    tail = ""
+    if capacity is not None:
+        report["capacity"] = capacity
+        try:
+            write_capacity(spec.output, capacity)
+        except OutputError as e:
+            on_fault(e)
+        tail = quotable_line(capacity) + "\n"
+    sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {spec.output}\n" + _trace_notes(spec, store)
+                     + tail)
     sys.stdout.flush()
     code = max(_write_last_meta(spec, store, facts, incomplete), least_code)
-    if failed:
+    if capacity is not None:
+        if capacity["result"] in (BELOW_LO, CLIENT_LIMITED, "stopped"):
+            code = max(code, 1)
+            logger.error("capacity search: %s: exit code %d", capacity["result"], code)
+    elif failed:
         code = max(code, 1)
         logger.error("%d of %d rows failed: exit code %d", failed, count, code)
     return code

@@ -15,6 +15,7 @@ import math
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from replay.engine.capacity import MAX_COOLDOWN_S, SEARCH_BY, check_search
 from replay.engine.error_rate import DEFAULT_MAX_ERROR_RATE, MIN_ANSWERS
 from replay.engine.error_rate import WINDOW_S as ERROR_WINDOW_S
 from replay.engine.plan import PARTITIONS
@@ -109,6 +110,18 @@ class ReplayOptions:
                                          metavar="NAME")
     server_block_size: int | None = _option(help="the server's KV-cache block size: the end-of-run summary adds the "
                                                  "cache fidelity section", metavar="N")
+    capacity_search: bool = _option(False, "replay the window at a sequence of load factors and report the largest "
+                                           "that meets --slo (docs/capacity.md)")
+    goodput_target: float = _option(0.99, "a search's probe passes when this share of its rows is ok and meets every "
+                                          "--slo limit", metavar="F")
+    search_by: str = _option("scale", "how a search's probe raises the load: scale compresses the window's time (amplify: not yet)",
+                             choices=SEARCH_BY)
+    search_range: str = _option("0.25:64", "the load factors a search tries, LO:HI", metavar="LO:HI")
+    search_precision: float = _option(0.05, "a search ends when its bracket's HI/LO is within 1+P", metavar="P")
+    probe_duration: float = _option(120.0, "the trace seconds each probe of a search replays", metavar="S")
+    cooldown: float | None = _option(help="seconds between a search's probes (default: until the servers' /metrics "
+                                          f"show nothing running nor waiting, at most {MAX_COOLDOWN_S:g} s)",
+                                     metavar="S")
 
     @classmethod
     def from_parsed(cls, parsed) -> ReplayOptions:
@@ -169,6 +182,8 @@ class ReplayOptions:
                 raise OptionError(f"{flag} {size}: {problem}")
         if self.slo:
             parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
+        if self.capacity_search:
+            check_search(self)
         parse_headers(self.header)  # here, not on every worker
 
 

@@ -29,6 +29,7 @@ import uuid
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
+from replay.errors import OptionError
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served, only_model, refusal
 from replay.protocol.table import sends_token_ids
@@ -81,7 +82,9 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         options.model = model  # in the request bodies, the server check's and the plan's options
         logger.info("no --model: every endpoint serves %r, the run's model", model)
     max_prompt_tokens = prompt_token_limit(options, served)
-    schedule = Schedule(trace, options.start, options.duration, options.max_requests, max_prompt_tokens)
+    # a capacity search's probe replays the first --probe-duration seconds of the window
+    duration = options.probe_duration if options.capacity_search else options.duration
+    schedule = Schedule(trace, options.start, duration, options.max_requests, max_prompt_tokens)
     try:
         for bad in trace.skipped[:MAX_SKIPPED_SHOWN]:
             logger.warning("skipped %s", bad)
@@ -100,6 +103,9 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
                              f"--duration {options.duration}, --max-requests {options.max_requests}; "
                              f"the trace has {schedule.trace_rows} rows)")
         check_replay_length(schedule.window_s, options.scale, options.start)
+        if options.capacity_search and schedule.latest - schedule.origin < options.probe_duration:
+            raise OptionError(f"--probe-duration {options.probe_duration:g}: longer than the window (the trace has "
+                              f"{max(schedule.latest - schedule.origin, 0.0):g} s from the window's start)")
     except BaseException:
         schedule.close()
         raise

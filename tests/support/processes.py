@@ -20,10 +20,10 @@ def replay_args(trace: Path, tokenizer: Path, url: str, output: Path, *extra: st
             str(tokenizer), "--model", "sim", "--output", str(output), "--loglevel", "INFO", *extra]
 
 
-def run_locust(args: list[str], cwd: Path, timeout: float = 90, exit_code: int = 0) -> subprocess.CompletedProcess:
-    """Run locust to the end and check its exit code (the failure shows both logs' tails)."""
+def run_locust(args: list[str], cwd: Path, timeout: float = 90, exit_code: int | None = 0) -> subprocess.CompletedProcess:
+    """Run locust to the end and check its exit code (None: any; the failure shows both logs' tails)."""
     proc = subprocess.run([*LOCUST, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == exit_code, f"locust exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert exit_code is None or proc.returncode == exit_code, f"locust exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
 

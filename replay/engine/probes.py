@@ -1,0 +1,190 @@
+"""The master's driver of a capacity search (docs/capacity.md): it opens each probe as a round
+of the window's rows (replay.engine.rounds), tallies the probe's records as they come, cuts it
+short once it can no longer meet the target, judges it once every row has a record, waits the
+cooldown, and opens the next probe the search asks for (replay.engine.capacity), until the
+search is over and the run ends.
+
+It is the Coordinator's (replay.engine.coordinator), on its clock: it ships nothing itself, but
+asks the Coordinator to (`new_round`, `cut_round`, `end_rounds`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import gevent
+
+from replay.engine.capacity import (
+    BELOW_LO,
+    CLIENT_LIMITED,
+    MAX_COOLDOWN_S,
+    NO_METRICS_COOLDOWN_S,
+    PASS,
+    Probe,
+    Search,
+    capacity_report,
+    parse_range,
+)
+from replay.engine.rounds import Round
+from replay.results.records import OVERSIZED, PROBE_CUT
+from replay.results.report import parse_slo
+from replay.results.server_metrics import GAUGES
+
+if TYPE_CHECKING:
+    from replay.engine.coordinator import Coordinator
+
+logger = logging.getLogger(__name__)
+
+ROUND_LEAD_S = 2.0  # from a probe's decision to its first send: its rows reach the workers and are built
+
+
+def max_probes(search: Search) -> int:
+    """More probes than the search can ask for (its request ids are laid out for this many)."""
+    start = min(max(1.0, search.lo), search.hi)
+    growth = math.ceil(math.log2(search.hi / start)) + 1 if search.hi > start else 1
+    widest = max(2.0, start / search.lo)
+    bisection = math.ceil(math.log2(math.log(widest) / math.log1p(search.precision))) + 1 if widest > 1 else 0
+    return growth + 1 + max(bisection, 0) + 1
+
+
+class Probes:
+    def __init__(self, coordinator: Coordinator):
+        self.c = coordinator
+        options = coordinator.options
+        lo, hi = parse_range(options.search_range)
+        self.search = Search(lo, hi, options.search_precision)
+        self.slo = parse_slo(options.slo)
+        self.target = options.goodput_target
+        self.cooldown_s = options.cooldown
+        first, last = coordinator.schedule.request_id_range()
+        self.first_id = first
+        self.stride = max(last - first + 1, 1)  # a probe's request ids: the trace's + probe * stride
+        self.max_probes = max_probes(self.search)
+        self.probes: list[Probe] = []
+        self.client_limited = False
+        self.over = False
+        self.busy: float | None = None  # the servers' running + waiting at their last scrape; None: not known
+        self.started_at: float | None = None
+        self._next: gevent.Greenlet | None = None
+        coordinator.scrape_listeners.append(self.on_scrape)
+
+    @property
+    def rows(self) -> int:
+        """Rows a probe sends: the window's (those over the prompt limit are recorded once, never sent)."""
+        return len(self.c.schedule)
+
+    def first_round(self) -> Round:
+        self.started_at = self.c.clock.now()
+        round_ = self._open(self.search.next_factor(), 0.0)
+        return round_
+
+    def _open(self, factor: float, offset_s: float) -> Round:
+        probe = Probe(len(self.probes), factor, self.rows, self.slo, self.target, started_at=self.c.clock.now())
+        self.probes.append(probe)
+        self.c.total = len(self.c.schedule.oversized) + self.rows * len(self.probes)
+        logger.info("capacity search: probe %d at %gx this trace's load (%d rows)", probe.number, factor, probe.rows)
+        return Round(probe.number, factor, offset_s, self.c.origin, self.stride)
+
+    def label(self, records: list[dict]) -> None:
+        """Each record's probe and factor, read off its request id."""
+        for record in records:
+            if record.get("error") and record["error"].startswith(OVERSIZED):
+                continue
+            number = (record["request_id"] - self.first_id) // self.stride
+            if 0 <= number < len(self.probes):
+                record["probe"], record["factor"] = number, self.probes[number].factor
+
+    def tally(self, records: list[dict]) -> None:
+        if self.over or not self.probes:
+            return
+        current = self.probes[-1]
+        for record in records:
+            if record.get("probe") is not None and record["probe"] < len(self.probes):
+                self.probes[record["probe"]].add(record)
+        if current.ended_at is not None:
+            return
+        if not current.cut and not current.complete and current.hopeless:
+            current.cut = True
+            logger.warning("capacity search: probe %d (%gx) can no longer reach goodput %g: its unsent rows are "
+                           "recorded as %r", current.number, current.factor, self.target, PROBE_CUT)
+            self.c.cut_round(PROBE_CUT)
+        if current.complete:
+            self._judge(current)
+
+    def _judge(self, probe: Probe) -> None:
+        probe.ended_at = self.c.clock.now()
+        verdict = probe.verdict
+        logger.info("capacity search: probe %d at %gx: %s (goodput %.4f, drift p99 %s ms)", probe.number,
+                    probe.factor, verdict, probe.goodput, _num(probe.drift_p99_ms))
+        if verdict == CLIENT_LIMITED:
+            self.client_limited = True
+            logger.error("capacity search: probe %d at %gx was limited by the client (dispatch drift p99 %s ms): "
+                         "add workers and search again", probe.number, probe.factor, _num(probe.drift_p99_ms))
+            self._finish()
+            return
+        self.search.add(probe.factor, verdict == PASS)
+        factor = self.search.next_factor()
+        if factor is None or len(self.probes) >= self.max_probes:
+            self._finish()
+            return
+        self._next = gevent.spawn(self._after_cooldown, factor)
+
+    def _after_cooldown(self, factor: float) -> None:
+        self._cool_down()
+        offset_s = self.c.clock.now() - self.c.epoch + ROUND_LEAD_S
+        self.c.new_round(self._open(factor, offset_s))
+
+    def _cool_down(self) -> None:
+        """--cooldown S, or until the servers report nothing running nor waiting (at most
+        MAX_COOLDOWN_S; NO_METRICS_COOLDOWN_S without /metrics)."""
+        clock = self.c.clock
+        if self.cooldown_s is not None:
+            clock.sleep(self.cooldown_s)
+            return
+        if not self.c.scrapes:
+            clock.sleep(NO_METRICS_COOLDOWN_S)
+            return
+        deadline = clock.now() + MAX_COOLDOWN_S
+        self.busy = None  # only a scrape after this probe's last answer counts
+        while clock.now() < deadline and self.busy != 0:
+            clock.sleep(0.25)
+
+    def on_scrape(self, t: float, results: dict) -> None:
+        busy = 0.0
+        for metrics in results.values():
+            if metrics is None:
+                return  # not known
+            for role in ("running", "waiting"):
+                busy += next((metrics[name] for name in GAUGES[role] if name in metrics), 0.0)
+        self.busy = busy
+
+    def _finish(self) -> None:
+        self.over = True
+        self.c.end_rounds()
+        self.c._end_by_itself("complete")
+
+    def stop(self) -> None:
+        """The run ends (by itself or stopped): no further probe."""
+        if self._next is not None:
+            self._next.kill(block=False)
+
+    def report(self) -> dict:
+        """OUTPUT.capacity.json's content."""
+        last = self.probes[-1] if self.probes else None
+        seconds = ((last.ended_at or self.c.clock.now()) - self.started_at) if last and self.started_at else None
+        report = capacity_report(self.search, self.probes, slo=self.slo, target=self.target,
+                                 search_by=self.c.options.search_by, precision=self.search.precision,
+                                 seconds=seconds, client_limited=self.client_limited)
+        report["id_stride"] = self.stride
+        return report
+
+    @property
+    def failed(self) -> bool:
+        """The search found no capacity (below LO), or was limited by the client: exit code 1."""
+        return self.client_limited or self.search.result == BELOW_LO
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

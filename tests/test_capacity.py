@@ -1,0 +1,222 @@
+"""The capacity search (docs/capacity.md) in one process: the search on made-up outcomes, its
+options refused before anything is sent, and the probes run as rounds by the Coordinator over
+LocalLink with fake workers on a fake clock (tests/engine_support.py). The search against a real
+server is tests/test_capacity_sim.py's."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import orjson
+import pytest
+from engine_support import FakeClock, FakeWorker, Hub, make_rows, spec_of
+from test_engine_pipeline import Run
+
+from replay.engine import coordinator as coordinator_module
+from replay.engine import transport
+from replay.engine.capacity import (
+    AT_LEAST_HI,
+    BELOW_LO,
+    FOUND,
+    PASS,
+    Probe,
+    Search,
+    check_search,
+    parse_range,
+    quotable_line,
+)
+from replay.engine.probes import max_probes
+from replay.engine.transport import LocalLink
+from replay.errors import OptionError
+from replay.results.records import PROBE_CUT
+from replay.rules.run_files import capacity_path
+from replay.run.options import ReplayOptions
+
+# -- the search, pure ------------------------------------------------------------------------------
+
+
+def run_search(capacity: float, lo: float = 0.25, hi: float = 64.0, precision: float = 0.05) -> tuple[Search, list]:
+    """The search against a server that serves every factor up to `capacity`."""
+    search, tried = Search(lo, hi, precision), []
+    while (factor := search.next_factor()) is not None:
+        tried.append(factor)
+        search.add(factor, factor <= capacity)
+        assert len(tried) <= max_probes(search)
+    return search, tried
+
+
+@pytest.mark.parametrize("capacity", [0.3, 0.9, 1.0, 3.4, 17.0, 63.0])
+def test_the_search_finds_a_known_capacity_within_its_precision(capacity):
+    search, tried = run_search(capacity)
+    best, worst = search.bracket
+    assert search.result == FOUND
+    assert best <= capacity < worst and worst / best <= 1.05
+    assert search.capacity == best
+    assert len(tried) <= 16
+
+
+def test_a_server_failing_even_lo_is_below_lo():
+    search, tried = run_search(0.1)
+    assert search.result == BELOW_LO and search.capacity is None
+    assert tried == [1.0, 0.25]
+
+
+def test_a_server_passing_everything_up_to_hi_is_at_least_hi():
+    search, tried = run_search(1000.0)
+    assert search.result == AT_LEAST_HI and search.capacity == 64.0
+    assert tried == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_a_range_above_or_below_one_starts_inside_it():
+    assert run_search(5.0, lo=2.0, hi=8.0)[1][0] == 2.0
+    assert run_search(0.3, lo=0.1, hi=0.5)[1][0] == 0.5
+
+
+def test_a_probe_is_hopeless_once_the_target_cannot_be_met():
+    probe = Probe(0, 1.0, rows=100, slo={"ttft_ms": 100.0}, target=0.99)
+    good = {"ok": True, "ttft_ms": 5.0, "drift_ms": 0.1}
+    for _ in range(50):
+        probe.add(good)
+    probe.add({**good, "ttft_ms": 500.0})  # over the SLO: 1 bad of 100 is allowed
+    assert not probe.hopeless
+    probe.add({"ok": False, "drift_ms": 0.1})
+    assert probe.hopeless
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+BAD = [
+    ({"slo": None}, "--capacity-search needs --slo"),
+    ({"search_range": "4:2"}, "--search-range 4:2: LO must be below HI"),
+    ({"search_range": "1:1"}, "--search-range 1:1: LO must be below HI"),
+    ({"search_range": "0:2"}, "--search-range 0:2: LO must be > 0"),
+    ({"search_range": "-1:2"}, "--search-range -1:2: LO must be > 0"),
+    ({"search_range": "nan:2"}, "--search-range 'nan:2'"),
+    ({"search_range": "1:inf"}, "--search-range '1:inf'"),
+    ({"search_range": "2"}, "--search-range '2'"),
+    ({"search_precision": 0.0}, "--search-precision 0.0"),
+    ({"search_precision": math.nan}, "--search-precision nan"),
+    ({"goodput_target": 1.5}, "--goodput-target 1.5"),
+    ({"goodput_target": math.nan}, "--goodput-target nan"),
+    ({"probe_duration": math.inf}, "--probe-duration inf"),
+    ({"probe_duration": 0.0}, "--probe-duration 0.0"),
+    ({"probe_duration": 60.0, "duration": 30.0}, "--probe-duration 60: longer than the window (--duration 30)"),
+    ({"cooldown": -1.0}, "--cooldown -1.0"),
+    ({"max_requests": 10}, "--max-requests: not with --capacity-search"),
+    ({"scale": 2.0}, "--scale 2: not with --capacity-search"),
+    ({"search_by": "amplify"}, "--search-by amplify: not yet"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m for _, m in BAD])
+def test_bad_search_options_are_refused_naming_the_option(change, message):
+    options = ReplayOptions(**{"trace": "t", "tokenizer": "tok", "capacity_search": True, "slo": "ttft_ms=100", **change})
+    with pytest.raises(OptionError) as caught:
+        options.check()
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_the_range_parses():
+    assert parse_range("0.25:64") == (0.25, 64.0)
+    check_search(ReplayOptions(capacity_search=True, slo="ttft_ms=100"))
+
+
+# -- the probes as rounds, in one process ------------------------------------------------------------
+
+
+def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None, **options):
+    """A search over `rows` rows (1 s of trace) against fake workers whose endpoint fails every
+    row of a probe above `capacity`."""
+    options = {"capacity_search": True, "slo": "ttft_ms=100", "probe_duration": 1.0, "cooldown": 1.0,
+               "search_range": "0.25:16", "search_precision": 0.1, **options}
+    spec = spec_of(make_rows(rows, gap_s=1.0 / rows), tmp_path, **options)
+    clock = FakeClock()
+    holder: dict = {}
+
+    def answer(row) -> int:
+        probes = holder["run"].coordinator.probes
+        probe = probes.probes[(row.request_id - probes.first_id) // probes.stride]
+        return 200 if probe.factor <= capacity else 503
+
+    if workers == 1:
+        link = LocalLink()
+        run = holder["run"] = Run(spec, link, clock)
+        fakes = [FakeWorker(link, answer=answer, clock=clock, hold=hold).hello()]
+        run.begin()
+    else:
+        hub = Hub()
+        run = holder["run"] = Run(spec, hub.master, clock)
+        fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock).hello() for i in range(workers)]
+        run.begin([(f"w{i}", i) for i in range(workers)])
+    return run, fakes
+
+
+def test_a_search_in_one_run_finds_the_capacity_and_writes_its_files(tmp_path, capsys):
+    run, (fake,) = search_run(tmp_path, capacity=3.0)
+    records = run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    best, worst = report["bracket"]
+    assert report["result"] == FOUND and best <= 3.0 < worst and worst / best <= 1.1
+    assert report["capacity"] == best
+    probes = report["probes"]
+    assert [p["probe"] for p in probes] == list(range(len(probes)))
+    assert all(p["rows"] == 40 for p in probes)
+    assert {p["verdict"] for p in probes if p["factor"] <= 3.0} == {PASS}
+    # one record per row per probe, each with its probe and factor, the trace's id moved by the stride
+    assert len(records) == 40 * len(probes)
+    by_probe = Counter(r["probe"] for r in records.values())
+    assert by_probe == {p["probe"]: 40 for p in probes}
+    for r in records.values():
+        assert r["factor"] == probes[r["probe"]]["factor"]
+        assert r["request_id"] - r["probe"] * report["id_stride"] in range(40)
+    # a probe's rows are its own: compressed by its factor, after the previous one's end
+    first = sorted((r for r in records.values() if r["probe"] == 1), key=lambda r: r["request_id"])
+    gaps = {round(b["scheduled_at"] - a["scheduled_at"], 6) for a, b in zip(first, first[1:])}
+    assert gaps == {round(1.0 / 40 / probes[1]["factor"], 6)}
+    assert run.exit_codes == []
+    assert quotable_line(report) in capsys.readouterr().out
+    assert fake.rounds_seen[-1]["more"] is False  # told that no more rounds follow
+
+
+def test_a_failing_probe_is_cut_short_and_its_unsent_rows_labelled(tmp_path, monkeypatch):
+    monkeypatch.setattr(coordinator_module, "CHUNK_ROWS", 10)
+    monkeypatch.setattr(transport, "HOLD_ROWS", 20)
+    run, (fake,) = search_run(tmp_path, capacity=0.5, rows=100, hold=20)  # the first probe (1x) fails
+    records = run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    first = [r for r in records.values() if r["probe"] == 0]
+    labels = Counter(r["error"] for r in first)
+    assert labels["HTTP 503"] < 100 and labels[PROBE_CUT] == 100 - labels["HTTP 503"]
+    assert report["probes"][0]["verdict"] == "fail early"
+    assert report["result"] == FOUND and report["bracket"][0] <= 0.5 < report["bracket"][1]
+
+
+def test_a_server_failing_every_probe_is_below_lo_with_exit_code_1(tmp_path, capsys):
+    run, _ = search_run(tmp_path, capacity=0.1, search_range="0.5:4")
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert report["result"] == BELOW_LO and report["capacity"] is None
+    assert [p["factor"] for p in report["probes"]] == [1.0, 0.5]
+    assert run.exit_codes == [1]
+    assert "Capacity: below 0.5x this trace's load" in capsys.readouterr().out
+
+
+def test_a_search_with_two_workers_gives_the_same_answer(tmp_path):
+    one, _ = search_run(tmp_path / "one", capacity=3.0)
+    one.finish()
+    two, fakes = search_run(tmp_path / "two", capacity=3.0, workers=2)
+    records = two.finish()
+    a = orjson.loads(capacity_path(one.spec.output).read_bytes())
+    b = orjson.loads(capacity_path(two.spec.output).read_bytes())
+    assert a["bracket"] == b["bracket"]
+    assert {r["worker"] for r in records.values()} == {0, 1}
+
+
+def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):
+    run, _ = search_run(tmp_path, capacity=3.0)
+    run.until(lambda: len(run.coordinator.probes.probes) >= 2)
+    records = run.end()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert len(records) == 40 * len(report["probes"])
+    assert report["result"] == "stopped"
