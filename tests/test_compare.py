@@ -124,6 +124,7 @@ def runs(tmp_path_factory, toy_tokenizer_dir) -> dict[str, str]:
     }
 
 
+@pytest.mark.alone  # real runs whose latencies the verdicts judge: another test's load shifts one run
 def test_a_regression_fails_the_gate_and_noise_does_not(runs, tmp_path, capsys):
     assert main(["compare", runs["a1"], runs["b"], "--fail-on", "ttft_p50>+5%"]) == 1
     out = capsys.readouterr().out
@@ -136,6 +137,7 @@ def test_a_regression_fails_the_gate_and_noise_does_not(runs, tmp_path, capsys):
     assert entry(result, "ttft_p50")["verdict"] == SAME
 
 
+@pytest.mark.alone  # real runs whose latencies the verdicts judge: another test's load shifts one run
 @pytest.mark.parametrize("other, named", [("seed", "seed: "), ("trace", "trace fingerprint")])
 def test_runs_of_another_trace_or_seed_are_refused(runs, other, named, capsys):
     assert main(["compare", runs["a1"], runs[other]]) == 2
@@ -145,6 +147,7 @@ def test_runs_of_another_trace_or_seed_are_refused(runs, other, named, capsys):
     assert f"differs (--allow-different): {named}" in capsys.readouterr().out
 
 
+@pytest.mark.alone  # real runs whose latencies the verdicts judge: another test's load shifts one run
 def test_html_has_the_verdicts_and_both_plots(runs, tmp_path, capsys):
     if importlib.util.find_spec("matplotlib") is None:
         need("matplotlib", "pip install 'tracereplay[report]'")

@@ -158,7 +158,7 @@ def test_all_workers_killed_master_still_finalizes(tmp_path, toy_tokenizer_dir, 
 
 def test_worker_joining_mid_run_idles(tmp_path, toy_tokenizer_dir, fast_sim):
     """A worker that joins (or a restarted one) gets no rows and disturbs no one."""
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=200, gap_ms=40)  # 8 s
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=400, gap_ms=40)  # 16 s: the late worker starts well before the end
     output = tmp_path / "run.jsonl"
     port = free_port()
     master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), port=port)
@@ -534,7 +534,7 @@ def test_sigterm_to_one_worker(tmp_path, toy_tokenizer_dir, fast_sim, moment):
     """A worker stopped by a signal of its own (another terminal, an operator, an eviction) is not
     the user stopping the run: its unanswered rows fail as "worker stopped", the master exits 1;
     the other worker's rows are all ok."""
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=200, gap_ms=40)  # 8 s
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=400, gap_ms=40)  # 16 s: the late worker starts well before the end
     output = tmp_path / "run.jsonl"
     port = free_port()
     master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",

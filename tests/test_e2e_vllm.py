@@ -40,6 +40,9 @@ TIME_SCALE = 1.5  # the slice spans 44.3 s of trace
 # vLLM on 2 shared CPU cores answers the slice's tail up to ~95 s after it was sent (P99 E2EL
 # 69-96 s seen): the default 60 s drain timeout would fail rows this test is not about
 DRAIN_TIMEOUT_S = 240
+# vLLM busy prefilling on the same 2 cores answers /metrics slowly: a scrape's own limit is
+# min(2 s, the interval), and every scrape must succeed here (check_server_metrics)
+SCRAPE_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def replay(url: str, trace: Path, tokenizer_dir: Path, api: str, output: Path, *
     reset_prefix_cache(url)
     proc = run_locust(["--headless", "--host", url, "--trace", str(trace), "--tokenizer", str(tokenizer_dir), "--api",
                        api, "--model", "tiny", "--output", str(output), "--loglevel", "INFO", "--drain-timeout",
-                       str(DRAIN_TIMEOUT_S), *extra], output.parent, timeout=480)  # fmt: skip
+                       str(DRAIN_TIMEOUT_S), "--server-metrics-interval", str(SCRAPE_S), *extra], output.parent, timeout=480)  # fmt: skip
     records = list(read_records(output))
     assert sorted(r["request_id"] for r in records) == list(range(ROWS))
     failed = [r for r in records if not r["ok"]]
