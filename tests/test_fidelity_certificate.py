@@ -12,9 +12,6 @@ import sys
 
 import orjson
 import pytest
-from support.processes import replay_args, run_locust
-from support.records import T0, ok_record, record
-from support.traces import BLOCK, mooncake_trace
 
 from replay.results.arrivals import BINS_PER_DECADE, FLOOR_S, gap_bin, ks_bounds
 from replay.results.certificate import (
@@ -29,6 +26,9 @@ from replay.results.report import build_report, format_report
 from replay.rules.run_files import fidelity_path, summary_path
 from replay.sim.process import sim_process
 from replay.trace.record import TraceRow
+from support.processes import replay_args, run_locust
+from support.records import T0, ok_record, record
+from support.traces import BLOCK, mooncake_trace
 
 
 def certify(records: list[dict], cache: dict | None = None, **kwargs) -> dict:
