@@ -4,13 +4,15 @@ schedule lines of the fidelity certificate (replay.results.certificate; docs/fid
 The sends are compared with their own due times (rows never sent are left out of both sides):
 
 - the Kolmogorov-Smirnov statistic between the inter-arrival times of the sends (sent_at,
-  sorted) and of their due times (scheduled_at, sorted). A whole-run histogram of each, in
-  fixed log-spaced bins (BINS_PER_DECADE a decade from FLOOR_S up, everything below FLOOR_S,
-  0 included, in one bin), gives the statistic at the bin edges: a lower bound of the exact
-  one; the largest difference between one side's CDF at a bin's upper edge and the other's at
-  its lower edge is an upper bound (a CDF moves only inside a bin). Both are reported; the
-  bins are 2.3% wide, so for any smooth gap distribution the two differ by at most the mass of
-  one bin.
+  sorted) and of their due times (scheduled_at, sorted). Each side's gaps go to a histogram of
+  fixed log-spaced bins (BINS_PER_DECADE a decade from FLOOR_S up; everything below FLOOR_S, 0
+  included, in the first bin) that keeps each bin's count, least and greatest gap. Inside a bin
+  a CDF is known exactly below the bin's least gap and from its greatest on, and lies between
+  its values at the bin's edges in between; so the statistic is bracketed: `ks` is the largest
+  difference at the points where both CDFs are known (a lower bound of the exact statistic),
+  `ks_upper_bound` the largest difference the ranges allow (an upper bound). A bin whose gaps
+  are all equal (a schedule at a fixed rate) is known everywhere; otherwise the two differ by
+  at most the larger side's mass in one 2.3%-wide bin.
 - the largest gap between the two cumulative counts over time: in requests, max over t of
   |#due by t - #sent by t| (exact: a merge of the two sorted time lists), and in seconds,
   max over k of |k-th send - k-th due time| (the same lists side by side).
@@ -40,29 +42,60 @@ def gap_bin(gap_s: float) -> int:
     return min(BINS - 1, 1 + int(math.log10(gap_s / FLOOR_S) * BINS_PER_DECADE))
 
 
-def _histogram(times: array) -> list[int]:
-    counts = [0] * BINS
-    for k in range(1, len(times)):
-        counts[gap_bin(times[k] - times[k - 1])] += 1
-    return counts
+class GapHistogram:
+    """The inter-arrival times of sorted times: per bin, the count and the least and greatest gap."""
+
+    def __init__(self, times: array) -> None:
+        self.count = [0] * BINS
+        self.least = [math.inf] * BINS
+        self.most = [-math.inf] * BINS
+        self.total = max(0, len(times) - 1)
+        count, least, most = self.count, self.least, self.most
+        for k in range(1, len(times)):
+            gap = times[k] - times[k - 1]
+            b = gap_bin(gap)
+            count[b] += 1
+            if gap < least[b]:
+                least[b] = gap
+            if gap > most[b]:
+                most[b] = gap
 
 
-def ks_bounds(a: list[int], b: list[int]) -> tuple[float, float]:
-    """(the KS statistic at the bin edges, an upper bound of the exact one) of two histograms
-    over the same bins; (0.0, 0.0) when either is empty."""
-    na, nb = sum(a), sum(b)
-    if not na or not nb:
-        return 0.0, 0.0
-    low = high = 0.0
-    ca = cb = 0
-    for x, y in zip(a, b):
-        fa0, fb0 = ca / na, cb / nb
-        ca += x
-        cb += y
-        fa1, fb1 = ca / na, cb / nb
-        low = max(low, abs(fa1 - fb1))
-        high = max(high, abs(fa1 - fb0), abs(fa0 - fb1), abs(fa1 - fb1))
+def _cdf_range(t: float, low: float, high: float, least: float, most: float) -> tuple[float, float]:
+    """What a CDF can be at `t` inside a bin: `low` below the bin's least gap, `high` from its
+    greatest on, anything between them in between."""
+    if t < least:
+        return low, low
+    if t >= most:
+        return high, high
     return low, high
+
+
+def ks_bounds(a: GapHistogram, b: GapHistogram) -> tuple[float, float]:
+    """(a lower, an upper bound) of the KS statistic between the gaps of `a` and `b` (see the
+    module's docstring); (0.0, 0.0) when either has no gap."""
+    if not a.total or not b.total:
+        return 0.0, 0.0
+    lower = upper = 0.0
+    ca = cb = 0
+    for i in range(BINS):
+        if not a.count[i] and not b.count[i]:
+            continue
+        a_low, b_low = ca / a.total, cb / b.total
+        ca += a.count[i]
+        cb += b.count[i]
+        a_high, b_high = ca / a.total, cb / b.total
+        for t in (a.least[i], a.most[i], b.least[i], b.most[i]):
+            if math.isinf(t):  # the side has no gap in this bin
+                continue
+            a0, a1 = _cdf_range(t, a_low, a_high, a.least[i], a.most[i])
+            b0, b1 = _cdf_range(t, b_low, b_high, b.least[i], b.most[i])
+            upper = max(upper, abs(a1 - b0), abs(a0 - b1))
+            if a0 == a1 and b0 == b1:
+                lower = max(lower, abs(a0 - b0))
+        lower = max(lower, abs(a_high - b_high))  # at the bin's upper edge both are known
+        upper = max(upper, lower)
+    return lower, upper
 
 
 class ArrivalComparison:
@@ -81,7 +114,7 @@ class ArrivalComparison:
         due, sent = sorted_array(self.due), sorted_array(self.sent)
         self.due = self.sent = array("d")
         n = len(due)
-        ks, ks_bound = ks_bounds(_histogram(due), _histogram(sent))
+        ks, ks_bound = ks_bounds(GapHistogram(due), GapHistogram(sent))
         out = {
             "inter_arrival_ks": ks if n >= 2 else None,
             "inter_arrival_ks_upper_bound": ks_bound if n >= 2 else None,
