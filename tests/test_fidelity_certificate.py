@@ -81,6 +81,7 @@ def test_an_overloaded_client_says_so_in_the_schedule_lines():
     lags = [i * 0.5 for i in range(400)]  # 0 .. 199.5 ms behind, 100 ms apart due, 100.5 ms sent
     cert = certify(sends(lags))
     s = cert["schedule"]
+    assert certify(sends(lags)[::-1])["schedule"] == s  # times in any order: sorted by the certificate
     assert s["lag_ms"]["p99"] > 10 and s["lag_ms"]["max"] == 199.5
     assert s["on_time_share"] == 3 / 400 and s["late"] == sum(lag > 10 for lag in lags)
     assert [w["request_id"] for w in s["late_worst"]] == list(range(399, 389, -1))
