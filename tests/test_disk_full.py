@@ -379,3 +379,46 @@ def test_trace_amplify_on_a_full_disk(small_disk, name):
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip() == f"error: cannot write {out}: No space left on device (errno 28)", proc.stderr
     assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+def test_full_while_writing_the_fidelity_file(tmp_path, small_disk):
+    """The disk fills while the end is written, room left for the summary only: the fidelity
+    certificate (OUTPUT.fidelity.json) is named once as incomplete in the meta, no temporary file
+    is left, the summary is whole and still holds the certificate, and the exit code is 1. The
+    engine in one process (tests/engine_support.py), so the disk fills exactly there."""
+    import gevent
+    from engine_support import FakeClock, FakeWorker, make_rows, spec_of
+
+    from replay.engine.coordinator import Coordinator
+    from replay.engine.transport import LOCAL_CLIENT, LocalLink
+    from replay.rules.run_files import fidelity_path, summary_path
+
+    def run_into(folder: Path, leave: int | None) -> list[int]:
+        spec = spec_of(make_rows(40), folder)
+        link, clock, codes = LocalLink(), FakeClock(), []
+        coordinator = Coordinator(spec, link, clock, on_exit_code=codes.append)
+        if leave is not None:  # the summary is computed: its file next, then the certificate
+            coordinator.summary_listeners.append(lambda report: fill(folder, leave=leave))
+        FakeWorker(link, clock=clock).hello()
+        gevent.sleep(0.001)
+        coordinator.begin([(LOCAL_CLIENT, 0)])
+        clock.drive(coordinator.finished.is_set)
+        ending = gevent.spawn(coordinator.end)
+        clock.drive(lambda: ending.dead)
+        ending.get()
+        return codes
+
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    assert run_into(probe, None) == []
+    summary_pages = -(-summary_path(probe / "run.jsonl").stat().st_size // PAGE) * PAGE
+    disk = small_disk(1024)
+    output = disk / "run.jsonl"
+    assert run_into(disk, summary_pages) == [1]
+    meta = read_run_metadata(output)
+    assert [i["file"] for i in meta["incomplete"]] == [str(fidelity_path(output))], meta["incomplete"]
+    assert "No space left on device" in meta["incomplete"][0]["error"]
+    assert not fidelity_path(output).exists() and not Path(f"{fidelity_path(output)}.tmp").exists()
+    summary = orjson.loads(summary_path(output).read_bytes())
+    assert summary["fidelity"]["schedule"]["sends"] == 40
+    assert len(list(read_records(output))) == 40

@@ -23,7 +23,14 @@ from replay.errors import OptionError
 from replay.results.metadata import read_run_metadata
 from replay.results.output import OutputTaken, claim_output, earlier_run_files
 from replay.results.records import RecordWriter
-from replay.rules.run_files import lock_path, meta_path, metrics_path, summary_path, worker_path
+from replay.rules.run_files import (
+    fidelity_path,
+    lock_path,
+    meta_path,
+    metrics_path,
+    summary_path,
+    worker_path,
+)
 from support.processes import LOCUST, finish, replay_args, run_locust, spawn_locust
 from support.records import check_records
 from support.traces import mooncake_trace
@@ -312,8 +319,8 @@ def test_an_earlier_runs_results_need_overwrite(tmp_path, toy_tokenizer_dir, sim
     run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--replay-config", str(config)), tmp_path)
     check_records(output, trace)
     assert not stale.exists()
-    assert earlier_run_files(output) == [output, meta_path(output), summary_path(output), metrics_path(output),
-                                         worker_path(output, 0)]
+    assert earlier_run_files(output) == [output, meta_path(output), summary_path(output), fidelity_path(output),
+                                         metrics_path(output), worker_path(output, 0)]
     assert read_run_metadata(output)["run_id"] not in kept[1].decode()
 
 

@@ -155,6 +155,7 @@ def test_cli_json_matches_and_prints(tmp_path, records):
                 "drift_ms", "goodput_rps", "cache"):  # fmt: skip
         assert key in data, key
     expected = build_report(records, {"ttft_ms": 250.0, "e2e_ms": 800.0})
+    assert data.pop("fidelity")["schedule"]["rows"] == len(records)  # tests/test_fidelity_certificate.py
     assert data == json.loads(json.dumps(expected))  # streamed from the file, the same floats
     assert data["cache"] is None
     assert "Serving Benchmark Result" in proc.stdout

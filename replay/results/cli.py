@@ -1,4 +1,4 @@
-"""`replay report RESULTS.jsonl`: the summary of a run, its cache fidelity, JSON and HTML.
+"""`replay report RESULTS.jsonl`: the summary of a run, its cache fidelity and fidelity certificate, JSON and HTML.
 
 What the records cannot say (trace, tokenizer, api, prompt format, seed) comes from the
 run's metadata beside the results (RESULTS.jsonl.meta.json) unless given as flags; flags win.
@@ -12,6 +12,7 @@ import orjson
 
 from replay.protocol.table import PROMPT_FORMATS
 from replay.results.cache_section import cache_job, cache_section
+from replay.results.certificate import CertificateBuilder
 from replay.results.files import OutputError, write_atomically
 from replay.results.metadata import read_run_metadata
 from replay.results.records import read_records
@@ -65,9 +66,11 @@ def run(args) -> int:
         # One pass over the file. The summary keeps no record; the plots need the sent records
         # (a run stopped early is mostly rows never sent: those are not kept).
         builder = ReportBuilder(slo)
+        fidelity = CertificateBuilder(ignore_eos=not ((meta or {}).get("options") or {}).get("no_ignore_eos"))
         sent: list[dict] = []
         for record in read_records(args.results):
             builder.add(record)
+            fidelity.add(record)
             if args.html_out and record.get("sent_at") is not None:
                 sent.append(record)
         if not builder.summary.requests:
@@ -81,6 +84,7 @@ def run(args) -> int:
     report = builder.report(cache)
     extra = ((meta or {}).get("options") or {}).get("server_metric") or ()
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
+    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"])
     print(format_report(report))
     try:
         if args.json_out:

@@ -19,7 +19,7 @@ import orjson
 
 from replay.protocol.urls import shown
 from replay.results.files import OutputError, overwrite_in_place, write_atomically
-from replay.rules.run_files import capacity_path, meta_path, summary_path
+from replay.rules.run_files import capacity_path, fidelity_path, meta_path, summary_path
 
 META_VERSION = 1
 MAX_SKIPPED_LISTED = 100
@@ -164,6 +164,11 @@ def write_run_metadata(output: str | Path, meta: dict, reserve: int = 0) -> Path
 def write_summary(output: str | Path, report: dict) -> Path:
     """Write OUTPUT.summary.json, the end-of-run summary (atomically, as the metadata)."""
     return write_atomically(summary_path(output), orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def write_fidelity(output: str | Path, certificate: dict) -> Path:
+    """Write OUTPUT.fidelity.json, the run's fidelity certificate (atomically, as the summary)."""
+    return write_atomically(fidelity_path(output), orjson.dumps(certificate, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 def write_capacity(output: str | Path, report: dict) -> Path:

@@ -25,6 +25,7 @@ from replay.errors import OptionError
 from replay.results.files import OutputError
 from replay.rules.run_files import (
     capacity_path,
+    fidelity_path,
     lock_path,
     meta_path,
     metrics_path,
@@ -42,10 +43,11 @@ class OutputTaken(OptionError):
 
 def earlier_run_files(output: str | Path) -> list[Path]:
     """The files a run on `output` writes on this host that exist now: the merged records, the
-    meta, summary and server-metrics files and the per-worker files (any N: an earlier run may
+    meta, summary, fidelity, server-metrics and capacity files and the per-worker files (any N: an earlier run may
     have had more workers)."""
     out = Path(output)
-    files = [p for p in (out, meta_path(out), summary_path(out), metrics_path(out), capacity_path(out))
+    files = [p for p in (out, meta_path(out), summary_path(out), fidelity_path(out), metrics_path(out),
+                              capacity_path(out))
              if os.path.lexists(p)]
     pattern = worker_name_pattern(out)
     if out.parent.is_dir():
@@ -56,7 +58,7 @@ def earlier_run_files(output: str | Path) -> list[Path]:
 def _scratch_files(output: Path) -> list[Path]:
     """What a run on `output` writes besides its results: the lock and the files written and
     then renamed over the results (the merged records', the meta's and the summary's)."""
-    renamed = (output, meta_path(output), summary_path(output), capacity_path(output))
+    renamed = (output, meta_path(output), summary_path(output), fidelity_path(output), capacity_path(output))
     return [lock_path(output), *(tmp_path(p) for p in renamed)]
 
 

@@ -14,6 +14,7 @@ import math
 from array import array
 from collections.abc import Iterable
 
+from replay.results.certificate import format_certificate
 from replay.results.records import Record, output_tokens_of
 from replay.results.server_metrics import format_server
 from replay.results.summary import SummaryBuilder, percentile, sorted_array
@@ -208,6 +209,8 @@ def format_report(report: dict) -> str:
         out.extend(format_endpoints(report["endpoints"]))
     if report.get("server"):
         out.extend(format_server(report["server"], WIDTH))
+    if report.get("fidelity"):
+        out.extend(format_certificate(report["fidelity"], WIDTH))
     out.append("=" * WIDTH)
     return "\n".join(out)
 

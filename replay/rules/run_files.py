@@ -5,6 +5,7 @@ them, the report and `replay compare` read them; each asks here, so they cannot 
 - OUTPUT: the merged records, one JSON line a row;
 - OUTPUT.meta.json: the run's metadata, written last;
 - OUTPUT.summary.json: the end-of-run summary (`replay report --json`'s);
+- OUTPUT.fidelity.json: the run's fidelity certificate (docs/fidelity.md);
 - OUTPUT.server-metrics.jsonl: the servers' scraped metrics;
 - OUTPUT.capacity.json: a capacity search's probes and answer (docs/capacity.md);
 - OUTPUT.worker-N.jsonl: worker N's own copy of its records;
@@ -19,6 +20,7 @@ from pathlib import Path
 
 META_SUFFIX = ".meta.json"
 SUMMARY_SUFFIX = ".summary.json"
+FIDELITY_SUFFIX = ".fidelity.json"
 METRICS_SUFFIX = ".server-metrics.jsonl"
 CAPACITY_SUFFIX = ".capacity.json"
 LOCK_SUFFIX = ".lock"
@@ -31,6 +33,10 @@ def meta_path(output: str | Path) -> Path:
 
 def summary_path(output: str | Path) -> Path:
     return Path(f"{output}{SUMMARY_SUFFIX}")
+
+
+def fidelity_path(output: str | Path) -> Path:
+    return Path(f"{output}{FIDELITY_SUFFIX}")
 
 
 def capacity_path(output: str | Path) -> Path:

@@ -1,7 +1,9 @@
 """Where a run ends: once the engine has a record for every row (replay.engine.coordinator's
 `_finalize` fills the rows left without one with their labels), `finish` merges the records
 (the RecordStore's sorted rewrite), builds the summary (replay.results.report) with its server
-and cache sections, writes OUTPUT.summary.json, prints the summary, writes the last meta file
+and cache sections and the fidelity certificate (replay.results.certificate, from the same pass
+over the merged file: the finish reads what the run wrote), writes OUTPUT.summary.json and
+OUTPUT.fidelity.json, prints the summary, writes the last meta file
 (OUTPUT.meta.json, naming any file a failed write left incomplete) and returns the exit code.
 
 Everything it needs comes in as values: the run's spec (replay.run.spec, made by
@@ -20,8 +22,9 @@ from pathlib import Path
 from replay.engine.capacity import BELOW_LO, CLIENT_LIMITED, quotable_line
 from replay.engine.dispatcher import off_loop
 from replay.results.cache_section import cache_job, cache_section
+from replay.results.certificate import UNFAITHFUL, CertificateBuilder
 from replay.results.files import OutputError
-from replay.results.metadata import write_capacity, write_run_metadata, write_summary
+from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
 from replay.results.records import is_failure
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.server_metrics import read_server_section
@@ -46,13 +49,15 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     A capacity search's (`capacity`: replay.engine.capacity.capacity_report) goes to
     OUTPUT.capacity.json and the summary's last line; its exit code is the search's (1: no
     capacity found, below LO or the client the limit), not its rows' (a failing probe's rows fail
-    by design)."""
+    by design). With --require-faithful, an unfaithful certificate makes it 1 too."""
     builder = ReportBuilder(parse_slo(spec.options.slo))
+    fidelity = CertificateBuilder(ignore_eos=not spec.options.no_ignore_eos)
     failed = 0
 
     def each(record: dict) -> None:
         nonlocal failed
         builder.add(record)
+        fidelity.add(record)
         failed += is_failure(record)
         for listener in listeners:
             listener(record)
@@ -61,12 +66,14 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     spec.schedule.close()
     report = builder.report(_cache_section(spec, facts))
     report["server"] = read_server_section(spec.output, report["endpoints"], spec.options.server_metric or ())
+    report["fidelity"] = certificate = fidelity.certificate(report["drift_ms"], report["cache"])
     for listener in summary_listeners:
         listener(report)
-    try:
-        write_summary(spec.output, report)
-    except OutputError as e:
-        on_fault(e)
+    for write, document in ((write_summary, report), (write_fidelity, certificate)):
+        try:
+            write(spec.output, document)
+        except OutputError as e:
+            on_fault(e)
     tail = ""
     if capacity is not None:
         report["capacity"] = capacity
@@ -86,6 +93,10 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     elif failed:
         code = max(code, 1)
         logger.error("%d of %d rows failed: exit code %d", failed, count, code)
+    if spec.options.require_faithful and certificate["verdict"] == UNFAITHFUL:
+        code = max(code, 1)
+        logger.error("fidelity: unfaithful (%s), --require-faithful: exit code %d", "; ".join(certificate["failing"]),
+                     code)
     return code
 
 

@@ -110,6 +110,8 @@ class ReplayOptions:
                                          metavar="NAME")
     server_block_size: int | None = _option(help="the server's KV-cache block size: the end-of-run summary adds the "
                                                  "cache fidelity section", metavar="N")
+    require_faithful: bool = _option(False, "exit 1 when the run's fidelity certificate (OUTPUT.fidelity.json, "
+                                            "docs/fidelity.md) says unfaithful")
     capacity_search: bool = _option(False, "replay the window at a sequence of load factors and report the largest "
                                            "that meets --slo (docs/capacity.md)")
     goodput_target: float = _option(0.99, "a search's probe passes when this share of its rows is ok and meets every "

@@ -1,0 +1,236 @@
+"""The fidelity certificate (replay.results.certificate, docs/fidelity.md): its sections on
+records built by hand, in one process; then a real run against `replay sim` writing
+OUTPUT.fidelity.json and the summary's section, a lying sim making the run unfaithful (exit 1
+with --require-faithful), and the file on a full disk."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+from array import array
+from bisect import bisect_right
+
+import orjson
+import pytest
+
+from replay.results.arrivals import BINS_PER_DECADE, FLOOR_S, GapHistogram, gap_bin, ks_bounds
+from replay.results.certificate import (
+    FAITHFUL,
+    UNFAITHFUL,
+    CertificateBuilder,
+    format_certificate,
+    miss_attribution,
+)
+from replay.results.records import unsent_record
+from replay.results.report import build_report, format_report
+from replay.rules.run_files import fidelity_path, summary_path
+from replay.sim.process import sim_process
+from replay.trace.record import TraceRow
+from support.processes import replay_args, run_locust
+from support.records import T0, ok_record, record
+from support.traces import BLOCK, mooncake_trace
+
+
+def certify(records: list[dict], cache: dict | None = None, **kwargs) -> dict:
+    builder = CertificateBuilder(**kwargs)
+    for r in records:
+        builder.add(r)
+    return builder.certificate(build_report(records)["drift_ms"], cache)
+
+
+def sends(lags_ms: list[float], gap_s: float = 0.1, **fields) -> list[dict]:
+    out = []
+    for i, lag in enumerate(lags_ms):
+        due = T0 + i * gap_s
+        out.append(record(i, scheduled_at=due, sent_at=due + lag / 1000, drift_ms=lag, finished_at=due + 1,
+                          prompt_tokens=100, output_tokens=10, received_tokens=10, worker=i % 3, **fields))
+    return out
+
+
+# -- the sections, on records built by hand ----------------------------------------------------------
+
+
+def test_an_honest_run_is_faithful():
+    rng = random.Random(0)
+    records = [ok_record(i, rng) for i in range(500)]
+    cert = certify(records)
+    s = cert["schedule"]
+    assert s["sends"] == 500 and s["unsent"] == 0 and s["late"] == 0 and s["late_worst"] == []
+    assert s["on_time_share"] == sum(r["drift_ms"] <= 1.0 for r in records) / 500 < 0.99  # ok_record: up to 3 ms
+    assert s["lag_ms"] == build_report(records)["drift_ms"]  # the summary's figures, one computation
+    # due exactly 0.1 s apart, sent with up to 3 ms of jitter: the gaps spread over a few bins
+    assert 0 < s["inter_arrival_ks"] <= s["inter_arrival_ks_upper_bound"] < 1
+    assert s["count_gap_s"] == pytest.approx(max(r["drift_ms"] for r in records) / 1000, abs=2e-3)
+    assert s["count_gap_requests"] == 1  # 0.1 s apart, sent within 3 ms: never two behind
+    assert cert["prompts"] == {"ok_rows": 500, "counted": 500, "exact": 500, "exact_share": 1.0, "mismatches": 0,
+                               "mismatch_worst": [], "uncounted": 0}
+    assert cert["outputs"]["exact_share"] == 1.0 and set(cert["outputs"]["others"].values()) == {0}
+    assert cert["verdict"] == UNFAITHFUL and cert["failing"][0].startswith("schedule: ")
+    on_time = certify(sends([0.2] * 200))
+    assert on_time["verdict"] == FAITHFUL and on_time["failing"] == [], on_time["failing"]
+    assert on_time["schedule"]["inter_arrival_ks_upper_bound"] == 0.0 and on_time["schedule"]["count_gap_s"] == pytest.approx(2e-4, abs=1e-6)
+    assert on_time["unchecked"] == ["cache: no miss attribution (no finite-cache model of the server)"]
+
+
+def test_an_overloaded_client_says_so_in_the_schedule_lines():
+    """The sends fall further and further behind (a client that cannot keep up): p99 > 10 ms,
+    the late rows listed worst first with their worker, the counts' gap in requests and seconds."""
+    lags = [i * 0.5 for i in range(400)]  # 0 .. 199.5 ms behind, 100 ms apart due, 100.5 ms sent
+    cert = certify(sends(lags))
+    s = cert["schedule"]
+    assert certify(sends(lags)[::-1])["schedule"] == s  # times in any order: sorted by the certificate
+    assert s["lag_ms"]["p99"] > 10 and s["lag_ms"]["max"] == 199.5
+    assert s["on_time_share"] == 3 / 400 and s["late"] == sum(lag > 10 for lag in lags)
+    assert [w["request_id"] for w in s["late_worst"]] == list(range(399, 389, -1))
+    assert s["late_worst"][0] == {"request_id": 399, "worker": 399 % 3, "lag_ms": 199.5}
+    assert s["count_gap_s"] == pytest.approx(0.1995) and s["count_gap_requests"] == 2
+    assert cert["verdict"] == UNFAITHFUL
+    assert cert["failing"] == ["schedule: 0.75% of sends within 1 ms of their time (needs >= 99%); 379 late by > 10 ms"]
+    text = "\n".join(format_certificate(cert, 50))
+    assert "Sends late by > 10 ms:                   379" in text and "request 399 (worker 0): 199.50 ms late" in text
+    # a burst sent evenly: the same sends, other inter-arrival times (KS 1: no gap is alike)
+    burst = sends([0.0] * 100, gap_s=0.0)
+    for i, r in enumerate(burst):
+        r["sent_at"] = T0 + i * 0.01
+        r["drift_ms"] = i * 10.0
+    s = certify(burst)["schedule"]
+    assert s["inter_arrival_ks"] == 1.0 and s["count_gap_requests"] == 99 and s["count_gap_s"] == pytest.approx(0.99)
+
+
+def test_prompt_mismatches_and_rows_without_a_count():
+    records = sends([0.1] * 30)
+    for i, diff in ((3, -2), (7, 5), (9, 5), (12, 1)):
+        records[i]["prompt_tokens"] = 100 + diff
+    records[20]["prompt_tokens"] = None
+    records[21].update(ok=False, status=500, error="HTTP 500", prompt_tokens=None)
+    cert = certify(records)
+    p = cert["prompts"]
+    assert (p["ok_rows"], p["counted"], p["exact"], p["mismatches"], p["uncounted"]) == (29, 28, 24, 4, 1)
+    assert [(w["request_id"], w["difference"]) for w in p["mismatch_worst"]] == [(7, 5), (9, 5), (3, -2), (12, 1)]
+    assert cert["verdict"] == UNFAITHFUL
+    assert cert["failing"] == ["prompts: 4 of 28 prompts the server counted differ from the trace's input_length "
+                               "(needs 100% exact)"]
+    no_usage = sends([0.1] * 5, )
+    for r in no_usage:
+        r["prompt_tokens"] = None
+    cert = certify(no_usage)
+    assert cert["verdict"] == FAITHFUL and "prompts: the server counted no prompt (no usage)" in cert["unchecked"]
+
+
+def test_output_reasons():
+    records = sends([0.1] * 6)
+    records[1].update(output_tokens=4, received_tokens=4)  # stopped short
+    records[2].update(ok=False, status=503, error="HTTP 503")
+    records[3].update(output_tokens=None, received_tokens=None)
+    records[4].update(output_length=0, output_tokens=1, received_tokens=1)  # 0 asks for 1
+    o = certify(records)["outputs"]
+    assert (o["sent"], o["exact"]) == (6, 3)
+    assert o["others"] == {"early stop allowed": 0, "server cut": 1, "error": 1, "no count": 1}
+    assert certify(records, ignore_eos=False)["outputs"]["others"]["early stop allowed"] == 1
+
+
+def test_the_cache_hook_decides_the_cache_line():
+    infinite = {"expected_cached_tokens": 10, "observed_cached_tokens": 8, "ratio": 0.8}
+    cert = certify(sends([0.1] * 3), cache=infinite)
+    assert cert["cache"] == {"infinite": infinite, "misses": None} and cert["verdict"] == FAITHFUL
+    misses = {"causes": {"evicted": {"requests": 2, "tokens": 64}, "unexplained": {"requests": 1, "tokens": 16},
+                         "prompt-differs": {"requests": 0, "tokens": 0}}, "endpoints": {}, "notes": ["a note"]}
+    assert miss_attribution({**infinite, "misses": misses}) is misses and miss_attribution(infinite) is None
+    cert = certify(sends([0.1] * 3), cache={**infinite, "misses": misses})
+    assert cert["cache"]["infinite"] == infinite and cert["cache"]["misses"] is misses
+    assert cert["verdict"] == UNFAITHFUL and cert["failing"] == ["cache: 1 requests unexplained (needs 0)"]
+    assert "  cache evicted: 2 requests, 64 tokens" in format_certificate(cert, 50)
+
+
+def test_number_edges():
+    """Zero rows, one row, every row failed or never sent, equal times: no division by zero, no NaN."""
+    empty = certify([])
+    assert empty["verdict"] == UNFAITHFUL and empty["failing"] == ["schedule: no request was sent"]
+    assert empty["schedule"]["inter_arrival_ks"] is None and empty["schedule"]["count_gap_s"] is None
+    assert empty["prompts"]["exact_share"] is None and empty["outputs"]["exact_share"] is None
+    one = certify(sends([0.3]))
+    assert one["verdict"] == FAITHFUL and one["schedule"]["inter_arrival_ks"] is None
+    assert one["schedule"]["count_gap_requests"] == 1 and one["schedule"]["count_gap_s"] == pytest.approx(3e-4, abs=1e-6)
+    failed = sends([0.1] * 4)
+    for r in failed:
+        r.update(ok=False, status=500, error="HTTP 500", prompt_tokens=None, output_tokens=None)
+    cert = certify(failed)
+    assert cert["outputs"]["others"]["error"] == 4 and cert["prompts"]["ok_rows"] == 0
+    row = TraceRow(request_id=0, timestamp_s=0.0, input_length=10, output_length=2, session_id=None, line=1)
+    unsent = [unsent_record(row, worker=None, api="openai-chat", scheduled_at=None, reason="run stopped")]
+    cert = certify(unsent)
+    assert cert["schedule"]["unsent"] == 1 and cert["outputs"]["sent"] == 0
+    same_time = sends([0.0] * 5, gap_s=0.0)  # a burst due at one instant, sent at it
+    assert certify(same_time)["schedule"]["inter_arrival_ks"] == 0.0
+    for cert in (empty, one, cert):
+        orjson.dumps(cert)  # every value is JSON (orjson refuses NaN only by writing null: none here)
+        assert "nan" not in json.dumps(cert).lower()
+        format_certificate(cert, 50)
+
+
+def test_the_binned_ks_brackets_the_exact_one():
+    def times(gaps: list[float]) -> array:
+        return array("d", itertools.accumulate(gaps, initial=T0))
+
+    def exact(a: list[float], b: list[float]) -> float:
+        return max(abs(bisect_right(sorted(a), t) / len(a) - bisect_right(sorted(b), t) / len(b)) for t in a + b)
+
+    rng = random.Random(1)
+    a = [rng.expovariate(10) for _ in range(2000)]
+    b = [rng.expovariate(12) for _ in range(2000)]
+    a_times, b_times = times(a), times(b)
+    a = [y - x for x, y in zip(a_times, a_times[1:])]  # the gaps as the times give them back
+    b = [y - x for x, y in zip(b_times, b_times[1:])]
+    low, high = ks_bounds(GapHistogram(a_times), GapHistogram(b_times))
+    assert low <= exact(a, b) <= high and high - low < 0.01
+    # a fixed rate, kept or not: every bin holds one value, so the statistic is exact
+    due, sent = [0.1] * 50, [0.1] * 25 + [0.2] * 25
+    assert ks_bounds(GapHistogram(times(due)), GapHistogram(times(due))) == (0.0, 0.0)
+    low, high = ks_bounds(GapHistogram(times(due)), GapHistogram(times(sent)))
+    assert low == high == pytest.approx(0.5)
+    assert gap_bin(0.0) == 0 and gap_bin(FLOOR_S) == 1 and gap_bin(10 * FLOOR_S) == 1 + BINS_PER_DECADE
+
+
+def test_the_summary_prints_it():
+    report = build_report(sends([0.1] * 3))
+    report["fidelity"] = certify(sends([0.1] * 3))
+    assert "Fidelity Certificate" in format_report(report) and "Verdict:                                 faithful" \
+        in format_report(report)
+
+
+# -- real runs ---------------------------------------------------------------------------------------
+
+
+def test_a_run_writes_its_certificate(tmp_path, toy_tokenizer_dir, sim):
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=50)
+    output = tmp_path / "run.jsonl"
+    proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output), tmp_path)  # its verdict: the clock's
+    cert = json.loads(fidelity_path(output).read_text())
+    assert json.loads(summary_path(output).read_text())["fidelity"] == cert
+    assert cert["schedule"]["sends"] == 20 and cert["prompts"]["exact_share"] == 1.0
+    assert cert["outputs"]["exact_share"] == 1.0
+    assert "Fidelity Certificate" in proc.stdout and "Prompts exact (server-counted):          100.00% of 20" \
+        in proc.stdout
+    # `replay report` says the same (its --json too); the schedule's lines are the run's own
+    out = tmp_path / "report.json"
+    report = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--json", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert json.loads(out.read_text())["fidelity"] == cert and "Fidelity Certificate" in report.stdout
+
+
+def test_require_faithful_exits_1_on_an_unfaithful_run(tmp_path, toy_tokenizer_dir):
+    """A server whose prompt counts are false (`replay sim --false-usage`): every prompt differs."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=8, gap_ms=20)
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "1",
+                     "--false-usage", json.dumps({"prompt_tokens": 1})) as lying:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, lying.url, output, "--require-faithful",
+                                      "--verify-server", "off"), tmp_path, exit_code=1)
+    cert = json.loads(fidelity_path(output).read_text())
+    assert cert["verdict"] == UNFAITHFUL and cert["prompts"]["mismatches"] == 8
+    assert "fidelity: unfaithful (prompts: 8 of 8 prompts" in proc.stderr and "--require-faithful: exit code 1" \
+        in proc.stderr
