@@ -177,3 +177,119 @@ def test_memory_is_the_pools_and_the_running(window_ms):
         pass
     pool = model.endpoints["a"].pool
     assert len(pool._ref) <= 63 and len(pool) <= 63 and not model._running
+
+
+# -- real runs against `replay sim` -------------------------------------------------------------------
+SIM_BLOCK = 16
+FAST_SIM = ("--block-size", str(SIM_BLOCK), "--ttft-ms", "3", "--itl-ms", "1", "--prefill-ms-per-1k", "0",
+            "--eos-prob", "0")
+
+
+def reuse_trace(path, rows: int = 160, families: int = 8, gap_ms: float = 25.0, seed: int = 3):
+    """Mooncake rows with heavy prefix reuse: each shares one of `families` 6-block prefixes,
+    followed by 0 to 2 blocks of its own; families come back at random, so a small cache evicts."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(rows):
+            family = rng.randrange(families)
+            hashes = [100 * family + k for k in range(6)] + [10_000 + 10 * i + k for k in range(rng.randint(0, 2))]
+            row = {"timestamp": round(i * gap_ms, 3), "input_length": len(hashes) * SIM_BLOCK - rng.randint(0, 8),
+                   "output_length": 4, "hash_ids": hashes}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def run_verdicts(output, tokenizer_dir):
+    """The cache model's verdicts on a finished run, from its files: the meta's server caches (as
+    the preflight read them), the counters at the start, the records and the trace."""
+    from replay.results.cache_model import CacheModel, model_prompts, start_counters
+    from replay.results.metadata import read_run_metadata
+    from replay.results.records import read_records
+    from replay.rules.run_files import metrics_path
+    from replay.synth.prompts import PromptSynthesizer
+    from replay.synth.tokenizer import ServerTokenizer
+    from replay.trace.reader import TraceStream
+
+    meta = read_run_metadata(output)
+    caches = meta["server_cache"]
+    (block,) = {c["block_size"] for c in caches.values()}
+    trace = meta["trace"]
+    rows = {row.request_id: row for row in TraceStream(trace["path"], trace["format"], trace["block_size"])}
+    synth = PromptSynthesizer(ServerTokenizer.load(tokenizer_dir), api=meta["api"], block_size=trace["block_size"],
+                              seed=meta["seed"])
+    prompts = model_prompts(read_records(output), lambda rid: synth.server_ids(rows[rid]), block)
+    model = CacheModel(block, server_caches(caches, start_counters(metrics_path(output))))
+    verdicts = list(model_checks(prompts, block, {}, model=model))
+    return verdicts, model.tally.section(model), caches
+
+
+def replay(trace, tokenizer_dir, url, output, tmp_path, *extra):
+    from support.processes import replay_args, run_locust
+
+    run_locust(replay_args(trace, tokenizer_dir, url, output, "--only-summary", "--overwrite", *extra), tmp_path)
+
+
+def test_a_small_sim_cache_evicts_and_the_model_predicts_it(tmp_path, toy_tokenizer_dir):
+    """Done means: `replay sim --cache-blocks` small enough to evict, heavy prefix reuse: the model
+    predicts the observed cached tokens exactly for >= 99% of requests, every miss has a cause
+    other than `unexplained`, and `evicted` is one of them. The block size and pool size come
+    from the sim's /metrics (no option)."""
+    from replay.sim.process import sim_process
+
+    trace = reuse_trace(tmp_path / "trace.jsonl")
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim:
+        replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path)
+    verdicts, section, caches = run_verdicts(output, toy_tokenizer_dir)
+    assert [c["source"] for c in caches.values()] == ["server"] and list(caches.values())[0]["num_gpu_blocks"] == 30
+    assert section["requests_compared"] == 160
+    inexact = [v for v in verdicts if not v.exact]
+    assert section["exact_share"] >= 0.99, inexact
+    assert section["misses"] > 0 and section["misses_attributed_share"] == 1.0, section["miss_causes"]
+    assert section["miss_causes"]["evicted"]["requests"] > 0, section
+
+
+def test_a_fleet_routed_round_robin_scatters_sessions_session_routing_keeps_them(tmp_path, toy_tokenizer_dir):
+    from replay.sim.process import sim_process
+    from support.traces import bailian_trace
+
+    trace = bailian_trace(tmp_path / "trace.jsonl", sessions=7, turns=3, gap_s=0.05)  # odd: turns alternate
+    sections = {}
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as one, \
+            sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as two:  # fmt: skip
+        for routing in ("round-robin", "session"):
+            for sim in (one, two):
+                import requests
+
+                requests.post(sim.url + "/reset_prefix_cache", timeout=5)
+            output = tmp_path / f"{routing}.jsonl"
+            replay(trace, toy_tokenizer_dir, one.url, output, tmp_path, "--endpoints", f"{one.url},{two.url}",
+                   "--routing", routing)
+            _, sections[routing], _ = run_verdicts(output, toy_tokenizer_dir)
+    scattered = sections["round-robin"]
+    assert scattered["misses"] > 0 and set(scattered["miss_causes"]) == {"routed-elsewhere"}, scattered
+    assert sections["session"]["misses"] == 0, sections["session"]
+    assert len(scattered["endpoints"]) == 2
+
+
+def test_a_second_run_on_a_warm_sim_names_warm_at_start_until_reset(tmp_path, toy_tokenizer_dir):
+    import requests
+
+    from replay.sim.process import sim_process
+
+    trace = reuse_trace(tmp_path / "trace.jsonl", rows=40)
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as sim:
+        sections = []
+        for name in ("first", "second", "after-reset"):
+            if name == "after-reset":
+                assert requests.post(sim.url + "/reset_prefix_cache", timeout=5).json() == {"success": True}
+            output = tmp_path / f"{name}.jsonl"
+            replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path)
+            sections.append(run_verdicts(output, toy_tokenizer_dir)[1])
+    first, second, after_reset = sections
+    assert first["beyond"] == 0 and first["misses"] == 0, first
+    assert set(second["beyond_causes"]) == {"warm-at-start"} and second["beyond"] > 0, second
+    assert after_reset["beyond"] == 0 and after_reset["misses"] == 0, after_reset
