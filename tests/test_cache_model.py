@@ -185,7 +185,7 @@ FAST_SIM = ("--block-size", str(SIM_BLOCK), "--ttft-ms", "3", "--itl-ms", "1", "
             "--eos-prob", "0")
 
 
-def reuse_trace(path, rows: int = 160, families: int = 8, gap_ms: float = 25.0, seed: int = 3):
+def reuse_trace(path, rows: int = 160, families: int = 8, gap_ms: float = 10.0, seed: int = 3):
     """Mooncake rows with heavy prefix reuse: each shares one of `families` 6-block prefixes,
     followed by 0 to 2 blocks of its own; families come back at random, so a small cache evicts."""
     import json
