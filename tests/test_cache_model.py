@@ -15,7 +15,7 @@ B = 2  # block size of the hand-made sequences
 
 
 def request(pool: BlockPool, tokens: list[int], output: int = 0) -> tuple[int, list[int]]:
-    return pool.allocate(block_hashes(tokens, pool.block_size), len(tokens), -(-(len(tokens) + output) // B))
+    return pool.allocate(block_hashes(tokens, pool.block_size), len(tokens), output)
 
 
 def blocks(*ids: int) -> list[int]:
@@ -38,13 +38,18 @@ def test_running_requests_blocks_are_pinned():
 
 
 def test_freed_in_reverse_order_tail_evicted_first():
+    """A request's cached blocks go to the free queue's tail last block first (LRU, a prefix's
+    tail before its head); a block caching nothing (its partial last block) to its head, to be
+    taken first (vLLM 0.32's free_blocks)."""
     pool = BlockPool(B, num_gpu_blocks=5)
     a = blocks(1, 2, 3)  # 4 blocks: the whole pool
-    pool.free(request(pool, a)[1])
-    pool.free(request(pool, blocks(7))[1])  # 2 blocks: a's partial block, then its 3rd full one
+    pool.free(request(pool, a)[1])  # queue: a's partial | a's 3rd, 2nd, 1st
+    pool.free(request(pool, blocks(7))[1])  # 2 blocks: a's partial block, then its 3rd
     assert pool.hit_blocks(block_hashes(a, B), len(a)) == 2
-    pool.free(request(pool, [8, 8])[1])  # 1 more: a's 2nd block (older than the last request's), its head stays
-    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 1
+    pool.free(request(pool, [8])[1])  # 1 block: the last request's partial one, at the head: nothing evicted
+    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 2 and pool.evictions == 1
+    pool.free(request(pool, blocks(9))[1])  # 2: that partial one again, then a's 2nd (older than [7, 7]'s)
+    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 1 and pool.hit_blocks(block_hashes([7, 7, 99], B), 3) == 1
 
 
 def test_a_hit_on_a_free_block_takes_it_out_of_the_queue():
@@ -176,7 +181,7 @@ def test_memory_is_the_pools_and_the_running(window_ms):
     for _ in model_checks(model_prompts, B, {}, reorder_window_ms=window_ms, model=model):
         pass
     pool = model.endpoints["a"].pool
-    assert len(pool._ref) <= 63 and len(pool) <= 63 and not model._running
+    assert len(pool._ref) <= 63 and len(pool) <= 63 and not model.endpoints["a"].running
 
 
 # -- real runs against `replay sim` -------------------------------------------------------------------

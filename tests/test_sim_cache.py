@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from replay.sim.cache import BlockPool, block_hashes, blocks_needed, hit_tokens
+from replay.sim.cache import BlockPool, block_hashes, hit_tokens
 from replay.sim.engine import Engine
 from replay.sim.options import SimOptions, validate
 
@@ -12,7 +12,7 @@ from replay.sim.options import SimOptions, validate
 def run(pool: BlockPool, prompt: list[int], output: int = 1) -> int:
     """One request from start to end (none other running): its cached tokens."""
     size = pool.block_size
-    hit, blocks = pool.allocate(block_hashes(prompt, size), len(prompt), blocks_needed(len(prompt), output, size))
+    hit, blocks = pool.allocate(block_hashes(prompt, size), len(prompt), output)
     pool.free(blocks)
     return hit_tokens(hit, size, len(prompt))
 

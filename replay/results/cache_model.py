@@ -4,9 +4,11 @@ differs from the infinite-cache expectation (replay/results/fidelity.py).
 Each endpoint gets vLLM's block pool (replay.rules.block_pool) at the server's block size and
 number of blocks (vllm:cache_config_info, or --server-block-size / --server-cache-blocks), fed
 with the requests that went there in the order the server received them: a request takes its
-blocks at its send (`sent_at`) and gives them back at its end (`finished_at`), so running
-requests' blocks are pinned and freed blocks are evicted least recently used, a prefix's tail
-first. Its prediction for a request is what the pool holds of the prompt when it is sent.
+blocks when the server scheduled it (`started_at`: its send, or later when it waited in the
+server's queue, `scheduled_at`; first come first served, so never before an earlier one) and
+gives them back at its end (`finished_at`), so running requests' blocks are pinned and freed
+blocks are evicted least recently used, a prefix's tail first. Its prediction for a request is
+what the pool holds of the prompt when it is scheduled.
 
 Causes, one per request whose observed count differs from the expectation (`expected`: the
 fleet-wide infinite cache in send order; or the trace's own `ideal` when the caller gives it and
@@ -14,16 +16,16 @@ it is larger), decided by the first server block the server did not give (`obser
 
 below the expectation (a miss):
 - `prompt-differs`: the server counted another prompt length than ours, or the block it did not
-  give is one its pool must hold (cached there and, with no eviction at that endpoint so far,
-  never evictable): our prompt does not share what the trace says it shares;
+  give is one its pool must hold (cached there and held by a running request, or the pool never
+  had to evict): our prompt does not share what the trace says it shares;
 - `in-flight`: the count lies in the range the reorder window allows (CacheCheck.explained: a
   request sent within the window of its prefix's first one may reach the server first);
 - `partial-block`: the server gave every whole block the expectation has: the rest of the
   shared prefix ends inside a server block (only with an `ideal`);
 - `routed-elsewhere`: the missing block is cached on another endpoint of the fleet, not here;
 - `evicted`: it is cached nowhere (the fleet's infinite cache had it: a pool let it go), or
-  here in a block the pool could evict (evictions happened at this endpoint: the server let it
-  go a little sooner than the model);
+  here in a block the pool could evict while it evicts (the server let it go a little sooner
+  than the model);
 - `unexplained`: a count of no whole number of blocks (vLLM's hits are whole blocks).
 
 above the expectation: `in-flight` (within the reorder window's range), `warm-at-start` (the
@@ -31,7 +33,7 @@ server's prefix-cache counters showed prompts served before this run's first sen
 may hold them), or `unexplained`.
 
 Streaming and memory: requests come in send order (by sent_at, then request_id: what
-replay.results.cache_child's order gives); ends wait in a heap of the running requests; so the
+replay.results.cache_child's order gives); ends wait in a heap of each endpoint's running requests; so the
 state is the pools (bounded by their sizes), the running requests and the reorder window.
 """
 
@@ -87,6 +89,7 @@ class ModelPrompt(NamedTuple):
     finished_at: float | None  # None: it ended at once
     output_tokens: int  # tokens it generated: blocks it held while it ran
     ideal: int | None = None  # the trace's own expectation (trace blocks), when the caller has one
+    started_at: float | None = None  # when the server scheduled it, as estimated (`scheduled_at`); None: sent_at
 
 
 @dataclass(slots=True)
@@ -115,6 +118,18 @@ class _Endpoint:
     def __init__(self, block_size: int, server: ServerCache):
         self.server = server
         self.pool = BlockPool(block_size, server.num_gpu_blocks)
+        self.running: list[tuple[float, int, list[int]]] = []  # a heap of (finished_at, serial, blocks)
+        self.last_start = float("-inf")  # the server schedules first come, first served
+
+    def end_until(self, t: float) -> None:
+        running = self.running
+        while running and running[0][0] <= t:
+            self.pool.free(heapq.heappop(running)[2])
+
+    @property
+    def pressed(self) -> bool:
+        """Has the pool had to evict (or lend beyond its size)?"""
+        return bool(self.pool.evictions or self.pool.overflow)
 
 
 class CacheModel:
@@ -127,7 +142,6 @@ class CacheModel:
         self.servers = dict(servers)
         self.default = default
         self.endpoints: dict[str, _Endpoint] = {}
-        self._running: list[tuple[float, int, str, list[int]]] = []  # (finished_at, serial, endpoint, blocks)
         self._serial = 0
         self.tally = CauseTally()
 
@@ -139,17 +153,14 @@ class CacheModel:
             self.endpoints[name] = _Endpoint(self.block_size, server)
         return self.endpoints[name]
 
-    def _end_until(self, t: float) -> None:
-        running = self._running
-        while running and running[0][0] <= t:
-            _, _, name, blocks = heapq.heappop(running)
-            self.endpoints[name].pool.free(blocks)
-
     def observe(self, prompt: ModelPrompt, check: CacheCheck) -> CacheVerdict:
         """The verdict on `prompt` (the next in send order; `check`: its infinite-cache check)."""
-        self._end_until(prompt.sent_at)
         size = self.block_size
         here = self._endpoint(prompt.endpoint)
+        start = prompt.sent_at if prompt.started_at is None else max(prompt.started_at, prompt.sent_at)
+        if here is not None:
+            start = here.last_start = max(start, here.last_start)
+            here.end_until(start)
         hashes, length = prompt.hashes, prompt.prompt_tokens
         predicted = hit_tokens(here.pool.hit_blocks(hashes, length), size, length) if here else 0
         expected = max(check.expected, prompt.ideal or 0)
@@ -159,11 +170,10 @@ class CacheModel:
             cause = (self._miss(prompt, check, here) if observed < expected
                      else self._beyond(check, here))  # fmt: skip
         if here is not None:
-            blocks = -(-(length + max(prompt.output_tokens, 0)) // size)
-            _, held = here.pool.allocate(hashes, length, blocks)
-            end = prompt.finished_at if prompt.finished_at is not None else prompt.sent_at
+            _, held = here.pool.allocate(hashes, length, max(prompt.output_tokens, 0))
+            end = prompt.finished_at if prompt.finished_at is not None else start
             self._serial += 1
-            heapq.heappush(self._running, (max(end, prompt.sent_at), self._serial, prompt.endpoint, held))
+            heapq.heappush(here.running, (max(end, start), self._serial, held))
         verdict = CacheVerdict(prompt.request_id, prompt.endpoint, expected, predicted, observed, cause, check)
         self.tally.add(verdict)
         return verdict
@@ -181,7 +191,7 @@ class CacheModel:
             return UNEXPLAINED
         missing = prompt.hashes[observed // size]
         if missing in here.pool:
-            return EVICTED if here.pool.evictions and not here.pool.holds(missing) else PROMPT_DIFFERS
+            return EVICTED if here.pressed and not here.pool.holds(missing) else PROMPT_DIFFERS
         if any(missing in other.pool for name, other in self.endpoints.items() if other is not here):
             return ROUTED_ELSEWHERE
         return EVICTED
@@ -196,7 +206,8 @@ class CacheModel:
 
     def close(self) -> None:
         """Every request has ended: the pools get their blocks back."""
-        self._end_until(float("inf"))
+        for endpoint in self.endpoints.values():
+            endpoint.end_until(float("inf"))
 
 
 def model_checks(prompts: Iterable[ModelPrompt], block_size: int, servers: Mapping[str, ServerCache], *,
@@ -315,6 +326,10 @@ def model_prompts(records: Iterable[Record], server_ids, block_size: int) -> lis
     PromptSynthesizer's server_ids of the row). For tests and small runs: replay/results/cache_child.py
     streams the same from files."""
     sent = sorted((r for r in records if scheduled(r)), key=lambda r: (r["sent_at"], r["request_id"]))
+    least: dict[str, float] = {}  # per endpoint, the least ttft: a request that did not wait
+    for r in sent:
+        if r.get("ttft_ms") is not None:
+            least[r.get("endpoint") or ""] = min(r["ttft_ms"], least.get(r.get("endpoint") or "", float("inf")))
     out = []
     for r in sent:
         ids = server_ids(r["request_id"])
@@ -322,9 +337,19 @@ def model_prompts(records: Iterable[Record], server_ids, block_size: int) -> lis
         out.append(ModelPrompt(
             r["request_id"], r["sent_at"], r.get("prompt_tokens"), r.get("cached_tokens"), block_hashes(ids, block_size),
             len(ids), r.get("endpoint") or "", r.get("finished_at"),
-            output if output is not None else r.get("output_length") or 0,
+            output if output is not None else r.get("output_length") or 0, None,
+            scheduled_at(r["sent_at"], r.get("ttft_ms"), least.get(r.get("endpoint") or "")),
         ))  # fmt: skip
     return out
+
+
+def scheduled_at(sent_at: float, ttft_ms: float | None, least_ttft_ms: float | None) -> float:
+    """When the server likely scheduled a request (and took its blocks): its first token less
+    the endpoint's least time to first token (that of a request that did not wait), so a
+    request that waited in the server's queue starts late; never before its send."""
+    if ttft_ms is None or least_ttft_ms is None:
+        return sent_at
+    return sent_at + max(ttft_ms - least_ttft_ms, 0.0) / 1000.0
 
 
 def start_counters(metrics_file: str | Path) -> dict[str, dict[str, float]]:

@@ -2,8 +2,8 @@
 and the cache model of a run's certificate (replay/results/cache_model.py) predicts with it, so
 the two can be checked against each other.
 
-What vLLM does (vllm/v1/core/block_pool.py BlockPool, kv_cache_utils.py FreeKVCacheBlockQueue,
-single_type_kv_cache_manager.py), and so what this does:
+What vLLM does (vllm 0.32: vllm/v1/core/block_pool.py BlockPool, kv_cache_utils.py
+FreeKVCacheBlockQueue, single_type_kv_cache_manager.py), and so what this does:
 
 - The pool has `num_gpu_blocks` blocks; one is the null block, never handed out, so
   `num_gpu_blocks - 1` hold KV. Every free block is in one queue, in eviction order; at the
@@ -11,31 +11,41 @@ single_type_kv_cache_manager.py), and so what this does:
 - A request, when scheduled, finds its cached prefix (replay.rules.prefix_cache's hit rule) and
   `touch`es those blocks: their reference count goes up, and a block nobody held (count 0, in
   the free queue) leaves the queue. Then it takes new blocks from the queue's head; a block
-  taken that still holds a cached prefix block loses it (eviction). Its new full prompt blocks
-  are cached under their chain hashes (cache_full_blocks), even a hash already cached by
-  another block (vLLM does not de-duplicate; a lookup finds the first block cached under it).
-- When it finishes, its blocks are freed in reverse order (the free queue's tail gets its last
-  block first), so its tail is evicted before its head; a block still held by another request
-  (count > 0) stays out of the queue: running requests' blocks are pinned.
+  taken that still holds a cached block loses it (eviction). Its full blocks are cached under
+  their chain hashes (cache_full_blocks), even a hash already cached by another block (vLLM
+  does not de-duplicate; a lookup finds the first block cached under it).
+- At its end it holds the KV of its prompt and of its output but the last token (the last one
+  sampled is never fed back): `slots`. Its full blocks are cached, those holding output tokens
+  too (under hashes no replayed prompt can match).
+- When it finishes, its blocks are freed in reverse order (its tail first). A block still held
+  by another request (count > 0) stays out of the queue: running requests' blocks are pinned.
+  A freed block that caches nothing (its last, partial block) goes to the queue's head, to be
+  reused first; a cached one to its tail (free_blocks: LIFO for those, LRU for cached ones), so
+  a prefix's tail is evicted before its head.
 - `reset` empties the cache only when no block is held, as vLLM's reset_prefix_cache.
 
 What it simplifies, stated: a request takes all its blocks when scheduled, prompt and output
-(vLLM takes decode blocks as it goes); its output blocks and its last partial prompt block are
-never found by a later prompt (they could only match a prompt repeating the generated text);
-and when the queue is empty it takes blocks beyond the pool (`overflow` counts them) where vLLM
-would keep the request waiting.
+(vLLM takes decode blocks as it goes), and when the queue is empty it takes blocks beyond the
+pool (`overflow` counts them) where vLLM would keep the request waiting.
 
 Memory: a few numbers per block the pool has handed out, bounded by its size.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from replay.rules.prefix_cache import hit_blocks
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockPool", "slots"]
+
+OUTPUT = object()  # what a full block holding output tokens caches: no replayed prompt matches it
+
+
+def slots(prompt_tokens: int, output_tokens: int) -> int:
+    """Tokens whose KV a request holds at its end: its prompt and its output but the last token."""
+    return max(prompt_tokens + output_tokens - 1, prompt_tokens)
 
 
 class BlockPool:
@@ -49,11 +59,14 @@ class BlockPool:
         self.num_gpu_blocks = num_gpu_blocks
         self.capacity = max(num_gpu_blocks - 1, 0)  # the null block holds nothing
         self.overflow = 0  # blocks handed out beyond the pool (vLLM would have kept a request waiting)
-        self.evictions = 0  # cached blocks whose block was taken for another
-        self._fresh = 0  # blocks never handed out are ids _fresh.. capacity-1: the queue's head
+        self.evictions = 0  # cached prompt blocks whose block was taken for another
+        # The free queue, head first: blocks freed caching nothing (most recent first), then the
+        # blocks never handed out (ids _fresh..capacity-1), then freed cached blocks (oldest first).
+        self._head: deque[int] = deque()
+        self._fresh = 0
+        self._tail: OrderedDict[int, None] = OrderedDict()
         self._ref: list[int] = []  # block id -> requests holding it
-        self._hash: list[int | None] = []  # block id -> the prompt block it caches (None: nothing)
-        self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, head evicted first
+        self._hash: list[object] = []  # block id -> the prompt block it caches (an int), OUTPUT, or None
         self._cached: dict[int, int] = {}  # hash -> the first block cached under it
         self._copies: dict[int, list[int]] = {}  # hash -> later blocks cached under it too (rare)
         self._spare: list[int] = []  # ids of blocks taken beyond the pool, given back
@@ -69,7 +82,7 @@ class BlockPool:
     @property
     def used(self) -> int:
         """Blocks held by requests (the pool's part of vLLM's kv_cache_usage_perc)."""
-        return len(self._ref) - len(self._free) - len(self._spare)
+        return len(self._ref) - len(self._head) - len(self._tail) - len(self._spare)
 
     def usage(self) -> float:
         """vLLM's kv_cache_usage_perc: held blocks over the pool's blocks (the null one aside)."""
@@ -86,41 +99,49 @@ class BlockPool:
         return block is not None and self._ref[block] > 0
 
     # -- a request's life ----------------------------------------------------------------------
-    def allocate(self, hashes: Sequence[int], num_tokens: int, total_blocks: int) -> tuple[int, list[int]]:
+    def allocate(self, hashes: Sequence[int], num_tokens: int, output_tokens: int) -> tuple[int, list[int]]:
         """Schedule a request: its prompt is `num_tokens` long with full blocks `hashes`, and it
-        needs `total_blocks` blocks in all (prompt and output). Returns (its cached leading
-        blocks, the block ids it holds, in its own order: give them back to `free`)."""
+        will generate `output_tokens`. Returns (its cached leading blocks, the block ids it
+        holds, in its own order: give them back to `free`)."""
         if not self.capacity:  # no pool: nothing is cached (a server without prefix caching)
             return 0, []
         hit = self.hit_blocks(hashes, num_tokens)
+        held = slots(num_tokens, output_tokens)
+        full, total = held // self.block_size, -(-held // self.block_size)
         blocks: list[int] = []
-        ref, free = self._ref, self._free
+        ref, tail = self._ref, self._tail
         for h in hashes[:hit]:  # touch: before any new block is taken, so none of these is evicted
             block = self._cached[h]
             if ref[block] == 0:
-                del free[block]
+                del tail[block]
             ref[block] += 1
             blocks.append(block)
-        for k in range(hit, max(total_blocks, len(hashes))):
+        for k in range(hit, total):
             block = self._take()
             ref[block] = 1
             if k < len(hashes):
                 self._cache(block, hashes[k])
+            elif k < full:
+                self._hash[block] = OUTPUT
             blocks.append(block)
         return hit, blocks
 
     def free(self, blocks: Sequence[int]) -> None:
-        """A request ended: its blocks back, last first (evicted first). While the pool holds
-        more than its size (blocks taken beyond it), a block given back leaves it instead."""
-        ref, free = self._ref, self._free
+        """A request ended: its blocks back, last first. While the pool holds more than its size
+        (blocks taken beyond it), a block given back leaves it instead."""
+        ref, first = self._ref, []
         for block in reversed(blocks):
             ref[block] -= 1
-            if ref[block] == 0:
-                if len(ref) - len(self._spare) > self.capacity:
-                    self._uncache(block, evicted=False)
-                    self._spare.append(block)
-                else:
-                    free[block] = None
+            if ref[block]:
+                continue
+            if len(ref) - len(self._spare) > self.capacity:
+                self._uncache(block, evicted=False)
+                self._spare.append(block)
+            elif self._hash[block] is None:
+                first.append(block)
+            else:
+                self._tail[block] = None
+        self._head.extendleft(reversed(first))
 
     def reset(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache: only when no block is held
@@ -134,11 +155,13 @@ class BlockPool:
 
     # -- inside --------------------------------------------------------------------------------
     def _take(self) -> int:
+        if self._head:
+            return self._head.popleft()
         if self._fresh < self.capacity:
             block = self._fresh
             self._fresh += 1
-        elif self._free:
-            block, _ = self._free.popitem(last=False)
+        elif self._tail:
+            block, _ = self._tail.popitem(last=False)
             self._uncache(block)
             return block
         else:
@@ -159,9 +182,9 @@ class BlockPool:
 
     def _uncache(self, block: int, evicted: bool = True) -> None:
         block_hash = self._hash[block]
-        if block_hash is None:
-            return
         self._hash[block] = None
+        if block_hash is None or block_hash is OUTPUT:
+            return
         self.evictions += evicted
         copies = self._copies.get(block_hash)
         if self._cached.get(block_hash) == block:

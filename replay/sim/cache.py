@@ -21,9 +21,4 @@ from __future__ import annotations
 from replay.rules.block_pool import BlockPool
 from replay.rules.prefix_cache import block_hashes, hit_blocks, hit_tokens
 
-__all__ = ["BlockPool", "block_hashes", "blocks_needed", "hit_blocks", "hit_tokens"]
-
-
-def blocks_needed(prompt_tokens: int, output_tokens: int, block_size: int) -> int:
-    """Blocks a request holds while it runs: its prompt's and its output's tokens, in whole blocks."""
-    return -(-(prompt_tokens + output_tokens) // block_size)
+__all__ = ["BlockPool", "block_hashes", "hit_blocks", "hit_tokens"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from gevent.event import Event
 
-from replay.sim.cache import BlockPool, block_hashes, blocks_needed, hit_tokens
+from replay.sim.cache import BlockPool, block_hashes, hit_tokens
 from replay.sim.ledger import Ledger
 from replay.sim.options import SimOptions, false_usage
 from replay.sim.vocab import OutputVocabulary
@@ -140,7 +140,7 @@ class Engine:
                 finish = "stop"
         token_ids = rng.choices(self.vocab.ids, k=n)
         hashes = block_hashes(prompt_ids, opts.block_size)
-        hit, blocks = self.cache.allocate(hashes, prompt_len, blocks_needed(prompt_len, n, opts.block_size))
+        hit, blocks = self.cache.allocate(hashes, prompt_len, n)
         cached = hit_tokens(hit, opts.block_size, prompt_len)
         c = self.counters
         c.prompt_tokens += prompt_len
