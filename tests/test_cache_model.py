@@ -257,3 +257,18 @@ def test_a_second_run_on_a_warm_sim_names_warm_at_start_until_reset(tmp_path, to
     assert first["beyond"] == 0 and first["misses"] == 0, first
     assert set(second["beyond_causes"]) == {"warm-at-start"} and second["beyond"] > 0, second
     assert after_reset["beyond"] == 0 and after_reset["misses"] == 0, after_reset
+
+
+def test_the_preflight_reads_the_servers_cache_and_options_override_it(sim):
+    """replay sim says its block size and pool size in vllm:cache_config_info as vLLM does; the
+    options win; a server that says nothing leaves them to the options."""
+    from replay.protocol.server_cache import server_caches as ask
+
+    (said,) = ask([sim.url], block_size=None, cache_blocks=None).values()
+    assert said == {"block_size": SIM_BLOCK, "num_gpu_blocks": 100_000, "source": "server"}
+    (mixed,) = ask([sim.url], block_size=32, cache_blocks=None).values()
+    assert mixed == {"block_size": 32, "num_gpu_blocks": 100_000, "source": "options+server"}
+    (given,) = ask([sim.url], block_size=32, cache_blocks=64).values()
+    assert given == {"block_size": 32, "num_gpu_blocks": 64, "source": "options"}
+    (silent,) = ask(["http://127.0.0.1:9"], block_size=None, cache_blocks=None).values()
+    assert silent == {"block_size": None, "num_gpu_blocks": None, "source": None}
