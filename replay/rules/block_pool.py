@@ -109,39 +109,48 @@ class BlockPool:
         held = slots(num_tokens, output_tokens)
         full, total = held // self.block_size, -(-held // self.block_size)
         blocks: list[int] = []
-        ref, tail = self._ref, self._tail
+        ref, tail, cached, hash_of = self._ref, self._tail, self._cached, self._hash
         for h in hashes[:hit]:  # touch: before any new block is taken, so none of these is evicted
-            block = self._cached[h]
+            block = cached[h]
             if ref[block] == 0:
                 del tail[block]
             ref[block] += 1
             blocks.append(block)
+        n_hashes = len(hashes)
         for k in range(hit, total):
             block = self._take()
             ref[block] = 1
-            if k < len(hashes):
-                self._cache(block, hashes[k])
+            if k < n_hashes:
+                h = hashes[k]
+                hash_of[block] = h
+                if h in cached:
+                    self._copies.setdefault(h, []).append(block)
+                else:
+                    cached[h] = block
             elif k < full:
-                self._hash[block] = OUTPUT
+                hash_of[block] = OUTPUT
             blocks.append(block)
         return hit, blocks
 
     def free(self, blocks: Sequence[int]) -> None:
         """A request ended: its blocks back, last first. While the pool holds more than its size
         (blocks taken beyond it), a block given back leaves it instead."""
-        ref, first = self._ref, []
+        ref, hash_of, tail, first = self._ref, self._hash, self._tail, []
         for block in reversed(blocks):
             ref[block] -= 1
             if ref[block]:
                 continue
-            if len(ref) - len(self._spare) > self.capacity:
-                self._uncache(block, evicted=False)
-                self._spare.append(block)
-            elif self._hash[block] is None:
+            if self._spare or len(ref) > self.capacity:  # blocks beyond the pool exist
+                if len(ref) - len(self._spare) > self.capacity:
+                    self._uncache(block, evicted=False)
+                    self._spare.append(block)
+                    continue
+            if hash_of[block] is None:
                 first.append(block)
             else:
-                self._tail[block] = None
-        self._head.extendleft(reversed(first))
+                tail[block] = None
+        if first:
+            self._head.extendleft(reversed(first))
 
     def reset(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache: only when no block is held
@@ -172,13 +181,6 @@ class BlockPool:
         self._ref.append(0)
         self._hash.append(None)
         return block
-
-    def _cache(self, block: int, block_hash: int) -> None:
-        self._hash[block] = block_hash
-        if block_hash in self._cached:
-            self._copies.setdefault(block_hash, []).append(block)
-        else:
-            self._cached[block_hash] = block
 
     def _uncache(self, block: int, evicted: bool = True) -> None:
         block_hash = self._hash[block]
