@@ -99,7 +99,7 @@ class CacheVerdict:
     request_id: int
     endpoint: str
     expected: int  # the reference: max(the infinite cache's, the trace's ideal)
-    predicted: int  # what the endpoint's pool held of the prompt at its send
+    predicted: int  # what the endpoint's pool held of the prompt when the server scheduled it
     observed: int | None
     cause: str | None  # None: observed equals the expectation (or no count)
     check: CacheCheck
