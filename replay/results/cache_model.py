@@ -46,10 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-import orjson
-
 from replay.results.fidelity import CacheCheck, scheduled, send_order_checks
 from replay.results.records import Record
+from replay.results.server_metrics import read_samples
 from replay.rules.block_pool import BlockPool
 from replay.rules.prefix_cache import block_hashes, hit_tokens
 
@@ -358,20 +357,15 @@ def start_counters(metrics_file: str | Path) -> dict[str, dict[str, float]]:
     endpoints without the counters (or whose first scrape failed) are left out."""
     found: dict[str, dict[str, float]] = {}
     seen: set[str] = set()
-    with open(metrics_file, "rb") as f:
-        for line in f:
-            try:
-                sample = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            endpoint = sample.get("endpoint")
-            if endpoint in seen:
-                continue
-            seen.add(endpoint)
-            metrics = sample.get("metrics") or {}
-            if "vllm:prefix_cache_queries_total" in metrics:
-                found[endpoint] = {"queries": metrics["vllm:prefix_cache_queries_total"],
-                                   "hits": metrics.get("vllm:prefix_cache_hits_total", 0.0)}
+    for sample in read_samples(metrics_file):
+        endpoint = sample.get("endpoint")
+        if endpoint in seen:
+            continue
+        seen.add(endpoint)
+        metrics = sample.get("metrics") or {}
+        if "vllm:prefix_cache_queries_total" in metrics:
+            found[endpoint] = {"queries": metrics["vllm:prefix_cache_queries_total"],
+                               "hits": metrics.get("vllm:prefix_cache_hits_total", 0.0)}
     return found
 
 
