@@ -403,7 +403,8 @@ def test_chat_cache_in_stream_usage(sim, toy):
 
 
 def test_eviction_under_small_cache(toy_tokenizer_dir):
-    with sim_process(toy_tokenizer_dir, "--block-size", "8", "--cache-blocks", "6", "--ttft-ms", "0",
+    # 8 blocks as vLLM's num_gpu_blocks: 7 hold KV, a request of 41 tokens and 1 output holds 6
+    with sim_process(toy_tokenizer_dir, "--block-size", "8", "--cache-blocks", "8", "--ttft-ms", "0",
                      "--itl-ms", "0") as sim:
         a = list(range(200, 241))  # 5 full blocks
         b = list(range(300, 341))
@@ -414,7 +415,7 @@ def test_eviction_under_small_cache(toy_tokenizer_dir):
 
         assert cached(a) == 0
         assert cached(a) == 40
-        assert cached(b) == 0  # 5 more blocks in a 6-block cache: a keeps only its head block
+        assert cached(b) == 0  # 6 more blocks in a 7-block pool: a keeps only its head block (freed last)
         assert cached(a) == 8
         m = metrics(sim)
         assert m["vllm:prefix_cache_hits_total"] == 48

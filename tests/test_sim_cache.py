@@ -4,52 +4,65 @@ from __future__ import annotations
 
 import pytest
 
-from replay.sim.cache import PrefixCache, block_hashes
+from replay.sim.cache import BlockPool, block_hashes, hit_tokens
 from replay.sim.engine import Engine
 from replay.sim.options import SimOptions, validate
 
 
+def run(pool: BlockPool, prompt: list[int], output: int = 1) -> int:
+    """One request from start to end (none other running): its cached tokens."""
+    size = pool.block_size
+    hit, blocks = pool.allocate(block_hashes(prompt, size), len(prompt), output)
+    pool.free(blocks)
+    return hit_tokens(hit, size, len(prompt))
+
+
+def cached(pool: BlockPool, prompt: list[int]) -> int:
+    return hit_tokens(pool.hit_blocks(block_hashes(prompt, pool.block_size), len(prompt)), pool.block_size, len(prompt))
+
+
 def test_whole_blocks_and_last_token_rule():
-    cache = PrefixCache(block_size=32, capacity=1000)
+    pool = BlockPool(block_size=32, num_gpu_blocks=1000)
     prompt = list(range(1978))
-    assert cache.schedule(prompt) == 0
+    assert run(pool, prompt) == 0
     # vLLM on CPU: the same 1978-token prompt twice reports 1952 cached tokens at block size 32.
-    assert cache.schedule(prompt) == 1952
+    assert run(pool, prompt) == 1952
     # A prompt of exactly two blocks can hit only one: the last token is always computed.
     two_blocks = list(range(64))
-    assert cache.schedule(two_blocks) == 32
-    assert cache.schedule(list(range(65))) == 64
+    assert run(pool, two_blocks) == 32
+    assert run(pool, list(range(65))) == 64
 
 
 def test_chain_hash_needs_the_whole_prefix():
-    cache = PrefixCache(block_size=4, capacity=1000)
-    cache.schedule([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    pool = BlockPool(block_size=4, num_gpu_blocks=1000)
+    run(pool, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     # Same second block after a different first block: no hit at all.
-    assert cache.cached_tokens([0, 0, 0, 0, 5, 6, 7, 8, 9]) == 0
+    assert cached(pool, [0, 0, 0, 0, 5, 6, 7, 8, 9]) == 0
     # Shared first block only.
-    assert cache.cached_tokens([1, 2, 3, 4, 0, 6, 7, 8, 9]) == 4
+    assert cached(pool, [1, 2, 3, 4, 0, 6, 7, 8, 9]) == 4
     assert block_hashes([1, 2, 3, 4, 5], 4) == block_hashes([1, 2, 3, 4, 6], 4)
     assert len(block_hashes(list(range(11)), 4)) == 2
 
 
 def test_lru_evicts_tail_blocks_first():
-    cache = PrefixCache(block_size=2, capacity=4)
-    a = [1, 1, 2, 2, 3, 3, 4, 4, 9]  # 4 full blocks
-    cache.schedule(a)
-    assert cache.cached_tokens(a) == 8
-    cache.schedule([7, 7, 9])  # one new block pushes out the least recently used: a's tail
-    assert len(cache) == 4
-    assert cache.cached_tokens(a) == 6
-    cache.schedule([5, 5, 6, 6, 8, 8, 9])  # three more: a's remaining blocks are the oldest
-    assert cache.cached_tokens(a) == 0
-    assert cache.cached_tokens([7, 7, 9]) == 2
-    assert len(cache) == 4
+    # 5 blocks (vLLM's null block aside); a request of 4 full prompt blocks and 1 more token,
+    # with 1 output token, holds 5: its 4 prompt blocks and 1 for the last token and the output.
+    pool = BlockPool(block_size=2, num_gpu_blocks=6)
+    a = [1, 1, 2, 2, 3, 3, 4, 4, 9]
+    run(pool, a)
+    assert cached(pool, a) == 8 and len(pool) == 4
+    run(pool, [7, 7, 9])  # 2 blocks: the free queue's head is a's last blocks (freed first)
+    assert cached(pool, a) == 6
+    run(pool, [5, 5, 6, 6, 8, 8, 9])  # 4 blocks: a's remaining ones go, head last
+    assert cached(pool, a) == 0
+    assert cached(pool, [7, 7, 9]) == 2
 
 
 def test_zero_capacity_never_hits():
-    cache = PrefixCache(block_size=2, capacity=0)
-    cache.schedule([1, 2, 3, 4, 5])
-    assert cache.schedule([1, 2, 3, 4, 5]) == 0
+    for blocks in (0, 1):  # 1: only vLLM's null block
+        pool = BlockPool(block_size=2, num_gpu_blocks=blocks)
+        run(pool, [1, 2, 3, 4, 5])
+        assert run(pool, [1, 2, 3, 4, 5]) == 0
 
 
 @pytest.fixture

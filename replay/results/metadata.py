@@ -93,13 +93,16 @@ def run_metadata(
     trace_sha256: str | None = None,
     incomplete: list[dict] | None = None,
     tokenizer_path: str | None = None,
+    server_cache: dict | None = None,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
     bad lines --on-bad-line skip dropped (all counted, the first MAX_SKIPPED_LISTED listed);
     `trace_sha256` the trace's hash when already known; `incomplete` the run's files that are
     not whole, [{file, error}] (see "The output" in README.md); `tokenizer_path` the --tokenizer
-    as resolved (a Hugging Face id: its snapshot folder; None: the option is a path)."""
+    as resolved (a Hugging Face id: its snapshot folder; None: the option is a path);
+    `server_cache` each endpoint's KV cache, {endpoint: {"block_size", "num_gpu_blocks", "source"}}
+    (replay.protocol.server_cache)."""
     tokenizer = tokenizer_path or options.get("tokenizer")
     opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials, and so may URLs
     if opts.get("endpoints"):
@@ -138,6 +141,7 @@ def run_metadata(
         "seed": options.get("seed"),
         "endpoints": [shown(url) for url in endpoints],
         "server_check": server_check,  # --verify-server: how each endpoint counted the sample
+        "server_cache": server_cache,  # each endpoint's KV block size and pool size, as said or given
         "epoch": epoch,
         "started_at": started_at,
         "workers": workers,

@@ -103,6 +103,29 @@ def _sample(line: str) -> tuple[str, float]:
         raise ValueError(f"not the Prometheus text format: {line[:80]!r}") from None
 
 
+CACHE_CONFIG = "vllm:cache_config_info"
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def cache_config(text: str) -> dict[str, int | None] | None:
+    """vLLM's KV cache as its `vllm:cache_config_info` labels say it: {"block_size",
+    "num_gpu_blocks"} (an int, or None where the label says "None"), of its first engine; None
+    when the page has no such line (not vLLM, or a version without it)."""
+    for line in text.splitlines():
+        if not line.startswith(CACHE_CONFIG + "{"):
+            continue
+        labels = dict(LABEL.findall(line[len(CACHE_CONFIG) + 1 : line.rfind("}")]))
+        return {name: _count(labels.get(name)) for name in ("block_size", "num_gpu_blocks")}
+    return None
+
+
+def _count(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
 def sample_line(t: float, endpoint: str, metrics: dict[str, float] | None, error: str | None = None) -> bytes:
     """One line of the samples file."""
     line = {"t": round(t, 3), "endpoint": endpoint, "ok": error is None, "metrics": metrics or {}}

@@ -108,10 +108,15 @@ class ReplayOptions:
     server_metric: list | None = _option(help="also keep this /metrics series (a sample name, e.g. "
                                               "vllm:num_requests_swapped); repeatable", parser_default=[],
                                          metavar="NAME")
-    server_block_size: int | None = _option(help="the server's KV-cache block size: the end-of-run summary adds the "
+    server_block_size: int | None = _option(help="the server's KV-cache block size (default: what its /metrics "
+                                                 "vllm:cache_config_info says): the end-of-run summary adds the "
                                                  "cache fidelity section", metavar="N")
     require_faithful: bool = _option(False, "exit 1 when the run's fidelity certificate (OUTPUT.fidelity.json, "
                                             "docs/fidelity.md) says unfaithful")
+    server_cache_blocks: int | None = _option(help="the server's KV-cache size in blocks, as vLLM's num_gpu_blocks "
+                                                   "(default: what its /metrics vllm:cache_config_info says): the "
+                                                   "size of the cache model that explains cache misses",
+                                              metavar="N")
     capacity_search: bool = _option(False, "replay the window at a sequence of load factors and report the largest "
                                            "that meets --slo (docs/capacity.md)")
     goodput_target: float = _option(0.99, "a search's probe passes when this share of its rows is ok and meets every "
@@ -182,6 +187,8 @@ class ReplayOptions:
         for flag, size in (("--block-size", self.block_size), ("--server-block-size", self.server_block_size)):
             if size is not None and (problem := block_size_problem(size)):
                 raise OptionError(f"{flag} {size}: {problem}")
+        if self.server_cache_blocks is not None and self.server_cache_blocks < 0:
+            raise OptionError(f"--server-cache-blocks {self.server_cache_blocks}: must be >= 0")
         if self.slo:
             parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
         if self.capacity_search:

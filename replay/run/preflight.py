@@ -5,7 +5,8 @@
    host's cache: replay.synth.tokenizer_source) and loaded once for its fingerprint
    (replay.engine.same_tokenizer), the endpoints asked what they serve (replay.protocol.models:
    the model when --model is not given, and the prompt limit,
-   replay.run.options.prompt_token_limit), the trace read, validated and spooled into the
+   replay.run.options.prompt_token_limit) and their KV caches (replay.protocol.server_cache:
+   block size and pool size, for the cache model), the trace read, validated and spooled into the
    Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows or
    one longer than any replay refused.
 2. `check_servers(spec)`: every endpoint answered and serves the model, or ServersRefused;
@@ -32,6 +33,7 @@ from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.errors import OptionError
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served, only_model, refusal
+from replay.protocol.server_cache import server_caches
 from replay.protocol.table import sends_token_ids
 from replay.results.metadata import file_sha256, versions
 from replay.results.output import claim_output
@@ -82,6 +84,9 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         options.model = model  # in the request bodies, the server check's and the plan's options
         logger.info("no --model: every endpoint serves %r, the run's model", model)
     max_prompt_tokens = prompt_token_limit(options, served)
+    answering = [url for url, s in zip(urls, served) if s.problem is None]  # a dead one is refused later
+    server_cache = server_caches(answering, block_size=options.server_block_size,
+                                 cache_blocks=options.server_cache_blocks, headers=parse_headers(options.header))
     # a capacity search's probe replays the first --probe-duration seconds of the window
     duration = options.probe_duration if options.capacity_search else options.duration
     schedule = Schedule(trace, options.start, duration, options.max_requests, max_prompt_tokens)
@@ -97,7 +102,7 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         spec = RunSpec(options=options, output=claim.output, run_id=uuid.uuid4().hex[:12], schedule=schedule,
                        trace=facts, max_prompt_tokens=max_prompt_tokens, tokenizer_fingerprint=fingerprint,
                        tokenizer_path=tokenizer,
-                       host=host, claim=claim, served=served)
+                       host=host, claim=claim, served=served, server_cache=server_cache)
         if not spec.total:  # a run of nothing would "succeed" with no record at all
             raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
                              f"--duration {options.duration}, --max-requests {options.max_requests}; "

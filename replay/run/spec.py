@@ -47,6 +47,7 @@ class RunSpec:
     tokenizer_path: str | None = None  # --tokenizer as this host resolved it (a Hugging Face id: its snapshot)
     host: str | None = None  # the runner's target host (--host), credentials included; --endpoints wins
     served: tuple[Served, ...] = ()  # what each endpoint said it serves (replay.protocol.models); (): not asked
+    server_cache: dict | None = None  # each endpoint's KV cache (replay.protocol.server_cache); None: not asked
     claim: OutputClaim | None = field(default=None, compare=False, repr=False)  # the output's lock, this process's
 
     @property
@@ -87,6 +88,7 @@ class RunSpec:
             trace_sha256=self.trace.sha256,
             incomplete=[{"file": file, "error": why} for file, why in (incomplete or {}).items()],
             tokenizer_path=self.tokenizer_path,
+            server_cache=self.server_cache,
         )
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from gevent.event import Event
 
-from replay.sim.cache import PrefixCache, block_hashes
+from replay.sim.cache import BlockPool, block_hashes, hit_tokens
 from replay.sim.ledger import Ledger
 from replay.sim.options import SimOptions, false_usage
 from replay.sim.vocab import OutputVocabulary
@@ -36,8 +36,7 @@ class Plan:
     itl_s: list[float]  # gap before token i+1, len(token_ids) - 1 entries
     drop_at: int | None  # close the stream after this many tokens (fault injection)
     seed: int
-    blocks: list[int] = field(default_factory=list)  # its full prompt blocks' hashes (shared with others)
-    own_blocks: int = 0  # blocks no other request shares: its last partial prompt block and its output
+    blocks: list[int] = field(default_factory=list)  # the pool's blocks it holds (prompt and output), its order
 
     @property
     def completion_tokens(self) -> int:
@@ -66,15 +65,11 @@ class Engine:
         self.false_usage = false_usage(options) if options.false_usage is not None else None
         self.tokenizer = tokenizer or ServerTokenizer.load(resolve_tokenizer(options.tokenizer), options.chat_template)
         self.vocab = OutputVocabulary(self.tokenizer)
-        self.cache = PrefixCache(options.block_size, options.cache_blocks)
+        self.cache = BlockPool(options.block_size, options.cache_blocks)
         self.counters = Counters()
         self.ledger = Ledger()
         self.rng = random.Random(options.seed)
         self.running = 0
-        # KV blocks the running requests hold: shared prompt blocks by hash (reference counts,
-        # as vLLM shares a prefix's blocks), plus each one's own blocks
-        self._held: Counter[int] = Counter()
-        self._own_blocks = 0
         self._waiting: deque[Event] = deque()
         self._serial = 0
 
@@ -89,11 +84,11 @@ class Engine:
 
     @property
     def kv_cache_usage(self) -> float:
-        """The share of the block pool (--cache-blocks) the running requests hold, as vLLM's
-        kv_cache_usage_perc (1 - free / total, where cached blocks nobody uses count as free).
-        A request's whole output is counted from its start (vLLM allocates it as it goes)."""
-        capacity = self.options.cache_blocks
-        return min(1.0, (len(self._held) + self._own_blocks) / capacity) if capacity else 0.0
+        """The share of the block pool (--cache-blocks, less vLLM's null block) the running
+        requests hold, as vLLM's kv_cache_usage_perc (1 - free / total, where cached blocks
+        nobody uses count as free). A request's whole output is counted from its start (vLLM
+        allocates it as it goes)."""
+        return self.cache.usage()
 
     # -- faults ----------------------------------------------------------------
     def inject_error(self) -> bool:
@@ -132,13 +127,6 @@ class Engine:
         """Called once the request holds a slot: look up and fill the cache, draw the output."""
         opts = self.options
         prompt_len = len(prompt_ids)
-        hashes = block_hashes(prompt_ids, opts.block_size)
-        cached = self.cache.schedule(prompt_ids, hashes)
-        c = self.counters
-        c.prompt_tokens += prompt_len
-        c.cache_queries += prompt_len
-        c.cache_hits += cached
-
         seed = self.rng.getrandbits(63)
         rng = random.Random(seed)
         n = max_tokens
@@ -151,6 +139,13 @@ class Engine:
                 n = min_tokens + extra + 1
                 finish = "stop"
         token_ids = rng.choices(self.vocab.ids, k=n)
+        hashes = block_hashes(prompt_ids, opts.block_size)
+        hit, blocks = self.cache.allocate(hashes, prompt_len, n)
+        cached = hit_tokens(hit, opts.block_size, prompt_len)
+        c = self.counters
+        c.prompt_tokens += prompt_len
+        c.cache_queries += prompt_len
+        c.cache_hits += cached
 
         jitter = opts.jitter
         scale = (lambda: 1.0 + jitter * (2.0 * rng.random() - 1.0)) if jitter else (lambda: 1.0)
@@ -162,18 +157,10 @@ class Engine:
         drop_at = None
         if stream and opts.drop_rate > 0 and rng.random() < opts.drop_rate:
             drop_at = rng.randint(1, n) if n > 1 else 1
-        tail = prompt_len - len(hashes) * opts.block_size
-        own = -(-(tail + n) // opts.block_size)
-        self._held.update(hashes)
-        self._own_blocks += own
-        return Plan(prompt_len, cached, token_ids, finish, time.monotonic(), ttft_s, itl_s, drop_at, seed, hashes, own)
+        return Plan(prompt_len, cached, token_ids, finish, time.monotonic(), ttft_s, itl_s, drop_at, seed, blocks)
 
     def finish(self, plan: Plan, emitted: int, completed: bool) -> None:
-        self._held.subtract(plan.blocks)
-        for h in plan.blocks:
-            if self._held[h] <= 0:
-                del self._held[h]
-        self._own_blocks -= plan.own_blocks
+        self.cache.free(plan.blocks)
         c = self.counters
         c.generation_tokens += emitted
         if completed:

@@ -10,6 +10,11 @@ The gauges are the engine's own state at the moment of the scrape: requests runn
 one of --max-num-seqs) and waiting, and the share of the --cache-blocks pool the running
 requests hold (Engine.kv_cache_usage). The sim never preempts, so vllm:num_preemptions_total
 stays 0. With --no-metrics there is no /metrics (404), as from a server that serves none.
+
+`vllm:cache_config_info` is vLLM's info gauge (value 1) whose labels are its CacheConfig
+(vllm/v1/metrics/loggers.py log_metrics_info: CacheConfig.metrics_info() and `engine`): the
+block size and the pool's num_gpu_blocks (null block included) are what a replay's cache model
+reads; the other labels are vLLM's defaults, as a plain `vllm serve` shows them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ def render(engine: Engine) -> bytes:
             lab = labels + ("," + extra if extra else "")
             lines.append(f"{name}{{{lab}}} {float(value)}")
 
+    opts = engine.options
+    config = {"block_size": opts.block_size, "cache_dtype": "auto", "enable_prefix_caching": True,
+              "gpu_memory_utilization": 0.9, "num_cpu_blocks": None, "num_gpu_blocks": opts.cache_blocks,
+              "num_gpu_blocks_override": None, "prefix_caching_hash_algo": "builtin", "engine": 0}
+    lines.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig")
+    lines.append("# TYPE vllm:cache_config_info gauge")
+    labels_text = ",".join(f'{k}="{v}"' for k, v in config.items())
+    lines.append(f"vllm:cache_config_info{{{labels_text}}} 1.0")
     metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
            [("", engine.running)])
     metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",

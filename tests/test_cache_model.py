@@ -1,0 +1,274 @@
+"""The model of the server's finite prefix cache (replay/rules/block_pool.py, vLLM's block pool)
+and the cause it gives each cached-token count that differs from the infinite-cache expectation
+(replay/results/cache_model.py): hand-made sequences first, then real runs against `replay sim`."""
+
+from __future__ import annotations
+
+import pytest
+
+from replay.results.cache_model import ModelPrompt, ServerCache, model_checks, server_caches
+from replay.results.server_metrics import cache_config
+from replay.rules.block_pool import BlockPool
+from replay.rules.prefix_cache import block_hashes
+from support.cache_model import SIM_BLOCK, reuse_trace, run_verdicts
+
+B = 2  # block size of the hand-made sequences
+
+
+def request(pool: BlockPool, tokens: list[int], output: int = 0) -> tuple[int, list[int]]:
+    return pool.allocate(block_hashes(tokens, pool.block_size), len(tokens), output)
+
+
+def blocks(*ids: int) -> list[int]:
+    """A prompt of whole blocks, block i being [ids[i], ids[i]], and one more token."""
+    return [t for i in ids for t in (i, i)] + [99]
+
+
+# -- the pool ---------------------------------------------------------------------------------------
+def test_running_requests_blocks_are_pinned():
+    pool = BlockPool(B, num_gpu_blocks=5)  # 4 blocks hold KV
+    a = blocks(1, 2)  # 2 full blocks + 1 token: 3 blocks
+    _, held_a = request(pool, a)
+    _, held_b = request(pool, blocks(3))  # 2 blocks: only 1 free, the pool does not evict a running request's
+    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 2 and pool.overflow == 1 and pool.evictions == 0
+    pool.free(held_b)
+    pool.free(held_a)
+    assert pool.used == 0
+    request(pool, blocks(4, 5, 6))  # 4 blocks: now a's are free and evicted, its tail (block 2) before its head
+    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 0 and pool.evictions >= 2
+
+
+def test_freed_in_reverse_order_tail_evicted_first():
+    """A request's cached blocks go to the free queue's tail last block first (LRU, a prefix's
+    tail before its head); a block caching nothing (its partial last block) to its head, to be
+    taken first (vLLM 0.32's free_blocks)."""
+    pool = BlockPool(B, num_gpu_blocks=5)
+    a = blocks(1, 2, 3)  # 4 blocks: the whole pool
+    pool.free(request(pool, a)[1])  # queue: a's partial | a's 3rd, 2nd, 1st
+    pool.free(request(pool, blocks(7))[1])  # 2 blocks: a's partial block, then its 3rd
+    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 2
+    pool.free(request(pool, [8])[1])  # 1 block: the last request's partial one, at the head: nothing evicted
+    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 2 and pool.evictions == 1
+    pool.free(request(pool, blocks(9))[1])  # 2: that partial one again, then a's 2nd (older than [7, 7]'s)
+    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 1 and pool.hit_blocks(block_hashes([7, 7, 99], B), 3) == 1
+
+
+def test_a_hit_on_a_free_block_takes_it_out_of_the_queue():
+    """Reuse after free: the request's own hit blocks are touched before it takes new ones, so it
+    never evicts the prefix it is about to use, and they go back to the queue's tail at its end."""
+    pool = BlockPool(B, num_gpu_blocks=5)
+    a = blocks(1, 2, 3)
+    pool.free(request(pool, a)[1])  # queue: a's partial, 3rd, 2nd, 1st block
+    hit, held = request(pool, blocks(1, 2, 3) + [5, 5, 5])  # hits 3, then takes 2: the partial one and one more
+    assert hit == 3 and pool.overflow == 1  # the 4 blocks are all its own: nothing to evict but nothing left
+    pool.free(held)
+    assert pool.hit_blocks(block_hashes(a, B), len(a)) == 3
+
+
+def test_a_block_cached_twice_still_hits_when_one_copy_goes():
+    """A prompt of whole blocks sent again cannot hit its last block (the last token is computed):
+    vLLM caches that block a second time, in another block; a lookup finds either."""
+    pool = BlockPool(B, num_gpu_blocks=20)
+    whole = [1, 1, 2, 2]
+    pool.free(request(pool, whole)[1])
+    hit, held = request(pool, whole)
+    assert hit == 1 and len(pool) == 2 and pool._copies  # block 2 cached in two blocks
+    pool.free(held)
+    longer = whole + [3]
+    assert pool.hit_blocks(block_hashes(longer, B), len(longer)) == 2
+
+
+def test_reset_only_when_no_block_is_held():
+    pool = BlockPool(B, num_gpu_blocks=10)
+    _, held = request(pool, blocks(1, 2))
+    assert not pool.reset() and len(pool) == 2
+    pool.free(held)
+    assert pool.reset() and len(pool) == 0
+    assert request(pool, blocks(1, 2))[0] == 0
+
+
+def test_cache_config_info_is_read_from_vllms_labels():
+    text = ('# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="16",cache_dtype="auto",'
+            'engine="0",num_gpu_blocks="661",swap_space="4"} 1.0\nvllm:num_requests_running{engine="0"} 0.0\n')
+    assert cache_config(text) == {"block_size": 16, "num_gpu_blocks": 661}
+    assert cache_config(text.replace('"661"', '"None"')) == {"block_size": 16, "num_gpu_blocks": None}
+    assert cache_config("vllm:num_requests_running 0\n") is None
+
+
+# -- the model's causes -----------------------------------------------------------------------------
+def prompt(rid: int, t: float, tokens: list[int], observed: int | None, *, end: float | None = None,
+           endpoint: str = "a", reported: int | None = None, output: int = 0, ideal: int | None = None) -> ModelPrompt:
+    return ModelPrompt(rid, t, reported, observed, block_hashes(tokens, B), len(tokens), endpoint,
+                       end if end is not None else t + 0.001, output, ideal)
+
+
+def verdicts(prompts: list[ModelPrompt], servers: dict | None = None, window_ms: float = 0.0, **default):
+    servers = servers or {"a": ServerCache(**(default or {"num_gpu_blocks": 100}))}
+    return {v.request_id: v for v in model_checks(prompts, B, servers, reorder_window_ms=window_ms)}
+
+
+def test_eviction_is_predicted_and_named():
+    a, c = blocks(1, 2, 3), blocks(5, 6, 7)
+    seq = [prompt(0, 0.0, a, 0), prompt(1, 1.0, c, 0), prompt(2, 2.0, a, 0)]  # a evicted by c in a 5-block pool
+    v = verdicts(seq, num_gpu_blocks=5)
+    assert v[2].expected == 6 and v[2].predicted == 0 and v[2].exact and v[2].cause == "evicted"
+    roomy = verdicts([s._replace(observed=6 if s.request_id == 2 else 0) for s in seq], num_gpu_blocks=100)
+    assert roomy[2].predicted == 6 and roomy[2].cause is None
+
+
+def test_a_prefix_on_another_endpoint_is_routed_elsewhere():
+    a = blocks(1, 2)
+    servers = {"a": ServerCache(100), "b": ServerCache(100)}
+    v = verdicts([prompt(0, 0.0, a, 0, endpoint="a"), prompt(1, 1.0, a, 0, endpoint="b")], servers)
+    assert v[1].expected == 4 and v[1].predicted == 0 and v[1].cause == "routed-elsewhere"
+
+
+def test_a_missing_block_the_pool_must_hold_is_a_prompt_that_differs():
+    a = blocks(1, 2)
+    v = verdicts([prompt(0, 0.0, a, 0), prompt(1, 1.0, a, 2), prompt(2, 2.0, a, 0, reported=len(a) + 1)])
+    assert v[1].predicted == 4 and v[1].cause == "prompt-differs"  # no eviction ever: the server had it
+    assert v[2].cause == "prompt-differs"  # the server counted another length
+
+
+def test_a_request_sent_within_the_reorder_window_is_in_flight():
+    a = blocks(1, 2)
+    v = verdicts([prompt(0, 0.0, a, 0, end=1.0), prompt(1, 0.002, a, 0)], window_ms=5)
+    assert v[1].expected == 4 and v[1].cause == "in-flight"
+    v = verdicts([prompt(0, 0.0, a, 4), prompt(1, 0.002, a, 0)], window_ms=5)  # the second reached it first
+    assert v[0].expected == 0 and v[0].cause == "in-flight"
+
+
+def test_a_shared_prefix_ending_inside_a_block_is_partial_block():
+    a = blocks(1, 2)
+    v = verdicts([prompt(0, 0.0, a, 0), prompt(1, 1.0, a, 4, ideal=5)])
+    assert v[1].expected == 5 and v[1].cause == "partial-block" and v[1].exact
+
+
+def test_hits_beyond_the_run_are_warm_at_start_only_on_a_server_that_served_before():
+    a = blocks(1, 2)
+    assert verdicts([prompt(0, 0.0, a, 4)], num_gpu_blocks=100, served_before=True)[0].cause == "warm-at-start"
+    assert verdicts([prompt(0, 0.0, a, 4)], num_gpu_blocks=100)[0].cause == "unexplained"
+    assert verdicts([prompt(0, 0.0, a, 0), prompt(1, 1.0, a, 3)])[1].cause == "unexplained"  # not whole blocks
+
+
+def test_the_section_counts_causes_per_endpoint():
+    from replay.results.cache_model import CacheModel
+
+    a, c = blocks(1, 2, 3), blocks(5, 6, 7)
+    model = CacheModel(B, {"a": ServerCache(5)})
+    seq = [prompt(0, 0.0, a, 0), prompt(1, 1.0, c, 0), prompt(2, 2.0, a, 0), prompt(3, 3.0, a, 6)]
+    list(model_checks(seq, B, {}, model=model))
+    section = model.tally.section(model)
+    assert section["requests_compared"] == 4 and section["requests_exact"] == 4 and section["exact_share"] == 1
+    assert section["misses"] == 1 and section["misses_attributed_share"] == 1.0  # the 4th found the 3rd's blocks
+    assert section["miss_causes"] == {"evicted": {"requests": 1, "tokens": 6, "examples": [2]}}
+    assert section["endpoints"]["a"]["evictions"] > 0 and section["endpoints"]["a"]["num_gpu_blocks"] == 5
+
+
+def test_server_caches_from_the_meta_and_the_counters_at_the_start():
+    meta = {"http://a": {"block_size": 16, "num_gpu_blocks": 50, "source": "server"},
+            "http://b": {"block_size": 16, "num_gpu_blocks": None, "source": "server"}}
+    caches = server_caches(meta, {"http://a": {"queries": 120.0, "hits": 0.0}})
+    assert caches == {"http://a": ServerCache(50, served_before=True)}
+
+
+@pytest.mark.parametrize("window_ms", [0.0, 5.0])
+def test_memory_is_the_pools_and_the_running(window_ms):
+    """A long stream of distinct prompts through a small pool: the pool never grows past its size."""
+    model_prompts = (prompt(i, i * 0.01, blocks(3 * i, 3 * i + 1), 0) for i in range(5000))
+    from replay.results.cache_model import CacheModel
+
+    model = CacheModel(B, {"a": ServerCache(64)})
+    for _ in model_checks(model_prompts, B, {}, reorder_window_ms=window_ms, model=model):
+        pass
+    pool = model.endpoints["a"].pool
+    assert len(pool._ref) <= 63 and len(pool) <= 63 and not model.endpoints["a"].running
+
+
+# -- real runs against `replay sim` -------------------------------------------------------------------
+FAST_SIM = ("--block-size", str(SIM_BLOCK), "--ttft-ms", "3", "--itl-ms", "1", "--prefill-ms-per-1k", "0",
+            "--eos-prob", "0")
+
+
+def replay(trace, tokenizer_dir, url, output, tmp_path, *extra):
+    from support.processes import replay_args, run_locust
+
+    run_locust(replay_args(trace, tokenizer_dir, url, output, "--only-summary", "--overwrite", *extra), tmp_path)
+
+
+def test_a_small_sim_cache_evicts_and_the_model_predicts_it(tmp_path, toy_tokenizer_dir):
+    """Done means: `replay sim --cache-blocks` small enough to evict, heavy prefix reuse: the model
+    predicts the observed cached tokens exactly for >= 99% of requests, every miss has a cause
+    other than `unexplained`, and `evicted` is one of them. The block size and pool size come
+    from the sim's /metrics (no option)."""
+    from replay.sim.process import sim_process
+
+    trace = reuse_trace(tmp_path / "trace.jsonl")
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim:
+        replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path)
+    verdicts, section, caches = run_verdicts(output, toy_tokenizer_dir)
+    assert [c["source"] for c in caches.values()] == ["server"] and list(caches.values())[0]["num_gpu_blocks"] == 30
+    assert section["requests_compared"] == 160
+    inexact = [v for v in verdicts if not v.exact]
+    assert section["exact_share"] >= 0.99, inexact
+    assert section["misses"] > 0 and section["misses_attributed_share"] == 1.0, section["miss_causes"]
+    assert section["miss_causes"]["evicted"]["requests"] > 0, section
+
+
+def test_a_fleet_routed_round_robin_scatters_sessions_session_routing_keeps_them(tmp_path, toy_tokenizer_dir):
+    from replay.sim.process import sim_process
+    from support.traces import bailian_trace
+
+    trace = bailian_trace(tmp_path / "trace.jsonl", sessions=7, turns=3, gap_s=0.05)  # odd: turns alternate
+    sections = {}
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as one, \
+            sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as two:  # fmt: skip
+        for routing in ("round-robin", "session"):
+            for sim in (one, two):
+                import requests
+
+                requests.post(sim.url + "/reset_prefix_cache", timeout=5)
+            output = tmp_path / f"{routing}.jsonl"
+            replay(trace, toy_tokenizer_dir, one.url, output, tmp_path, "--endpoints", f"{one.url},{two.url}",
+                   "--routing", routing)
+            _, sections[routing], _ = run_verdicts(output, toy_tokenizer_dir)
+    scattered = sections["round-robin"]
+    assert scattered["misses"] > 0 and set(scattered["miss_causes"]) == {"routed-elsewhere"}, scattered
+    assert sections["session"]["misses"] == 0, sections["session"]
+    assert len(scattered["endpoints"]) == 2
+
+
+def test_a_second_run_on_a_warm_sim_names_warm_at_start_until_reset(tmp_path, toy_tokenizer_dir):
+    import requests
+
+    from replay.sim.process import sim_process
+
+    trace = reuse_trace(tmp_path / "trace.jsonl", rows=40)
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as sim:
+        sections = []
+        for name in ("first", "second", "after-reset"):
+            if name == "after-reset":
+                assert requests.post(sim.url + "/reset_prefix_cache", timeout=5).json() == {"success": True}
+            output = tmp_path / f"{name}.jsonl"
+            replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path)
+            sections.append(run_verdicts(output, toy_tokenizer_dir)[1])
+    first, second, after_reset = sections
+    assert first["beyond"] == 0 and first["misses"] == 0, first
+    assert set(second["beyond_causes"]) == {"warm-at-start"} and second["beyond"] > 0, second
+    assert after_reset["beyond"] == 0 and after_reset["misses"] == 0, after_reset
+
+
+def test_the_preflight_reads_the_servers_cache_and_options_override_it(sim):
+    """replay sim says its block size and pool size in vllm:cache_config_info as vLLM does; the
+    options win; a server that says nothing leaves them to the options."""
+    from replay.protocol.server_cache import server_caches as ask
+
+    (said,) = ask([sim.url], block_size=None, cache_blocks=None).values()
+    assert said == {"block_size": SIM_BLOCK, "num_gpu_blocks": 100_000, "source": "server"}
+    (mixed,) = ask([sim.url], block_size=32, cache_blocks=None).values()
+    assert mixed == {"block_size": 32, "num_gpu_blocks": 100_000, "source": "options+server"}
+    (given,) = ask([sim.url], block_size=32, cache_blocks=64).values()
+    assert given == {"block_size": 32, "num_gpu_blocks": 64, "source": "options"}
+    (silent,) = ask(["http://127.0.0.1:9"], block_size=None, cache_blocks=None).values()
+    assert silent == {"block_size": None, "num_gpu_blocks": None, "source": None}
