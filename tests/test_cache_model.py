@@ -196,6 +196,7 @@ def replay(trace, tokenizer_dir, url, output, tmp_path, *extra):
     run_locust(replay_args(trace, tokenizer_dir, url, output, "--only-summary", "--overwrite", *extra), tmp_path)
 
 
+@pytest.mark.alone  # the model's start times come from the run's timing: another test's load skews them
 def test_a_small_sim_cache_evicts_and_the_model_predicts_it(tmp_path, toy_tokenizer_dir):
     """Done means: `replay sim --cache-blocks` small enough to evict, heavy prefix reuse: the model
     predicts the observed cached tokens exactly for >= 99% of requests, every miss has a cause
@@ -216,6 +217,7 @@ def test_a_small_sim_cache_evicts_and_the_model_predicts_it(tmp_path, toy_tokeni
     assert section["miss_causes"]["evicted"]["requests"] > 0, section
 
 
+@pytest.mark.alone  # the model's start times come from the run's timing: another test's load skews them
 def test_a_fleet_routed_round_robin_scatters_sessions_session_routing_keeps_them(tmp_path, toy_tokenizer_dir):
     from replay.sim.process import sim_process
     from support.traces import bailian_trace
@@ -239,6 +241,7 @@ def test_a_fleet_routed_round_robin_scatters_sessions_session_routing_keeps_them
     assert len(scattered["endpoints"]) == 2
 
 
+@pytest.mark.alone  # the model's start times come from the run's timing: another test's load skews them
 def test_a_second_run_on_a_warm_sim_names_warm_at_start_until_reset(tmp_path, toy_tokenizer_dir):
     import requests
 

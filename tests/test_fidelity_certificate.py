@@ -232,5 +232,6 @@ def test_require_faithful_exits_1_on_an_unfaithful_run(tmp_path, toy_tokenizer_d
                                       "--verify-server", "off"), tmp_path, exit_code=1)
     cert = json.loads(fidelity_path(output).read_text())
     assert cert["verdict"] == UNFAITHFUL and cert["prompts"]["mismatches"] == 8
-    assert "fidelity: unfaithful (prompts: 8 of 8 prompts" in proc.stderr and "--require-faithful: exit code 1" \
-        in proc.stderr
+    # (a loaded host may fail the schedule line too: it would come first)
+    assert "fidelity: unfaithful (" in proc.stderr and "prompts: 8 of 8 prompts" in proc.stderr
+    assert "--require-faithful: exit code 1" in proc.stderr
