@@ -26,12 +26,18 @@ from replay.engine.capacity import (
     parse_range,
     quotable_line,
 )
+from replay.engine.plan import Schedule, decode_row
 from replay.engine.probes import max_probes
+from replay.engine.rounds import Part, Round
 from replay.engine.transport import LocalLink
 from replay.errors import OptionError
 from replay.results.records import PROBE_CUT
 from replay.rules.run_files import capacity_path
 from replay.run.options import ReplayOptions
+from replay.trace.amplify import Clones, amplify_trace
+from replay.trace.reader import TraceStream
+from replay.trace.sessions import find_sessions
+from support.traces import BLOCK, conversation_trace
 
 # -- the search, pure ------------------------------------------------------------------------------
 
@@ -105,7 +111,6 @@ BAD = [
     ({"cooldown": -1.0}, "--cooldown -1.0"),
     ({"max_requests": 10}, "--max-requests: not with --capacity-search"),
     ({"scale": 2.0}, "--scale 2: not with --capacity-search"),
-    ({"search_by": "amplify"}, "--search-by amplify: not yet"),
 ]
 
 
@@ -125,18 +130,19 @@ def test_the_range_parses():
 # -- the probes as rounds, in one process ------------------------------------------------------------
 
 
-def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None, **options):
-    """A search over `rows` rows (1 s of trace) against fake workers whose endpoint fails every
-    row of a probe above `capacity`."""
+def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None,
+               rows_of=lambda n: make_rows(n, gap_s=1.0 / n), **options):
+    """A search over `rows` rows (1 s of trace; `rows_of(rows)` makes them) against fake workers
+    whose endpoint fails every row of a probe above `capacity`."""
     options = {"capacity_search": True, "slo": "ttft_ms=100", "probe_duration": 1.0, "cooldown": 1.0,
                "search_range": "0.25:16", "search_precision": 0.1, **options}
-    spec = spec_of(make_rows(rows, gap_s=1.0 / rows), tmp_path, **options)
+    spec = spec_of(rows_of(rows), tmp_path, **options)
     clock = FakeClock()
     holder: dict = {}
 
     def answer(row) -> int:
         probes = holder["run"].coordinator.probes
-        probe = probes.probes[(row.request_id - probes.first_id) // probes.stride]
+        probe = probes.probes[probes.probe_of(row.request_id)]
         return 200 if probe.factor <= capacity else 503
 
     if workers == 1:
@@ -153,7 +159,7 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
 
 
 def test_a_search_in_one_run_finds_the_capacity_and_writes_its_files(tmp_path, capsys):
-    run, (fake,) = search_run(tmp_path, capacity=3.0)
+    run, (fake,) = search_run(tmp_path, capacity=3.0, search_by="scale")
     records = run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     best, worst = report["bracket"]
@@ -182,7 +188,7 @@ def test_a_search_in_one_run_finds_the_capacity_and_writes_its_files(tmp_path, c
 def test_a_failing_probe_is_cut_short_and_its_unsent_rows_labelled(tmp_path, monkeypatch):
     monkeypatch.setattr(coordinator_module, "CHUNK_ROWS", 10)
     monkeypatch.setattr(transport, "HOLD_ROWS", 20)
-    run, (fake,) = search_run(tmp_path, capacity=0.5, rows=100, hold=20)  # the first probe (1x) fails
+    run, (fake,) = search_run(tmp_path, capacity=0.5, rows=100, hold=20, search_by="scale")  # the first probe (1x) fails
     records = run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     first = [r for r in records.values() if r["probe"] == 0]
@@ -202,10 +208,11 @@ def test_a_server_failing_every_probe_is_below_lo_with_exit_code_1(tmp_path, cap
     assert "Capacity: below 0.5x this trace's load" in capsys.readouterr().out
 
 
-def test_a_search_with_two_workers_gives_the_same_answer(tmp_path):
-    one, _ = search_run(tmp_path / "one", capacity=3.0)
+@pytest.mark.parametrize("search_by", ["amplify", "scale"])
+def test_a_search_with_two_workers_gives_the_same_answer(tmp_path, search_by):
+    one, _ = search_run(tmp_path / "one", capacity=3.0, search_by=search_by)
     one.finish()
-    two, fakes = search_run(tmp_path / "two", capacity=3.0, workers=2)
+    two, fakes = search_run(tmp_path / "two", capacity=3.0, workers=2, search_by=search_by)
     records = two.finish()
     a = orjson.loads(capacity_path(one.spec.output).read_bytes())
     b = orjson.loads(capacity_path(two.spec.output).read_bytes())
@@ -214,9 +221,74 @@ def test_a_search_with_two_workers_gives_the_same_answer(tmp_path):
 
 
 def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):
-    run, _ = search_run(tmp_path, capacity=3.0)
+    run, _ = search_run(tmp_path, capacity=3.0, search_by="scale")
     run.until(lambda: len(run.coordinator.probes.probes) >= 2)
     records = run.end()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert len(records) == 40 * len(report["probes"])
     assert report["result"] == "stopped"
+
+
+# -- --search-by amplify: a probe's rows are `replay trace amplify`'s ----------------------------------
+
+
+@pytest.mark.parametrize("factor", [2.5, 0.5])
+def test_an_amplify_probe_sends_what_replay_trace_amplify_writes(tmp_path, factor):
+    """The window amplified in memory, split across two workers' parts, is the file the CLI
+    writes from the same rows with the same seed (one rule: replay.trace.amplify.Clones), each
+    part in send order."""
+    trace = conversation_trace(tmp_path / "conv.jsonl", conversations=30)
+    out = tmp_path / "out.jsonl"
+    amplify_trace(lambda: TraceStream(trace, None, BLOCK), out, factor, seed=7)
+    with open(out) as f:
+        written = sorted((round(r["timestamp"], 2), r["session_id"], tuple(r["hash_ids"]), r["input_length"],
+                          r["output_length"]) for r in map(orjson.loads, f))
+    schedule = Schedule(TraceStream(trace, None, BLOCK))
+    sessions = find_sessions(lambda: schedule.rows(range(len(schedule))))
+    stride = 10_000
+    rounds = [Round(0, factor, 0.0, schedule.origin, stride, 0, Clones(sessions, factor, seed=7))]
+    sent, ids = [], set()
+    for positions in schedule.partition(2, "session"):
+        part = Part(schedule, positions, rounds, 7)
+        rows = [decode_row(data) for chunk in part.round_chunks(0) for data in chunk["rows"]]
+        times = [row.timestamp_s for row in rows]
+        assert times == sorted(times)
+        assert [part.request_id(i) for i in range(len(part))] == [row.request_id for row in rows]
+        ids.update(row.request_id for row in rows)
+        sent += [(round(row.timestamp_s * 1000, 2), row.session_id, row.hash_ids, row.input_length, row.output_length)
+                 for row in rows]
+    assert sorted(sent) == written
+    assert len(ids) == len(sent)  # every copy its own request id
+
+
+def session_rows(count: int, sessions: int) -> list:
+    """`count` rows over 1 s, row i in session i % sessions, whose turns extend their ids; id 0
+    is shared by every row (a system prompt)."""
+    rows = make_rows(count, gap_s=1.0 / count, sessions=sessions)
+    for row in rows:
+        s, turn = int(row.session_id[1:]), row.request_id // sessions
+        row.hash_ids = (0,) + tuple(1000 * (s + 1) + t for t in range(turn + 1))
+    return rows
+
+
+def test_an_amplify_search_sends_k_times_the_sessions_at_the_traces_pace(tmp_path):
+    run, _ = search_run(tmp_path, capacity=3.0, rows=40, search_by="amplify", seed=3,
+                        rows_of=lambda n: session_rows(n, 8))
+    records = run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    best, worst = report["bracket"]
+    assert report["result"] == FOUND and best <= 3.0 < worst and worst / best <= 1.1
+    probes = report["probes"]
+    for p in probes:
+        mine = [r for r in records.values() if r["probe"] == p["probe"]]
+        assert len(mine) == p["rows"]
+        if p["factor"] == int(p["factor"]):
+            assert p["rows"] == 40 * p["factor"]  # whole sessions k times
+        sessions = {r["session_id"] for r in mine}
+        copies = Counter(s.split("#")[0] for s in sessions)
+        assert set(copies) == {f"s{i}" for i in range(8)}
+        assert max(copies.values()) - min(copies.values()) <= 1
+        # the trace's pace, not compressed: a probe's sends span about the window (1 s)
+        times = [r["scheduled_at"] for r in mine]
+        assert 0.8 <= max(times) - min(times) <= 1.0 + 1e-6
+    assert len(records) == sum(p["rows"] for p in probes)

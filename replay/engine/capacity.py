@@ -17,7 +17,6 @@ from replay.results.report import meets_slo
 from replay.results.summary import percentile
 
 SEARCH_BY = ("amplify", "scale")
-BUILT_SEARCH_BY = ("scale",)  # amplify: `replay trace amplify`'s rows, not yet plugged into a probe
 GROWTH = 2.0  # while probes pass, the next factor is this many times the last
 CLIENT_DRIFT_P99_MS = 10.0  # a probe whose sends were later than this at p99 measured the client, not the server
 MAX_COOLDOWN_S = 60.0  # the default cooldown waits for idle servers at most this long
@@ -49,8 +48,8 @@ def check_search(options) -> None:
     preflight's (it needs the trace)."""
     if not options.slo:
         raise OptionError("--capacity-search needs --slo: the limits a probe's rows must meet")
-    if options.search_by not in BUILT_SEARCH_BY:
-        raise OptionError(f"--search-by {options.search_by}: not yet; use --search-by scale")
+    if options.search_by not in SEARCH_BY:
+        raise OptionError(f"--search-by {options.search_by}: expected one of {', '.join(SEARCH_BY)}")
     parse_range(options.search_range)
     if not (math.isfinite(options.search_precision) and options.search_precision > 0):
         raise OptionError(f"--search-precision {options.search_precision}: must be a finite number > 0")

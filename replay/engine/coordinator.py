@@ -226,8 +226,7 @@ class Coordinator:
         (over --max-prompt-tokens) recorded."""
         self._write_first_meta(workers)
         first, last = self.schedule.request_id_range()
-        if self.probes is not None:  # room for every probe's request ids
-            last += self.probes.stride * self.probes.max_probes
+        # a search's probes take room for their request ids as they open (Probes._open)
         self.store = RecordStore(self.output, first, last, on_fault=self.on_output_error)
         self._record_oversized()
 
@@ -320,7 +319,7 @@ class Coordinator:
         """A search's next probe: its rows are shipped to every live worker, each told its part grew."""
         self.rounds.append(round_)
         r = len(self.rounds) - 1
-        self.last_due = self.epoch + round_.offset_s + self.window_seconds() / round_.factor
+        self.last_due = self.epoch + round_.offset_s + self.window_seconds() / round_.speedup
         for w in self.workers.values():
             if w.lost:
                 self._fill(w.part.round_range(r), w.index, w.unrecorded_label())
@@ -412,8 +411,8 @@ class Coordinator:
         if not force and self.scraper is not None and not self.scraper.first_round.is_set():
             return  # the servers' counters are read once before the first send
         self.epoch = self.clock.now() + GO_LEAD_S
-        factor = self.rounds[0].factor if self.probes is not None else 1.0
-        self.last_due = self.epoch + self.window_seconds() / factor
+        speedup = self.rounds[0].speedup if self.probes is not None else 1.0
+        self.last_due = self.epoch + self.window_seconds() / speedup
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())

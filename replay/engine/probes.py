@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+from array import array
+from bisect import bisect_right
 from typing import TYPE_CHECKING
 
 import gevent
@@ -31,6 +33,8 @@ from replay.engine.rounds import Round
 from replay.results.records import OVERSIZED, PROBE_CUT
 from replay.results.report import parse_slo
 from replay.results.server_metrics import GAUGES
+from replay.trace.amplify import Clones
+from replay.trace.sessions import Sessions, find_sessions
 
 if TYPE_CHECKING:
     from replay.engine.coordinator import Coordinator
@@ -60,8 +64,12 @@ class Probes:
         self.cooldown_s = options.cooldown
         first, last = coordinator.schedule.request_id_range()
         self.first_id = first
-        self.stride = max(last - first + 1, 1)  # a probe's request ids: the trace's + probe * stride
+        self.stride = max(last - first + 1, 1)  # a probe's request ids: the trace's + slot * stride (rounds.Round)
         self.max_probes = max_probes(self.search)
+        self.slots = array("q")  # per probe: its first request-id slot
+        self.next_slot = 0
+        self.amplify = options.search_by == "amplify"
+        self._sessions: Sessions | None = None  # the window's (amplify), found once
         self.probes: list[Probe] = []
         self.client_limited = False
         self.over = False
@@ -70,10 +78,19 @@ class Probes:
         self._next: gevent.Greenlet | None = None
         coordinator.scrape_listeners.append(self.on_scrape)
 
-    @property
-    def rows(self) -> int:
-        """Rows a probe sends: the window's (those over the prompt limit are recorded once, never sent)."""
-        return len(self.c.schedule)
+    def clones(self, factor: float) -> Clones | None:
+        """The window's copies at `factor` (--search-by amplify), chosen by --seed; None: scale."""
+        if not self.amplify:
+            return None
+        if self._sessions is None:
+            schedule = self.c.schedule
+            self._sessions = find_sessions(lambda: schedule.rows(range(len(schedule))))
+        return Clones(self._sessions, factor, self.c.options.seed)
+
+    def probe_of(self, request_id: int) -> int:
+        """The number of the probe a request id is of (-1: none)."""
+        slot = (request_id - self.first_id) // self.stride
+        return bisect_right(self.slots, slot) - 1 if slot >= 0 else -1
 
     def first_round(self) -> Round:
         self.started_at = self.c.clock.now()
@@ -81,18 +98,28 @@ class Probes:
         return round_
 
     def _open(self, factor: float, offset_s: float) -> Round:
-        probe = Probe(len(self.probes), factor, self.rows, self.slo, self.target, started_at=self.c.clock.now())
+        """Probe `factor`'s round, its rows (those over the prompt limit are recorded once, never
+        sent) counted and its request ids' slots taken."""
+        clones = self.clones(factor)
+        rows = clones.rows() if clones is not None else len(self.c.schedule)
+        slot = self.next_slot
+        round_ = Round(len(self.probes), factor, offset_s, self.c.origin, self.stride, slot, clones)
+        self.next_slot += round_.slots
+        self.slots.append(slot)
+        probe = Probe(len(self.probes), factor, rows, self.slo, self.target, started_at=self.c.clock.now())
         self.probes.append(probe)
-        self.c.total = len(self.c.schedule.oversized) + self.rows * len(self.probes)
+        self.c.total = len(self.c.schedule.oversized) + sum(p.rows for p in self.probes)
+        if self.c.store is not None:  # room for its request ids
+            self.c.store.grow(self.first_id + (slot + round_.slots) * self.stride - 1)
         logger.info("capacity search: probe %d at %gx this trace's load (%d rows)", probe.number, factor, probe.rows)
-        return Round(probe.number, factor, offset_s, self.c.origin, self.stride)
+        return round_
 
     def label(self, records: list[dict]) -> None:
         """Each record's probe and factor, read off its request id."""
         for record in records:
             if record.get("error") and record["error"].startswith(OVERSIZED):
                 continue
-            number = (record["request_id"] - self.first_id) // self.stride
+            number = self.probe_of(record["request_id"])
             if 0 <= number < len(self.probes):
                 record["probe"], record["factor"] = number, self.probes[number].factor
 

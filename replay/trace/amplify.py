@@ -173,6 +173,10 @@ class Clones:
             hash_ids = tuple(hash_ids)
         return (f"{name}#{copy}" if copy else name), hash_ids, self.times.shift(session, copy)
 
+    def time_shift(self, position: int, copy: int) -> float:
+        """The seconds added to row `position`'s time in copy `copy`."""
+        return self.times.shift(self.sessions.row_session[position], copy)
+
 
 def amplify_trace(
     stream_of: Callable[[], TraceStream],
