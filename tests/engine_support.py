@@ -182,6 +182,7 @@ class FakeWorker:
         self.more = False  # a search: more rounds may follow
         self.skip_to, self.skip_reason = 0, ""  # a probe cut short: rows below it recorded, never sent
         self.rounds_seen: list[dict] = []
+        self.wanted = 0  # the rows it last said it takes
         self.records = transport.Window(lambda payload: link.to_master(messages.RECORDS, payload))
         link.on(messages.PLAN, self.on_plan)
         link.on(messages.ROWS, self.on_rows)
@@ -201,7 +202,8 @@ class FakeWorker:
         return self.plan["worker"]
 
     def _want(self) -> int:
-        return self.total if self.hold is None else self.answered + self.hold
+        self.wanted = self.total if self.hold is None else self.answered + self.hold
+        return self.wanted
 
     def on_plan(self, data: messages.Plan, sender: str) -> None:
         self.link.to_master(messages.PLAN_ACK, messages.PlanAck(seq=data["seq"]))
@@ -240,7 +242,8 @@ class FakeWorker:
         self.total, self.more = data["rows"], data["more"]
         if "skip_to" in data:
             self.skip_to, self.skip_reason = data["skip_to"], data["skip_reason"]
-        self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
+        if self.wanted < self.total:  # as the Dispatcher: asks again only when it wanted fewer than it has now
+            self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
         self._answer()
 
     def _scheduled(self, row: TraceRow) -> float:

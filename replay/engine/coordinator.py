@@ -102,6 +102,7 @@ class WorkerState:
     rtt_ms: float | None = None
     failed: int = 0
     acked: set[int] = field(default_factory=set)  # ROWS chunks the worker confirmed holding
+    want: int = 0  # the rows it takes (at first HOLD_ROWS, then its RowsAck.want): granted again as rounds are added
 
     def holds(self, i: int) -> bool:
         """Whether the worker confirmed receiving its `i`-th row."""
@@ -271,7 +272,8 @@ class Coordinator:
             go_window = transport.Window(self._sender(client_id, messages.GO), size=1, resend_s=GO_RESEND_S)
             round_window = transport.Window(self._sender(client_id, messages.ROUND), size=1, resend_s=PLAN_RESEND_S)
             state = self.workers[client_id] = WorkerState(client_id, index, positions, part, window, plan,
-                                                          plan_window, go_window, round_window)
+                                                          plan_window, go_window, round_window,
+                                                          want=transport.HOLD_ROWS)
             if client_id in self.heard:
                 self._send_plan(state)
         logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
@@ -305,7 +307,8 @@ class Coordinator:
             if seq is not None:
                 state.acked.add(seq)
                 state.window.ack(seq)
-            state.window.grant(state.part.chunks_below(data["want"]))
+            state.want = max(state.want, data["want"])
+            state.window.grant(state.part.chunks_below(state.want))
 
     def on_round_ack(self, data: messages.RoundAck, sender: str) -> None:
         state = self.workers.get(sender)
@@ -326,6 +329,7 @@ class Coordinator:
                 continue
             w.round_window.put(messages.Round(rows=len(w.part), more=True))  # type: ignore[typeddict-item]
             w.window.feed(w.part.round_chunks(r))
+            w.window.grant(w.part.chunks_below(w.want))  # a worker that wants rows past the last round's takes the new
         if not self.workers:  # no worker at all: nobody sends them
             self._fill(self.whole, self.whole.round_range(r), None, NO_RECORD)
 

@@ -154,7 +154,8 @@ class Part:
 
     def chunks_below(self, rows: int) -> int:
         """How many chunks carry only rows numbered below `rows` or start below it: the chunks a
-        worker that takes `rows` rows may be sent."""
+        worker that takes `rows` rows may be sent, of the rounds laid out so far (a round added
+        later is granted then: its size is not known before)."""
         if rows >= len(self):
             return self._chunk_bases[-1]
         r = self._round_of(rows)
