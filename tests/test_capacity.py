@@ -18,6 +18,7 @@ from replay.engine import transport
 from replay.engine.capacity import (
     AT_LEAST_HI,
     BELOW_LO,
+    CLIENT_LIMITED,
     FOUND,
     PASS,
     Probe,
@@ -131,9 +132,10 @@ def test_the_range_parses():
 
 
 def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None,
-               rows_of=lambda n: make_rows(n, gap_s=1.0 / n), **options):
+               rows_of=lambda n: make_rows(n, gap_s=1.0 / n), late_from: float | None = None, **options):
     """A search over `rows` rows (1 s of trace; `rows_of(rows)` makes them) against fake workers
-    whose endpoint fails every row of a probe above `capacity`."""
+    whose endpoint fails every row of a probe above `capacity`, and which send every row of a
+    probe at `late_from` or above 50 ms late (a client that cannot keep up)."""
     options = {"capacity_search": True, "slo": "ttft_ms=100", "probe_duration": 1.0, "cooldown": 1.0,
                "search_range": "0.25:16", "search_precision": 0.1, **options}
     spec = spec_of(rows_of(rows), tmp_path, **options)
@@ -145,15 +147,19 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
         probe = probes.probes[probes.probe_of(row.request_id)]
         return 200 if probe.factor <= capacity else 503
 
+    def late(row) -> float:
+        probes = holder["run"].coordinator.probes
+        return 0.05 if late_from is not None and probes.probes[probes.probe_of(row.request_id)].factor >= late_from else 0.0
+
     if workers == 1:
         link = LocalLink()
         run = holder["run"] = Run(spec, link, clock)
-        fakes = [FakeWorker(link, answer=answer, clock=clock, hold=hold).hello()]
+        fakes = [FakeWorker(link, answer=answer, clock=clock, hold=hold, late=late).hello()]
         run.begin()
     else:
         hub = Hub()
         run = holder["run"] = Run(spec, hub.master, clock)
-        fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock).hello() for i in range(workers)]
+        fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock, late=late).hello() for i in range(workers)]
         run.begin([(f"w{i}", i) for i in range(workers)])
     return run, fakes
 
@@ -220,6 +226,23 @@ def test_a_search_with_two_workers_gives_the_same_answer(tmp_path, search_by):
     b = orjson.loads(capacity_path(two.spec.output).read_bytes())
     assert a["bracket"] == b["bracket"]
     assert {r["worker"] for r in records.values()} == {0, 1}
+
+
+@pytest.mark.parametrize(("capacity", "late_from"), [(3.0, 4.0), (1.5, 2.0)])
+def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_path, capsys, capacity, late_from):
+    """Probes from `late_from` on are sent 50 ms late (drift p99 over 10 ms): whether the server
+    would have passed it (3x) or failed it (1.5x), the probe is client-limited, not a server
+    failure, and the search ends there with exit code 1 and a line saying to add workers."""
+    run, _ = search_run(tmp_path, capacity=capacity, late_from=late_from)
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    probes = report["probes"]
+    assert [p["factor"] for p in probes] == [1.0, 2.0, 4.0][: 2 + (late_from == 4.0)]
+    assert [p["verdict"] for p in probes[:-1]] == [PASS] * (len(probes) - 1)
+    assert probes[-1]["verdict"] == CLIENT_LIMITED and probes[-1]["drift_p99_ms"] > 10
+    assert report["result"] == CLIENT_LIMITED and report["bracket"] == [late_from / 2, None]
+    assert run.exit_codes == [1]
+    assert "add workers" in capsys.readouterr().out
 
 
 def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):
