@@ -20,7 +20,9 @@ from replay.engine.capacity import (
     BELOW_LO,
     CLIENT_LIMITED,
     FOUND,
+    INVALID,
     PASS,
+    WORKERS_LOST,
     Probe,
     Search,
     check_search,
@@ -32,7 +34,7 @@ from replay.engine.probes import max_probes
 from replay.engine.rounds import Part, Round
 from replay.engine.transport import LocalLink
 from replay.errors import OptionError
-from replay.results.records import PROBE_CUT
+from replay.results.records import PROBE_CUT, PROBE_INVALID
 from replay.rules.run_files import capacity_path
 from replay.run.options import ReplayOptions
 from replay.trace.amplify import Clones, amplify_trace
@@ -132,10 +134,12 @@ def test_the_range_parses():
 
 
 def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None,
-               rows_of=lambda n: make_rows(n, gap_s=1.0 / n), late_from: float | None = None, **options):
+               rows_of=lambda n: make_rows(n, gap_s=1.0 / n), late_from: float | None = None,
+               answer_first: dict[int, int] | None = None, **options):
     """A search over `rows` rows (1 s of trace; `rows_of(rows)` makes them) against fake workers
     whose endpoint fails every row of a probe above `capacity`, and which send every row of a
-    probe at `late_from` or above 50 ms late (a client that cannot keep up)."""
+    probe at `late_from` or above 50 ms late (a client that cannot keep up); worker i answers only
+    its first `answer_first[i]` rows (a worker to be lost holds the rest)."""
     options = {"capacity_search": True, "slo": "ttft_ms=100", "probe_duration": 1.0, "cooldown": 1.0,
                "search_range": "0.25:16", "search_precision": 0.1, **options}
     spec = spec_of(rows_of(rows), tmp_path, **options)
@@ -159,7 +163,9 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
     else:
         hub = Hub()
         run = holder["run"] = Run(spec, hub.master, clock)
-        fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock, late=late).hello() for i in range(workers)]
+        run.hub = hub
+        fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock, late=late,
+                            answer_first=(answer_first or {}).get(i)).hello() for i in range(workers)]
         run.begin([(f"w{i}", i) for i in range(workers)])
     return run, fakes
 
@@ -317,3 +323,47 @@ def test_an_amplify_search_sends_k_times_the_sessions_at_the_traces_pace(tmp_pat
         times = [r["scheduled_at"] for r in mine]
         assert 0.8 <= max(times) - min(times) <= 1.0 + 1e-6
     assert len(records) == sum(p["rows"] for p in probes)
+
+
+# -- a worker lost during a probe ---------------------------------------------------------------------
+
+
+def lose_during(run, probe: int, client_id: str) -> None:
+    """Cut `client_id` off as probe `probe` opens (its rows of the probe are never answered:
+    search_run's `answer_first` holds them)."""
+    run.until(lambda: len(run.coordinator.probes.probes) > probe)
+    run.hub.cut.add(client_id)
+    run.gone.add(client_id)
+
+
+@pytest.mark.parametrize("search_by", ["amplify", "scale"])
+def test_a_worker_lost_during_a_probe_makes_it_invalid_and_it_is_repeated_once(tmp_path, search_by):
+    run, fakes = search_run(tmp_path, capacity=3.0, workers=2, search_by=search_by, answer_first={1: 20})
+    lose_during(run, 1, "w1")
+    records = run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    probes = report["probes"]
+    assert probes[1]["verdict"] == INVALID and probes[1]["factor"] == 2.0
+    assert probes[2]["factor"] == 2.0 and probes[2]["repeat_of"] == 1 and probes[2]["verdict"] == PASS
+    best, worst = report["bracket"]
+    assert report["result"] == FOUND and best <= 3.0 < worst and worst / best <= 1.1
+    assert run.exit_codes == []
+    # the repeat and every later probe: all their rows, sent by the worker left
+    for p in probes[2:]:
+        mine = [r for r in records.values() if r["probe"] == p["probe"]]
+        assert len(mine) == p["rows"] and {r["worker"] for r in mine} == {0}
+    lost = Counter(r["error"] for r in records.values() if r["probe"] == 1 and not r["ok"])
+    assert lost and all(label.startswith("worker lost") or label == PROBE_INVALID for label in lost), lost
+
+
+def test_a_worker_lost_during_the_repeat_too_ends_the_search_with_exit_code_1(tmp_path, capsys):
+    # 40 rows round-robin: 14, 13, 13; at 2x, 26 for w2, which inherits w1's 13 for the repeat
+    run, _ = search_run(tmp_path, capacity=3.0, workers=3, answer_first={1: 13, 2: 13 + 26})
+    lose_during(run, 1, "w1")
+    lose_during(run, 2, "w2")
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [p["verdict"] for p in report["probes"]] == [PASS, INVALID, INVALID]
+    assert report["result"] == WORKERS_LOST and report["bracket"] == [1.0, None]
+    assert run.exit_codes == [1]
+    assert "workers were lost during a probe and again during its repeat" in capsys.readouterr().out

@@ -23,7 +23,11 @@ MAX_COOLDOWN_S = 60.0  # the default cooldown waits for idle servers at most thi
 NO_METRICS_COOLDOWN_S = 5.0  # and this long when the servers' /metrics are not scraped
 
 PASS, FAIL, FAIL_EARLY, CLIENT_LIMITED = "pass", "fail", "fail early", "client-limited"
+INVALID = "invalid"  # a worker was lost during the probe: it says nothing, and is repeated once
 FOUND, BELOW_LO, AT_LEAST_HI = "found", "below LO", "at least HI"
+WORKERS_LOST = "workers lost"  # a probe and its repeat were both invalid: the search ended there
+STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer
+NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED)  # results whose run's exit code is 1
 
 
 def parse_range(text: str) -> tuple[float, float]:
@@ -133,6 +137,8 @@ class Probe:
     ok: int = 0
     good: int = 0
     cut: bool = False  # failed early: its unsent rows were recorded as PROBE_CUT
+    invalid: bool = False  # a worker was lost during it: its unsent rows were recorded as PROBE_INVALID
+    repeat_of: int | None = None  # the number of the invalid probe this one repeats
     values: dict[str, array] = field(default_factory=lambda: {k: array("d") for k in
                                                               ("ttft_ms", "tpot_ms", "e2e_ms", "drift_ms")})
 
@@ -167,6 +173,8 @@ class Probe:
 
     @property
     def verdict(self) -> str:
+        if self.invalid:
+            return INVALID
         drift = self.drift_p99_ms  # the client is never what fails a probe: a late client wins over a cut
         if drift is not None and drift > CLIENT_DRIFT_P99_MS:
             return CLIENT_LIMITED
@@ -179,17 +187,18 @@ class Probe:
         seconds = (self.ended_at - self.started_at) if self.started_at is not None and self.ended_at else None
         return {"probe": self.number, "factor": self.factor, "rows": self.rows, "ok": self.ok, "good": self.good,
                 "goodput": self.goodput, "verdict": self.verdict, **latency, "drift_p99_ms": self.drift_p99_ms,
-                "seconds": seconds}
+                "seconds": seconds, "repeat_of": self.repeat_of}
 
 
 def capacity_report(search: Search, probes: list[Probe], *, slo: dict[str, float], target: float, search_by: str,
-                    precision: float, seconds: float | None, client_limited: bool) -> dict:
-    """OUTPUT.capacity.json's content (docs/capacity.md)."""
+                    precision: float, seconds: float | None, ended: str | None = None) -> dict:
+    """OUTPUT.capacity.json's content (docs/capacity.md). `ended`: what ended the search before
+    it had its answer (CLIENT_LIMITED, WORKERS_LOST); None: the search itself, or a stop."""
     best, worst = search.bracket
     return {
         "slo": slo, "goodput_target": target, "search_by": search_by, "range": [search.lo, search.hi],
         "precision": precision, "probes": [p.to_dict() for p in probes], "capacity": best, "bracket": [best, worst],
-        "result": CLIENT_LIMITED if client_limited else (search.result or "stopped"), "seconds": seconds,
+        "result": ended or search.result or STOPPED, "seconds": seconds,
     }
 
 
@@ -206,9 +215,16 @@ def quotable_line(report: dict) -> str:
     if result == CLIENT_LIMITED:
         return ("Capacity: not measured: the client could not send on time (dispatch drift p99 over "
                 f"{CLIENT_DRIFT_P99_MS:g} ms); add workers and run the search again")
+    if result == WORKERS_LOST:
+        return (f"Capacity: not measured: workers were lost during a probe and again during its repeat "
+                f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
     if best is None or worst is None:
         return f"Capacity: not known (the search was {result}) {at}"
     return f"Capacity: {best:.3g}x this trace's load ({best:.3g}x passes, {worst:.3g}x fails) {at}"
+
+
+def _side(factor: float | None) -> str:
+    return "none" if factor is None else f"{factor:.3g}x"
 
 
 def _pct(target: float) -> str:

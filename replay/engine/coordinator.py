@@ -325,7 +325,7 @@ class Coordinator:
         self.last_due = self.epoch + round_.offset_s + self.window_seconds() / round_.speedup
         for w in self.workers.values():
             if w.lost:
-                self._fill(w.part.round_range(r), w.index, w.unrecorded_label())
+                self._fill(w.part, w.part.round_range(r), w.index, w.unrecorded_label())
                 continue
             w.round_window.put(messages.Round(rows=len(w.part), more=True))  # type: ignore[typeddict-item]
             w.window.feed(w.part.round_chunks(r))
@@ -507,6 +507,10 @@ class Coordinator:
             if not state.lost and self.worker_gone(state.client_id):
                 state.lost = True
                 state.close()
+                if self.probes is not None:  # the probe under way is invalid; later ones go to the workers left
+                    self.probes.worker_lost(state.index)
+                    if heirs := self.live_workers():
+                        state.part.hand_over(min(heirs, key=lambda w: len(w.part.positions)).part)
                 # placeholders: replaced if the worker's own records still arrive
                 label = state.unrecorded_label()
                 lost = self._fill(state.part, range(len(state.part)), state.index, label, placeholder=True)

@@ -19,18 +19,19 @@ from typing import TYPE_CHECKING
 import gevent
 
 from replay.engine.capacity import (
-    BELOW_LO,
     CLIENT_LIMITED,
+    INVALID,
     MAX_COOLDOWN_S,
     NO_METRICS_COOLDOWN_S,
     PASS,
+    WORKERS_LOST,
     Probe,
     Search,
     capacity_report,
     parse_range,
 )
 from replay.engine.rounds import Round
-from replay.results.records import OVERSIZED, PROBE_CUT
+from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID
 from replay.results.report import parse_slo
 from replay.results.server_metrics import GAUGES
 from replay.trace.amplify import Clones
@@ -71,7 +72,7 @@ class Probes:
         self.amplify = options.search_by == "amplify"
         self._sessions: Sessions | None = None  # the window's (amplify), found once
         self.probes: list[Probe] = []
-        self.client_limited = False
+        self.ended: str | None = None  # CLIENT_LIMITED, WORKERS_LOST: what ended the search without an answer
         self.over = False
         self.busy: float | None = None  # the servers' running + waiting at their last scrape; None: not known
         self.started_at: float | None = None
@@ -97,7 +98,7 @@ class Probes:
         round_ = self._open(self.search.next_factor(), 0.0)
         return round_
 
-    def _open(self, factor: float, offset_s: float) -> Round:
+    def _open(self, factor: float, offset_s: float, repeat_of: int | None = None) -> Round:
         """Probe `factor`'s round, its rows (those over the prompt limit are recorded once, never
         sent) counted and its request ids' slots taken."""
         clones = self.clones(factor)
@@ -106,7 +107,8 @@ class Probes:
         round_ = Round(len(self.probes), factor, offset_s, self.c.origin, self.stride, slot, clones)
         self.next_slot += round_.slots
         self.slots.append(slot)
-        probe = Probe(len(self.probes), factor, rows, self.slo, self.target, started_at=self.c.clock.now())
+        probe = Probe(len(self.probes), factor, rows, self.slo, self.target, started_at=self.c.clock.now(),
+                      repeat_of=repeat_of)
         self.probes.append(probe)
         self.c.total = len(self.c.schedule.oversized) + sum(p.rows for p in self.probes)
         if self.c.store is not None:  # room for its request ids
@@ -132,7 +134,7 @@ class Probes:
                 self.probes[record["probe"]].add(record)
         if current.ended_at is not None:
             return
-        if not current.cut and not current.complete and current.hopeless:
+        if not current.cut and not current.invalid and not current.complete and current.hopeless:
             current.cut = True
             logger.warning("capacity search: probe %d (%gx) can no longer reach goodput %g: its unsent rows are "
                            "recorded as %r", current.number, current.factor, self.target, PROBE_CUT)
@@ -145,8 +147,19 @@ class Probes:
         verdict = probe.verdict
         logger.info("capacity search: probe %d at %gx: %s (goodput %.4f, drift p99 %s ms)", probe.number,
                     probe.factor, verdict, probe.goodput, _num(probe.drift_p99_ms))
+        if verdict == INVALID:
+            if probe.repeat_of is not None:
+                self.ended = WORKERS_LOST
+                logger.error("capacity search: probe %d at %gx, the repeat of probe %d, lost a worker too: the "
+                             "search ends here", probe.number, probe.factor, probe.repeat_of)
+                self._finish()
+                return
+            logger.warning("capacity search: probe %d at %gx is invalid (a worker was lost): it is repeated with "
+                           "the workers left", probe.number, probe.factor)
+            self._next = gevent.spawn(self._after_cooldown, probe.factor, probe.number)
+            return
         if verdict == CLIENT_LIMITED:
-            self.client_limited = True
+            self.ended = CLIENT_LIMITED
             logger.error("capacity search: probe %d at %gx was limited by the client (dispatch drift p99 %s ms): "
                          "add workers and search again", probe.number, probe.factor, _num(probe.drift_p99_ms))
             self._finish()
@@ -158,10 +171,23 @@ class Probes:
             return
         self._next = gevent.spawn(self._after_cooldown, factor)
 
-    def _after_cooldown(self, factor: float) -> None:
+    def _after_cooldown(self, factor: float, repeat_of: int | None = None) -> None:
         self._cool_down()
         offset_s = self.c.clock.now() - self.c.epoch + ROUND_LEAD_S
-        self.c.new_round(self._open(factor, offset_s))
+        self.c.new_round(self._open(factor, offset_s, repeat_of))
+
+    def worker_lost(self, index: int) -> None:
+        """A worker was lost (told before its rows get their records): the probe under way, if
+        any, is invalid; its rows not yet sent are recorded as PROBE_INVALID, and it is judged
+        (and repeated) once every row has a record. Later probes go to the workers left."""
+        if self.over or not self.probes or self.probes[-1].ended_at is not None:
+            return
+        current = self.probes[-1]
+        if not current.invalid:
+            current.invalid = True
+            logger.warning("capacity search: worker %d lost during probe %d (%gx): the probe is invalid; its unsent "
+                           "rows are recorded as %r", index, current.number, current.factor, PROBE_INVALID)
+            self.c.cut_round(PROBE_INVALID)
 
     def _cool_down(self) -> None:
         """--cooldown S, or until the servers report nothing running nor waiting (at most
@@ -203,14 +229,9 @@ class Probes:
         seconds = ((last.ended_at or self.c.clock.now()) - self.started_at) if last and self.started_at else None
         report = capacity_report(self.search, self.probes, slo=self.slo, target=self.target,
                                  search_by=self.c.options.search_by, precision=self.search.precision,
-                                 seconds=seconds, client_limited=self.client_limited)
+                                 seconds=seconds, ended=self.ended)
         report["id_stride"] = self.stride
         return report
-
-    @property
-    def failed(self) -> bool:
-        """The search found no capacity (below LO), or was limited by the client: exit code 1."""
-        return self.client_limited or self.search.result == BELOW_LO
 
 
 def _num(value: float | None) -> str:

@@ -100,7 +100,7 @@ class Part:
 
     def __init__(self, schedule: Schedule, positions: array, rounds: list[Round | None], chunk_rows: int):
         self.schedule, self.positions, self.rounds, self.chunk_rows = schedule, positions, rounds, chunk_rows
-        self.n = len(positions)
+        self._positions: list[array] = []  # per round laid out: the positions it was laid out with
         self._layouts: list[tuple[array, array] | None] = []  # per round laid out: Round.layout's
         self._bases = array("q", [0])  # round r's first row number; then the row count
         self._chunk_bases = array("q", [0])  # round r's first chunk number; then the chunk count
@@ -110,10 +110,19 @@ class Part:
         while len(self._layouts) < len(self.rounds):
             round_ = self.rounds[len(self._layouts)]
             layout = round_.layout(self.schedule, self.positions) if round_ is not None else None
-            size = self.n if layout is None else len(layout[0])
+            size = len(self.positions) if layout is None else len(layout[0])
+            self._positions.append(self.positions)
             self._layouts.append(layout)
             self._bases.append(self._bases[-1] + size)
             self._chunk_bases.append(self._chunk_bases[-1] + -(-size // self.chunk_rows))
+
+    def hand_over(self, heir: Part) -> None:
+        """This part's worker is lost: from the next round on, `heir` sends its rows too (a
+        search goes on with the workers left); the rounds laid out so far stay as they were."""
+        self._sync()
+        heir._sync()
+        heir.positions = array("q", sorted(heir.positions + self.positions))  # send order: the schedule's
+        self.positions = array("q")
 
     def __len__(self) -> int:
         self._sync()
@@ -126,10 +135,10 @@ class Part:
     def where(self, i: int) -> tuple[Round | None, int, int]:
         """Row `i` of the part: its round, its place in the schedule, and which copy it is."""
         r = self._round_of(i)
-        j, layout = i - self._bases[r], self._layouts[r]
+        j, layout, positions = i - self._bases[r], self._layouts[r], self._positions[r]
         if layout is None:
-            return self.rounds[r], self.positions[j], 0
-        return self.rounds[r], self.positions[layout[0][j]], layout[1][j]
+            return self.rounds[r], positions[j], 0
+        return self.rounds[r], positions[layout[0][j]], layout[1][j]
 
     def encoded(self, i: int) -> list:
         round_, position, copy = self.where(i)
