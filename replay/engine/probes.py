@@ -74,6 +74,7 @@ class Probes:
         self.probes: list[Probe] = []
         self.ended: str | None = None  # CLIENT_LIMITED, WORKERS_LOST: what ended the search without an answer
         self.over = False
+        self.finished: list[dict] = []  # the judged probes' figures (Probe.to_dict), for the Replay view
         self.busy: float | None = None  # the servers' running + waiting at their last scrape; None: not known
         self.started_at: float | None = None
         self._next: gevent.Greenlet | None = None
@@ -145,6 +146,7 @@ class Probes:
     def _judge(self, probe: Probe) -> None:
         probe.ended_at = self.c.clock.now()
         verdict = probe.verdict
+        self.finished.append(probe.to_dict())
         logger.info("capacity search: probe %d at %gx: %s (goodput %.4f, drift p99 %s ms)", probe.number,
                     probe.factor, verdict, probe.goodput, _num(probe.drift_p99_ms))
         if verdict == INVALID:
@@ -222,6 +224,19 @@ class Probes:
         """The run ends (by itself or stopped): no further probe."""
         if self._next is not None:
             self._next.kill(block=False)
+
+    def live(self) -> dict:
+        """The Replay view's: the probe under way (its factor, rows with a record so far, how
+        many met the SLO, and whether it can still pass) and the probes judged so far."""
+        current = None
+        if self.probes and self.probes[-1].ended_at is None and not self.over:
+            p = self.probes[-1]
+            current = {"probe": p.number, "factor": p.factor, "rows": p.rows, "recorded": p.recorded, "good": p.good,
+                       "goodput_so_far": p.good / p.recorded if p.recorded else None,
+                       "can_pass": not (p.hopeless or p.invalid), "repeat_of": p.repeat_of}
+        best, worst = self.search.bracket
+        return {"target": self.target, "current": current, "probes": self.finished, "bracket": [best, worst],
+                "result": (self.ended or self.search.result) if self.over else None}
 
     def report(self) -> dict:
         """OUTPUT.capacity.json's content."""
