@@ -14,6 +14,7 @@ from engine_support import FakeClock, FakeWorker, Hub, make_rows, spec_of
 from test_engine_pipeline import Run
 
 from replay.engine import coordinator as coordinator_module
+from replay.engine import probes as probes_module
 from replay.engine import transport
 from replay.engine.capacity import (
     AT_LEAST_HI,
@@ -135,11 +136,12 @@ def test_the_range_parses():
 
 def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None,
                rows_of=lambda n: make_rows(n, gap_s=1.0 / n), late_from: float | None = None,
-               answer_first: dict[int, int] | None = None, **options):
+               answer_first: dict[int, int] | None = None, cpu_from: float | None = None, **options):
     """A search over `rows` rows (1 s of trace; `rows_of(rows)` makes them) against fake workers
     whose endpoint fails every row of a probe above `capacity`, and which send every row of a
     probe at `late_from` or above 50 ms late (a client that cannot keep up); worker i answers only
-    its first `answer_first[i]` rows (a worker to be lost holds the rest)."""
+    its first `answer_first[i]` rows (a worker to be lost holds the rest); from the probe at
+    `cpu_from` on, every worker reports 95% CPU use."""
     options = {"capacity_search": True, "slo": "ttft_ms=100", "probe_duration": 1.0, "cooldown": 1.0,
                "search_range": "0.25:16", "search_precision": 0.1, **options}
     spec = spec_of(rows_of(rows), tmp_path, **options)
@@ -155,14 +157,18 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
         probes = holder["run"].coordinator.probes
         return 0.05 if late_from is not None and probes.probes[probes.probe_of(row.request_id)].factor >= late_from else 0.0
 
+    def cpu(client_id: str) -> float:
+        probes = holder["run"].coordinator.probes.probes
+        return 95.0 if cpu_from is not None and probes and probes[-1].factor >= cpu_from else 20.0
+
     if workers == 1:
         link = LocalLink()
-        run = holder["run"] = Run(spec, link, clock)
+        run = holder["run"] = Run(spec, link, clock, worker_cpu=cpu)
         fakes = [FakeWorker(link, answer=answer, clock=clock, hold=hold, late=late).hello()]
         run.begin()
     else:
         hub = Hub()
-        run = holder["run"] = Run(spec, hub.master, clock)
+        run = holder["run"] = Run(spec, hub.master, clock, worker_cpu=cpu)
         run.hub = hub
         fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock, late=late,
                             answer_first=(answer_first or {}).get(i)).hello() for i in range(workers)]
@@ -249,6 +255,19 @@ def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_
     assert report["result"] == CLIENT_LIMITED and report["bracket"] == [late_from / 2, None]
     assert run.exit_codes == [1]
     assert "add workers" in capsys.readouterr().out
+
+
+def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, monkeypatch, capsys):
+    """A worker reporting 95% CPU use while the 4x probe runs: client-limited, though its sends
+    were on time; 20% in the probes before it counts for nothing."""
+    monkeypatch.setattr(probes_module, "CPU_LAG_S", -math.inf)  # fake workers answer before the sends are due
+    run, _ = search_run(tmp_path, capacity=3.0, workers=2, cpu_from=4.0)
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [(p["factor"], p["verdict"], p["cpu_peak_pct"]) for p in report["probes"]] == \
+        [(1.0, PASS, 20.0), (2.0, PASS, 20.0), (4.0, CLIENT_LIMITED, 95.0)]
+    assert report["result"] == CLIENT_LIMITED and run.exit_codes == [1]
+    assert "CPU at 90%" in capsys.readouterr().out
 
 
 def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):

@@ -19,6 +19,7 @@ from replay.results.summary import percentile
 SEARCH_BY = ("amplify", "scale")
 GROWTH = 2.0  # while probes pass, the next factor is this many times the last
 CLIENT_DRIFT_P99_MS = 10.0  # a probe whose sends were later than this at p99 measured the client, not the server
+CLIENT_CPU_PERCENT = 90.0  # nor one during which a worker reported this much CPU use (Locust's own warning's)
 MAX_COOLDOWN_S = 60.0  # the default cooldown waits for idle servers at most this long
 NO_METRICS_COOLDOWN_S = 5.0  # and this long when the servers' /metrics are not scraped
 
@@ -139,6 +140,7 @@ class Probe:
     cut: bool = False  # failed early: its unsent rows were recorded as PROBE_CUT
     invalid: bool = False  # a worker was lost during it: its unsent rows were recorded as PROBE_INVALID
     repeat_of: int | None = None  # the number of the invalid probe this one repeats
+    cpu_peak: float | None = None  # the most CPU (% of a core) a worker reported while it ran; None: not known
     values: dict[str, array] = field(default_factory=lambda: {k: array("d") for k in
                                                               ("ttft_ms", "tpot_ms", "e2e_ms", "drift_ms")})
 
@@ -175,8 +177,8 @@ class Probe:
     def verdict(self) -> str:
         if self.invalid:
             return INVALID
-        drift = self.drift_p99_ms  # the client is never what fails a probe: a late client wins over a cut
-        if drift is not None and drift > CLIENT_DRIFT_P99_MS:
+        drift = self.drift_p99_ms  # the client is never what fails a probe: a late or busy client wins over a cut
+        if (drift is not None and drift > CLIENT_DRIFT_P99_MS) or (self.cpu_peak or 0.0) >= CLIENT_CPU_PERCENT:
             return CLIENT_LIMITED
         if self.cut:
             return FAIL_EARLY
@@ -187,7 +189,7 @@ class Probe:
         seconds = (self.ended_at - self.started_at) if self.started_at is not None and self.ended_at else None
         return {"probe": self.number, "factor": self.factor, "rows": self.rows, "ok": self.ok, "good": self.good,
                 "goodput": self.goodput, "verdict": self.verdict, **latency, "drift_p99_ms": self.drift_p99_ms,
-                "seconds": seconds, "repeat_of": self.repeat_of}
+                "seconds": seconds, "repeat_of": self.repeat_of, "cpu_peak_pct": self.cpu_peak}
 
 
 def capacity_report(search: Search, probes: list[Probe], *, slo: dict[str, float], target: float, search_by: str,
@@ -214,7 +216,8 @@ def quotable_line(report: dict) -> str:
         return f"Capacity: at least {best:g}x this trace's load (the most tried, --search-range) {at}"
     if result == CLIENT_LIMITED:
         return ("Capacity: not measured: the client could not send on time (dispatch drift p99 over "
-                f"{CLIENT_DRIFT_P99_MS:g} ms); add workers and run the search again")
+                f"{CLIENT_DRIFT_P99_MS:g} ms, or a worker's CPU at {CLIENT_CPU_PERCENT:g}%); add workers and run "
+                "the search again")
     if result == WORKERS_LOST:
         return (f"Capacity: not measured: workers were lost during a probe and again during its repeat "
                 f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")

@@ -140,18 +140,25 @@ def _ignore_exit_code(code: int) -> None:
     pass
 
 
+def _no_cpu(client_id: str) -> float | None:
+    return None
+
+
 class Coordinator:
     """The master's side, for the run `spec`. What it needs of the runner it is given, not
     looked up: `worker_gone` (whether the runner lost a worker, by client id), `worker_host` (a
-    worker's host name, for the metadata; None: this host's) and `on_exit_code` (called with 1
-    when any row failed). The runner's target host is the spec's. `local_part` is a local run's
+    worker's host name, for the metadata; None: this host's), `on_exit_code` (called with 1
+    when any row failed) and `worker_cpu` (a worker's last reported CPU use, percent of a core;
+    None: not known; a capacity search's probes read it). The runner's target host is the spec's. `local_part` is a local run's
     own Dispatcher; `heard` the workers that said HELLO before it was built (listen_for_hellos)."""
 
     def __init__(self, spec: RunSpec, link: transport.Link, clock: Clock = SYSTEM_CLOCK, *, local_part=None,
                  heard: Iterable[str] = (), worker_gone: Callable[[str], bool] = _never_gone,
                  worker_host: Callable[[str], str | None] = _no_hostname,
-                 on_exit_code: Callable[[int], None] = _ignore_exit_code):
+                 on_exit_code: Callable[[int], None] = _ignore_exit_code,
+                 worker_cpu: Callable[[str], float | None] = _no_cpu):
         self.spec = spec
+        self.worker_cpu = worker_cpu
         self.clock = clock
         self.worker_gone = worker_gone
         self.worker_host = worker_host
@@ -523,6 +530,8 @@ class Coordinator:
         while not self.finished.is_set():
             self.clock.sleep(TICK_S)
             self._check_workers()
+            if self.probes is not None:
+                self.probes.sample_cpu()
             if self.epoch is None and self.clock.now() - self.started_at > READY_TIMEOUT_S:
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)
                 self._maybe_go(force=True)

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROUND_LEAD_S = 2.0  # from a probe's decision to its first send: its rows reach the workers and are built
+CPU_LAG_S = 5.0  # a worker's CPU use is Locust's average over this long (CPU_MONITOR_INTERVAL): read once the probe has sent as long
 
 
 def max_probes(search: Search) -> int:
@@ -143,7 +144,23 @@ class Probes:
         if current.complete:
             self._judge(current)
 
+    def sample_cpu(self) -> None:
+        """The live workers' CPU use into the probe under way's peak, once it has sent for
+        CPU_LAG_S (before, the figure still covers the building of its rows, or the previous
+        probe), and once more as it is judged."""
+        c = self.c
+        if self.over or not self.probes or self.probes[-1].ended_at is not None or c.epoch is None:
+            return
+        if c.clock.now() < c.epoch + c.rounds[-1].offset_s + CPU_LAG_S:
+            return
+        probe = self.probes[-1]
+        for w in c.live_workers():
+            cpu = c.worker_cpu(w.client_id)
+            if cpu is not None and (probe.cpu_peak is None or cpu > probe.cpu_peak):
+                probe.cpu_peak = cpu
+
     def _judge(self, probe: Probe) -> None:
+        self.sample_cpu()
         probe.ended_at = self.c.clock.now()
         verdict = probe.verdict
         self.finished.append(probe.to_dict())
@@ -162,8 +179,9 @@ class Probes:
             return
         if verdict == CLIENT_LIMITED:
             self.ended = CLIENT_LIMITED
-            logger.error("capacity search: probe %d at %gx was limited by the client (dispatch drift p99 %s ms): "
-                         "add workers and search again", probe.number, probe.factor, _num(probe.drift_p99_ms))
+            logger.error("capacity search: probe %d at %gx was limited by the client (dispatch drift p99 %s ms, "
+                         "worker CPU peak %s%%): add workers and search again", probe.number, probe.factor,
+                         _num(probe.drift_p99_ms), _num(probe.cpu_peak))
             self._finish()
             return
         self.search.add(probe.factor, verdict == PASS)
