@@ -159,15 +159,19 @@ class FakeWorker:
     Knobs: `ready` False never says READY; `error` refuses the part (READY with an error);
     `answer_first` answers only that many rows and holds the rest (`release` answers more); `hears_abort` False ignores a
     stop's ABORT (its held rows come back from no one); `hold` caps the rows it takes ahead
-    of its answers (its RowsAck.want, transport.HOLD_ROWS for the Dispatcher).
+    of its answers (its RowsAck.want, transport.HOLD_ROWS for the Dispatcher); `late(row)` is
+    how many seconds after its scheduled time the row is sent (a client that cannot keep up;
+    default: sent at once, early).
     """
 
     def __init__(self, link: transport.Link, *, answer: Callable[[TraceRow], int] = lambda row: 200,
                  ready: bool = True, error: str | None = None, answer_first: int | None = None,
-                 hears_abort: bool = True, hold: int | None = None, clock: Clock | None = None):
+                 hears_abort: bool = True, hold: int | None = None, clock: Clock | None = None,
+                 late: Callable[[TraceRow], float] | None = None):
         self.link, self.answer, self.ready, self.error = link, answer, ready, error
         self.answer_first, self.hears_abort, self.hold = answer_first, hears_abort, hold
         self.clock = clock or Clock()
+        self.late = late
         self.plan: dict | None = None
         self.rows: list[TraceRow] = []
         self.chunks_seen: list[int] = []  # every ROWS seq received, resends included
@@ -182,6 +186,7 @@ class FakeWorker:
         self.more = False  # a search: more rounds may follow
         self.skip_to, self.skip_reason = 0, ""  # a probe cut short: rows below it recorded, never sent
         self.rounds_seen: list[dict] = []
+        self.wanted = 0  # the rows it last said it takes
         self.records = transport.Window(lambda payload: link.to_master(messages.RECORDS, payload))
         link.on(messages.PLAN, self.on_plan)
         link.on(messages.ROWS, self.on_rows)
@@ -201,7 +206,8 @@ class FakeWorker:
         return self.plan["worker"]
 
     def _want(self) -> int:
-        return self.total if self.hold is None else self.answered + self.hold
+        self.wanted = self.total if self.hold is None else self.answered + self.hold
+        return self.wanted
 
     def on_plan(self, data: messages.Plan, sender: str) -> None:
         self.link.to_master(messages.PLAN_ACK, messages.PlanAck(seq=data["seq"]))
@@ -240,7 +246,8 @@ class FakeWorker:
         self.total, self.more = data["rows"], data["more"]
         if "skip_to" in data:
             self.skip_to, self.skip_reason = data["skip_to"], data["skip_reason"]
-        self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
+        if self.wanted < self.total:  # as the Dispatcher: asks again only when it wanted fewer than it has now
+            self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
         self._answer()
 
     def _scheduled(self, row: TraceRow) -> float:
@@ -259,10 +266,11 @@ class FakeWorker:
                                            reason=self.skip_reason))
                 continue
             status = self.answer(row)
+            sent_at = self.clock.now() if self.late is None else scheduled + self.late(row)
             if status == 200:
-                batch.append(ok_record(row, self.index, scheduled, self.clock.now()))
+                batch.append(ok_record(row, self.index, scheduled, sent_at))
             else:
-                batch.append(failed_record(row, self.index, scheduled, self.clock.now(), status))
+                batch.append(failed_record(row, self.index, scheduled, sent_at, status))
         self.answered = max(self.answered, end)
         self._ship(batch)
         if batch and self.answered < self.total:

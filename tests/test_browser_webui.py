@@ -24,7 +24,7 @@ import requests
 from replay.engine.live import SUMMARY_FIGURES
 from replay.locust.webui import TAB_COLUMNS
 from replay.results.records import read_records
-from replay.rules.run_files import summary_path
+from replay.rules.run_files import capacity_path, summary_path
 from support.browser import BROWSERS, CHROMIUM_FLAGS, need
 from support.ports import free_port
 from support.processes import finish, start_web_locust, web_args
@@ -173,3 +173,35 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
         procs[0].send_signal(signal.SIGTERM)
         finish(procs, timeout=20)
     assert len(records) == rows and all(r["ok"] for r in records)
+
+
+def test_replay_view_of_a_capacity_search(tmp_path, toy_tokenizer_dir, sim, browser):
+    """A capacity search in the web UI (one process): the Replay view shows the probe under way
+    (its factor, rows, goodput so far), then the table of judged probes as OUTPUT.capacity.json
+    has them, and the bracket."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=41, gap_ms=50)
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = [*web_args(trace, toy_tokenizer_dir, sim.url, output, port), "--capacity-search", "--slo", "e2e_ms=60000",
+            "--search-range", "1:4", "--search-precision", "0.5", "--probe-duration", "2", "--cooldown", "0.2"]
+    procs = start_web_locust(tmp_path, args, workers=0)
+    try:
+        wait_for(lambda: requests.get(f"{base}/replay/stats", timeout=2).ok, "the web UI")
+        browser.get(base + "/")
+        wait_for(lambda: browser.find_elements("css selector", "form button[type=submit]"), "Start")[0].click()
+        wait_for(lambda: requests.get(f"{base}/replay/stats", timeout=2).json()["run"]["epoch"], "the run to start")
+        browser.get(base + "/replay")
+        wait_for(lambda: text(browser, "probe-factor").startswith("probe "), "the probe under way", timeout=30)
+        assert "rows " in text(browser, "probe-facts") and "target 99.0%" in text(browser, "probe-facts")
+        wait_for(lambda: text(browser, "state") == "FINISHED", "the search to finish in the page", timeout=90)
+        report = json.loads(capacity_path(output).read_text())
+        table = table_cells(browser, "#probes tbody tr")
+        assert [(row[0], row[4]) for row in table] == [(str(p["probe"]), p["verdict"]) for p in report["probes"]]
+        assert text(browser, "probe-factor") == f"result: {report['result']}"
+        assert "bracket:" in text(browser, "capacity-note")
+        severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not severe, severe
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        finish(procs, timeout=20)

@@ -14,24 +14,34 @@ from engine_support import FakeClock, FakeWorker, Hub, make_rows, spec_of
 from test_engine_pipeline import Run
 
 from replay.engine import coordinator as coordinator_module
+from replay.engine import probes as probes_module
 from replay.engine import transport
 from replay.engine.capacity import (
     AT_LEAST_HI,
     BELOW_LO,
+    CLIENT_LIMITED,
     FOUND,
+    INVALID,
     PASS,
+    WORKERS_LOST,
     Probe,
     Search,
     check_search,
     parse_range,
     quotable_line,
 )
+from replay.engine.plan import Schedule, decode_row
 from replay.engine.probes import max_probes
+from replay.engine.rounds import Part, Round
 from replay.engine.transport import LocalLink
 from replay.errors import OptionError
-from replay.results.records import PROBE_CUT
+from replay.results.records import PROBE_CUT, PROBE_INVALID
 from replay.rules.run_files import capacity_path
 from replay.run.options import ReplayOptions
+from replay.trace.amplify import Clones, amplify_trace
+from replay.trace.reader import TraceStream
+from replay.trace.sessions import find_sessions
+from support.traces import BLOCK, conversation_trace
 
 # -- the search, pure ------------------------------------------------------------------------------
 
@@ -105,7 +115,6 @@ BAD = [
     ({"cooldown": -1.0}, "--cooldown -1.0"),
     ({"max_requests": 10}, "--max-requests: not with --capacity-search"),
     ({"scale": 2.0}, "--scale 2: not with --capacity-search"),
-    ({"search_by": "amplify"}, "--search-by amplify: not yet"),
 ]
 
 
@@ -125,35 +134,50 @@ def test_the_range_parses():
 # -- the probes as rounds, in one process ------------------------------------------------------------
 
 
-def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None, **options):
-    """A search over `rows` rows (1 s of trace) against fake workers whose endpoint fails every
-    row of a probe above `capacity`."""
+def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None,
+               rows_of=lambda n: make_rows(n, gap_s=1.0 / n), late_from: float | None = None,
+               answer_first: dict[int, int] | None = None, cpu_from: float | None = None, **options):
+    """A search over `rows` rows (1 s of trace; `rows_of(rows)` makes them) against fake workers
+    whose endpoint fails every row of a probe above `capacity`, and which send every row of a
+    probe at `late_from` or above 50 ms late (a client that cannot keep up); worker i answers only
+    its first `answer_first[i]` rows (a worker to be lost holds the rest); from the probe at
+    `cpu_from` on, every worker reports 95% CPU use."""
     options = {"capacity_search": True, "slo": "ttft_ms=100", "probe_duration": 1.0, "cooldown": 1.0,
                "search_range": "0.25:16", "search_precision": 0.1, **options}
-    spec = spec_of(make_rows(rows, gap_s=1.0 / rows), tmp_path, **options)
+    spec = spec_of(rows_of(rows), tmp_path, **options)
     clock = FakeClock()
     holder: dict = {}
 
     def answer(row) -> int:
         probes = holder["run"].coordinator.probes
-        probe = probes.probes[(row.request_id - probes.first_id) // probes.stride]
+        probe = probes.probes[probes.probe_of(row.request_id)]
         return 200 if probe.factor <= capacity else 503
+
+    def late(row) -> float:
+        probes = holder["run"].coordinator.probes
+        return 0.05 if late_from is not None and probes.probes[probes.probe_of(row.request_id)].factor >= late_from else 0.0
+
+    def cpu(client_id: str) -> float:
+        probes = holder["run"].coordinator.probes.probes
+        return 95.0 if cpu_from is not None and probes and probes[-1].factor >= cpu_from else 20.0
 
     if workers == 1:
         link = LocalLink()
-        run = holder["run"] = Run(spec, link, clock)
-        fakes = [FakeWorker(link, answer=answer, clock=clock, hold=hold).hello()]
+        run = holder["run"] = Run(spec, link, clock, worker_cpu=cpu)
+        fakes = [FakeWorker(link, answer=answer, clock=clock, hold=hold, late=late).hello()]
         run.begin()
     else:
         hub = Hub()
-        run = holder["run"] = Run(spec, hub.master, clock)
-        fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock).hello() for i in range(workers)]
+        run = holder["run"] = Run(spec, hub.master, clock, worker_cpu=cpu)
+        run.hub = hub
+        fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock, late=late,
+                            answer_first=(answer_first or {}).get(i)).hello() for i in range(workers)]
         run.begin([(f"w{i}", i) for i in range(workers)])
     return run, fakes
 
 
 def test_a_search_in_one_run_finds_the_capacity_and_writes_its_files(tmp_path, capsys):
-    run, (fake,) = search_run(tmp_path, capacity=3.0)
+    run, (fake,) = search_run(tmp_path, capacity=3.0, search_by="scale")
     records = run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     best, worst = report["bracket"]
@@ -182,7 +206,7 @@ def test_a_search_in_one_run_finds_the_capacity_and_writes_its_files(tmp_path, c
 def test_a_failing_probe_is_cut_short_and_its_unsent_rows_labelled(tmp_path, monkeypatch):
     monkeypatch.setattr(coordinator_module, "CHUNK_ROWS", 10)
     monkeypatch.setattr(transport, "HOLD_ROWS", 20)
-    run, (fake,) = search_run(tmp_path, capacity=0.5, rows=100, hold=20)  # the first probe (1x) fails
+    run, (fake,) = search_run(tmp_path, capacity=0.5, rows=100, hold=20, search_by="scale")  # the first probe (1x) fails
     records = run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     first = [r for r in records.values() if r["probe"] == 0]
@@ -202,10 +226,13 @@ def test_a_server_failing_every_probe_is_below_lo_with_exit_code_1(tmp_path, cap
     assert "Capacity: below 0.5x this trace's load" in capsys.readouterr().out
 
 
-def test_a_search_with_two_workers_gives_the_same_answer(tmp_path):
-    one, _ = search_run(tmp_path / "one", capacity=3.0)
+@pytest.mark.parametrize("search_by", ["amplify", "scale"])
+def test_a_search_with_two_workers_gives_the_same_answer(tmp_path, search_by):
+    # the one worker takes more rows than a probe has (as the Dispatcher's HOLD_ROWS does): it
+    # asks for no more when a round is added, so the master grants the new round's chunks itself
+    one, _ = search_run(tmp_path / "one", capacity=3.0, search_by=search_by, hold=1000)
     one.finish()
-    two, fakes = search_run(tmp_path / "two", capacity=3.0, workers=2)
+    two, fakes = search_run(tmp_path / "two", capacity=3.0, workers=2, search_by=search_by)
     records = two.finish()
     a = orjson.loads(capacity_path(one.spec.output).read_bytes())
     b = orjson.loads(capacity_path(two.spec.output).read_bytes())
@@ -213,10 +240,149 @@ def test_a_search_with_two_workers_gives_the_same_answer(tmp_path):
     assert {r["worker"] for r in records.values()} == {0, 1}
 
 
+@pytest.mark.parametrize(("capacity", "late_from"), [(3.0, 4.0), (1.5, 2.0)])
+def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_path, capsys, capacity, late_from):
+    """Probes from `late_from` on are sent 50 ms late (drift p99 over 10 ms): whether the server
+    would have passed it (3x) or failed it (1.5x), the probe is client-limited, not a server
+    failure, and the search ends there with exit code 1 and a line saying to add workers."""
+    run, _ = search_run(tmp_path, capacity=capacity, late_from=late_from)
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    probes = report["probes"]
+    assert [p["factor"] for p in probes] == [1.0, 2.0, 4.0][: 2 + (late_from == 4.0)]
+    assert [p["verdict"] for p in probes[:-1]] == [PASS] * (len(probes) - 1)
+    assert probes[-1]["verdict"] == CLIENT_LIMITED and probes[-1]["drift_p99_ms"] > 10
+    assert report["result"] == CLIENT_LIMITED and report["bracket"] == [late_from / 2, None]
+    assert run.exit_codes == [1]
+    assert "add workers" in capsys.readouterr().out
+
+
+def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, monkeypatch, capsys):
+    """A worker reporting 95% CPU use while the 4x probe runs: client-limited, though its sends
+    were on time; 20% in the probes before it counts for nothing."""
+    monkeypatch.setattr(probes_module, "CPU_LAG_S", -math.inf)  # fake workers answer before the sends are due
+    run, _ = search_run(tmp_path, capacity=3.0, workers=2, cpu_from=4.0)
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [(p["factor"], p["verdict"], p["cpu_peak_pct"]) for p in report["probes"]] == \
+        [(1.0, PASS, 20.0), (2.0, PASS, 20.0), (4.0, CLIENT_LIMITED, 95.0)]
+    assert report["result"] == CLIENT_LIMITED and run.exit_codes == [1]
+    assert "CPU at 90%" in capsys.readouterr().out
+
+
 def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):
-    run, _ = search_run(tmp_path, capacity=3.0)
+    run, _ = search_run(tmp_path, capacity=3.0, search_by="scale")
     run.until(lambda: len(run.coordinator.probes.probes) >= 2)
     records = run.end()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert len(records) == 40 * len(report["probes"])
     assert report["result"] == "stopped"
+
+
+# -- --search-by amplify: a probe's rows are `replay trace amplify`'s ----------------------------------
+
+
+@pytest.mark.parametrize("factor", [2.5, 0.5])
+def test_an_amplify_probe_sends_what_replay_trace_amplify_writes(tmp_path, factor):
+    """The window amplified in memory, split across two workers' parts, is the file the CLI
+    writes from the same rows with the same seed (one rule: replay.trace.amplify.Clones), each
+    part in send order."""
+    trace = conversation_trace(tmp_path / "conv.jsonl", conversations=30)
+    out = tmp_path / "out.jsonl"
+    amplify_trace(lambda: TraceStream(trace, None, BLOCK), out, factor, seed=7)
+    with open(out) as f:
+        written = sorted((round(r["timestamp"], 2), r["session_id"], tuple(r["hash_ids"]), r["input_length"],
+                          r["output_length"]) for r in map(orjson.loads, f))
+    schedule = Schedule(TraceStream(trace, None, BLOCK))
+    sessions = find_sessions(lambda: schedule.rows(range(len(schedule))))
+    stride = 10_000
+    rounds = [Round(0, factor, 0.0, schedule.origin, stride, 0, Clones(sessions, factor, seed=7))]
+    sent, ids = [], set()
+    for positions in schedule.partition(2, "session"):
+        part = Part(schedule, positions, rounds, 7)
+        rows = [decode_row(data) for chunk in part.round_chunks(0) for data in chunk["rows"]]
+        times = [row.timestamp_s for row in rows]
+        assert times == sorted(times)
+        assert [part.request_id(i) for i in range(len(part))] == [row.request_id for row in rows]
+        ids.update(row.request_id for row in rows)
+        sent += [(round(row.timestamp_s * 1000, 2), row.session_id, row.hash_ids, row.input_length, row.output_length)
+                 for row in rows]
+    assert sorted(sent) == written
+    assert len(ids) == len(sent)  # every copy its own request id
+
+
+def session_rows(count: int, sessions: int) -> list:
+    """`count` rows over 1 s, row i in session i % sessions, whose turns extend their ids; id 0
+    is shared by every row (a system prompt)."""
+    rows = make_rows(count, gap_s=1.0 / count, sessions=sessions)
+    for row in rows:
+        s, turn = int(row.session_id[1:]), row.request_id // sessions
+        row.hash_ids = (0,) + tuple(1000 * (s + 1) + t for t in range(turn + 1))
+    return rows
+
+
+def test_an_amplify_search_sends_k_times_the_sessions_at_the_traces_pace(tmp_path):
+    run, _ = search_run(tmp_path, capacity=3.0, rows=40, search_by="amplify", seed=3,
+                        rows_of=lambda n: session_rows(n, 8))
+    records = run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    best, worst = report["bracket"]
+    assert report["result"] == FOUND and best <= 3.0 < worst and worst / best <= 1.1
+    probes = report["probes"]
+    for p in probes:
+        mine = [r for r in records.values() if r["probe"] == p["probe"]]
+        assert len(mine) == p["rows"]
+        if p["factor"] == int(p["factor"]):
+            assert p["rows"] == 40 * p["factor"]  # whole sessions k times
+        sessions = {r["session_id"] for r in mine}
+        copies = Counter(s.split("#")[0] for s in sessions)
+        assert set(copies) == {f"s{i}" for i in range(8)}
+        assert max(copies.values()) - min(copies.values()) <= 1
+        # the trace's pace, not compressed: a probe's sends span about the window (1 s)
+        times = [r["scheduled_at"] for r in mine]
+        assert 0.8 <= max(times) - min(times) <= 1.0 + 1e-6
+    assert len(records) == sum(p["rows"] for p in probes)
+
+
+# -- a worker lost during a probe ---------------------------------------------------------------------
+
+
+def lose_during(run, probe: int, client_id: str) -> None:
+    """Cut `client_id` off as probe `probe` opens (its rows of the probe are never answered:
+    search_run's `answer_first` holds them)."""
+    run.until(lambda: len(run.coordinator.probes.probes) > probe)
+    run.hub.cut.add(client_id)
+    run.gone.add(client_id)
+
+
+@pytest.mark.parametrize("search_by", ["amplify", "scale"])
+def test_a_worker_lost_during_a_probe_makes_it_invalid_and_it_is_repeated_once(tmp_path, search_by):
+    run, fakes = search_run(tmp_path, capacity=3.0, workers=2, search_by=search_by, answer_first={1: 20})
+    lose_during(run, 1, "w1")
+    records = run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    probes = report["probes"]
+    assert probes[1]["verdict"] == INVALID and probes[1]["factor"] == 2.0
+    assert probes[2]["factor"] == 2.0 and probes[2]["repeat_of"] == 1 and probes[2]["verdict"] == PASS
+    best, worst = report["bracket"]
+    assert report["result"] == FOUND and best <= 3.0 < worst and worst / best <= 1.1
+    assert run.exit_codes == []
+    # the repeat and every later probe: all their rows, sent by the worker left
+    for p in probes[2:]:
+        mine = [r for r in records.values() if r["probe"] == p["probe"]]
+        assert len(mine) == p["rows"] and {r["worker"] for r in mine} == {0}
+    lost = Counter(r["error"] for r in records.values() if r["probe"] == 1 and not r["ok"])
+    assert lost and all(label.startswith("worker lost") or label == PROBE_INVALID for label in lost), lost
+
+
+def test_a_worker_lost_during_the_repeat_too_ends_the_search_with_exit_code_1(tmp_path, capsys):
+    # 40 rows round-robin: 14, 13, 13; at 2x, 26 for w2, which inherits w1's 13 for the repeat
+    run, _ = search_run(tmp_path, capacity=3.0, workers=3, answer_first={1: 13, 2: 13 + 26})
+    lose_during(run, 1, "w1")
+    lose_during(run, 2, "w2")
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [p["verdict"] for p in report["probes"]] == [PASS, INVALID, INVALID]
+    assert report["result"] == WORKERS_LOST and report["bracket"] == [1.0, None]
+    assert run.exit_codes == [1]
+    assert "workers were lost during a probe and again during its repeat" in capsys.readouterr().out

@@ -7,6 +7,7 @@ their absence fails the test, elsewhere it skips with the reason.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import random
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.results.html import PLOTS
+from replay.results.html import CAPACITY_PLOT, PLOTS
 from support.browser import BROWSERS, CHROMIUM_FLAGS, need
 from support.records import T0, ok_record, record
 from support.traces import mooncake_trace
@@ -111,3 +112,38 @@ def test_missing_plotting_extra_is_said_clearly(tmp_path, toy_tokenizer_dir):
     assert "Serving Benchmark Result" in proc.stdout
     assert json.loads(summary.read_text())["requests"] == 20
     assert not (tmp_path / "r.html").exists()
+
+
+def capacity_probe(number: int, factor: float, goodput: float, verdict: str, ttft_p99: float) -> dict:
+    return {"probe": number, "factor": factor, "rows": 100, "ok": 100, "good": round(100 * goodput),
+            "goodput": goodput, "verdict": verdict, "ttft_ms": {"p50": ttft_p99 / 2, "p99": ttft_p99},
+            "tpot_ms": {"p50": 1.0, "p99": 2.0}, "e2e_ms": {"p50": ttft_p99, "p99": 2 * ttft_p99},
+            "drift_p99_ms": 0.5, "seconds": 5.0, "repeat_of": None}
+
+
+def test_a_capacity_search_run_gets_goodput_and_latency_against_load_first(tmp_path, plotting):
+    """A run with an OUTPUT.capacity.json: the report's first plot is goodput and latency p99
+    against the load factor with the bracket marked, and the quotable line leads the page."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=100)
+    results = results_for(trace, tmp_path / "run.jsonl")
+    probes = [capacity_probe(0, 1.0, 1.0, "pass", 20), capacity_probe(1, 2.0, 0.3, "fail early", 400),
+              capacity_probe(2, 1.414, 0.995, "pass", 45), capacity_probe(3, 1.682, 0.9, "fail", 90),
+              capacity_probe(4, 1.542, 0.97, "client-limited", 60)]
+    capacity = {"slo": {"ttft_ms": 60.0}, "goodput_target": 0.99, "search_by": "amplify", "range": [0.25, 64],
+                "precision": 0.2, "probes": probes, "capacity": 1.414, "bracket": [1.414, 1.682],
+                "result": "found", "seconds": 30.0}
+    (tmp_path / "run.jsonl.capacity.json").write_text(json.dumps(capacity))
+    page, pngs = tmp_path / "report.html", tmp_path / "png"
+    proc = subprocess.run([sys.executable, "-m", "replay", "report", str(results), "--html", str(page), "--png-dir",
+                           str(pngs)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    line = "Capacity: 1.41x this trace's load (1.41x passes, 1.68x fails) at goodput >= 99% with ttft_ms <= 60 ms"
+    assert f'<p id="capacity"><b>{html.escape(line)}</b></p>' in text
+    figures = re.findall(r'<figure id="plot-([\w-]+)" class="plot">', text)
+    assert figures[0] == CAPACITY_PLOT[0] and set(figures[1:]) >= {name for name, _ in PLOTS}
+    plot = re.search(r'<figure id="plot-capacity" class="plot">(.*?)</figure>', text, re.S).group(1)
+    assert CAPACITY_PLOT[1] in plot and len(re.findall(r"<path", plot)) >= 10
+    for label in ("bracket", "target", "not counted", "TTFT p99", "ttft_ms &lt;= 60"):
+        assert label in plot, label
+    assert (pngs / "capacity.png").read_bytes().startswith(b"\x89PNG")

@@ -16,7 +16,7 @@ from replay.engine.live import SUMMARY_FIGURES, LiveStats
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.locust.webui import tab_rows
 from replay.results.summary import percentile
-from replay.rules.run_files import summary_path
+from replay.rules.run_files import capacity_path, summary_path
 
 ROWS = 40
 
@@ -70,3 +70,33 @@ def test_the_finished_view_shows_the_whole_run_as_the_summary(tmp_path):
     (worker, everyone) = tab_rows(final)
     assert everyone["drift_p99_ms"] == worker["drift_p99_ms"] == final["latest"]["drift_p99_ms"]
     assert everyone["failed"] == worker["failed"] == 0 and everyone["rows_sent"] == worker["rows_sent"] == ROWS
+
+
+def test_a_capacity_search_shows_its_probe_under_way_and_those_judged(tmp_path):
+    link, clock = LocalLink(), FakeClock()
+    spec = spec_of(make_rows(ROWS, gap_s=1.0 / ROWS), tmp_path, capacity_search=True, slo="ttft_ms=100",
+                   probe_duration=1.0, cooldown=1.0, search_range="0.5:4", search_precision=0.1)
+    coordinator = Coordinator(spec, link, clock)
+    stats = LiveStats(coordinator)
+    assert LiveStats(Coordinator(spec_of(make_rows(2), tmp_path / "plain"), LocalLink(), clock)).snapshot()["capacity"] is None
+    fake = FakeWorker(link, clock=clock, answer_first=ROWS + 50).hello()  # probe 0 (1x), then 50 of probe 1's 80 rows
+    gevent.sleep(0.001)
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    clock.drive(lambda: fake.answered == ROWS + 50 and coordinator.recorded == ROWS + 50)
+
+    capacity = stats.snapshot()["capacity"]
+    assert capacity["current"] == {"probe": 1, "factor": 2.0, "rows": 2 * ROWS, "recorded": 50, "good": 50,
+                                   "goodput_so_far": 1.0, "can_pass": True, "repeat_of": None}
+    assert [(p["probe"], p["factor"], p["verdict"]) for p in capacity["probes"]] == [(0, 1.0, "pass")]
+    assert capacity["bracket"] == [1.0, None] and capacity["result"] is None
+
+    fake.release(10_000)
+    clock.drive(coordinator.finished.is_set)
+    ending = gevent.spawn(coordinator.end)
+    clock.drive(lambda: ending.dead)
+    stats.on_stop()
+    final = stats.snapshot()["capacity"]
+    report = json.loads(capacity_path(spec.output).read_text())
+    assert final["current"] is None and final["result"] == report["result"] == "at least HI"
+    assert [(p["factor"], p["verdict"], p["rows"]) for p in final["probes"]] == \
+        [(p["factor"], p["verdict"], p["rows"]) for p in report["probes"]]

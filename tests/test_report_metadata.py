@@ -36,7 +36,8 @@ options = ReplayOptions(trace=trace, block_size=16, tokenizer=tokenizer, api="op
                         header=["Authorization: Bearer secret"])
 c = Coordinator(preflight.load(options, "http://127.0.0.1:9"), LocalLink())
 c.workers["local"] = WorkerState("local", 0, c.schedule.partition(1)[0], part=None, window=None, plan=None,
-                                plan_window=None, go_window=None, round_window=None, ready=True, clock_offset_ms=0.25, rtt_ms=0.1)
+                                plan_window=None, go_window=None, round_window=None, ready=True, clock_offset_ms=0.25,
+                                rtt_ms=0.1)
 c.epoch, c.started_at = t0 + 0.5, t0
 print(write_run_metadata(output, c.metadata()))
 """

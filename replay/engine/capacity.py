@@ -17,14 +17,18 @@ from replay.results.report import meets_slo
 from replay.results.summary import percentile
 
 SEARCH_BY = ("amplify", "scale")
-BUILT_SEARCH_BY = ("scale",)  # amplify: `replay trace amplify`'s rows, not yet plugged into a probe
 GROWTH = 2.0  # while probes pass, the next factor is this many times the last
 CLIENT_DRIFT_P99_MS = 10.0  # a probe whose sends were later than this at p99 measured the client, not the server
+CLIENT_CPU_PERCENT = 90.0  # nor one during which a worker reported this much CPU use (Locust's own warning's)
 MAX_COOLDOWN_S = 60.0  # the default cooldown waits for idle servers at most this long
 NO_METRICS_COOLDOWN_S = 5.0  # and this long when the servers' /metrics are not scraped
 
 PASS, FAIL, FAIL_EARLY, CLIENT_LIMITED = "pass", "fail", "fail early", "client-limited"
+INVALID = "invalid"  # a worker was lost during the probe: it says nothing, and is repeated once
 FOUND, BELOW_LO, AT_LEAST_HI = "found", "below LO", "at least HI"
+WORKERS_LOST = "workers lost"  # a probe and its repeat were both invalid: the search ended there
+STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer
+NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED)  # results whose run's exit code is 1
 
 
 def parse_range(text: str) -> tuple[float, float]:
@@ -49,8 +53,8 @@ def check_search(options) -> None:
     preflight's (it needs the trace)."""
     if not options.slo:
         raise OptionError("--capacity-search needs --slo: the limits a probe's rows must meet")
-    if options.search_by not in BUILT_SEARCH_BY:
-        raise OptionError(f"--search-by {options.search_by}: not yet; use --search-by scale")
+    if options.search_by not in SEARCH_BY:
+        raise OptionError(f"--search-by {options.search_by}: expected one of {', '.join(SEARCH_BY)}")
     parse_range(options.search_range)
     if not (math.isfinite(options.search_precision) and options.search_precision > 0):
         raise OptionError(f"--search-precision {options.search_precision}: must be a finite number > 0")
@@ -134,6 +138,9 @@ class Probe:
     ok: int = 0
     good: int = 0
     cut: bool = False  # failed early: its unsent rows were recorded as PROBE_CUT
+    invalid: bool = False  # a worker was lost during it: its unsent rows were recorded as PROBE_INVALID
+    repeat_of: int | None = None  # the number of the invalid probe this one repeats
+    cpu_peak: float | None = None  # the most CPU (% of a core) a worker reported while it ran; None: not known
     values: dict[str, array] = field(default_factory=lambda: {k: array("d") for k in
                                                               ("ttft_ms", "tpot_ms", "e2e_ms", "drift_ms")})
 
@@ -168,8 +175,10 @@ class Probe:
 
     @property
     def verdict(self) -> str:
-        drift = self.drift_p99_ms  # the client is never what fails a probe: a late client wins over a cut
-        if drift is not None and drift > CLIENT_DRIFT_P99_MS:
+        if self.invalid:
+            return INVALID
+        drift = self.drift_p99_ms  # the client is never what fails a probe: a late or busy client wins over a cut
+        if (drift is not None and drift > CLIENT_DRIFT_P99_MS) or (self.cpu_peak or 0.0) >= CLIENT_CPU_PERCENT:
             return CLIENT_LIMITED
         if self.cut:
             return FAIL_EARLY
@@ -180,17 +189,18 @@ class Probe:
         seconds = (self.ended_at - self.started_at) if self.started_at is not None and self.ended_at else None
         return {"probe": self.number, "factor": self.factor, "rows": self.rows, "ok": self.ok, "good": self.good,
                 "goodput": self.goodput, "verdict": self.verdict, **latency, "drift_p99_ms": self.drift_p99_ms,
-                "seconds": seconds}
+                "seconds": seconds, "repeat_of": self.repeat_of, "cpu_peak_pct": self.cpu_peak}
 
 
 def capacity_report(search: Search, probes: list[Probe], *, slo: dict[str, float], target: float, search_by: str,
-                    precision: float, seconds: float | None, client_limited: bool) -> dict:
-    """OUTPUT.capacity.json's content (docs/capacity.md)."""
+                    precision: float, seconds: float | None, ended: str | None = None) -> dict:
+    """OUTPUT.capacity.json's content (docs/capacity.md). `ended`: what ended the search before
+    it had its answer (CLIENT_LIMITED, WORKERS_LOST); None: the search itself, or a stop."""
     best, worst = search.bracket
     return {
         "slo": slo, "goodput_target": target, "search_by": search_by, "range": [search.lo, search.hi],
         "precision": precision, "probes": [p.to_dict() for p in probes], "capacity": best, "bracket": [best, worst],
-        "result": CLIENT_LIMITED if client_limited else (search.result or "stopped"), "seconds": seconds,
+        "result": ended or search.result or STOPPED, "seconds": seconds,
     }
 
 
@@ -206,10 +216,18 @@ def quotable_line(report: dict) -> str:
         return f"Capacity: at least {best:g}x this trace's load (the most tried, --search-range) {at}"
     if result == CLIENT_LIMITED:
         return ("Capacity: not measured: the client could not send on time (dispatch drift p99 over "
-                f"{CLIENT_DRIFT_P99_MS:g} ms); add workers and run the search again")
+                f"{CLIENT_DRIFT_P99_MS:g} ms, or a worker's CPU at {CLIENT_CPU_PERCENT:g}%); add workers and run "
+                "the search again")
+    if result == WORKERS_LOST:
+        return (f"Capacity: not measured: workers were lost during a probe and again during its repeat "
+                f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
     if best is None or worst is None:
         return f"Capacity: not known (the search was {result}) {at}"
     return f"Capacity: {best:.3g}x this trace's load ({best:.3g}x passes, {worst:.3g}x fails) {at}"
+
+
+def _side(factor: float | None) -> str:
+    return "none" if factor is None else f"{factor:.3g}x"
 
 
 def _pct(target: float) -> str:

@@ -102,6 +102,7 @@ class WorkerState:
     rtt_ms: float | None = None
     failed: int = 0
     acked: set[int] = field(default_factory=set)  # ROWS chunks the worker confirmed holding
+    want: int = 0  # the rows it takes (at first HOLD_ROWS, then its RowsAck.want): granted again as rounds are added
 
     def holds(self, i: int) -> bool:
         """Whether the worker confirmed receiving its `i`-th row."""
@@ -139,18 +140,25 @@ def _ignore_exit_code(code: int) -> None:
     pass
 
 
+def _no_cpu(client_id: str) -> float | None:
+    return None
+
+
 class Coordinator:
     """The master's side, for the run `spec`. What it needs of the runner it is given, not
     looked up: `worker_gone` (whether the runner lost a worker, by client id), `worker_host` (a
-    worker's host name, for the metadata; None: this host's) and `on_exit_code` (called with 1
-    when any row failed). The runner's target host is the spec's. `local_part` is a local run's
+    worker's host name, for the metadata; None: this host's), `on_exit_code` (called with 1
+    when any row failed) and `worker_cpu` (a worker's last reported CPU use, percent of a core;
+    None: not known; a capacity search's probes read it). The runner's target host is the spec's. `local_part` is a local run's
     own Dispatcher; `heard` the workers that said HELLO before it was built (listen_for_hellos)."""
 
     def __init__(self, spec: RunSpec, link: transport.Link, clock: Clock = SYSTEM_CLOCK, *, local_part=None,
                  heard: Iterable[str] = (), worker_gone: Callable[[str], bool] = _never_gone,
                  worker_host: Callable[[str], str | None] = _no_hostname,
-                 on_exit_code: Callable[[int], None] = _ignore_exit_code):
+                 on_exit_code: Callable[[int], None] = _ignore_exit_code,
+                 worker_cpu: Callable[[str], float | None] = _no_cpu):
         self.spec = spec
+        self.worker_cpu = worker_cpu
         self.clock = clock
         self.worker_gone = worker_gone
         self.worker_host = worker_host
@@ -226,8 +234,7 @@ class Coordinator:
         (over --max-prompt-tokens) recorded."""
         self._write_first_meta(workers)
         first, last = self.schedule.request_id_range()
-        if self.probes is not None:  # room for every probe's request ids
-            last += self.probes.stride * self.probes.max_probes
+        # a search's probes take room for their request ids as they open (Probes._open)
         self.store = RecordStore(self.output, first, last, on_fault=self.on_output_error)
         self._record_oversized()
 
@@ -272,7 +279,8 @@ class Coordinator:
             go_window = transport.Window(self._sender(client_id, messages.GO), size=1, resend_s=GO_RESEND_S)
             round_window = transport.Window(self._sender(client_id, messages.ROUND), size=1, resend_s=PLAN_RESEND_S)
             state = self.workers[client_id] = WorkerState(client_id, index, positions, part, window, plan,
-                                                          plan_window, go_window, round_window)
+                                                          plan_window, go_window, round_window,
+                                                          want=transport.HOLD_ROWS)
             if client_id in self.heard:
                 self._send_plan(state)
         logger.info("replay: %d rows across %d worker(s), output %s", len(self.schedule), len(workers), self.output)
@@ -306,7 +314,8 @@ class Coordinator:
             if seq is not None:
                 state.acked.add(seq)
                 state.window.ack(seq)
-            state.window.grant(state.part.chunks_below(data["want"]))
+            state.want = max(state.want, data["want"])
+            state.window.grant(state.part.chunks_below(state.want))
 
     def on_round_ack(self, data: messages.RoundAck, sender: str) -> None:
         state = self.workers.get(sender)
@@ -320,13 +329,14 @@ class Coordinator:
         """A search's next probe: its rows are shipped to every live worker, each told its part grew."""
         self.rounds.append(round_)
         r = len(self.rounds) - 1
-        self.last_due = self.epoch + round_.offset_s + self.window_seconds() / round_.factor
+        self.last_due = self.epoch + round_.offset_s + self.window_seconds() / round_.speedup
         for w in self.workers.values():
             if w.lost:
-                self._fill(w.part.round_range(r), w.index, w.unrecorded_label())
+                self._fill(w.part, w.part.round_range(r), w.index, w.unrecorded_label())
                 continue
             w.round_window.put(messages.Round(rows=len(w.part), more=True))  # type: ignore[typeddict-item]
             w.window.feed(w.part.round_chunks(r))
+            w.window.grant(w.part.chunks_below(w.want))  # a worker that wants rows past the last round's takes the new
         if not self.workers:  # no worker at all: nobody sends them
             self._fill(self.whole, self.whole.round_range(r), None, NO_RECORD)
 
@@ -412,8 +422,8 @@ class Coordinator:
         if not force and self.scraper is not None and not self.scraper.first_round.is_set():
             return  # the servers' counters are read once before the first send
         self.epoch = self.clock.now() + GO_LEAD_S
-        factor = self.rounds[0].factor if self.probes is not None else 1.0
-        self.last_due = self.epoch + self.window_seconds() / factor
+        speedup = self.rounds[0].speedup if self.probes is not None else 1.0
+        self.last_due = self.epoch + self.window_seconds() / speedup
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
@@ -504,6 +514,10 @@ class Coordinator:
             if not state.lost and self.worker_gone(state.client_id):
                 state.lost = True
                 state.close()
+                if self.probes is not None:  # the probe under way is invalid; later ones go to the workers left
+                    self.probes.worker_lost(state.index)
+                    if heirs := self.live_workers():
+                        state.part.hand_over(min(heirs, key=lambda w: len(w.part.positions)).part)
                 # placeholders: replaced if the worker's own records still arrive
                 label = state.unrecorded_label()
                 lost = self._fill(state.part, range(len(state.part)), state.index, label, placeholder=True)
@@ -516,6 +530,8 @@ class Coordinator:
         while not self.finished.is_set():
             self.clock.sleep(TICK_S)
             self._check_workers()
+            if self.probes is not None:
+                self.probes.sample_cpu()
             if self.epoch is None and self.clock.now() - self.started_at > READY_TIMEOUT_S:
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)
                 self._maybe_go(force=True)

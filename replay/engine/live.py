@@ -294,6 +294,7 @@ class LiveStats:
             "errors": dict(self.errors.most_common()),
             "run": self.run_info(now),
             "servers": self.servers.info(self.coordinator.scrapes),
+            "capacity": self.coordinator.probes.live() if self.coordinator.probes is not None else None,
         }
 
     def run_ticks(self) -> None:

@@ -12,25 +12,30 @@ from __future__ import annotations
 
 import logging
 import math
+from array import array
+from bisect import bisect_right
 from typing import TYPE_CHECKING
 
 import gevent
 
 from replay.engine.capacity import (
-    BELOW_LO,
     CLIENT_LIMITED,
+    INVALID,
     MAX_COOLDOWN_S,
     NO_METRICS_COOLDOWN_S,
     PASS,
+    WORKERS_LOST,
     Probe,
     Search,
     capacity_report,
     parse_range,
 )
 from replay.engine.rounds import Round
-from replay.results.records import OVERSIZED, PROBE_CUT
+from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID
 from replay.results.report import parse_slo
 from replay.results.server_metrics import GAUGES
+from replay.trace.amplify import Clones
+from replay.trace.sessions import Sessions, find_sessions
 
 if TYPE_CHECKING:
     from replay.engine.coordinator import Coordinator
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROUND_LEAD_S = 2.0  # from a probe's decision to its first send: its rows reach the workers and are built
+CPU_LAG_S = 5.0  # a worker's CPU use is Locust's average over this long (CPU_MONITOR_INTERVAL): read once the probe has sent as long
 
 
 def max_probes(search: Search) -> int:
@@ -60,39 +66,64 @@ class Probes:
         self.cooldown_s = options.cooldown
         first, last = coordinator.schedule.request_id_range()
         self.first_id = first
-        self.stride = max(last - first + 1, 1)  # a probe's request ids: the trace's + probe * stride
+        self.stride = max(last - first + 1, 1)  # a probe's request ids: the trace's + slot * stride (rounds.Round)
         self.max_probes = max_probes(self.search)
+        self.slots = array("q")  # per probe: its first request-id slot
+        self.next_slot = 0
+        self.amplify = options.search_by == "amplify"
+        self._sessions: Sessions | None = None  # the window's (amplify), found once
         self.probes: list[Probe] = []
-        self.client_limited = False
+        self.ended: str | None = None  # CLIENT_LIMITED, WORKERS_LOST: what ended the search without an answer
         self.over = False
+        self.finished: list[dict] = []  # the judged probes' figures (Probe.to_dict), for the Replay view
         self.busy: float | None = None  # the servers' running + waiting at their last scrape; None: not known
         self.started_at: float | None = None
         self._next: gevent.Greenlet | None = None
         coordinator.scrape_listeners.append(self.on_scrape)
 
-    @property
-    def rows(self) -> int:
-        """Rows a probe sends: the window's (those over the prompt limit are recorded once, never sent)."""
-        return len(self.c.schedule)
+    def clones(self, factor: float) -> Clones | None:
+        """The window's copies at `factor` (--search-by amplify), chosen by --seed; None: scale."""
+        if not self.amplify:
+            return None
+        if self._sessions is None:
+            schedule = self.c.schedule
+            self._sessions = find_sessions(lambda: schedule.rows(range(len(schedule))))
+        return Clones(self._sessions, factor, self.c.options.seed)
+
+    def probe_of(self, request_id: int) -> int:
+        """The number of the probe a request id is of (-1: none)."""
+        slot = (request_id - self.first_id) // self.stride
+        return bisect_right(self.slots, slot) - 1 if slot >= 0 else -1
 
     def first_round(self) -> Round:
         self.started_at = self.c.clock.now()
         round_ = self._open(self.search.next_factor(), 0.0)
         return round_
 
-    def _open(self, factor: float, offset_s: float) -> Round:
-        probe = Probe(len(self.probes), factor, self.rows, self.slo, self.target, started_at=self.c.clock.now())
+    def _open(self, factor: float, offset_s: float, repeat_of: int | None = None) -> Round:
+        """Probe `factor`'s round, its rows (those over the prompt limit are recorded once, never
+        sent) counted and its request ids' slots taken."""
+        clones = self.clones(factor)
+        rows = clones.rows() if clones is not None else len(self.c.schedule)
+        slot = self.next_slot
+        round_ = Round(len(self.probes), factor, offset_s, self.c.origin, self.stride, slot, clones)
+        self.next_slot += round_.slots
+        self.slots.append(slot)
+        probe = Probe(len(self.probes), factor, rows, self.slo, self.target, started_at=self.c.clock.now(),
+                      repeat_of=repeat_of)
         self.probes.append(probe)
-        self.c.total = len(self.c.schedule.oversized) + self.rows * len(self.probes)
+        self.c.total = len(self.c.schedule.oversized) + sum(p.rows for p in self.probes)
+        if self.c.store is not None:  # room for its request ids
+            self.c.store.grow(self.first_id + (slot + round_.slots) * self.stride - 1)
         logger.info("capacity search: probe %d at %gx this trace's load (%d rows)", probe.number, factor, probe.rows)
-        return Round(probe.number, factor, offset_s, self.c.origin, self.stride)
+        return round_
 
     def label(self, records: list[dict]) -> None:
         """Each record's probe and factor, read off its request id."""
         for record in records:
             if record.get("error") and record["error"].startswith(OVERSIZED):
                 continue
-            number = (record["request_id"] - self.first_id) // self.stride
+            number = self.probe_of(record["request_id"])
             if 0 <= number < len(self.probes):
                 record["probe"], record["factor"] = number, self.probes[number].factor
 
@@ -105,7 +136,7 @@ class Probes:
                 self.probes[record["probe"]].add(record)
         if current.ended_at is not None:
             return
-        if not current.cut and not current.complete and current.hopeless:
+        if not current.cut and not current.invalid and not current.complete and current.hopeless:
             current.cut = True
             logger.warning("capacity search: probe %d (%gx) can no longer reach goodput %g: its unsent rows are "
                            "recorded as %r", current.number, current.factor, self.target, PROBE_CUT)
@@ -113,15 +144,44 @@ class Probes:
         if current.complete:
             self._judge(current)
 
+    def sample_cpu(self) -> None:
+        """The live workers' CPU use into the probe under way's peak, once it has sent for
+        CPU_LAG_S (before, the figure still covers the building of its rows, or the previous
+        probe), and once more as it is judged."""
+        c = self.c
+        if self.over or not self.probes or self.probes[-1].ended_at is not None or c.epoch is None:
+            return
+        if c.clock.now() < c.epoch + c.rounds[-1].offset_s + CPU_LAG_S:
+            return
+        probe = self.probes[-1]
+        for w in c.live_workers():
+            cpu = c.worker_cpu(w.client_id)
+            if cpu is not None and (probe.cpu_peak is None or cpu > probe.cpu_peak):
+                probe.cpu_peak = cpu
+
     def _judge(self, probe: Probe) -> None:
+        self.sample_cpu()
         probe.ended_at = self.c.clock.now()
         verdict = probe.verdict
+        self.finished.append(probe.to_dict())
         logger.info("capacity search: probe %d at %gx: %s (goodput %.4f, drift p99 %s ms)", probe.number,
                     probe.factor, verdict, probe.goodput, _num(probe.drift_p99_ms))
+        if verdict == INVALID:
+            if probe.repeat_of is not None:
+                self.ended = WORKERS_LOST
+                logger.error("capacity search: probe %d at %gx, the repeat of probe %d, lost a worker too: the "
+                             "search ends here", probe.number, probe.factor, probe.repeat_of)
+                self._finish()
+                return
+            logger.warning("capacity search: probe %d at %gx is invalid (a worker was lost): it is repeated with "
+                           "the workers left", probe.number, probe.factor)
+            self._next = gevent.spawn(self._after_cooldown, probe.factor, probe.number)
+            return
         if verdict == CLIENT_LIMITED:
-            self.client_limited = True
-            logger.error("capacity search: probe %d at %gx was limited by the client (dispatch drift p99 %s ms): "
-                         "add workers and search again", probe.number, probe.factor, _num(probe.drift_p99_ms))
+            self.ended = CLIENT_LIMITED
+            logger.error("capacity search: probe %d at %gx was limited by the client (dispatch drift p99 %s ms, "
+                         "worker CPU peak %s%%): add workers and search again", probe.number, probe.factor,
+                         _num(probe.drift_p99_ms), _num(probe.cpu_peak))
             self._finish()
             return
         self.search.add(probe.factor, verdict == PASS)
@@ -131,10 +191,23 @@ class Probes:
             return
         self._next = gevent.spawn(self._after_cooldown, factor)
 
-    def _after_cooldown(self, factor: float) -> None:
+    def _after_cooldown(self, factor: float, repeat_of: int | None = None) -> None:
         self._cool_down()
         offset_s = self.c.clock.now() - self.c.epoch + ROUND_LEAD_S
-        self.c.new_round(self._open(factor, offset_s))
+        self.c.new_round(self._open(factor, offset_s, repeat_of))
+
+    def worker_lost(self, index: int) -> None:
+        """A worker was lost (told before its rows get their records): the probe under way, if
+        any, is invalid; its rows not yet sent are recorded as PROBE_INVALID, and it is judged
+        (and repeated) once every row has a record. Later probes go to the workers left."""
+        if self.over or not self.probes or self.probes[-1].ended_at is not None:
+            return
+        current = self.probes[-1]
+        if not current.invalid:
+            current.invalid = True
+            logger.warning("capacity search: worker %d lost during probe %d (%gx): the probe is invalid; its unsent "
+                           "rows are recorded as %r", index, current.number, current.factor, PROBE_INVALID)
+            self.c.cut_round(PROBE_INVALID)
 
     def _cool_down(self) -> None:
         """--cooldown S, or until the servers report nothing running nor waiting (at most
@@ -170,20 +243,28 @@ class Probes:
         if self._next is not None:
             self._next.kill(block=False)
 
+    def live(self) -> dict:
+        """The Replay view's: the probe under way (its factor, rows with a record so far, how
+        many met the SLO, and whether it can still pass) and the probes judged so far."""
+        current = None
+        if self.probes and self.probes[-1].ended_at is None and not self.over:
+            p = self.probes[-1]
+            current = {"probe": p.number, "factor": p.factor, "rows": p.rows, "recorded": p.recorded, "good": p.good,
+                       "goodput_so_far": p.good / p.recorded if p.recorded else None,
+                       "can_pass": not (p.hopeless or p.invalid), "repeat_of": p.repeat_of}
+        best, worst = self.search.bracket
+        return {"target": self.target, "current": current, "probes": self.finished, "bracket": [best, worst],
+                "result": (self.ended or self.search.result) if self.over else None}
+
     def report(self) -> dict:
         """OUTPUT.capacity.json's content."""
         last = self.probes[-1] if self.probes else None
         seconds = ((last.ended_at or self.c.clock.now()) - self.started_at) if last and self.started_at else None
         report = capacity_report(self.search, self.probes, slo=self.slo, target=self.target,
                                  search_by=self.c.options.search_by, precision=self.search.precision,
-                                 seconds=seconds, client_limited=self.client_limited)
+                                 seconds=seconds, ended=self.ended)
         report["id_stride"] = self.stride
         return report
-
-    @property
-    def failed(self) -> bool:
-        """The search found no capacity (below LO), or was limited by the client: exit code 1."""
-        return self.client_limited or self.search.result == BELOW_LO
 
 
 def _num(value: float | None) -> str:

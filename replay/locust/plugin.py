@@ -78,6 +78,7 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
         coordinator = Coordinator(spec, link, local_part=part, heard=heard,
                                   worker_gone=lambda client_id: _worker_gone(runner, client_id),
                                   worker_host=lambda client_id: _worker_host(runner, client_id),
+                                  worker_cpu=lambda client_id: _worker_cpu(runner, client_id),
                                   on_exit_code=lambda code: setattr(environment, "process_exit_code", code))
         environment.replay = Replay(coordinator=coordinator, part=part)
         coordinator.server_check = preflight.check_servers(spec)
@@ -147,6 +148,14 @@ def _worker_gone(runner, client_id: str) -> bool:
         return False
     node = clients.get(client_id)
     return node is None or node.state == "missing"
+
+
+def _worker_cpu(runner, client_id: str) -> float | None:
+    """The CPU use (% of a core) the worker last reported in its heartbeat; a local runner's own."""
+    clients = getattr(runner, "clients", None)
+    if clients is None:  # local runner: this process sends
+        return getattr(runner, "current_cpu_usage", None)
+    return getattr(clients.get(client_id), "cpu_usage", None)
 
 
 def _worker_host(runner, client_id: str) -> str | None:

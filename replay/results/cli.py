@@ -18,7 +18,7 @@ from replay.results.metadata import read_run_metadata
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
 from replay.results.server_metrics import read_samples, read_server_section
-from replay.rules.run_files import metrics_path
+from replay.rules.run_files import capacity_path, metrics_path
 from replay.synth.tokenizer_source import TOKENIZER_HELP
 from replay.trace.cli import block_size_arg
 
@@ -75,6 +75,12 @@ def run(args) -> int:
                 sent.append(record)
         if not builder.summary.requests:
             raise ReportError(f"{args.results}: no records: expected the per-request JSONL a replay writes (its --output)")
+        capacity = None  # a capacity search's run: its plot and quotable line lead the HTML report
+        if args.html_out and (found := capacity_path(args.results)).exists():
+            try:
+                capacity = orjson.loads(found.read_bytes())
+            except orjson.JSONDecodeError as e:
+                raise ReportError(f"{found}: not JSON: {e}") from None
         cache, checks = None, None
         if job is not None:
             cache, checks = cache_section(job, checks=bool(args.html_out))
@@ -94,7 +100,8 @@ def run(args) -> int:
 
             try:
                 samples = list(read_samples(metrics_path(args.results))) if report["server"] else None
-                write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir, samples=samples)
+                write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir, samples=samples,
+                           capacity=capacity)
             except PlottingMissing as e:
                 print(f"replay report: {e}", file=sys.stderr)
                 return 1

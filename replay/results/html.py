@@ -12,6 +12,7 @@ import io
 import time
 from pathlib import Path
 
+from replay.engine.capacity import quotable_line
 from replay.results.files import write_atomically
 from replay.results.report import format_report
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
@@ -25,6 +26,9 @@ PLOTS = (
     ("drift-hist", "Dispatch drift (sent - scheduled)"),
     ("cache-scatter", "Cached tokens per request: observed vs expected"),
 )
+
+
+CAPACITY_PLOT = ("capacity", "Capacity search: goodput and latency against load factor")
 
 
 class PlottingMissing(RuntimeError):
@@ -121,15 +125,65 @@ def server_figures(Figure, samples: list[dict], records: list[dict], checks, t0:
     return figures
 
 
+def capacity_figure(Figure, capacity: dict):
+    """A capacity search's probes (OUTPUT.capacity.json): goodput, and TTFT and E2E p99,
+    against the load factor, with the target and the bracket [largest pass, smallest fail]
+    marked; a probe that says nothing of the server (client-limited, invalid) is drawn hollow."""
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    a, b = fig.subplots(1, 2)
+    judged = [p for p in capacity["probes"] if p["verdict"] in ("pass", "fail", "fail early")]
+    other = [p for p in capacity["probes"] if p not in judged]
+    for verdict, color in (("pass", "tab:green"), ("fail", "tab:red")):
+        mine = [p for p in judged if p["verdict"].startswith(verdict)]
+        a.scatter([p["factor"] for p in mine], [p["goodput"] for p in mine], color=color, label=verdict, zorder=3)
+    if other:
+        a.scatter([p["factor"] for p in other], [p["goodput"] for p in other], facecolors="none", edgecolors="grey",
+                  label="not counted", zorder=3)  # fmt: skip
+    a.axhline(capacity["goodput_target"], color="grey", lw=1, ls="--", label="target")
+    a.set(xlabel="load factor (x this trace's load)", ylabel="goodput", title="Goodput", ylim=(-0.02, 1.02))
+    ordered = sorted(judged, key=lambda p: p["factor"])
+    for key, label in (("ttft_ms", "TTFT p99"), ("e2e_ms", "E2E p99")):
+        points = [(p["factor"], p[key]["p99"]) for p in ordered if p[key]["p99"] is not None]
+        if points:
+            b.plot(*zip(*points), marker="o", label=label)
+    for key, limit in capacity["slo"].items():
+        b.axhline(limit, color="grey", lw=1, ls="--", label=f"{key} <= {limit:g}")
+    b.set(xlabel="load factor (x this trace's load)", ylabel="ms", title="Latency p99", yscale="log")
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    best, worst = capacity["bracket"]
+    factors = [p["factor"] for p in capacity["probes"]]
+    times = FuncFormatter(lambda v, _: f"{v:.3g}x")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(times)
+        if max(factors) / min(factors) <= 4:  # a narrow search: label between the powers of 2 too
+            ax.xaxis.set_minor_locator(LogLocator(base=2, subs=(1.25, 1.5, 1.75)))
+            ax.xaxis.set_minor_formatter(times)
+        if best is not None and worst is not None:
+            ax.axvspan(best, worst, color="tab:blue", alpha=0.15, label="bracket")
+        elif best is not None or worst is not None:
+            ax.axvline(best if best is not None else worst, color="tab:blue", lw=1.5, label="bracket")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    b.yaxis.set_major_formatter(plain)
+    b.yaxis.set_minor_formatter(plain)
+    return fig
+
+
 def render_figures(records: list[dict], report: dict, checks=None, meta: dict | None = None,
-                   samples: list[dict] | None = None) -> dict:
-    """{plot id: matplotlib Figure}, one per entry of PLOTS, then one per endpoint whose
-    /metrics was scraped (`samples`: replay.results.server_metrics' lines)."""
+                   samples: list[dict] | None = None, capacity: dict | None = None) -> dict:
+    """{plot id: matplotlib Figure}: a capacity search's first (`capacity`: its
+    OUTPUT.capacity.json), then one per entry of PLOTS, then one per endpoint whose /metrics
+    was scraped (`samples`: replay.results.server_metrics' lines)."""
     Figure = _matplotlib()
     scale = float((meta or {}).get("scale") or 1.0)
     ok = [r for r in records if r.get("ok")]
     t0, sent = _times(records)
     figures = {}
+    if capacity is not None and capacity.get("probes"):
+        figures[CAPACITY_PLOT[0]] = capacity_figure(Figure, capacity)
 
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     a, b = fig.subplots(1, 2)
@@ -253,17 +307,18 @@ svg {{ max-width: 100%; height: auto; }}
 </style></head><body>
 <h1>{title}</h1>
 <p>{subtitle}</p>
-<pre id="summary">{summary}</pre>
+{capacity}<pre id="summary">{summary}</pre>
 {figures}
 </body></html>
 """
 
 
-def render_html(records: list[dict], report: dict, checks=None, meta: dict | None = None, figures=None) -> str:
-    figures = figures or render_figures(records, report, checks, meta)
+def render_html(records: list[dict], report: dict, checks=None, meta: dict | None = None, figures=None,
+                capacity: dict | None = None) -> str:
+    figures = figures or render_figures(records, report, checks, meta, capacity=capacity)
     parts = []
     for name, fig in figures.items():
-        caption = dict(PLOTS).get(name) or fig.get_label()
+        caption = dict((*PLOTS, CAPACITY_PLOT)).get(name) or fig.get_label()
         parts.append(f'<figure id="plot-{name}" class="plot"><figcaption>{html.escape(caption)}</figcaption>\n'
                      f"{figure_svg(fig)}</figure>")  # fmt: skip
     meta = meta or {}
@@ -277,14 +332,17 @@ def render_html(records: list[dict], report: dict, checks=None, meta: dict | Non
             time.strftime("generated %Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         ) if s
     )  # fmt: skip
+    line = f'<p id="capacity"><b>{html.escape(quotable_line(capacity))}</b></p>\n' if capacity else ""
     return PAGE.format(title="tracereplay report", subtitle=subtitle, summary=html.escape(format_report(report)),
-                       figures="\n".join(parts))  # fmt: skip
+                       figures="\n".join(parts), capacity=line)  # fmt: skip
 
 
 def write_html(path: str | Path, report: dict, records: list[dict], checks=None, meta: dict | None = None,
-               png_dir: str | Path | None = None, samples: list[dict] | None = None) -> Path:  # fmt: skip
-    figures = render_figures(records, report, checks, meta, samples)
-    out = write_atomically(path, render_html(records, report, checks, meta, figures).encode("utf-8"))
+               png_dir: str | Path | None = None, samples: list[dict] | None = None,
+               capacity: dict | None = None) -> Path:  # fmt: skip
+    """`capacity`: a capacity search's OUTPUT.capacity.json, whose plot and line come first."""
+    figures = render_figures(records, report, checks, meta, samples, capacity)
+    out = write_atomically(path, render_html(records, report, checks, meta, figures, capacity).encode("utf-8"))
     if png_dir is not None:
         save_pngs(figures, png_dir)
     return out

@@ -65,6 +65,7 @@ OVERSIZED = "prompt over --max-prompt-tokens"  # never synthesized nor sent (" (
 REFUSED = "run refused before the first send"  # the servers' check refused the run (": reason" follows)
 ERROR_RATE = "run aborted: error rate over"  # --max-error-rate stopped the run (" R" follows: error_rate_label)
 PROBE_CUT = "probe failed early"  # a capacity search's probe could no longer meet its target: never sent
+PROBE_INVALID = "probe invalid"  # a worker was lost during a capacity search's probe: it is repeated, these never sent
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
 
 

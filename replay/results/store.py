@@ -55,6 +55,14 @@ class RecordStore:
         self.unwritten = 0  # of them, rows whose record could not be written (a full disk)
         self.finished = False  # the sorted file is written: records that come later are not taken
 
+    def grow(self, last: int) -> None:
+        """Take request ids up to `last` too (a capacity search's next probe)."""
+        more = last - self.first + 1 - len(self._state)
+        if more > 0:
+            self._state.extend(bytes(more))
+            self._offsets.extend(array("q", bytes(8 * more)))
+            self._lengths.extend(array("I", bytes(4 * more)))
+
     def state(self, request_id: int) -> int:
         return self._state[request_id - self.first]
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from replay.engine.capacity import BELOW_LO, CLIENT_LIMITED, quotable_line
+from replay.engine.capacity import NO_ANSWER, quotable_line
 from replay.engine.dispatcher import off_loop
 from replay.results.cache_section import cache_job, cache_section
 from replay.results.certificate import UNFAITHFUL, CertificateBuilder
@@ -48,8 +48,8 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
 
     A capacity search's (`capacity`: replay.engine.capacity.capacity_report) goes to
     OUTPUT.capacity.json and the summary's last line; its exit code is the search's (1: no
-    capacity found, below LO or the client the limit), not its rows' (a failing probe's rows fail
-    by design). With --require-faithful, an unfaithful certificate makes it 1 too."""
+    capacity found: below LO, client-limited, workers lost, stopped), not its rows' (a failing probe's
+    rows fail by design). With --require-faithful, an unfaithful certificate makes it 1 too."""
     builder = ReportBuilder(parse_slo(spec.options.slo))
     fidelity = CertificateBuilder(ignore_eos=not spec.options.no_ignore_eos)
     failed = 0
@@ -87,7 +87,7 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     sys.stdout.flush()
     code = max(_write_last_meta(spec, store, facts, incomplete), least_code)
     if capacity is not None:
-        if capacity["result"] in (BELOW_LO, CLIENT_LIMITED, "stopped"):
+        if capacity["result"] in NO_ANSWER:
             code = max(code, 1)
             logger.error("capacity search: %s: exit code %d", capacity["result"], code)
     elif failed:

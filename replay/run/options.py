@@ -121,7 +121,8 @@ class ReplayOptions:
                                            "that meets --slo (docs/capacity.md)")
     goodput_target: float = _option(0.99, "a search's probe passes when this share of its rows is ok and meets every "
                                           "--slo limit", metavar="F")
-    search_by: str = _option("scale", "how a search's probe raises the load: scale compresses the window's time (amplify: not yet)",
+    search_by: str = _option("amplify", "how a search's probe raises the load: amplify sends the window's sessions k "
+                             "times at the trace's pace (as `replay trace amplify`); scale compresses its time",
                              choices=SEARCH_BY)
     search_range: str = _option("0.25:64", "the load factors a search tries, LO:HI", metavar="LO:HI")
     search_precision: float = _option(0.05, "a search ends when its bracket's HI/LO is within 1+P", metavar="P")

@@ -133,6 +133,51 @@ def id_shift(id_range: tuple[int, int] | None, most_copies: int) -> int:
     raise ValueError(f"the trace's hash ids span {low} to {high}: {most_copies} copies of them do not fit in 64 bits")
 
 
+class Clones:
+    """Which copies each row of a trace gets and what each copy is: the one rule both `replay
+    trace amplify` (a file, streamed) and a capacity search's probe (--search-by amplify: the
+    window, in memory) amplify by. Rows are known by their position in the stream `sessions`
+    was found over."""
+
+    def __init__(self, sessions: Sessions, factor: float, seed: int = 0):
+        if problem := factor_problem(factor):
+            raise ValueError(f"--factor {problem}")
+        self.sessions = sessions
+        self.copies = copies_per_session(len(sessions), factor, seed)
+        self.most = max(self.copies, default=0)  # the most copies of any row
+        self.shift = id_shift(sessions.id_range, self.most)
+        self.times = CloneTimes(sessions, seed)
+
+    def count(self, position: int) -> int:
+        """How many copies row `position` has (0: its session is not kept)."""
+        return self.copies[self.sessions.row_session[position]]
+
+    def rows(self) -> int:
+        """How many rows the copies hold in all."""
+        copies = self.copies
+        return sum(copies[session] for session in self.sessions.row_session)
+
+    def copy(self, position: int, copy: int, hash_ids: tuple[int, ...] | list[int] | None
+             ) -> tuple[str, tuple[int, ...] | None, float]:
+        """Copy `copy` of row `position` (whose hash ids are `hash_ids`): its session id, its
+        hash ids, and the seconds added to its time."""
+        sessions = self.sessions
+        session = sessions.row_session[position]
+        name = sessions.names[session]
+        if name is None:
+            name = f"s{session}"
+        if copy and hash_ids is not None:
+            moved, global_ids = copy * self.shift, sessions.global_ids
+            hash_ids = tuple(h if h in global_ids else h + moved for h in hash_ids)
+        elif hash_ids is not None:
+            hash_ids = tuple(hash_ids)
+        return (f"{name}#{copy}" if copy else name), hash_ids, self.times.shift(session, copy)
+
+    def time_shift(self, position: int, copy: int) -> float:
+        """The seconds added to row `position`'s time in copy `copy`."""
+        return self.times.shift(self.sessions.row_session[position], copy)
+
+
 def amplify_trace(
     stream_of: Callable[[], TraceStream],
     out_path: str | Path,
@@ -147,49 +192,36 @@ def amplify_trace(
     if problem := factor_problem(factor):
         raise ValueError(f"--factor {problem}")
     sessions = find_sessions(stream_of, global_min_rows)
-    copies = copies_per_session(len(sessions), factor, seed)
-    kept = sum(1 for n in copies if n)
-    if not kept:
+    clones = Clones(sessions, factor, seed)
+    if not clones.most:
         raise ValueError(f"--factor {factor:g} keeps none of the trace's {len(sessions)} sessions "
                          f"(at least {1 / max(len(sessions), 1):.3g} keeps one)")
-    shift = id_shift(sessions.id_range, max(copies))
     out_path = Path(out_path)
     temporary = tmp_path(out_path)
     try:
         with SortedSpool(out_path.parent, chunk_rows) as spool:
-            rows_in = _spool_clones(stream_of(), sessions, copies, CloneTimes(sessions, seed), shift, spool)
+            rows_in = _spool_clones(stream_of(), clones, spool)
             with open_output(temporary, gz=out_path.name.endswith(".gz")) as out:
                 spool.write_to(out)
         os.replace(temporary, out_path)
     except OSError as e:  # a full disk: no half trace is left to be replayed by mistake
         temporary.unlink(missing_ok=True)
         raise OutputError(out_path, e) from None
-    return Amplified(rows_in, len(sessions), spool.rows, sum(copies), sessions.inferred, len(sessions.global_ids))
+    return Amplified(rows_in, len(sessions), spool.rows, sum(clones.copies), sessions.inferred,
+                     len(sessions.global_ids))
 
 
-def _spool_clones(stream: TraceStream, sessions: Sessions, copies, times: CloneTimes, shift: int,
-                  spool: SortedSpool) -> int:
+def _spool_clones(stream: TraceStream, clones: Clones, spool: SortedSpool) -> int:
     """Every copy of every row into the spool; returns the rows read."""
-    row_session, names, global_ids = sessions.row_session, sessions.names, sessions.global_ids
-    rows = len(row_session)
+    rows = len(clones.sessions.row_session)
     dumps, add = orjson.dumps, spool.add
     position = -1
     for position, row in enumerate(stream):
         if position >= rows:
             raise ValueError(f"{stream.path}: changed while it was read (more rows than the first reading's {rows})")
-        session = row_session[position]
-        name = names[session] if names[session] is not None else f"s{session}"
         ids, start = row.hash_ids, row.timestamp_s
-        block = stream.block_size
-        for copy in range(copies[session]):
-            if copy:
-                row.session_id = f"{name}#{copy}"
-                if ids is not None:
-                    moved = copy * shift
-                    row.hash_ids = tuple(h if h in global_ids else h + moved for h in ids)
-            else:
-                row.session_id = name
-                row.hash_ids = ids
-            record = to_record(row, start + times.shift(session, copy), row.input_length, block)
+        for copy in range(clones.count(position)):
+            row.session_id, row.hash_ids, shift = clones.copy(position, copy, ids)
+            record = to_record(row, start + shift, row.input_length, stream.block_size)
             add(record["timestamp"], copy * rows + position, dumps(record) + b"\n")
     return position + 1

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from replay.trace.pairs import PairIndex
 from replay.trace.reader import TraceStream
+from replay.trace.record import TraceRow
 
 DEFAULT_GLOBAL_MIN_ROWS = 12
 """`--global-min-rows`: an id carried by this many rows of a trace without sessions is global."""
@@ -65,9 +66,11 @@ def _distinct(ids: tuple[int, ...]) -> Iterable[int]:
     return ids if len(set(ids)) == len(ids) else dict.fromkeys(ids)
 
 
-def find_sessions(stream_of: Callable[[], TraceStream], global_min_rows: int = DEFAULT_GLOBAL_MIN_ROWS) -> Sessions:
+def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
+                  global_min_rows: int = DEFAULT_GLOBAL_MIN_ROWS) -> Sessions:
     """The sessions of the trace that `stream_of()` reads (a fresh TraceStream each call: the
-    file is read twice)."""
+    file is read twice), or of rows in memory (a run's window: any iterable of rows, whose
+    sessions need no re-rooting)."""
     if global_min_rows < 2:
         raise ValueError(f"--global-min-rows must be >= 2, got {global_min_rows}")
     index = PairIndex()  # (0, id) per distinct hash id, numbered 1, 2, ...
@@ -93,7 +96,7 @@ def find_sessions(stream_of: Callable[[], TraceStream], global_min_rows: int = D
                 unnamed_rows.append(0)
             if session < 0 and unnamed_rows[number] < _CAP:
                 unnamed_rows[number] += 1
-    fixups = stream.sessions  # bailian rows a later row re-rooted: {request_id: session}
+    fixups = getattr(stream, "sessions", None)  # bailian rows a later row re-rooted: {request_id: session}
 
     rows = len(times)
     parent = array("i", range(rows))  # union-find over rows
