@@ -114,10 +114,7 @@ def factor_arg(text: str) -> float:
 
 
 def _min_rows(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of rows, got {text!r}") from None
+    value = _count_arg("rows")(text)
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be >= 2 (an id one row carries links nothing), got {value}")
     return value

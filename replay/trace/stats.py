@@ -131,36 +131,38 @@ def ideal_prefix_hit_ratios(ideal: IdealHits | None) -> dict:
     }
 
 
+def _num(value, digits: int = 2) -> str:
+    """A figure as the stats print it: whole numbers with thousands separators, n/a for None."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.{digits}f}"
+
+
 def format_stats(stats: dict) -> str:
     """The human-readable form of trace_stats()."""
-
-    def num(value, digits: int = 2) -> str:
-        if value is None:
-            return "n/a"
-        if isinstance(value, int) or float(value).is_integer():
-            return f"{int(value):,}"
-        return f"{value:,.{digits}f}"
 
     def dist(d: dict | None) -> str:
         if d is None:
             return "n/a"
-        return "  ".join(f"{k} {num(d[k], 1)}" for k in ("mean", "p50", "p90", "p99", "max"))
+        return "  ".join(f"{k} {_num(d[k], 1)}" for k in ("mean", "p50", "p90", "p99", "max"))
 
     lines = [
-        f"trace       {stats['path']} ({stats['format']}, block size {num(stats['block_size'])})",
-        f"requests    {num(stats['requests'])}" + (f"  (skipped {num(stats['skipped'])} bad rows)" if stats["skipped"] else ""),
-        f"duration    {num(stats['duration_s'], 1)} s   mean {num(stats['mean_rps'])} req/s   "
-        f"peak {num(stats['peak_rps_1s'])} req in 1 s",
+        f"trace       {stats['path']} ({stats['format']}, block size {_num(stats['block_size'])})",
+        f"requests    {_num(stats['requests'])}" + (f"  (skipped {_num(stats['skipped'])} bad rows)" if stats["skipped"] else ""),
+        f"duration    {_num(stats['duration_s'], 1)} s   mean {_num(stats['mean_rps'])} req/s   "
+        f"peak {_num(stats['peak_rps_1s'])} req in 1 s",
         f"input len   {dist(stats['input_length'])}",
         f"output len  {dist(stats['output_length'])}",
-        f"hash ids    {num(stats['distinct_hash_ids'])} distinct over {num(stats['rows_with_hash_ids'])} rows",
-        f"ideal hit   {num(stats['ideal_prefix_hit_ratio'], 4)} (blocks)   "
-        f"{num(stats['ideal_prefix_hit_ratio_tokens'], 4)} (tokens)   infinite prefix cache",
+        f"hash ids    {_num(stats['distinct_hash_ids'])} distinct over {_num(stats['rows_with_hash_ids'])} rows",
+        f"ideal hit   {_num(stats['ideal_prefix_hit_ratio'], 4)} (blocks)   "
+        f"{_num(stats['ideal_prefix_hit_ratio_tokens'], 4)} (tokens)   infinite prefix cache",
     ]
     if stats["sessions"]:
-        lines.append(f"sessions    {num(stats['sessions'])}   turns/session {dist(stats['turns_per_session'])}")
+        lines.append(f"sessions    {_num(stats['sessions'])}   turns/session {dist(stats['turns_per_session'])}")
     if stats["rows_with_messages"]:
-        lines.append(f"messages    {num(stats['rows_with_messages'])} rows carry their own messages")
+        lines.append(f"messages    {_num(stats['rows_with_messages'])} rows carry their own messages")
     return "\n".join(lines)
 
 
@@ -179,13 +181,6 @@ def format_comparison(first: dict, second: dict) -> str:
     """Two trace_stats() side by side, with the second's ratio to the first (a difference, in
     points, for the hit ratios): `replay trace stats IN OUT`."""
 
-    def num(value, digits: int = 2) -> str:
-        if value is None:
-            return "n/a"
-        if isinstance(value, int) or float(value).is_integer():
-            return f"{int(value):,}"
-        return f"{value:,.{digits}f}"
-
     def ratio(a, b) -> str:
         return f"x{b / a:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else ""
 
@@ -193,23 +188,23 @@ def format_comparison(first: dict, second: dict) -> str:
         return f"{100 * (b - a):+.2f} pt" if a is not None and b is not None else ""
 
     def sessions(stats: dict) -> str:
-        return num(stats["sessions"]) + (" (inferred)" if stats.get("sessions_inferred") else "")
+        return _num(stats["sessions"]) + (" (inferred)" if stats.get("sessions_inferred") else "")
 
     lines = [("", "first", "second", "second/first"),
              ("trace", f"{first['path']} ({first['format']})", f"{second['path']} ({second['format']})", "")]
     for label, key in (("requests", "requests"), ("duration s", "duration_s"), ("mean req/s", "mean_rps"),
                        ("peak req in 1 s", "peak_rps_1s"), ("input tokens", "input_tokens"),
                        ("distinct hash ids", "distinct_hash_ids")):
-        lines.append((label, num(first[key]), num(second[key]), ratio(first[key], second[key])))
+        lines.append((label, _num(first[key]), _num(second[key]), ratio(first[key], second[key])))
     lines.append(("sessions", sessions(first), sessions(second), ratio(first["sessions"], second["sessions"])))
     for label, key in (("input len", "input_length"), ("output len", "output_length"),
                        ("turns/session", "turns_per_session")):
         for part in ("mean", "p50", "p90", "p99", "max"):
             a = first[key][part] if first[key] else None
             b = second[key][part] if second[key] else None
-            lines.append((f"{label} {part}", num(a, 1), num(b, 1), "same" if a == b and a is not None else ratio(a, b)))
+            lines.append((f"{label} {part}", _num(a, 1), _num(b, 1), "same" if a == b and a is not None else ratio(a, b)))
     for label, key in (("ideal hit (blocks)", "ideal_prefix_hit_ratio"),
                        ("ideal hit (tokens)", "ideal_prefix_hit_ratio_tokens")):
-        lines.append((label, num(first[key], 4), num(second[key], 4), points(first[key], second[key])))
+        lines.append((label, _num(first[key], 4), _num(second[key], 4), points(first[key], second[key])))
     widths = [max(len(line[i]) for line in lines) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
