@@ -70,6 +70,7 @@ def test_compose_services(compose):
         assert args[args.index("--port") + 1] == "8000" and "--enable-prefix-caching" in args
     assert len(set(devices)) == 4, "each vLLM gets its own GPU"
     assert compose["tgi"]["profiles"] == ["tgi"]
+    assert compose["dcgm-exporter"]["profiles"] == ["fleet"]
 
 
 def test_master_and_worker_commands(compose):
@@ -105,7 +106,11 @@ def test_configs_address_the_compose_services(compose):
         for url in load_config(REPO / "configs" / f"{name}.yaml")["endpoints"].split(","):
             host, port = re.fullmatch(r"http://([\w-]+):(\d+)", url).groups()
             assert host in compose and port == "8000", url
-    assert load_config(REPO / "configs" / "fleet-vllm.yaml")["endpoints"].count(",") == 3
+    fleet = load_config(REPO / "configs" / "fleet-vllm.yaml")
+    assert fleet["endpoints"].count(",") == 3
+    for url in fleet["metrics_endpoint"]:  # the GPUs' exporter, a compose service too
+        host, port = re.fullmatch(r"http://([\w-]+):(\d+)/metrics", url).groups()
+        assert host in compose and port == "9400", url
     azure = load_config(REPO / "configs" / "azure-tgi.yaml")
     assert azure["api"] == "tgi" and azure["endpoints"] == "http://tgi:80"
     assert "--port 80" in compose["tgi"]["command"]
