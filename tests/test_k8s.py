@@ -126,7 +126,7 @@ def test_master_workers_and_job_agree(tmp_path):
 
 
 def test_docs_name_what_the_manifests_define():
-    docs = (REPO / "docs" / "deployment.md").read_text()
+    docs = (REPO / "docs" / "deployment.md").read_text() + (REPO / "README.md").read_text()
     assert "kubectl apply -k deploy/k8s/sim" in docs
     names = {f"{r['kind'].lower()}/{r['metadata']['name']}" for folder in OVERLAYS for r in build(folder)}
     for kind, name in re.findall(r"\b(job|deployment|statefulset|pod|svc)/(tracereplay[\w-]*)", docs):
