@@ -1,8 +1,8 @@
 """The Replay view in a real browser: headless Chromium (the system's, driven by Selenium
 through the system chromedriver; nothing is downloaded) finds Locust's Host field read-only (a
 Start naming another host is refused), presses Locust's own Start button, follows the link to
-the Replay view (a master and 2 workers), waits for the charts to draw, checks the figures in
-the DOM (once finished: the whole run's, as the summary) and saves a screenshot
+the Replay view (a master and 2 workers), waits for the charts to draw (a fake dcgm-exporter's
+GPUs' among them), checks the figures in the DOM (once finished: the whole run's, as the summary) and saves a screenshot
 (docs/replay-view.png for the README when TRACEREPLAY_SCREENSHOT names it).
 
 In CI (CI=true) a missing browser, driver or selenium fails the test; elsewhere it skips.
@@ -26,6 +26,7 @@ from replay.locust.webui import TAB_COLUMNS
 from replay.results.records import read_records
 from replay.rules.run_files import capacity_path, summary_path
 from support.browser import BROWSERS, CHROMIUM_FLAGS, need
+from support.dcgm import fake_dcgm_exporter
 from support.ports import free_port
 from support.processes import finish, start_web_locust, web_args
 from support.traces import mooncake_trace
@@ -90,13 +91,20 @@ def table_cells(browser, rows_selector: str) -> list[list[str]]:
         "return [...document.querySelectorAll(arguments[0])]"
         ".map(tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))", rows_selector)
 
-def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
+@pytest.fixture
+def dcgm_exporter():
+    with fake_dcgm_exporter() as url:
+        yield url
+
+
+def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser, dcgm_exporter):
     trace = wavy_trace(tmp_path / "trace.jsonl")
     rows = sum(1 for _ in open(trace))
     output = tmp_path / "run.jsonl"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    procs = start_web_locust(tmp_path, web_args(trace, toy_tokenizer_dir, sim.url, output, port), workers=2)
+    procs = start_web_locust(tmp_path, [*web_args(trace, toy_tokenizer_dir, sim.url, output, port),
+                                        "--metrics-endpoint", dcgm_exporter], workers=2)
     try:
         wait_for(lambda: requests.get(f"{base}/worker-count", timeout=2).json()["worker_count"] == 2, "2 workers")
         browser.get(base + "/")
@@ -137,6 +145,13 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser):
             svg = browser.find_element("id", f"chart-server-0-{chart}")
             assert int(svg.get_attribute("data-points")) >= 3, chart
         assert browser.find_elements("css selector", "#chart-server-0-cache polyline.series")
+        for gpu in (0, 1):  # the exporter's GPUs, each its own charts
+            for chart in ("util", "memory", "power", "clock", "temp"):
+                assert int(browser.find_element("id", f"chart-gpu-{gpu}-{chart}").get_attribute("data-points")) >= 3
+        titles = browser.execute_script("return [...document.querySelectorAll('.card h3')].map(h => h.textContent)")
+        assert "gpu-node-1/gpu 0 (NVIDIA H100 80GB HBM3): utilisation" in titles, titles
+        assert text(browser, "legend-gpus.0.util") == "97.0%" and text(browser, "legend-gpus.1.util") == "64.0%"
+        assert text(browser, "legend-gpus.0.power_w") == browser.execute_script("return fmt(612.438)")
         assert float(text(browser, "legend-ttft_p50_ms")) >= 25  # the sim's TTFT is 30 ms
         table = table_cells(browser, "#workers tbody tr")
         assert [r[0] for r in table] == ["0", "1"] and sum(int(r[3]) for r in table) == rows

@@ -19,18 +19,24 @@ from pathlib import Path
 import pytest
 import yaml
 
-from replay.locust.cli import LOCUSTFILE, locust_argv
 from replay.results.records import read_records
 from replay.results.summary import percentile
 from replay.run.config import load_config
 from replay.sim.process import sim_process
+from support.deploy import (
+    APP,
+    COMPOSE,
+    DOCKERFILE,
+    REPO,
+    dockerfile,
+    in_repo,
+    instruction,
+    locust_command,
+    parse_locust,
+)
 from support.processes import replay_args, run_locust
 from support.records import check_records
 
-REPO = Path(__file__).resolve().parent.parent
-COMPOSE = REPO / "docker-compose.yml"
-DOCKERFILE = REPO / "Dockerfile"
-APP = "/app"  # the image's WORKDIR, where the checkout's files are copied
 BLOCK = 16
 
 
@@ -43,50 +49,6 @@ def interpolate(text: str) -> str:
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load(interpolate(COMPOSE.read_text()))["services"]
-
-
-def dockerfile() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    lines, current = [], ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        if raw.strip().startswith("#") or not raw.strip():
-            continue
-        current += raw.rstrip("\\").strip() + " "
-        if not raw.rstrip().endswith("\\"):
-            word, _, rest = current.strip().partition(" ")
-            lines.append((word.upper(), rest.strip()))
-            current = ""
-    return lines
-
-
-def instruction(name: str) -> list[str]:
-    return [args for word, args in dockerfile() if word == name]
-
-
-def in_repo(path: str) -> Path:
-    """A path as the container sees it (absolute under /app, or relative to it) in the checkout."""
-    return REPO / Path(path).relative_to(APP) if path.startswith(APP + "/") else REPO / path
-
-
-def locust_parser():
-    from locust.argument_parser import get_parser
-
-    import replay.locust.plugin  # noqa: F401  (registers the replay options with Locust's parser)
-
-    return get_parser()
-
-
-def locust_command(service: dict) -> list[str]:
-    """The arguments Locust gets from the image's `replay run` entry point and the service's command."""
-    assert json.loads(instruction("ENTRYPOINT")[-1]) == ["replay", "run"]
-    return locust_argv(shlex.split(service["command"]))
-
-
-def parse_locust(args: list[str]):
-    parsed, unknown = locust_parser().parse_known_args(args)
-    assert not unknown and not parsed.user_classes, f"options Locust + replay do not know: {unknown or parsed.user_classes}"
-    assert Path(parsed.locustfile) == LOCUSTFILE, parsed.locustfile  # the package's, wherever it is installed
-    return parsed
 
 
 # -- docker-compose.yml -------------------------------------------------------------------------
@@ -108,6 +70,7 @@ def test_compose_services(compose):
         assert args[args.index("--port") + 1] == "8000" and "--enable-prefix-caching" in args
     assert len(set(devices)) == 4, "each vLLM gets its own GPU"
     assert compose["tgi"]["profiles"] == ["tgi"]
+    assert compose["dcgm-exporter"]["profiles"] == ["fleet"]
 
 
 def test_master_and_worker_commands(compose):
@@ -143,7 +106,11 @@ def test_configs_address_the_compose_services(compose):
         for url in load_config(REPO / "configs" / f"{name}.yaml")["endpoints"].split(","):
             host, port = re.fullmatch(r"http://([\w-]+):(\d+)", url).groups()
             assert host in compose and port == "8000", url
-    assert load_config(REPO / "configs" / "fleet-vllm.yaml")["endpoints"].count(",") == 3
+    fleet = load_config(REPO / "configs" / "fleet-vllm.yaml")
+    assert fleet["endpoints"].count(",") == 3
+    for url in fleet["metrics_endpoint"]:  # the GPUs' exporter, a compose service too
+        host, port = re.fullmatch(r"http://([\w-]+):(\d+)/metrics", url).groups()
+        assert host in compose and port == "9400", url
     azure = load_config(REPO / "configs" / "azure-tgi.yaml")
     assert azure["api"] == "tgi" and azure["endpoints"] == "http://tgi:80"
     assert "--port 80" in compose["tgi"]["command"]

@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 
 from replay.results.html import CAPACITY_PLOT, PLOTS
+from replay.results.server_metrics import parse_series, sample_line
+from replay.rules.run_files import metrics_path
 from support.browser import BROWSERS, CHROMIUM_FLAGS, need
+from support.dcgm import PAGE, idle_page
 from support.records import T0, ok_record, record
 from support.traces import mooncake_trace
 
@@ -95,6 +98,28 @@ def test_html_opens_in_chromium_with_every_plot(tmp_path, toy_tokenizer_dir, chr
         assert m, name
         assert caption in m.group(1) and "<svg" in m.group(1), name
         assert len(re.findall(r"<path", m.group(1))) >= 5, f"{name}: the SVG has nothing drawn"
+
+
+def test_gpu_plots_and_peaks_from_an_exporter(tmp_path, plotting):
+    """An exporter's samples (the fake dcgm-exporter's page, idle then busy) and no server's:
+    the report draws each GPU and the summary gives their peaks."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=100)
+    results = results_for(trace, tmp_path / "run.jsonl")
+    url = "http://dcgm-exporter:9400/metrics"
+    pages = [idle_page(PAGE()), PAGE(), PAGE()]
+    metrics_path(results).write_bytes(b"".join(sample_line(T0 + i, url, parse_series(page), exporter=True)
+                                               for i, page in enumerate(pages)))  # fmt: skip
+    page = tmp_path / "report.html"
+    proc = subprocess.run([sys.executable, "-m", "replay", "report", str(results), "--html", str(page)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"{url} (exporter): 3 samples, 38 series, 2 GPUs" in proc.stdout
+    assert "gpu-node-1/gpu 1 (NVIDIA H100 80GB HBM3):" in proc.stdout and "peak utilisation 64 %" in proc.stdout
+    text = page.read_text()
+    for n, name in enumerate(["gpu-node-1/gpu 0", "gpu-node-1/gpu 1"]):
+        m = re.search(rf'<figure id="plot-gpu-{n}" class="plot"><figcaption>(.*?)</figcaption>(.*?)</figure>', text, re.S)
+        assert m and m.group(1).startswith(f"GPU {name} ({url})") and "<svg" in m.group(2), n
+    assert 'id="plot-server-0"' not in text  # an exporter is no server
 
 
 def test_missing_plotting_extra_is_said_clearly(tmp_path, toy_tokenizer_dir):

@@ -1,6 +1,8 @@
 """The server's side of a run: the master scrapes every endpoint's /metrics into
 OUTPUT.server-metrics.jsonl, the summary sets the server's counters against the records, and
---server-block-size puts the cache fidelity section in the end-of-run summary.
+--server-block-size puts the cache fidelity section in the end-of-run summary;
+--metrics-endpoint exporters (a fake dcgm-exporter) are scraped in the same rounds, kept raw,
+and their GPUs' peaks summarised, apart from the servers'.
 
 Real `replay sim` processes and real Locust processes throughout; the parser is fed text in
 each server's own format.
@@ -17,8 +19,9 @@ import pytest
 import requests
 
 from replay.results.records import read_records
-from replay.results.server_metrics import KNOWN, CounterChange, parse
+from replay.results.server_metrics import KNOWN, CounterChange, parse, parse_series
 from replay.sim.process import sim_process
+from support.dcgm import PAGE, fake_dcgm_exporter, idle_page
 from support.processes import finish, master_and_workers, replay_args, run_locust
 from support.records import check_records, counter_change, server_samples
 from support.traces import BLOCK, mooncake_trace
@@ -146,17 +149,20 @@ def test_fleet_of_two_sims_one_without_metrics(tmp_path, toy_tokenizer_dir):
     sample of every endpoint in every round, the first before the first send and the last after
     the last answer; the metrics-less one is noted once and the run succeeds; the server's
     prefix-hit counter change equals the records' cached_tokens, exactly; and the end-of-run
-    summary carries the fidelity section exactly as `replay report` prints it."""
+    summary carries the fidelity section exactly as `replay report` prints it. A fake
+    dcgm-exporter is scraped in every round too: its page whole, its GPUs' peaks in the
+    summary's `server.exporters`, and nothing of it in the servers' figures or the cache check."""
     # 100 ms apart: a row's prefix was prefilled (30 ms) before it is sent, even on a loaded host,
     # so the infinite cache's expectation is exact for every row
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=60, gap_ms=100)
     output = tmp_path / "run.jsonl"
     args = ["--block-size", str(BLOCK), "--ttft-ms", "30", "--itl-ms", "2", "--prefill-ms-per-1k", "0"]
-    with sim_process(toy_tokenizer_dir, *args) as a, sim_process(toy_tokenizer_dir, *args, "--no-metrics") as b:
+    with (sim_process(toy_tokenizer_dir, *args) as a, sim_process(toy_tokenizer_dir, *args, "--no-metrics") as b,
+          fake_dcgm_exporter() as exporter):
         # --routing prefix: each prefix family stays on one sim, so one infinite cache is exact
         master, workers = master_and_workers(tmp_path, replay_args(
             trace, toy_tokenizer_dir, a.url, output, "--endpoints", f"{a.url},{b.url}", "--routing", "prefix",
-            "--server-metrics-interval", "0.25", "--server-block-size", str(BLOCK)))  # fmt: skip
+            "--server-metrics-interval", "0.25", "--server-block-size", str(BLOCK), "--metrics-endpoint", exporter))  # fmt: skip
         finish([master, *workers])
     log = (tmp_path / "master.log").read_text()
     assert master.returncode == 0, log[-4000:]
@@ -165,11 +171,16 @@ def test_fleet_of_two_sims_one_without_metrics(tmp_path, toy_tokenizer_dir):
     rounds: dict[float, list[str]] = {}
     for s in samples:
         rounds.setdefault(s["t"], []).append(s["endpoint"])
-    assert all(sorted(eps) == sorted([a.url, b.url]) for eps in rounds.values()), rounds
+    assert all(eps == [a.url, b.url, exporter] for eps in rounds.values()), rounds
     assert len(rounds) >= 2
     assert min(rounds) < min(r["sent_at"] for r in records)
     assert max(rounds) > max(r["finished_at"] for r in records)
     assert all(s["ok"] and s["metrics"] for s in samples if s["endpoint"] == a.url)
+    page = parse_series(PAGE())
+    exported = [s for s in samples if s.get("exporter")]
+    assert {s["endpoint"] for s in exported} == {exporter} and all(s["ok"] for s in exported)
+    assert exported[-1]["metrics"] == page and len(page) == 38  # every series, labels and all
+    assert exported[0]["metrics"] == parse_series(idle_page(PAGE()))
     assert all(not s["ok"] and s["error"] == "HTTP 404" for s in samples if s["endpoint"] == b.url)
     assert log.count(f"{b.url}/metrics: HTTP 404") == 1
     for worker in range(2):  # never scraped from a worker
@@ -193,6 +204,17 @@ def test_fleet_of_two_sims_one_without_metrics(tmp_path, toy_tokenizer_dir):
     assert server["endpoints"][b.url]["note"] == "no metrics: HTTP 404"
     assert server["total"]["endpoints_without_metrics"] == [b.url]
     assert "Server Metrics (Prometheus)" in log and f"{b.url}: no metrics: HTTP 404" in log
+    assert set(server["endpoints"]) == {a.url, b.url}  # the exporter is no server
+    gpus = server["exporters"][exporter]["gpus"]
+    assert server["exporters"][exporter]["samples"] == len(rounds) and list(gpus) == ["gpu-node-1/gpu 0",
+                                                                                   "gpu-node-1/gpu 1"]
+    assert gpus["gpu-node-1/gpu 0"] == {
+        "gpu": "0", "uuid": "GPU-3b5c9e1a-8f4d-4c1e-9a2b-7d6e5f4a3b21", "model": "NVIDIA H100 80GB HBM3",
+        "hostname": "gpu-node-1", "peak_util_pct": 97, "peak_fb_used_mib": 74676, "least_fb_free_mib": 6411,
+        "peak_power_w": 612.438, "peak_sm_clock_mhz": 1980, "peak_temp_c": 67}
+    assert gpus["gpu-node-1/gpu 1"]["peak_util_pct"] == 64
+    assert f"{exporter} (exporter): {len(rounds)} samples, 38 series, 2 GPUs" in log
+    assert "peak utilisation 97 %, peak memory used 74676 MiB, least memory free 6411 MiB, peak power 612.438 W" in log
 
     cache = summary["cache"]
     assert cache["requests_compared"] == len(records) and cache["requests_matching"] == len(records)

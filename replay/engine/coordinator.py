@@ -189,6 +189,7 @@ class Coordinator:
         # the servers' /metrics, scraped by the master from the start of the run to its end (made by `begin`)
         self.scraper: Scraper | None = None
         self.scrape_listeners: list = []  # handed to the scraper: called with each round (the live Replay view)
+        self.exporter_listeners: list = []  # the same, with the --metrics-endpoint exporters' samples
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         self.summary_listeners: list = []  # called with the run's summary (OUTPUT.summary.json's), at the end
@@ -250,8 +251,10 @@ class Coordinator:
             return
         if self.scrapes:
             self.scraper = Scraper(self.endpoint_urls(), self.output, self.options.server_metrics_interval,
-                                   self.options.server_metric, on_fault=self.on_output_error)
+                                   self.options.server_metric, on_fault=self.on_output_error,
+                                   exporters=self.options.metrics_endpoint)
             self.scraper.listeners.extend(self.scrape_listeners)
+            self.scraper.exporter_listeners.extend(self.exporter_listeners)
             self.scraper.start()
         if self.probes is not None:
             self.rounds.append(self.probes.first_round())

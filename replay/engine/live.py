@@ -10,7 +10,8 @@ the last WINDOW_S seconds. Once the run has ended they are the whole run's: the 
 figures (OUTPUT.summary.json, handed over by replay.run.finish, so each is computed one way),
 and each worker's drift p99 over its records of the merged file, so that with one worker its
 row and the run's agree. The cache hit ratios are cumulative over the run so far. Per endpoint (`servers`, in
---endpoints order) the view adds the server's own figures from the master's /metrics scraper. The ideal ratio is the
+--endpoints order) the view adds the server's own figures from the master's /metrics scraper, and per GPU
+(`gpus`) the --metrics-endpoint exporters' DCGM series (replay.engine.gpu_view). The ideal ratio is the
 trace's own (replay.trace.prefix, an infinite cache over trace blocks, starting empty at the
 window's first row) taken over exactly the rows behind the observed ratio: answered rows
 whose server reported both prompt_tokens and cached_tokens.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import gevent
 
 from replay.engine import messages
+from replay.engine.gpu_view import GpuView
 from replay.protocol.urls import shown
 from replay.results.records import output_tokens_of
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
@@ -45,7 +47,7 @@ IDEAL_MAX_ROWS = 500_000  # windows up to this many rows get the ideal cache lin
 LATEST_KEYS = (
     "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tokens_per_s",
     "input_tokens_per_s", "in_flight", "drift_p50_ms", "drift_p99_ms", "cache_hit_ratio", "ideal_cache_hit_ratio",
-    "servers",
+    "servers", "gpus",
 )  # fmt: skip
 # the whole run's figures once it has ended: LATEST_KEYS -> where the summary (replay.results.report) has them
 SUMMARY_FIGURES = {
@@ -111,6 +113,8 @@ class LiveStats:
         self.ideal = ideal_hit_tokens(coordinator) if view else {}
         self.servers = ServerView([shown(url) for url in coordinator.endpoint_urls()])
         coordinator.scrape_listeners.append(self.servers.on_round)  # the scraper is made as the run begins
+        self.gpus = GpuView()
+        coordinator.exporter_listeners.append(self.gpus.on_round)
         self._final = FinalCounts()
         if view:
             coordinator.final_listeners.append(self._final.add)
@@ -189,6 +193,7 @@ class LiveStats:
             "cache_hit_ratio": _round(_ratio(self.cached, self.prompt), 4),
             "ideal_cache_hit_ratio": _round(_ratio(self.ideal_cached, self.ideal_prompt), 4),
             "servers": self.servers.latest(),
+            "gpus": self.gpus.latest(),
         }  # fmt: skip
 
     def _in_flight(self) -> int:
@@ -294,6 +299,7 @@ class LiveStats:
             "errors": dict(self.errors.most_common()),
             "run": self.run_info(now),
             "servers": self.servers.info(self.coordinator.scrapes),
+            "gpus": self.gpus.info(),
             "capacity": self.coordinator.probes.live() if self.coordinator.probes is not None else None,
         }
 

@@ -11,7 +11,12 @@ The first round is taken before the first request is sent (the coordinator waits
 a last one after the last answer, so counters' changes cover exactly the run. A server without
 `/metrics`, or one that fails, is logged once (and again once it answers); the run goes on.
 An endpoint is written, logged and handed on by its URL as shown (replay.protocol.urls); its
-credentials go only into the scrape's Authorization header. A round that cannot be written
+credentials go only into the scrape's Authorization header.
+
+The `--metrics-endpoint` exporters (GPU telemetry: dcgm-exporter, node exporters) are asked in
+the same rounds, at the URL given (its path, or /metrics without one), and written whole
+(server_metrics.parse_series) with `"exporter": true`; they go to `exporter_listeners`, never
+to `listeners`, whose readers count running requests and cache hits of LLM servers. A round that cannot be written
 (a full disk) goes to `on_fault`, which ends the run: the file keeps whole lines only.
 """
 
@@ -32,7 +37,7 @@ from replay.protocol.client import close_with_reset
 from replay.protocol.gevent_pool import PoolInternals
 from replay.protocol.urls import shown, with_credentials
 from replay.results.files import AppendFile, OutputError
-from replay.results.server_metrics import KNOWN, parse, sample_line
+from replay.results.server_metrics import KNOWN, parse, parse_series, sample_line
 from replay.rules.run_files import metrics_path
 
 logger = logging.getLogger(__name__)
@@ -43,16 +48,18 @@ MIN_INTERVAL_S = 0.1  # --server-metrics-interval's least (besides 0, off): 1e-3
 
 class Scraper:
     def __init__(self, endpoints: list[str], output: str | Path, interval: float, extra: list[str] | None = None,
-                 on_fault: Callable[[OutputError], None] | None = None):
+                 on_fault: Callable[[OutputError], None] | None = None, exporters: list[str] | None = None):
         """`on_fault` hears of a round that could not be written (None: it is raised)."""
         self.on_fault = on_fault
         self.endpoints = list(endpoints)
-        self.shown = [shown(url) for url in self.endpoints]
+        self.exporters = list(exporters or ())
+        self.shown = [shown(url) for url in self.endpoints + self.exporters]
         self.interval = interval
         self.names = tuple(dict.fromkeys((*KNOWN, *(extra or ()))))
         self.timeout = min(MAX_TIMEOUT_S, max(interval, 0.5))
         self.path = metrics_path(output)
         self.listeners: list[Callable[[float, dict[str, dict | None]], None]] = []  # (t, {shown url: metrics or None})
+        self.exporter_listeners: list[Callable[[float, dict[str, dict | None]], None]] = []  # the same, exporters
         self.first_round = Event()  # set once the first round is written
         self._failing: dict[str, str] = {}  # endpoint -> the error last logged
         self._file: AppendFile | None = None
@@ -67,7 +74,9 @@ class Scraper:
         if url not in self._clients:
             client = HTTPClient.from_url(url, concurrency=1, connection_timeout=self.timeout,
                                          network_timeout=self.timeout)  # the host and port only
-            self._clients[url] = (client, urlsplit(url).path.rstrip("/") + "/metrics", with_credentials(url, None))
+            path = urlsplit(url).path
+            page = (path or "/metrics") if url in self.exporters else path.rstrip("/") + "/metrics"
+            self._clients[url] = (client, page, with_credentials(url, None))
         return self._clients[url]
 
     def start(self) -> None:
@@ -98,24 +107,27 @@ class Scraper:
                 response.release()
             if response.status_code != 200:
                 raise ValueError(f"HTTP {response.status_code}")
-            return parse(data.decode("utf-8", "replace"), self.names), None
+            text = data.decode("utf-8", "replace")
+            return (parse_series(text) if url in self.exporters else parse(text, self.names)), None
         except (OSError, http.client.HTTPException, ValueError, gevent.Timeout) as e:
             return None, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
 
     def scrape(self) -> None:
-        """One round: every endpoint at once, written in endpoint order."""
+        """One round: every endpoint and exporter at once, written in that order."""
         t = time.time()
-        jobs = [gevent.spawn(self._one, url) for url in self.endpoints]
+        jobs = [gevent.spawn(self._one, url) for url in self.endpoints + self.exporters]
         gevent.joinall(jobs, timeout=self.timeout + 1.0)
         results: dict[str, dict | None] = {}
+        exported: dict[str, dict | None] = {}
         lines = bytearray()
-        for name, job in zip(self.shown, jobs):
+        for i, (name, job) in enumerate(zip(self.shown, jobs)):
             metrics, error = job.value if job.successful() else (None, "no answer in time")
             if not job.ready():
                 job.kill(block=False)
-            self._log(name, error)
-            results[name] = metrics
-            lines += sample_line(t, name, metrics, error)
+            exporter = i >= len(self.endpoints)
+            self._log(name, error, exporter)
+            (exported if exporter else results)[name] = metrics
+            lines += sample_line(t, name, metrics, error, exporter)
         if self._file is not None:
             try:
                 self._file.append(lines)
@@ -124,14 +136,17 @@ class Scraper:
         self.first_round.set()
         for listener in self.listeners:
             listener(t, results)
+        for listener in self.exporter_listeners:
+            listener(t, exported)
 
-    def _log(self, url: str, error: str | None) -> None:
+    def _log(self, url: str, error: str | None, exporter: bool = False) -> None:
+        page = url if exporter else f"{url}/metrics"
         if error is None:
             if self._failing.pop(url, None) is not None:
-                logger.info("server metrics: %s/metrics answers again", url)
+                logger.info("server metrics: %s answers again", page)
             return
         if url not in self._failing:
-            logger.warning("server metrics: %s/metrics: %s (the run goes on; noted once)", url, error)
+            logger.warning("server metrics: %s: %s (the run goes on; noted once)", page, error)
             self._failing[url] = error
 
     def stop(self) -> None:

@@ -359,7 +359,7 @@ def start_counters(metrics_file: str | Path) -> dict[str, dict[str, float]]:
     seen: set[str] = set()
     for sample in read_samples(metrics_file):
         endpoint = sample.get("endpoint")
-        if endpoint in seen:
+        if endpoint in seen or sample.get("exporter"):  # a GPU exporter has no cache
             continue
         seen.add(endpoint)
         metrics = sample.get("metrics") or {}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from replay.engine.capacity import quotable_line
 from replay.results.files import write_atomically
+from replay.results.gpu_metrics import DCGM, gpus
 from replay.results.report import format_report
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 
@@ -84,7 +85,7 @@ def server_figures(Figure, samples: list[dict], records: list[dict], checks, t0:
     cumulative and over trace time, like the latency plot."""
     figures = {}
     expected = {c.request_id: c.expected for c in checks or ()}
-    endpoints = sorted({s["endpoint"] for s in samples if s.get("ok")})
+    endpoints = sorted({s["endpoint"] for s in samples if s.get("ok") and not s.get("exporter")})
     for n, url in enumerate(endpoints):
         mine = [s for s in samples if s["endpoint"] == url and s.get("ok")]
         x = [(s["t"] - t0) * scale for s in mine]
@@ -122,6 +123,31 @@ def server_figures(Figure, samples: list[dict], records: list[dict], checks, t0:
             ax.grid(alpha=0.3)
         fig.set_label(f"Server {url}: requests, KV-cache usage, prefix-cache hit ratio")  # the caption
         figures[f"server-{n}"] = fig
+    return figures
+
+
+def gpu_figures(Figure, samples: list[dict], t0: float, scale: float) -> dict:
+    """Per GPU of the --metrics-endpoint exporters (replay.results.gpu_metrics): utilisation,
+    memory used, power, SM clock and temperature over trace time, one panel each."""
+    series: dict[tuple[str, str], list[tuple[float, dict]]] = {}
+    for s in samples:
+        if s.get("exporter") and s.get("ok"):
+            for name, gpu in gpus(s.get("metrics") or {}).items():
+                series.setdefault((s["endpoint"], name), []).append(((s["t"] - t0) * scale, gpu))
+    figures = {}
+    panels = [(field, f"{label} ({unit})") for field, label, unit in DCGM.values() if field != "fb_free_mib"]
+    for n, ((url, name), points) in enumerate(sorted(series.items())):
+        fig = Figure(figsize=(9, 7), layout="constrained")
+        axes = fig.subplots(len(panels), 1, sharex=True)
+        for ax, (field, ylabel) in zip(axes, panels):
+            ax.plot([x for x, _ in points], [g.get(field) for _, g in points])
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.grid(alpha=0.3)
+        model = points[-1][1].get("model")
+        axes[0].set_title(f"{name}" + (f" ({model})" if model else ""))
+        axes[-1].set_xlabel(f"trace time (s){'' if scale == 1 else f', run time x {scale:g}'}")
+        fig.set_label(f"GPU {name} ({url}): utilisation, memory, power, SM clock, temperature")
+        figures[f"gpu-{n}"] = fig
     return figures
 
 
@@ -274,6 +300,7 @@ def render_figures(records: list[dict], report: dict, checks=None, meta: dict | 
     ax.grid(alpha=0.3)
     figures["cache-scatter"] = fig
     figures.update(server_figures(Figure, samples or [], records, checks, t0, scale))
+    figures.update(gpu_figures(Figure, samples or [], t0, scale))
     return figures
 
 

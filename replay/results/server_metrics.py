@@ -6,7 +6,10 @@ per endpoint to OUTPUT.server-metrics.jsonl:
     {"t": <unix s, master clock>, "endpoint": URL, "ok": true|false, "metrics": {name: value}}
 
 (`"error"` is added on a failed scrape; every endpoint of one scrape round has the same `t`,
-so the fleet's totals line up). This module knows the series worth keeping (vLLM, SGLang, TGI),
+so the fleet's totals line up). A `--metrics-endpoint` exporter's lines (GPU telemetry) have
+`"exporter": true` and every series of its page, keyed as the page writes it, `NAME{labels}`
+(`parse_series`); they are no LLM server's, so the `server` section leaves them out, and
+replay.results.gpu_metrics reads them. This module knows the series worth keeping (vLLM, SGLang, TGI),
 parses the text format's sample lines, and turns a file of samples into the summary's
 `server` section: counters as their change over the run, gauges as their peak.
 
@@ -92,6 +95,19 @@ def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
     return {name: (sums[name] / counts[name] if name in FRACTIONS else sums[name]) for name in sums}
 
 
+def parse_series(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text exposition (an exporter's page, kept raw), keyed by its
+    series as written, `name{labels}` (NaN values dropped). Raises ValueError as `parse`."""
+    series: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.strip() or line[0] == "#":
+            continue
+        name, value = _sample(line)
+        if not math.isnan(value):
+            series[line[: SAMPLE_LINE.fullmatch(line).start(2)].rstrip()] = value
+    return series
+
+
 def _sample(line: str) -> tuple[str, float]:
     """A sample line's name and value: `name{labels} value [timestamp]`."""
     match = SAMPLE_LINE.fullmatch(line)
@@ -126,9 +142,12 @@ def _count(value: str | None) -> int | None:
         return None
 
 
-def sample_line(t: float, endpoint: str, metrics: dict[str, float] | None, error: str | None = None) -> bytes:
-    """One line of the samples file."""
+def sample_line(t: float, endpoint: str, metrics: dict[str, float] | None, error: str | None = None,
+                exporter: bool = False) -> bytes:
+    """One line of the samples file (`exporter`: a --metrics-endpoint's, not a server's)."""
     line = {"t": round(t, 3), "endpoint": endpoint, "ok": error is None, "metrics": metrics or {}}
+    if exporter:
+        line["exporter"] = True
     if error is not None:
         line["error"] = error
     return orjson.dumps(line) + b"\n"
@@ -275,16 +294,23 @@ def fleet_peaks(samples: list[dict]) -> dict[str, float | None]:
 def server_section(samples: Iterable[dict], endpoints: dict[str, dict] | None = None,
                    extra: Iterable[str] = ()) -> dict | None:
     """The summary's `server` section from a run's samples; None when there are none.
-    `endpoints` is the report's per-endpoint section (records' prompt and cached tokens)."""
+    `endpoints` is the report's per-endpoint section (records' prompt and cached tokens).
+    Exporters' samples go to its `exporters` (replay.results.gpu_metrics), never into the servers'."""
+    from replay.results.gpu_metrics import exporter_section  # it imports this module
+
     endpoints = endpoints or {}
     extra = tuple(extra)
     series: dict[str, EndpointSeries] = {}
     kept: list[dict] = []
+    exporters: list[dict] = []
     for s in samples:
+        if s.get("exporter"):
+            exporters.append(s)
+            continue
         series.setdefault(s["endpoint"], EndpointSeries()).add(s, extra)
         kept.append({"t": s["t"], "ok": s.get("ok"), "metrics": {k: v for k, v in (s.get("metrics") or {}).items()
                                                                   if k in FLEET_NAMES}})  # fmt: skip
-    if not series:
+    if not series and not exporters:
         return None
     entries = {url: series[url].entry(endpoints.get(url)) for url in sorted(series)}
     total: dict = {"samples": sum(e["samples"] for e in entries.values()),
@@ -305,7 +331,10 @@ def server_section(samples: Iterable[dict], endpoints: dict[str, dict] | None = 
         diff = total["prompt_tokens"] - total["records_prompt_tokens"]
     total["prompt_tokens_difference"] = diff
     total["endpoints_without_metrics"] = [url for url, e in entries.items() if e["samples"] == e["samples_failed"]]
-    return {"endpoints": entries, "total": total}
+    section = {"endpoints": entries, "total": total}
+    if exporters:
+        section["exporters"] = exporter_section(exporters)
+    return section
 
 
 
@@ -361,4 +390,8 @@ def format_server(section: dict, width: int = 50) -> list[str]:
     diff = total.get("prompt_tokens_difference")
     if diff:
         out.append("  note: " + OTHER_TRAFFIC.format(diff=diff))
+    if section.get("exporters"):
+        from replay.results.gpu_metrics import format_exporters  # it imports this module
+
+        out.extend(format_exporters(section["exporters"]))
     return out

@@ -108,6 +108,11 @@ class ReplayOptions:
     server_metric: list | None = _option(help="also keep this /metrics series (a sample name, e.g. "
                                               "vllm:num_requests_swapped); repeatable", parser_default=[],
                                          metavar="NAME")
+    metrics_endpoint: list | None = _option(help="also scrape this Prometheus exporter's page (its URL; /metrics "
+                                                 "when it has no path) with the servers' /metrics, into "
+                                                 "OUTPUT.server-metrics.jsonl: GPU telemetry from NVIDIA "
+                                                 "dcgm-exporter, charted per GPU (docs/reports.md#gpu-telemetry); "
+                                                 "repeatable", parser_default=[], metavar="URL")
     server_block_size: int | None = _option(help="the server's KV-cache block size (default: what its /metrics "
                                                  "vllm:cache_config_info says): the end-of-run summary adds the "
                                                  "cache fidelity section", metavar="N")
@@ -195,6 +200,8 @@ class ReplayOptions:
         if self.capacity_search:
             check_search(self)
         parse_headers(self.header)  # here, not on every worker
+        for url in self.metrics_endpoint or ():
+            check_url("--metrics-endpoint", url)
 
 
 @dataclass
