@@ -1,0 +1,172 @@
+"""Closed-loop session turns (--turn-timing, docs/replaying.md#sessions-that-wait-for-their-answers):
+a real Dispatcher (the rule lives there) against a real `replay sim` slower than the trace's gaps,
+in one process: the local runner, and a master with two workers over an in-process hub."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import gevent
+import pytest
+
+from replay.engine import messages
+from replay.engine.coordinator import Coordinator
+from replay.engine.dispatcher import Dispatcher
+from replay.engine.transport import LOCAL_CLIENT, LocalLink
+from replay.errors import OptionError
+from replay.results.records import SESSION_STOPPED, read_records
+from replay.results.summary import summarize
+from replay.run import preflight
+from replay.run.options import ReplayOptions
+from replay.sim.process import sim_process
+from engine_support import Hub
+from support.traces import BLOCK
+
+SESSIONS, TURNS = 6, 4
+GAPS_MS = (80.0, 120.0, 100.0)  # between turns 1-2, 2-3, 3-4 of every session
+ANSWER_MS = 250  # the sim's time to first token: every answer outlasts every gap
+
+
+def session_trace(path: Path) -> Path:
+    """jsonl rows with session ids: SESSIONS sessions of TURNS turns, starting 30 ms apart."""
+    rows = []
+    for s in range(SESSIONS):
+        time_ms = 30.0 * s
+        for turn in range(TURNS):
+            hashes = [1000 * (s + 1) + k for k in range(2 * (turn + 1))]
+            rows.append({"timestamp": time_ms, "session_id": f"s{s}", "input_length": len(hashes) * BLOCK - 3,
+                         "output_length": 2, "hash_ids": hashes})
+            if turn < TURNS - 1:
+                time_ms += GAPS_MS[turn]
+    rows.sort(key=lambda r: r["timestamp"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def slow_sim(toy_tokenizer_dir):
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", str(ANSWER_MS), "--itl-ms", "0",
+                     "--prefill-ms-per-1k", "0", "--max-num-seqs", "1000") as server:
+        yield server
+
+
+@pytest.fixture
+def failing_sim(toy_tokenizer_dir):
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "20", "--itl-ms", "0",
+                     "--prefill-ms-per-1k", "0", "--error-rate", "0.3", "--seed", "3") as server:
+        yield server
+
+
+def replay(tmp_path: Path, url: str, workers: int = 1, **options) -> tuple[list[dict], list[int]]:
+    """The session trace replayed in this process (the local runner, or a master and `workers`
+    workers over a hub): its merged records, in request id order, and the exit codes asked."""
+    trace = session_trace(tmp_path / "trace.jsonl")
+    output = tmp_path / "run.jsonl"
+    opts = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(options.pop("tokenizer")), model="sim",
+                         output=str(output), partition="session", server_metrics_interval=0, **options)
+    exit_codes: list[int] = []
+    if workers == 1:
+        link = LocalLink()
+        part = Dispatcher(link, local=True)
+        coordinator = Coordinator(preflight.load(opts, url), link, local_part=part, on_exit_code=exit_codes.append)
+        coordinator.begin([(LOCAL_CLIENT, 0)])
+    else:
+        hub = Hub()
+        coordinator = Coordinator(preflight.load(opts, url), hub.master, on_exit_code=exit_codes.append)
+        for w in range(workers):
+            Dispatcher(hub.worker(f"w{w}")).link.to_master(messages.HELLO, messages.Hello())
+        gevent.sleep(0.01)
+        coordinator.begin([(f"w{w}", w) for w in range(workers)])
+    assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
+    gevent.spawn(coordinator.end).join(timeout=60)
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == list(range(SESSIONS * TURNS))  # every row once
+    return records, exit_codes
+
+
+def by_session(records: list[dict]) -> list[list[dict]]:
+    """Each session's records in turn order (request ids are in trace order, so in turn order)."""
+    sessions = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["request_id"]):
+        sessions[r["session_id"]].append(r)
+    assert len(sessions) == SESSIONS
+    return list(sessions.values())
+
+
+def turn_pairs(records: list[dict]):
+    for turns in by_session(records):
+        yield from zip(turns, turns[1:])
+
+
+def test_trace_timing_sends_turns_before_the_answer(tmp_path, slow_sim, toy_tokenizer_dir):
+    records, exit_codes = replay(tmp_path, slow_sim.url, tokenizer=toy_tokenizer_dir)
+    assert all(r["ok"] for r in records) and exit_codes == []
+    assert any(after["sent_at"] < before["finished_at"] for before, after in turn_pairs(records))
+    assert all(r["due_at"] == r["scheduled_at"] and r["waited_ms"] == 0 for r in records)
+    assert "sessions" not in summarize(records)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_not_before_answer(tmp_path, slow_sim, toy_tokenizer_dir, workers):
+    records, exit_codes = replay(tmp_path, slow_sim.url, workers, tokenizer=toy_tokenizer_dir,
+                                 turn_timing="not-before-answer")
+    assert all(r["ok"] for r in records) and exit_codes == []
+    for before, after in turn_pairs(records):
+        assert after["sent_at"] >= before["finished_at"]
+        assert after["due_at"] == max(after["scheduled_at"], before["finished_at"])
+        assert after["worker"] == before["worker"]  # a session on one worker
+    if workers == 2:
+        assert {r["worker"] for r in records} == {0, 1}
+    summary = summarize(records)["sessions"]
+    assert summary["turns_shifted"] == SESSIONS * (TURNS - 1)  # every later turn waited for its answer
+    assert summary["shift_ms"]["p50"] > 0
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("workers", [1, 2])
+def test_after_answer_keeps_the_trace_gaps(tmp_path, slow_sim, toy_tokenizer_dir, workers):
+    records, exit_codes = replay(tmp_path, slow_sim.url, workers, tokenizer=toy_tokenizer_dir,
+                                 turn_timing="after-answer")
+    assert all(r["ok"] for r in records) and exit_codes == []
+    errors = []
+    for before, after in turn_pairs(records):
+        trace_gap_ms = (after["scheduled_at"] - before["scheduled_at"]) * 1000.0
+        assert after["due_at"] == pytest.approx(before["finished_at"] + trace_gap_ms / 1000.0, abs=1e-6)
+        errors.append(abs((after["sent_at"] - before["finished_at"]) * 1000.0 - trace_gap_ms))
+        assert after["waited_ms"] > 0
+    errors.sort()
+    assert errors[int(0.99 * (len(errors) - 1))] <= 2.0, errors  # p99 of |gap after the answer - trace gap|
+
+
+@pytest.mark.parametrize("on_failure", ["continue", "stop-session"])
+def test_a_failed_turn(tmp_path, failing_sim, toy_tokenizer_dir, on_failure):
+    records, exit_codes = replay(tmp_path, failing_sim.url, tokenizer=toy_tokenizer_dir,
+                                 turn_timing="not-before-answer", on_turn_failure=on_failure)
+    assert exit_codes == [1]  # failed rows: as any run's
+    stopped = 0
+    for turns in by_session(records):
+        failed = next((i for i, r in enumerate(turns) if not r["ok"]), None)
+        if failed is None:
+            continue
+        rest = turns[failed + 1:]
+        if on_failure == "continue":  # the session goes on: the next turn at the failure's end, or its trace time
+            assert all(r["sent_at"] is not None for r in rest)
+            if rest:
+                assert rest[0]["due_at"] == max(rest[0]["scheduled_at"], turns[failed]["finished_at"])
+        else:
+            assert all(r["error"] == SESSION_STOPPED and r["sent_at"] is None for r in rest)
+            stopped += len(rest)
+    assert any(not r["ok"] for r in records)
+    if on_failure == "stop-session":
+        assert stopped > 0
+    else:
+        assert not any(r["error"] == SESSION_STOPPED for r in records)
+
+
+def test_a_closed_loop_timing_needs_the_session_partition():
+    options = ReplayOptions(trace="t.jsonl", tokenizer="tok", turn_timing="after-answer")
+    with pytest.raises(OptionError, match="--turn-timing after-answer needs --partition session.*round-robin"):
+        options.check()
+    ReplayOptions(trace="t.jsonl", tokenizer="tok", turn_timing="after-answer", partition="session").check()
