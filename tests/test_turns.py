@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gevent
 import pytest
+from engine_support import Hub
 
 from replay.engine import messages
 from replay.engine.coordinator import Coordinator
@@ -21,7 +22,6 @@ from replay.results.summary import summarize
 from replay.run import preflight
 from replay.run.options import ReplayOptions
 from replay.sim.process import sim_process
-from engine_support import Hub
 from support.traces import BLOCK
 
 SESSIONS, TURNS = 6, 4

@@ -1,4 +1,4 @@
-"""A worker's sessions under a closed-loop --turn-timing (docs/replaying.md#sessions-that-wait-for-their-answers):
+"""A worker's sessions under a closed-loop --turn-timing (docs/replaying.md, "Sessions that wait for their answers"):
 which of its session turns may go, and when.
 
 The dispatcher walks its rows in trace order and sends each at its trace time; a session's
