@@ -16,12 +16,16 @@ from replay.engine import messages
 from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
+from replay.engine.turns import Turns
 from replay.errors import OptionError
-from replay.results.records import SESSION_STOPPED, read_records
+from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, SESSION_STOPPED, read_records
 from replay.results.summary import summarize
 from replay.run import preflight
 from replay.run.options import ReplayOptions
 from replay.sim.process import sim_process
+from replay.trace.record import TraceRow
+from support.ports import free_port
+from support.processes import replay_args, run_locust
 from support.traces import BLOCK
 
 SESSIONS, TURNS = 6, 4
@@ -59,7 +63,7 @@ def failing_sim(toy_tokenizer_dir):
         yield server
 
 
-def replay(tmp_path: Path, url: str, workers: int = 1, **options) -> tuple[list[dict], list[int]]:
+def replay(tmp_path: Path, url: str, workers: int = 1, stop_after: int | None = None, **options) -> tuple[list[dict], list[int]]:
     """The session trace replayed in this process (the local runner, or a master and `workers`
     workers over a hub): its merged records, in request id order, and the exit codes asked."""
     trace = session_trace(tmp_path / "trace.jsonl")
@@ -69,7 +73,15 @@ def replay(tmp_path: Path, url: str, workers: int = 1, **options) -> tuple[list[
     exit_codes: list[int] = []
     if workers == 1:
         link = LocalLink()
-        part = Dispatcher(link, local=True)
+
+        answers: list[dict] = []
+
+        def stop(record: dict) -> None:  # a user's stop once `stop_after` answers are in
+            answers.append(record)
+            if len(answers) == stop_after:
+                part.abort(RUN_STOPPED)
+
+        part = Dispatcher(link, local=True, on_request=stop)
         coordinator = Coordinator(preflight.load(opts, url), link, local_part=part, on_exit_code=exit_codes.append)
         coordinator.begin([(LOCAL_CLIENT, 0)])
     else:
@@ -170,3 +182,107 @@ def test_a_closed_loop_timing_needs_the_session_partition():
     with pytest.raises(OptionError, match="--turn-timing after-answer needs --partition session.*round-robin"):
         options.check()
     ReplayOptions(trace="t.jsonl", tokenizer="tok", turn_timing="after-answer", partition="session").check()
+
+
+def gaps_after_answers(records: list[dict]) -> list[float]:
+    """Per later turn: |the gap from its previous turn's answer to its send - the trace's gap|, ms, sorted."""
+    return sorted(abs((after["sent_at"] - before["finished_at"] - (after["scheduled_at"] - before["scheduled_at"]))
+                      * 1000.0) for before, after in turn_pairs(records))
+
+
+@pytest.mark.alone
+def test_after_answer_with_a_master_and_two_worker_processes(tmp_path, slow_sim, toy_tokenizer_dir):
+    """Locust's master and two worker processes (--processes 2): the options reach the workers in
+    the plan, each session on one worker, the gaps kept there."""
+    trace = session_trace(tmp_path / "trace.jsonl")
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    run_locust(replay_args(trace, toy_tokenizer_dir, slow_sim.url, output, "--partition", "session",
+                           "--turn-timing", "after-answer", "--processes", "2", "--master-bind-host", "127.0.0.1",
+                           "--master-host", "127.0.0.1", "--master-bind-port", str(port), "--master-port", str(port)),
+               tmp_path, timeout=120)
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == list(range(SESSIONS * TURNS)) and all(r["ok"] for r in records)
+    assert {r["worker"] for r in records} == {0, 1}
+    assert all(len({r["worker"] for r in turns}) == 1 for turns in by_session(records))
+    errors = gaps_after_answers(records)
+    assert errors[int(0.99 * (len(errors) - 1))] <= 2.0, errors
+
+
+def test_a_stop_records_the_parked_turns_once(tmp_path, slow_sim, toy_tokenizer_dir):
+    """A user's stop while later turns wait for their answers: each row one record, the parked
+    turns `run stopped` (exit code left alone, as for any user's stop)."""
+    records, exit_codes = replay(tmp_path, slow_sim.url, stop_after=SESSIONS, tokenizer=toy_tokenizer_dir,
+                                 turn_timing="after-answer")
+    assert exit_codes == []
+    assert {r["error"] for r in records if not r["ok"]} <= {RUN_STOPPED, "run stopped before the answer"}
+    assert any(r["error"] == RUN_STOPPED for r in records)
+
+
+def test_turns_still_waiting_at_the_drain_timeout(tmp_path, toy_tokenizer_dir):
+    """Every row reached, later turns waiting for answers that do not come: --drain-timeout after the
+    last send cuts those off (`no answer before drain timeout`) and their sessions' turns still
+    waiting are recorded as stopped, never sent."""
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "3000", "--itl-ms", "0",
+                     "--prefill-ms-per-1k", "0") as never_in_time:
+        records, exit_codes = replay(tmp_path, never_in_time.url, tokenizer=toy_tokenizer_dir,
+                                     turn_timing="not-before-answer", drain_timeout=0.5)
+    assert exit_codes == [1]
+    for turns in by_session(records):
+        assert turns[0]["error"] == DRAIN_TIMEOUT
+        assert all(r["error"] == SESSION_STOPPED and r["sent_at"] is None for r in turns[1:])
+
+
+# -- the rule's bookkeeping, without a server -------------------------------------------------------
+
+def row(i: int, time_s: float, session: str | None = "a") -> TraceRow:
+    return TraceRow(request_id=i, timestamp_s=time_s, input_length=10, output_length=2, session_id=session)
+
+
+def test_turns_wait_in_order_and_shift_by_the_trace_gap():
+    stopped: list[int] = []
+    turns = Turns("after-answer", 2.0, False, lambda r, scheduled: stopped.append(r.request_id))
+    assert turns.hold(0, row(0, 10.0), b"0", 100.0, now=100.0) == 100.0  # a first turn: its trace time
+    assert turns.hold(1, row(1, 11.0), b"1", 100.5, now=100.5) is None  # behind turn 0, unanswered
+    assert turns.hold(2, row(2, 13.0), b"2", 101.5, now=101.5) is None  # and behind turn 1
+    assert turns and turns.next_due() == float("inf")  # parked, none due yet
+    assert turns.ended(row(0, 10.0), at=103.0, ok=True) == 103.5  # the 1 s trace gap at --scale 2
+    due, pos, turn, body, scheduled = turns.pop()
+    assert (due, pos, body, scheduled) == (103.5, 1, b"1", 100.5)
+    assert turns.ended(turn, at=104.0, ok=False) == 105.0  # continue: as if answered at the failure
+    turns.pop()
+    assert turns.ended(row(2, 13.0), at=106.0, ok=True) is None and not turns  # nothing waits
+    # answered before the next turn is reached: its time comes from the answer
+    assert turns.hold(3, row(3, 14.0), b"3", 102.0, now=106.2) is None and turns.next_due() == 106.5
+    assert stopped == []
+
+
+def test_not_before_answer_keeps_the_trace_time_when_answered_in_time():
+    turns = Turns("not-before-answer", 1.0, False, lambda r, s: None)
+    assert turns.hold(0, row(0, 0.0), b"", 100.0, now=100.0) == 100.0
+    turns.ended(row(0, 0.0), at=100.2, ok=True)
+    assert turns.hold(1, row(1, 1.0), b"", 101.0, now=101.0) == 101.0  # answered before its time: on time
+
+
+def test_stop_session_records_the_rest_of_the_session():
+    stopped: list[int] = []
+    turns = Turns("not-before-answer", 1.0, True, lambda r, scheduled: stopped.append(r.request_id))
+    turns.hold(0, row(0, 0.0), b"", 100.0, now=100.0)
+    turns.hold(1, row(1, 1.0), b"", 101.0, now=101.0)
+    assert turns.ended(row(0, 0.0), at=101.5, ok=False) is None
+    assert stopped == [1] and not turns
+    assert turns.hold(2, row(2, 2.0), b"", 102.0, now=102.0) is None and stopped == [1, 2]  # reached later: so too
+    assert turns.hold(3, row(3, 3.0, session="b"), b"", 103.0, now=103.0) == 103.0  # other sessions go on
+
+
+def test_a_cut_probe_makes_its_parked_turns_due_at_once():
+    turns = Turns("after-answer", 1.0, False, lambda r, s: None)
+    turns.hold(0, row(0, 0.0), b"", 100.0, now=100.0)
+    turns.ended(row(0, 0.0), at=100.5, ok=True)
+    assert turns.hold(1, row(1, 5.0), b"", 105.0, now=105.0) is None and turns.next_due() == 105.5
+    turns.cut(below=2)
+    assert turns.next_due() == 0.0 and turns.pop()[1] == 1
+    assert turns.hold(2, row(2, 6.0, session="b"), b"", 106.0, now=106.0) == 106.0
+    turns.hold(3, row(3, 7.0, session="b"), b"", 107.0, now=107.0)
+    assert turns.ended(row(2, 6.0, session="b"), at=108.0, ok=True, cut_below=4) == 0.0  # released into the cut
+    assert [entry[1] for entry in turns.parked()] == [3] and not turns
