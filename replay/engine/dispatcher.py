@@ -465,6 +465,8 @@ class Dispatcher:
         next one's time or an answer, up to --drain-timeout after the last send (then what is in
         flight is cut off, and the turns still waiting for it are recorded as their session stopped)."""
         deadline = self._fire_due()
+        if not self.turns:  # the last parked turns went out: the loop goes on (or ends) as without turns
+            return
         if deadline == float("inf"):  # nothing in the heap: turns wait for answers
             deadline = self.last_send + self.options.drain_timeout
             if time.time() >= deadline:
