@@ -96,7 +96,8 @@ def replay(tmp_path: Path, url: str, workers: int = 1, stop_after: int | None = 
         assert part.finished.wait(timeout=5)
     gevent.spawn(coordinator.end).join(timeout=60)
     records = list(read_records(output))
-    assert sorted(r["request_id"] for r in records) == list(range(SESSIONS * TURNS))  # every row once
+    if not opts.capacity_search:
+        assert sorted(r["request_id"] for r in records) == list(range(SESSIONS * TURNS))  # every row once
     return records, exit_codes
 
 
@@ -111,6 +112,16 @@ def by_session(records: list[dict]) -> list[list[dict]]:
 
 def turn_pairs(records: list[dict]):
     for turns in by_session(records):
+        yield from zip(turns, turns[1:])
+
+
+def turn_pairs_of(records: list[dict]):
+    """turn_pairs of any number of sessions (a search's probes have their own)."""
+    sessions = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["scheduled_at"]):
+        sessions[r["session_id"]].append(r)
+    assert len(sessions) > SESSIONS
+    for turns in sessions.values():
         yield from zip(turns, turns[1:])
 
 
@@ -233,6 +244,18 @@ def test_turns_still_waiting_at_the_drain_timeout(tmp_path, toy_tokenizer_dir):
     for turns in by_session(records):
         assert turns[0]["error"] == DRAIN_TIMEOUT
         assert all(r["error"] == SESSION_STOPPED and r["sent_at"] is None for r in turns[1:])
+
+
+def test_a_capacity_search_runs_its_probes_with_the_timing(tmp_path, slow_sim, toy_tokenizer_dir):
+    """Each probe's sessions (their own ids) wait for their answers as a run's do."""
+    records, _ = replay(tmp_path, slow_sim.url, tokenizer=toy_tokenizer_dir, turn_timing="not-before-answer",
+                        capacity_search=True, search_range="1:2", search_precision=1.0, slo="ttft_ms=5000",
+                        goodput_target=0.5, probe_duration=0.4, cooldown=0.1, verify_server="off")
+    assert {r["probe"] for r in records} == {0, 1} and all(r["ok"] for r in records)
+    assert len({r["request_id"] for r in records}) == len(records)
+    assert sum(r["probe"] == 1 for r in records) > sum(r["probe"] == 0 for r in records)  # amplified
+    for before, after in turn_pairs_of(records):
+        assert after["sent_at"] >= before["finished_at"]
 
 
 # -- the rule's bookkeeping, without a server -------------------------------------------------------
