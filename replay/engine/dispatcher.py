@@ -31,6 +31,7 @@ from replay.engine.plan import decode_row
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer
 from replay.engine.timing import Alarm, QuietCollector
+from replay.engine.turns import Turns
 from replay.errors import OptionError
 from replay.protocol.client import Endpoint, Sent, read, send, write
 from replay.protocol.headers import parse_headers
@@ -39,6 +40,7 @@ from replay.results.files import OutputError
 from replay.results.records import (
     DRAIN_TIMEOUT,
     RUN_STOPPED,
+    SESSION_STOPPED,
     STOPPED_IN_FLIGHT,
     RecordWriter,
     sent_record,
@@ -213,7 +215,10 @@ class Dispatcher:
         self.bodies: dict[int, bytes] = {}
         self.dispatch_pos = 0  # index (in self.rows) of the next row to send
         self.next_due = float("inf")  # local time of the next send, for the builder to keep clear of
-        self.in_flight: dict[int, tuple[TraceRow, float, str, gevent.Greenlet]] = {}
+        # request id -> (row, scheduled, due, endpoint url, sent_at, reader)
+        self.in_flight: dict[int, tuple[TraceRow, float, float, str, float, gevent.Greenlet]] = {}
+        self.turns: Turns | None = None  # a closed-loop --turn-timing's sessions; None: every row at its trace time
+        self.last_send = 0.0  # local time of the latest send
         self.sends = Group()
         self.outbox: list[dict] = []
         self.sent = 0
@@ -305,6 +310,8 @@ class Dispatcher:
         self.total, self.more = data["rows"], data["more"]
         if "skip_to" in data:
             self.skip_to, self.skip_reason = data["skip_to"], data["skip_reason"]
+            if self.turns is not None:
+                self.turns.cut(self.skip_to)
         self.alarm.ring()
         self._to_flush.set()  # asks for the new rows
 
@@ -348,6 +355,9 @@ class Dispatcher:
         self.headers = {"Content-Type": "application/json", **parse_headers(opts.header)}
         self.endpoints = [Endpoint(url) for url in self.endpoint_urls]
         self.route = make_router(opts.routing, self.endpoints)
+        if opts.turn_timing != "trace":
+            self.turns = Turns(opts.turn_timing, opts.scale, opts.on_turn_failure == "stop-session",
+                               self._record_stopped)
         # in a thread: the tokenizer check against the master's, then the set-up
         self.builder = build_off_loop(opts, self.block_size, self.master_fingerprint)
         # open for the process's life (records come until a stop is over); each batch is flushed
@@ -427,6 +437,9 @@ class Dispatcher:
             while not self._stopped:
                 pos = self.dispatch_pos
                 if pos >= self.total:
+                    if self.turns:  # session turns parked: they go when due, or wait for answers
+                        self._wait_for_turns(collector)
+                        continue
                     if not self.more:
                         break
                     collector.idle(0.0)
@@ -447,6 +460,27 @@ class Dispatcher:
         self._drain()
         self.finished.set()
 
+    def _wait_for_turns(self, collector: QuietCollector) -> None:
+        """Every row was reached; session turns are parked: send those due, else wait for the
+        next one's time or an answer, up to --drain-timeout after the last send (then what is in
+        flight is cut off, and the turns still waiting for it are recorded as their session stopped)."""
+        deadline = self._fire_due()
+        if not self.turns:  # the last parked turns went out: the loop goes on (or ends) as without turns
+            return
+        if deadline == float("inf"):  # nothing in the heap: turns wait for answers
+            deadline = self.last_send + self.options.drain_timeout
+            if time.time() >= deadline:
+                self._cancel_in_flight(DRAIN_TIMEOUT)
+                for _, _, row, _, scheduled in self.turns.parked():
+                    self._record_stopped(row, scheduled)
+                return
+        collector.idle(deadline - time.time())
+        self.alarm.wait_until(deadline)
+
+    def _record_stopped(self, row: TraceRow, scheduled: float) -> None:
+        self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
+                                   reason=SESSION_STOPPED))
+
     def _on_read(self, now: float) -> None:
         """Called in the event loop after every read of a stream: a send that fell due meanwhile
         goes out now, instead of after the rest of this event-loop turn."""
@@ -460,7 +494,19 @@ class Dispatcher:
         request is written here and its answer read by a new greenlet.
         """
         now = time.time()
-        while not self._stopped and self.dispatch_pos < len(self.rows):
+        turns = self.turns
+        while not self._stopped:
+            if turns and turns.next_due() - self.offset <= now:  # a parked session turn fell due
+                due, pos, row, body, scheduled = turns.pop()
+                if pos < self.skip_to:  # of a probe cut short: recorded, never sent; its session moves on
+                    self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
+                                               reason=self.skip_reason))
+                    self._turn_ended(row, now + self.offset, True)
+                else:
+                    self._go(row, body, scheduled, due)
+                continue
+            if self.dispatch_pos >= len(self.rows):
+                break
             pos = self.dispatch_pos
             row = self.rows[pos]
             scheduled = self.due(row)
@@ -472,37 +518,60 @@ class Dispatcher:
                 continue
             deadline = scheduled - self.offset
             if deadline > now or pos not in self.bodies:
+                if turns:
+                    deadline = min(deadline, turns.next_due() - self.offset)
                 self.next_due = deadline
                 return deadline
             body = self.bodies.pop(pos)
             self.dispatch_pos = pos + 1
-            if isinstance(body, Exception):
-                self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
-                                           reason=f"cannot build request: {body}"))
-                continue
-            endpoint = self.route(row)
-            request_id = None if self.run_id is None else f"{self.run_id}-{row.request_id}"
-            sent = write(endpoint, self.api, body, self.options.stream, self.headers, request_id)
-            self.sent += 1
-            if sent is not None:  # written already; the answer is read in its own greenlet
-                sent_at = sent.outcome.sent_at
-                greenlet = self.sends.spawn(self._read, row, scheduled, endpoint, sent)
-            else:  # no idle connection: connecting would block, so the send gets a greenlet of its own
-                sent_at = time.time()
-                greenlet = self.sends.spawn(self._send, row, body, scheduled, endpoint, request_id)
-            self.in_flight[row.request_id] = (row, scheduled, endpoint.url, sent_at, greenlet)
-            self._to_flush.set()  # the sends moved on: the flush loop asks for the rows that now fit
-        self.next_due = float("inf")
+            due = scheduled
+            if turns is not None and row.session_id is not None:
+                due = turns.hold(pos, row, body, scheduled, now + self.offset)
+                if due is None:  # parked until its previous turn's answer (or stopped)
+                    continue
+            self._go(row, body, scheduled, due)
+        self.next_due = turns.next_due() - self.offset if turns else float("inf")
         return self.next_due
 
-    def _send(self, row: TraceRow, body: bytes, scheduled: float, endpoint: Endpoint, request_id: str | None) -> None:
+    def _go(self, row: TraceRow, body, scheduled: float, due: float) -> None:
+        """Send row `row` now (`due`: when its timing let it go, in the master's clock)."""
+        if isinstance(body, Exception):
+            self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
+                                       due_at=due, reason=f"cannot build request: {body}"))
+            if self.turns is not None and row.session_id is not None:  # a failed turn
+                self._turn_ended(row, time.time() + self.offset, False)
+            return
+        endpoint = self.route(row)
+        request_id = None if self.run_id is None else f"{self.run_id}-{row.request_id}"
+        sent = write(endpoint, self.api, body, self.options.stream, self.headers, request_id)
+        self.sent += 1
+        if sent is not None:  # written already; the answer is read in its own greenlet
+            sent_at = sent.outcome.sent_at
+            greenlet = self.sends.spawn(self._read, row, scheduled, due, endpoint, sent)
+        else:  # no idle connection: connecting would block, so the send gets a greenlet of its own
+            sent_at = time.time()
+            greenlet = self.sends.spawn(self._send, row, body, scheduled, due, endpoint, request_id)
+        self.last_send = sent_at
+        self.in_flight[row.request_id] = (row, scheduled, due, endpoint.url, sent_at, greenlet)
+        self._to_flush.set()  # the sends moved on: the flush loop asks for the rows that now fit
+
+    def _turn_ended(self, row: TraceRow, at: float, ok: bool) -> None:
+        """A session's turn was answered or failed at `at` (master clock): its next turn may be
+        released; the send loop is woken for it (from the hub, where the alarm may be rung)."""
+        due = self.turns.ended(row, at, ok, self.skip_to)
+        if due is not None and due - self.offset < self.next_due:
+            self.next_due = due - self.offset
+            gevent.get_hub().loop.run_callback(self.alarm.ring)
+
+    def _send(self, row: TraceRow, body: bytes, scheduled: float, due: float, endpoint: Endpoint,
+              request_id: str | None) -> None:
         outcome = send(endpoint, self.api, body, self.options.stream, self.headers, request_id)
-        self._done(row, scheduled, endpoint, outcome)
+        self._done(row, scheduled, due, endpoint, outcome)
 
-    def _read(self, row: TraceRow, scheduled: float, endpoint: Endpoint, sent: Sent) -> None:
-        self._done(row, scheduled, endpoint, read(endpoint, self.api, self.options.stream, sent))
+    def _read(self, row: TraceRow, scheduled: float, due: float, endpoint: Endpoint, sent: Sent) -> None:
+        self._done(row, scheduled, due, endpoint, read(endpoint, self.api, self.options.stream, sent))
 
-    def _done(self, row: TraceRow, scheduled: float, endpoint: Endpoint, outcome) -> None:
+    def _done(self, row: TraceRow, scheduled: float, due: float, endpoint: Endpoint, outcome) -> None:
         if self.in_flight.pop(row.request_id, None) is None:  # a stop recorded it already: one record a row
             return
         if self.offset:  # stamped by this host's clock: records are in the master's, as scheduled_at is
@@ -510,8 +579,10 @@ class Dispatcher:
             outcome.finished_at += self.offset if outcome.finished_at else 0.0
             outcome.token_times = [t + self.offset for t in outcome.token_times]
         record = sent_record(row, worker=self.index, endpoint=endpoint.url, api=self.options.api,
-                             scheduled_at=scheduled, outcome=outcome)
+                             scheduled_at=scheduled, due_at=due, outcome=outcome)
         self._record(record)
+        if self.turns is not None and row.session_id is not None:
+            self._turn_ended(row, outcome.finished_at or time.time() + self.offset, outcome.ok)
         if self.on_request is not None:
             self.on_request(record)
 
@@ -572,11 +643,11 @@ class Dispatcher:
         yielding (a stop's records are made at once): each reader is told to end, but one whose
         answer is already in may run before the kill lands; `_done` then finds its request gone
         from `in_flight` and records nothing, so the row keeps this one record."""
-        for request_id, (row, scheduled, url, sent_at, greenlet) in list(self.in_flight.items()):
+        for request_id, (row, scheduled, due, url, sent_at, greenlet) in list(self.in_flight.items()):
             greenlet.kill(block=False)
             sent_at += self.offset  # records are in the master's clock
             record = unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
-                                   reason=reason, endpoint=url, sent_at=sent_at)
+                                   due_at=due, reason=reason, endpoint=url, sent_at=sent_at)
             self._record(record)
         self.in_flight.clear()
 
@@ -598,6 +669,8 @@ class Dispatcher:
         held = self.rows.tail(self.dispatch_pos)
         for seq in sorted(self._chunks):  # arrived out of order, not yet applied: held all the same
             held += [decode_row(r) for r in self._chunks.pop(seq)]
+        if self.turns is not None:  # session turns reached but parked: never sent
+            held[:0] = [row for _, _, row, _, _ in self.turns.parked()]
         for row in held:
             self._record(unsent_record(row, worker=self.index, api=self.options.api,
                                        scheduled_at=self.due(row) if started else None, reason=reason))

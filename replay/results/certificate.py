@@ -101,7 +101,9 @@ class CertificateBuilder:
 
     def add(self, record: Record) -> None:
         self.rows += 1
-        due, sent = record.get("scheduled_at"), record.get("sent_at")
+        due, sent = record.get("due_at"), record.get("sent_at")
+        if due is None:  # a record from before due_at (a closed-loop turn's may be later than scheduled_at)
+            due = record.get("scheduled_at")
         if _finite(due) and _finite(sent):
             self._add_send(record, due, sent)
         if sent is not None:

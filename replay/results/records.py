@@ -26,10 +26,12 @@ class Record(TypedDict):
     worker: int | None
     endpoint: str | None
     api: str
-    scheduled_at: float | None  # epoch seconds
+    scheduled_at: float | None  # epoch seconds: the row's trace time
+    due_at: float | None  # when the rule allowed the send (--turn-timing: a closed-loop turn's may be later)
     sent_at: float | None
     finished_at: float | None
-    drift_ms: float | None  # sent_at - scheduled_at
+    drift_ms: float | None  # sent_at - due_at: the client's own lag, never the server's
+    waited_ms: float | None  # due_at - scheduled_at: how long a session's turn waited for its previous answer
     ttft_ms: float | None
     tpot_ms: float | None
     e2e_ms: float | None
@@ -66,6 +68,7 @@ REFUSED = "run refused before the first send"  # the servers' check refused the 
 ERROR_RATE = "run aborted: error rate over"  # --max-error-rate stopped the run (" R" follows: error_rate_label)
 PROBE_CUT = "probe failed early"  # a capacity search's probe could no longer meet its target: never sent
 PROBE_INVALID = "probe invalid"  # a worker was lost during a capacity search's probe: it is repeated, these never sent
+SESSION_STOPPED = "session stopped after a failed turn"  # --on-turn-failure stop-session: never sent
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
 
 
@@ -90,8 +93,12 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome) -> Record:
-    """The record of a request that was sent; `outcome` is a replay.protocol.Outcome."""
+def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome,
+                due_at: float | None = None) -> Record:
+    """The record of a request that was sent; `outcome` is a replay.protocol.Outcome; `due_at`:
+    when the turn timing let it go (None: at `scheduled_at`)."""
+    if due_at is None:
+        due_at = scheduled_at
     received = outcome.events_tokens if outcome.streamed else None
     found = [*(outcome.usage_notes or ()),
              *disagreements(input_length=row.input_length, output_length=row.output_length, received_tokens=received,
@@ -106,9 +113,11 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "endpoint": endpoint,
         "api": api,
         "scheduled_at": scheduled_at,
+        "due_at": due_at,
         "sent_at": outcome.sent_at,
         "finished_at": outcome.finished_at,
-        "drift_ms": _ms((outcome.sent_at - scheduled_at) * 1000.0),
+        "drift_ms": _ms((outcome.sent_at - due_at) * 1000.0),
+        "waited_ms": _ms((due_at - scheduled_at) * 1000.0),
         "ttft_ms": _ms(outcome.ttft_ms),
         "tpot_ms": _ms(outcome.tpot_ms_over(believed if believed is not None else outcome.events_tokens)),
         "e2e_ms": _ms(outcome.e2e_ms),
@@ -129,19 +138,24 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
 
 
 def unsent_record(row, *, worker: int | None, api: str, scheduled_at: float | None, reason: str,
-                  endpoint: str | None = None, sent_at: float | None = None) -> Record:
+                  endpoint: str | None = None, sent_at: float | None = None, due_at: float | None = None) -> Record:
     """The record of a row that never got an answer: ok=false and the reason as error. A request
-    that was sent keeps when and where (`sent_at`, `endpoint`, `drift_ms`): it loaded the server."""
+    that was sent keeps when and where (`sent_at`, `endpoint`, `drift_ms`): it loaded the server.
+    `due_at`: when the turn timing let it go, where known (None: at `scheduled_at`)."""
+    if due_at is None:
+        due_at = scheduled_at
     record: Record = dict.fromkeys(RECORD_FIELDS)  # type: ignore[assignment]  # every field present, null when unknown
     record.update(
         request_id=row.request_id, session_id=row.session_id, worker=worker, endpoint=endpoint, api=api,
-        scheduled_at=scheduled_at, status=0, ok=False, error=reason,
+        scheduled_at=scheduled_at, due_at=due_at, status=0, ok=False, error=reason,
         input_length=row.input_length, output_length=row.output_length,
     )
+    if due_at is not None and scheduled_at is not None:
+        record["waited_ms"] = _ms((due_at - scheduled_at) * 1000.0)
     if sent_at is not None:
         record["sent_at"] = sent_at
-        if scheduled_at is not None:
-            record["drift_ms"] = _ms((sent_at - scheduled_at) * 1000.0)
+        if due_at is not None:
+            record["drift_ms"] = _ms((sent_at - due_at) * 1000.0)
     return record
 
 

@@ -202,6 +202,11 @@ def format_report(report: dict) -> str:
     out.append("{s:-^{n}}".format(s="Dispatch Drift (sent - scheduled)", n=WIDTH))
     for key in ("p50", "p99", "max"):
         out.append(_line(f"{key.upper() if key != 'max' else 'Max'} drift (ms):", _num(drift[key])))
+    if report.get("sessions"):  # a closed-loop --turn-timing: turns sent after their trace time
+        sessions = report["sessions"]
+        out.append(_line("Session turns shifted (median/p99 ms):",
+                         f"{sessions['turns_shifted']} ({_num(sessions['shift_ms']['p50'])}/"
+                         f"{_num(sessions['shift_ms']['p99'])})"))
     cache = report.get("cache")
     if cache:
         out.extend(format_cache(cache))

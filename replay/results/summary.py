@@ -144,6 +144,7 @@ class SummaryBuilder:
         self.latencies = {key: array("d") for key in LATENCY_KEYS}  # of ok records
         self.drift = array("d")  # of sent records
         self.drift_max: float | None = None  # as given (an int stays an int), not as stored
+        self.shifts = array("d")  # waited_ms of the session turns a closed-loop --turn-timing sent late
 
     def add(self, record: Record) -> None:
         self.requests += 1
@@ -158,6 +159,9 @@ class SummaryBuilder:
             finished_at = record.get("finished_at")
             if finished_at and (self.last_finished is None or finished_at > self.last_finished):
                 self.last_finished = finished_at
+            waited = record.get("waited_ms")
+            if waited:  # > 0: a turn that waited for its previous answer
+                self.shifts.append(waited)
             drift = record.get("drift_ms")
             if drift is not None:
                 self.drift.append(drift)
@@ -201,6 +205,10 @@ class SummaryBuilder:
             self.latencies[key] = sorted_array(self.latencies[key])
             out[key] = distribution(self.latencies[key])
         out["drift_ms"] = {"p50": percentile(self.drift, 50), "p99": percentile(self.drift, 99), "max": self.drift_max}
+        if self.shifts:  # only a closed-loop --turn-timing shifts turns
+            self.shifts = sorted_array(self.shifts)
+            out["sessions"] = {"turns_shifted": len(self.shifts), "shift_ms": {
+                "p50": percentile(self.shifts, 50), "p99": percentile(self.shifts, 99)}}
         return out
 
 

@@ -27,6 +27,7 @@ from replay.protocol.headers import parse_headers
 from replay.protocol.models import Served, prompt_limit
 from replay.protocol.table import API_NAMES, PROMPT_FORMATS, TOKEN_ID_APIS, prompt_format_problem
 from replay.results.report import parse_slo
+from replay.rules.send_time import TURN_FAILURES, TURN_TIMINGS
 from replay.synth.tokenizer_source import TOKENIZER_HELP
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_INT, block_size_problem
 
@@ -89,6 +90,13 @@ class ReplayOptions:
                                                  "max_input_tokens from /info; else "
                                                  f"{DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)")
     partition: str = _option("round-robin", "how rows are split across workers", choices=PARTITIONS)
+    turn_timing: str = _option("trace", "when a session's later turn is sent: at its trace time (trace); at its trace "
+                                        "time but never before the previous turn's answer ended (not-before-answer); "
+                                        "the trace's gap after that answer ended (after-answer). A closed-loop timing "
+                                        "needs --partition session", choices=TURN_TIMINGS)
+    on_turn_failure: str = _option("continue", "with a closed-loop --turn-timing, a failed turn: the session goes on "
+                                               "(continue), or its remaining turns are recorded, never sent "
+                                               "(stop-session)", choices=TURN_FAILURES)
     drain_timeout: float = _option(60.0, "seconds to wait for answers after the last send")
     max_error_rate: float = _option(DEFAULT_MAX_ERROR_RATE, "stop the run (exit 1) when more than this share of the "
                                     f"servers' answers fail, over the last {ERROR_WINDOW_S:g} s and at least the last "
@@ -195,6 +203,9 @@ class ReplayOptions:
                 raise OptionError(f"{flag} {size}: {problem}")
         if self.server_cache_blocks is not None and self.server_cache_blocks < 0:
             raise OptionError(f"--server-cache-blocks {self.server_cache_blocks}: must be >= 0")
+        if self.turn_timing != "trace" and self.partition != "session":  # each session's turns on one worker
+            raise OptionError(f"--turn-timing {self.turn_timing} needs --partition session (a session's turns on one "
+                              f"worker, which waits for each answer itself); got --partition {self.partition}")
         if self.slo:
             parse_slo(self.slo)  # a bad --slo fails here, before any worker starts
         if self.capacity_search:
