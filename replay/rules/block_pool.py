@@ -117,8 +117,23 @@ class BlockPool:
             ref[block] += 1
             blocks.append(block)
         n_hashes = len(hashes)
+        head, copies = self._head, self._copies
         for k in range(hit, total):
-            block = self._take()
+            # _take, its two usual cases inline (a block freed caching nothing; the LRU cached one
+            # whose hash no other block caches): the model's hot loop at heavy eviction
+            if head:
+                block = head.popleft()
+            elif tail and self._fresh >= self.capacity:
+                block, _ = tail.popitem(last=False)
+                old = hash_of[block]
+                if old is not None and old is not OUTPUT and old not in copies and cached.get(old) == block:
+                    del cached[old]
+                    hash_of[block] = None
+                    self.evictions += 1
+                else:
+                    self._uncache(block)
+            else:
+                block = self._take()
             ref[block] = 1
             if k < n_hashes:
                 h = hashes[k]
