@@ -161,7 +161,8 @@ class CacheModel:
             start = here.last_start = max(start, here.last_start)
             here.end_until(start)
         hashes, length = prompt.hashes, prompt.prompt_tokens
-        predicted = hit_tokens(here.pool.hit_blocks(hashes, length), size, length) if here else 0
+        hit = here.pool.hit_blocks(hashes, length) if here else 0
+        predicted = hit_tokens(hit, size, length)
         expected = max(check.expected, prompt.ideal or 0)
         cause = None
         observed = prompt.observed
@@ -169,7 +170,7 @@ class CacheModel:
             cause = (self._miss(prompt, check, here) if observed < expected
                      else self._beyond(check, here))  # fmt: skip
         if here is not None:
-            _, held = here.pool.allocate(hashes, length, max(prompt.output_tokens, 0))
+            _, held = here.pool.allocate(hashes, length, max(prompt.output_tokens, 0), hit)
             end = prompt.finished_at if prompt.finished_at is not None else start
             self._serial += 1
             heapq.heappush(here.running, (max(end, start), self._serial, held))
