@@ -92,7 +92,7 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
                   file=out)
         return None
     servers, note = _model_servers(results, caches, server_cache_blocks)
-    if note and out is not None:
+    if note and out is not None and caches:  # a run without server_cache (older, or no metadata): not news
         print(f"cache fidelity: {note}", file=out)
     elif note:
         log.info("cache fidelity: %s", note)
