@@ -302,14 +302,16 @@ def mooncake_row():
 
 class BlackHole:
     """A server that accepts connections and never answers, but, with `serves`, what it serves
-    (GET /v1/models): whatever the replay asks it first (what it serves; else the server check, the
-    /metrics scrape) blocks, so a signal can land there."""
+    (GET /v1/models) and that it has no /metrics the first time (404: the preflight's question of
+    its KV cache): whatever the replay asks it next (the server check, the /metrics scrape)
+    blocks, so a signal can land there."""
 
     def __init__(self, serves: str | None = None):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.serves = serves
         self.held: list = []
+        self.metrics_asked = False
         self.asked = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -328,6 +330,11 @@ class BlackHole:
                 body = orjson.dumps({"object": "list", "data": [{"id": self.serves}]})
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                conn.close()
+                continue
+            if asked.startswith(b"GET /metrics ") and not self.metrics_asked:  # the preflight's cache question
+                self.metrics_asked = True
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
                 conn.close()
                 continue
             self.held.append(conn)
