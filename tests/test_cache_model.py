@@ -10,7 +10,7 @@ from replay.results.cache_model import ModelPrompt, ServerCache, model_checks, s
 from replay.results.server_metrics import cache_config
 from replay.rules.block_pool import BlockPool
 from replay.rules.prefix_cache import block_hashes
-from support.cache_model import SIM_BLOCK, reuse_trace, run_verdicts
+from support.cache_model import SIM_BLOCK, reuse_trace
 
 B = 2  # block size of the hand-made sequences
 
@@ -190,31 +190,48 @@ FAST_SIM = ("--block-size", str(SIM_BLOCK), "--ttft-ms", "3", "--itl-ms", "1", "
             "--eos-prob", "0")
 
 
-def replay(trace, tokenizer_dir, url, output, tmp_path, *extra):
+def replay(trace, tokenizer_dir, url, output, tmp_path, *extra, exit_code: int | None = 0):
     from support.processes import replay_args, run_locust
 
-    run_locust(replay_args(trace, tokenizer_dir, url, output, "--only-summary", "--overwrite", *extra), tmp_path)
+    return run_locust(replay_args(trace, tokenizer_dir, url, output, "--overwrite", *extra), tmp_path,
+                      exit_code=exit_code)
+
+
+def certificate(output) -> dict:
+    """The run's certificate as its end wrote it (OUTPUT.fidelity.json): no option asked for the
+    cache section, the sim's /metrics said its block size and pool size."""
+    import json
+
+    from replay.rules.run_files import fidelity_path
+
+    return json.loads(fidelity_path(output).read_text())
+
+
+def causes(cert: dict) -> dict[str, int]:
+    """The causes the certificate names: {cause: requests}, those with none left out."""
+    return {cause: c["requests"] for cause, c in cert["cache"]["misses"]["causes"].items() if c["requests"]}
 
 
 @pytest.mark.alone  # the model's start times come from the run's timing: another test's load skews them
 def test_a_small_sim_cache_evicts_and_the_model_predicts_it(tmp_path, toy_tokenizer_dir):
     """Done means: `replay sim --cache-blocks` small enough to evict, heavy prefix reuse: the model
     predicts the observed cached tokens exactly for >= 99% of requests, every miss has a cause
-    other than `unexplained`, and `evicted` is one of them. The block size and pool size come
-    from the sim's /metrics (no option)."""
+    other than `unexplained`, and `evicted` is one of them: through the run's own end (the cache
+    child), with no option; the block size and pool size come from the sim's /metrics."""
     from replay.sim.process import sim_process
 
     trace = reuse_trace(tmp_path / "trace.jsonl")
     output = tmp_path / "run.jsonl"
     with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim:
-        replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path)
-    verdicts, section, caches = run_verdicts(output, toy_tokenizer_dir)
-    assert [c["source"] for c in caches.values()] == ["server"] and list(caches.values())[0]["num_gpu_blocks"] == 30
-    assert section["requests_compared"] == 160
-    inexact = [v for v in verdicts if not v.exact]
-    assert section["exact_share"] >= 0.99, inexact
-    assert section["misses"] > 0 and section["misses_attributed_share"] == 1.0, section["miss_causes"]
-    assert section["miss_causes"]["evicted"]["requests"] > 0, section
+        proc = replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path)
+    misses = certificate(output)["cache"]["misses"]
+    model = misses["model"]
+    assert misses["block_size"] == SIM_BLOCK and misses["capacity_blocks"] == 30
+    assert model["requests_compared"] == 160
+    assert misses["predicted_exact_share"] >= 0.99, model
+    assert model["misses"] > 0 and model["misses_attributed_share"] == 1.0, model["miss_causes"]
+    assert causes(certificate(output))["evicted"] > 0 and "unexplained" not in causes(certificate(output))
+    assert "cache evicted:" in proc.stdout  # the summary's certificate says it
 
 
 @pytest.mark.alone  # the model's start times come from the run's timing: another test's load skews them
@@ -223,43 +240,60 @@ def test_a_fleet_routed_round_robin_scatters_sessions_session_routing_keeps_them
     from support.traces import bailian_trace
 
     trace = bailian_trace(tmp_path / "trace.jsonl", sessions=7, turns=3, gap_s=0.05)  # odd: turns alternate
-    sections = {}
+    certs = {}
     with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as one, \
             sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as two:  # fmt: skip
         for routing in ("round-robin", "session"):
-            for sim in (one, two):
-                import requests
-
-                requests.post(sim.url + "/reset_prefix_cache", timeout=5)
             output = tmp_path / f"{routing}.jsonl"
             replay(trace, toy_tokenizer_dir, one.url, output, tmp_path, "--endpoints", f"{one.url},{two.url}",
-                   "--routing", routing)
-            _, sections[routing], _ = run_verdicts(output, toy_tokenizer_dir)
-    scattered = sections["round-robin"]
-    assert scattered["misses"] > 0 and set(scattered["miss_causes"]) == {"routed-elsewhere"}, scattered
-    assert sections["session"]["misses"] == 0, sections["session"]
-    assert len(scattered["endpoints"]) == 2
+                   "--routing", routing, "--reset-server-cache")
+            certs[routing] = certificate(output)
+    scattered = certs["round-robin"]["cache"]["misses"]
+    assert set(causes(certs["round-robin"])) == {"routed-elsewhere"}, scattered
+    assert len(scattered["endpoints"]) == 2 and any(e["routed-elsewhere"]["requests"]
+                                                    for e in scattered["endpoints"].values())
+    assert "--routing session" in " ".join(scattered["notes"])
+    # what is left is the trace's own: a session's shared prefix ends inside a server block
+    assert set(causes(certs["session"])) <= {"partial-block"}, certs["session"]["cache"]["misses"]
+    assert not any(line.startswith("cache") for line in certs["session"]["failing"])
 
 
 @pytest.mark.alone  # the model's start times come from the run's timing: another test's load skews them
 def test_a_second_run_on_a_warm_sim_names_warm_at_start_until_reset(tmp_path, toy_tokenizer_dir):
-    import requests
-
+    """The same trace twice against one sim: the second run's certificate names warm-at-start and
+    its summary the remedy; --reset-server-cache makes a third faithful again."""
     from replay.sim.process import sim_process
 
     trace = reuse_trace(tmp_path / "trace.jsonl", rows=40)
     with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as sim:
-        sections = []
-        for name in ("first", "second", "after-reset"):
-            if name == "after-reset":
-                assert requests.post(sim.url + "/reset_prefix_cache", timeout=5).json() == {"success": True}
+        runs = {}
+        for name, extra in (("first", ()), ("second", ()), ("after-reset", ("--reset-server-cache",))):
             output = tmp_path / f"{name}.jsonl"
-            replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path)
-            sections.append(run_verdicts(output, toy_tokenizer_dir)[1])
-    first, second, after_reset = sections
-    assert first["beyond"] == 0 and first["misses"] == 0, first
-    assert set(second["beyond_causes"]) == {"warm-at-start"} and second["beyond"] > 0, second
-    assert after_reset["beyond"] == 0 and after_reset["misses"] == 0, after_reset
+            runs[name] = replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path, *extra).stdout, certificate(output)
+    # partial-block is the trace's own (a shared prefix ending inside a server block): no failure
+    assert set(causes(runs["first"][1])) <= {"partial-block"}, runs["first"][1]["cache"]
+    stdout, second = runs["second"]
+    assert "warm-at-start" in causes(second) and set(causes(second)) <= {"warm-at-start", "partial-block"}, \
+        second["cache"]["misses"]
+    assert "--reset-server-cache" in stdout and "another --seed" in stdout
+    stdout, after_reset = runs["after-reset"]
+    assert set(causes(after_reset)) <= {"partial-block"}, after_reset["cache"]
+    assert not any(line.startswith("cache") for line in after_reset["failing"])
+    assert "--reset-server-cache" not in stdout
+
+
+def test_a_server_that_cannot_reset_its_cache_is_refused(tmp_path, toy_tokenizer_dir):
+    """--reset-server-cache against a server without POST /reset_prefix_cache (vLLM outside dev
+    mode: `replay sim --no-reset-endpoint`): refused before the first send, exit 2, one line
+    naming the endpoint; every row recorded as refused."""
+    from replay.sim.process import sim_process
+    from support.traces import mooncake_trace
+
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--no-reset-endpoint") as sim:
+        proc = replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path, "--reset-server-cache", exit_code=2)
+    assert f"--reset-server-cache: {sim.url}: it has no POST /reset_prefix_cache" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_the_preflight_reads_the_servers_cache_and_options_override_it(sim):

@@ -422,3 +422,24 @@ def test_full_while_writing_the_fidelity_file(tmp_path, small_disk):
     summary = orjson.loads(summary_path(output).read_bytes())
     assert summary["fidelity"]["schedule"]["sends"] == 40
     assert len(list(read_records(output))) == 40
+
+
+def test_full_while_the_cache_child_writes(tmp_path, small_disk, toy_tokenizer_dir, sim, monkeypatch):
+    """The end's cache child (replay/results/cache_child.py) writes its spool and result under
+    $TMPDIR: that disk full once the job is written (room for tempfile's probe and the job, not
+    for the prompts' block hashes; a TMPDIR with no room at all, tempfile skips for /tmp), the
+    run still ends by itself, its summary and certificate written without a cache section (the
+    certificate says the cache line is not checked), one line saying why, and no temporary file
+    left there."""
+    disk = small_disk(64, "tmp")
+    fill(disk, leave=2 * PAGE)
+    monkeypatch.setenv("TMPDIR", str(disk))
+    output = tmp_path / "run.jsonl"
+    proc = run(replay_args(SAMPLE, toy_tokenizer_dir, sim.url, output, "--scale", "30", "--max-requests", "40"),
+               tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("cache fidelity:") == 1 and "No space left on device" in proc.stderr, proc.stderr[-3000:]
+    cert = orjson.loads(Path(f"{output}.fidelity.json").read_bytes())
+    assert cert["cache"] == {"infinite": None, "misses": None}
+    assert "not checked: cache" in proc.stdout
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]

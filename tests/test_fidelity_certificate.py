@@ -235,3 +235,27 @@ def test_require_faithful_exits_1_on_an_unfaithful_run(tmp_path, toy_tokenizer_d
     # (a loaded host may fail the schedule line too: it would come first)
     assert "fidelity: unfaithful (" in proc.stderr and "prompts: 8 of 8 prompts" in proc.stderr
     assert "--require-faithful: exit code 1" in proc.stderr
+
+
+def test_a_broken_prompt_is_prompt_differs_and_unfaithful(tmp_path, toy_tokenizer_dir, monkeypatch):
+    """The test hook $TRACEREPLAY_TEST_BREAK_BLOCK (docs/testing.md): the worker gives hash id 3
+    (family 0's fourth block) each row's own words, so those rows keep their lengths (the prompts
+    line stays exact) but stop sharing the block: the cache model names them prompt-differs, the
+    verdict is unfaithful, and --require-faithful exits 1."""
+    from replay.synth.prompts import BREAK_BLOCK_ENV
+    from support.cache_model import SIM_BLOCK, reuse_trace
+
+    trace = reuse_trace(tmp_path / "trace.jsonl", rows=40)
+    output = tmp_path / "run.jsonl"
+    monkeypatch.setenv(BREAK_BLOCK_ENV, "3")
+    with sim_process(toy_tokenizer_dir, "--block-size", str(SIM_BLOCK), "--ttft-ms", "2", "--itl-ms", "1",
+                     "--eos-prob", "0") as sim:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--require-faithful"), tmp_path,
+                          exit_code=1)
+    cert = json.loads(fidelity_path(output).read_text())
+    assert cert["prompts"]["exact_share"] == 1.0
+    differs = cert["cache"]["misses"]["causes"]["prompt-differs"]
+    assert differs["requests"] > 0 and differs["tokens"] > 0, cert["cache"]["misses"]
+    assert cert["verdict"] == UNFAITHFUL and f"cache: {differs['requests']} requests prompt-differs (needs 0)" \
+        in cert["failing"]
+    assert "--require-faithful: exit code 1" in proc.stderr and "a replay bug" in proc.stdout

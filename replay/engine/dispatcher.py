@@ -114,7 +114,7 @@ class BodyBuilder:
     def __init__(self, options: ReplayOptions, block_size: int | None, tokenizer_path: str | Path | None = None):
         """`tokenizer_path`: --tokenizer as this host resolved it (None: resolved here)."""
         from replay.synth.bodies import build_body
-        from replay.synth.prompts import PromptSynthesizer
+        from replay.synth.prompts import BREAK_BLOCK_ENV, PromptSynthesizer
         from replay.synth.tokenizer import ServerTokenizer
         from replay.synth.tokenizer_source import resolve_tokenizer
 
@@ -126,6 +126,10 @@ class BodyBuilder:
                                        token_ids=sends_token_ids(options.prompt_format))
         if self.synth.verified:  # every prompt is encoded: load the tokenizer now, off the loop
             tokenizer.tokenizer
+        if broken := os.environ.get(BREAK_BLOCK_ENV):  # test only (docs/testing.md): read once, here
+            if not broken.isdigit():
+                raise OptionError(f"${BREAK_BLOCK_ENV} {broken!r}: expected a hash id (a whole number)")
+            self.synth.break_block(int(broken))
         self.options = options
 
     def body(self, row: TraceRow) -> bytes:

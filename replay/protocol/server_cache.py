@@ -7,9 +7,17 @@ server's prefix cache the run's end checks the cached tokens with
 does not (a server without /metrics, or not vLLM). The answer goes into the run's metadata as
 `server_cache`: {endpoint: {"block_size", "num_gpu_blocks", "source"}}, null values where
 neither the server nor an option said.
+
+--reset-server-cache empties each endpoint's prefix cache before the first send
+(`reset_prefix_caches`: vLLM's `POST /reset_prefix_cache`, served with VLLM_SERVER_DEV_MODE=1,
+and `replay sim`'s), so a second replay of the same trace starts as cold as the first; the
+meta's `server_cache` then says `"reset": true` for each, and the certificate does not call a
+hit beyond the run's own "warm-at-start" there.
 """
 
 from __future__ import annotations
+
+import orjson
 
 from replay.protocol.ask import Unanswered, ask
 from replay.protocol.urls import shown
@@ -48,3 +56,34 @@ def server_caches(urls: list[str], *, block_size: int | None, cache_blocks: int 
                 sources.add("options" if option is not None else "server")
         caches[shown(url)] = {**values, "source": "+".join(sorted(sources)) or None}
     return caches
+
+
+class CacheNotReset(ValueError):
+    """An endpoint did not empty its prefix cache when asked (--reset-server-cache)."""
+
+
+def reset_prefix_caches(urls: list[str], headers: dict[str, str] | None = None,
+                        timeout: float = CACHE_TIMEOUT_S) -> None:
+    """`POST /reset_prefix_cache` to every endpoint of `urls`. Raises CacheNotReset naming the
+    first that refused: no such route (vLLM serves it only with VLLM_SERVER_DEV_MODE=1), an
+    error status, `{"success": false}` (a request held blocks: another client is using the
+    server), or no answer."""
+    for url in urls:
+        try:
+            status, data = ask(url.rstrip("/") + "/reset_prefix_cache", body={}, headers=headers, timeout=timeout)
+        except Unanswered as e:
+            raise CacheNotReset(f"--reset-server-cache: {e}") from None
+        try:
+            answer = orjson.loads(data) if data.strip() else None
+        except orjson.JSONDecodeError:
+            answer = None
+        if status in (404, 405):
+            why = "it has no POST /reset_prefix_cache (vLLM serves it with VLLM_SERVER_DEV_MODE=1)"
+        elif status != 200:
+            why = f"POST /reset_prefix_cache answered HTTP {status}"
+        elif isinstance(answer, dict) and answer.get("success") is False:
+            why = "it could not empty its cache (a request held blocks: is another client using it?)"
+        else:
+            continue
+        raise CacheNotReset(f"--reset-server-cache: {shown(url)}: {why}; drop the option to replay against its "
+                            "cache as it is")

@@ -161,7 +161,8 @@ class CacheModel:
             start = here.last_start = max(start, here.last_start)
             here.end_until(start)
         hashes, length = prompt.hashes, prompt.prompt_tokens
-        predicted = hit_tokens(here.pool.hit_blocks(hashes, length), size, length) if here else 0
+        hit = here.pool.hit_blocks(hashes, length) if here else 0
+        predicted = hit_tokens(hit, size, length)
         expected = max(check.expected, prompt.ideal or 0)
         cause = None
         observed = prompt.observed
@@ -169,7 +170,7 @@ class CacheModel:
             cause = (self._miss(prompt, check, here) if observed < expected
                      else self._beyond(check, here))  # fmt: skip
         if here is not None:
-            _, held = here.pool.allocate(hashes, length, max(prompt.output_tokens, 0))
+            _, held = here.pool.allocate(hashes, length, max(prompt.output_tokens, 0), hit)
             end = prompt.finished_at if prompt.finished_at is not None else start
             self._serial += 1
             heapq.heappush(here.running, (max(end, start), self._serial, held))
@@ -286,6 +287,54 @@ class CauseTally:
                 endpoints[name].update(num_gpu_blocks=pool.num_gpu_blocks, evictions=pool.evictions,
                                        overflow_blocks=pool.overflow)
         return {**_figures(fleet), "endpoints": endpoints}
+
+
+def attribution(model: CacheModel, notes: Sequence[str] = ()) -> dict:
+    """The certificate's MissAttribution (replay.results.certificate) of a fed and closed
+    `model`: per cause, the requests and the tokens lost (misses) or gained (hits beyond the
+    expectation) over the fleet and per endpoint; the share predicted exactly; the block size
+    and pool size; the notes (`notes` first, then what the causes call for); and under
+    "model" the tally's full figures (examples, per endpoint pools)."""
+    section = model.tally.section(model)
+    sizes = {e.pool.num_gpu_blocks for e in model.endpoints.values()}
+    return {
+        "causes": _causes(section),
+        "endpoints": {name: _causes(figures) for name, figures in section["endpoints"].items()},
+        "predicted_exact_share": section["exact_share"],
+        "block_size": model.block_size,
+        "capacity_blocks": sizes.pop() if len(sizes) == 1 else None,  # None: the endpoints' differ (see model)
+        "notes": [*notes, *_notes(section)],
+        "model": section,
+    }
+
+
+def _causes(figures: dict) -> dict[str, dict[str, int]]:
+    """{cause: {"requests", "tokens"}} of every cause: a miss's and a hit beyond's added."""
+    out = {cause: {"requests": 0, "tokens": 0} for cause in (*MISS_CAUSES, WARM_AT_START)}
+    for causes in (figures["miss_causes"], figures["beyond_causes"]):
+        for cause, count in causes.items():
+            out[cause]["requests"] += count["requests"]
+            out[cause]["tokens"] += count["tokens"]
+    return out
+
+
+def _notes(section: dict) -> list[str]:
+    """What the causes found call for, one line each."""
+    notes = []
+    warm = section["beyond_causes"].get(WARM_AT_START)
+    if warm:
+        notes.append(f"the server's cache was warm at the start ({warm['requests']} requests hit blocks this run had "
+                     "not cached): replay with --reset-server-cache (vLLM with VLLM_SERVER_DEV_MODE=1, replay sim) "
+                     "or another --seed")
+    routed = section["miss_causes"].get(ROUTED_ELSEWHERE)
+    if routed:
+        notes.append(f"{routed['requests']} misses found their prefix cached on another endpoint: --routing session "
+                     "keeps a session's turns on one")
+    differs = section["miss_causes"].get(PROMPT_DIFFERS)
+    if differs:
+        notes.append(f"{differs['requests']} prompts do not share what the trace says they share: a replay bug "
+                     f"(requests {', '.join(map(str, differs['examples'][:5]))})")
+    return notes
 
 
 def _merge(into: _EndpointTally, t: _EndpointTally) -> None:

@@ -1,6 +1,9 @@
-"""A run's cache fidelity section, from its files: what `replay report --server-block-size N`
-prints and what the end of a run puts in its summary (both call `cache_job` then
-`cache_section`: one way to compute it).
+"""A run's cache fidelity section, from its files: what `replay report` prints and what the end
+of a run puts in its summary (both call `cache_job` then `cache_section`: one way to compute
+it). The server's block size and pool size come from the run's metadata (`server_cache`: what
+each endpoint's /metrics said before the run, or the options), so neither needs a flag against
+vLLM or `replay sim`; with the pool size the section holds the finite-cache model's miss
+attribution under "misses" (replay/results/cache_model.py, read by the certificate's hook).
 
 The work (re-synthesizing every sent prompt, which needs the tokenizer) runs in a child process
 (replay/results/cache_child.py), so the process that asks, a run's master most of all, never
@@ -23,9 +26,11 @@ from typing import TextIO
 import orjson
 
 from replay.child import last_line, run_module
+from replay.results.cache_model import server_caches, start_counters
 from replay.results.fidelity import CacheCheck
 from replay.results.metadata import file_sha256
 from replay.results.report import ReportError
+from replay.rules.run_files import metrics_path
 from replay.synth.tokenizer_source import resolve_tokenizer
 
 CHILD_MODULE = "replay.results.cache_child"
@@ -52,28 +57,45 @@ class CacheJob:
     seed: int
     server_block_size: int
     reorder_window_ms: float = 0.0
+    # the cache model's servers: {endpoint as shown: {"num_gpu_blocks", "served_before"}}; None: no model
+    servers: dict[str, dict] | None = None
 
 
 def _pick(flag, meta_value, default=None):
     return flag if flag is not None else (meta_value if meta_value is not None else default)
 
 
-def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int | None, trace: str | None = None,
+def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int | None = None,
+              server_cache_blocks: int | None = None, trace: str | None = None,
               trace_format: str | None = None, block_size: int | None = None, tokenizer: str | None = None,
               chat_template: str | None = None, api: str | None = None, prompt_format: str | None = None,
-              seed: int | None = None, reorder_window_ms: float = 0.0, out: TextIO = sys.stderr) -> CacheJob | None:
+              seed: int | None = None, reorder_window_ms: float = 0.0,
+              out: TextIO | None = sys.stderr) -> CacheJob | None:
     """The cache check of the run whose records are `results` and metadata `meta` (None: none
-    beside them); the arguments win over the metadata. None when there is no cache check: no
-    trace named, or (said on `out`) no server block size. Raises ReportError when the run's
-    tokenizer is unknown, TokenizerNotFound (an OSError) when it is not on this host."""
+    beside them); the arguments win over the metadata (its `server_cache`: the block size and
+    pool size each endpoint said). None when there is no cache check: no trace named, or (said
+    on `out`, unless None) no server block size. Raises ReportError when the run's tokenizer is
+    unknown, TokenizerNotFound (an OSError) when it is not on this host."""
     meta = meta or {}
     meta_trace = meta.get("trace") or {}
     trace_path = _pick(trace, meta_trace.get("path"))
     if trace_path is None:
         return None
+    caches = meta.get("server_cache") or {}
+    said = {c.get("block_size") for c in caches.values()} - {None}
+    if server_block_size is None and len(said) == 1:
+        server_block_size = said.pop()
     if server_block_size is None:
-        print("cache fidelity: skipped (pass --server-block-size N, the server's KV block size)", file=out)
+        if out is not None:
+            why = "the endpoints said different block sizes" if said else "no server said its block size"
+            print(f"cache fidelity: skipped ({why}: pass --server-block-size N, the server's KV block size)",
+                  file=out)
         return None
+    servers, note = _model_servers(results, caches, server_cache_blocks)
+    if note and out is not None and caches:  # a run without server_cache (older, or no metadata): not news
+        print(f"cache fidelity: {note}", file=out)
+    elif note:
+        log.info("cache fidelity: %s", note)
     tokenizer_path = _pick(tokenizer, meta.get("tokenizer"))
     if tokenizer_path is None:
         raise ReportError("cache fidelity needs the run's tokenizer: pass --tokenizer (no run metadata names it)")
@@ -92,7 +114,27 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
         seed=_pick(seed, meta.get("seed"), 0),
         server_block_size=server_block_size,
         reorder_window_ms=reorder_window_ms,
+        servers=servers,
     )
+
+
+def _model_servers(results: str | Path, caches: dict, cache_blocks: int | None) -> tuple[dict | None, str]:
+    """(the cache model's servers, why there is none) of a run whose meta's `server_cache` is `caches`:
+    each endpoint's pool size (`cache_blocks` wins) and whether it had served prompts before
+    the run (its prefix-cache counters in the first scrape; False after --reset-server-cache
+    emptied it). No model (None) when an endpoint's pool size is unknown: its misses could not
+    be told apart."""
+    if cache_blocks is not None:
+        caches = {endpoint: {**c, "num_gpu_blocks": cache_blocks} for endpoint, c in caches.items()}
+    unknown = sorted(endpoint for endpoint, c in caches.items() if c.get("num_gpu_blocks") is None)
+    if not caches or unknown:
+        why = f"{', '.join(unknown)} said no pool size" if unknown else "the run's metadata names no server cache"
+        return None, f"no cache model, so no miss has a cause: {why} (pass --server-cache-blocks N)"
+    counters = start_counters(metrics_path(results)) if metrics_path(results).exists() else {}
+    servers = {endpoint: {"num_gpu_blocks": server.num_gpu_blocks,
+                          "served_before": server.served_before and not caches[endpoint].get("reset")}
+               for endpoint, server in server_caches(caches, counters).items()}  # fmt: skip
+    return servers, ""
 
 
 def cache_section(job: CacheJob, *, checks: bool = False) -> tuple[dict, list[CacheCheck] | None]:

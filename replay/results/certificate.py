@@ -273,5 +273,5 @@ def format_certificate(cert: dict, width: int) -> list[str]:
                 out.append(f"  cache {cause}: {count['requests']} requests, {count.get('tokens', 0)} tokens")
         out.extend(f"  {note}" for note in misses.get("notes") or ())
     elif c["infinite"] is None:
-        out.append("  cache: not computed (pass --server-block-size N)")
+        out.append("  cache: not computed (the server said no block size: pass --server-block-size N)")
     return out

@@ -36,7 +36,11 @@ def register(subparsers) -> None:
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="the trace's block size (default: metadata / format)")
     p.add_argument("--server-block-size", type=block_size_arg, default=None,
-                   help="the server's KV block size (vLLM --block-size)")
+                   help="the server's KV block size (vLLM --block-size; default: what it said before the run, "
+                   "in the run metadata)")
+    p.add_argument("--server-cache-blocks", type=int, default=None,
+                   help="the server's KV cache size in blocks, vLLM's num_gpu_blocks (default: the run metadata): "
+                   "the cache model that gives every miss a cause")
     p.add_argument("--tokenizer", help=f"the run's tokenizer (default: metadata): {TOKENIZER_HELP}")
     p.add_argument("--chat-template", help="chat template the run used (default: metadata)")
     p.add_argument("--api", default=None, help="api the run used (default: metadata, else the records' api)")
@@ -59,7 +63,8 @@ def run(args) -> int:
             print(f"replay report: {args.results}: the run's files are incomplete: "
                   + "; ".join(f"{i['file']}: {i['error']}" for i in meta.get("incomplete") or ()), file=sys.stderr)
         slo = parse_slo(args.slo if args.slo is not None else (meta or {}).get("options", {}).get("slo"))
-        job = cache_job(args.results, meta, server_block_size=args.server_block_size, trace=args.trace,
+        job = cache_job(args.results, meta, server_block_size=args.server_block_size,
+                        server_cache_blocks=args.server_cache_blocks, trace=args.trace,
                         trace_format=args.trace_format, block_size=args.block_size, tokenizer=args.tokenizer,
                         chat_template=args.chat_template, api=args.api, prompt_format=args.prompt_format,
                         seed=args.seed, reorder_window_ms=args.reorder_window_ms)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -88,11 +88,13 @@ class BlockSet:
     def __contains__(self, block_hash: int) -> bool:
         return self._index.find(0, block_hash) != 0
 
-    def update(self, hashes: Iterable[int]) -> None:
-        index = self._index
-        for h in hashes:
-            if not index.find(0, h):
-                index.add(0, h)
+    def hit_blocks(self, hashes: Sequence[int], num_tokens: int, block_size: int) -> int:
+        """rules.prefix_cache.hit_blocks over this set, in one call (the checks' hot loop)."""
+        return self._index.leading(0, hashes, max(num_tokens - 1, 0) // block_size)
+
+    def update(self, hashes: Sequence[int], start: int = 0) -> None:
+        """Add `hashes` (from `start`: the ones before are held, a hit found them)."""
+        self._index.add_new(0, hashes[start:] if start else hashes)
 
 
 def scheduled(record: Record) -> bool:
@@ -116,12 +118,12 @@ def send_order_checks(sent: Iterable[SentPrompt], server_block_size: int,
     size = server_block_size
     while (current := ahead.popleft() if ahead else next(items, None)) is not None:
         t, hashes, length = current.sent_at, current.hashes, current.prompt_tokens
-        expected = hit_blocks(hashes, cache, length, size)
+        expected = cache.hit_blocks(hashes, length, size)
         low = high = expected
         if window_s > 0:
             while behind and behind[0].sent_at < t - window_s:
                 earlier.update(behind.popleft().hashes)
-            low = hit_blocks(hashes, earlier, length, size)
+            low = earlier.hit_blocks(hashes, length, size)
             k = 0
             while True:
                 if k == len(ahead):
@@ -135,7 +137,7 @@ def send_order_checks(sent: Iterable[SentPrompt], server_block_size: int,
                 high = max(high, hit_blocks(hashes, set(ahead[k].hashes), length, size))
                 k += 1
             behind.append(current)
-        cache.update(hashes)
+        cache.update(hashes, expected)
         yield CacheCheck(
             request_id=current.request_id, sent_at=t, prompt_tokens=length,
             reported_prompt_tokens=current.reported_prompt_tokens, expected=expected * size,

@@ -99,13 +99,16 @@ class BlockPool:
         return block is not None and self._ref[block] > 0
 
     # -- a request's life ----------------------------------------------------------------------
-    def allocate(self, hashes: Sequence[int], num_tokens: int, output_tokens: int) -> tuple[int, list[int]]:
+    def allocate(self, hashes: Sequence[int], num_tokens: int, output_tokens: int,
+                 hit: int | None = None) -> tuple[int, list[int]]:
         """Schedule a request: its prompt is `num_tokens` long with full blocks `hashes`, and it
         will generate `output_tokens`. Returns (its cached leading blocks, the block ids it
-        holds, in its own order: give them back to `free`)."""
+        holds, in its own order: give them back to `free`). `hit`: its `hit_blocks`, when the
+        caller has just asked (the pool unchanged since)."""
         if not self.capacity:  # no pool: nothing is cached (a server without prefix caching)
             return 0, []
-        hit = self.hit_blocks(hashes, num_tokens)
+        if hit is None:
+            hit = self.hit_blocks(hashes, num_tokens)
         held = slots(num_tokens, output_tokens)
         full, total = held // self.block_size, -(-held // self.block_size)
         blocks: list[int] = []
@@ -117,8 +120,23 @@ class BlockPool:
             ref[block] += 1
             blocks.append(block)
         n_hashes = len(hashes)
+        head, copies = self._head, self._copies
         for k in range(hit, total):
-            block = self._take()
+            # _take, its two usual cases inline (a block freed caching nothing; the LRU cached one
+            # whose hash no other block caches): the model's hot loop at heavy eviction
+            if head:
+                block = head.popleft()
+            elif tail and self._fresh >= self.capacity:
+                block, _ = tail.popitem(last=False)
+                old = hash_of[block]
+                if old is not None and old is not OUTPUT and old not in copies and cached.get(old) == block:
+                    del cached[old]
+                    hash_of[block] = None
+                    self.evictions += 1
+                else:
+                    self._uncache(block)
+            else:
+                block = self._take()
             ref[block] = 1
             if k < n_hashes:
                 h = hashes[k]
@@ -136,11 +154,12 @@ class BlockPool:
         """A request ended: its blocks back, last first. While the pool holds more than its size
         (blocks taken beyond it), a block given back leaves it instead."""
         ref, hash_of, tail, first = self._ref, self._hash, self._tail, []
+        beyond = self._spare or len(ref) > self.capacity  # blocks beyond the pool exist (rare)
         for block in reversed(blocks):
             ref[block] -= 1
             if ref[block]:
                 continue
-            if self._spare or len(ref) > self.capacity:  # blocks beyond the pool exist
+            if beyond:
                 if len(ref) - len(self._spare) > self.capacity:
                     self._uncache(block, evicted=False)
                     self._spare.append(block)

@@ -101,14 +101,15 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
 
 
 def _cache_section(spec: RunSpec, facts: RunFacts) -> dict | None:
-    """--server-block-size: the Prefix Cache Fidelity section, as `replay report` makes it, from
-    the merged file in a child process (replay.results.cache_section: this process never loads
-    the tokenizer, and the event loop turns meanwhile); a failure to compute it is logged and
-    leaves the summary without it. The run's metadata it reads is made only then."""
-    if not spec.options.server_block_size:
-        return None
+    """The Prefix Cache Fidelity section, with the cache model's miss attribution, as `replay
+    report` makes it, from the merged file in a child process (replay.results.cache_section:
+    this process never loads the tokenizer, and the event loop turns meanwhile), whenever the
+    server's block size is known (what its /metrics said before the run, or
+    --server-block-size); a failure to compute it is logged and leaves the summary without it.
+    The run's metadata it reads is made only then."""
     try:
-        job = cache_job(spec.output, spec.metadata(facts), server_block_size=spec.options.server_block_size)
+        job = cache_job(spec.output, spec.metadata(facts), server_block_size=spec.options.server_block_size,
+                        server_cache_blocks=spec.options.server_cache_blocks, out=None)
         return off_loop(cache_section, job)[0] if job is not None else None
     except (ValueError, OSError) as e:
         logger.error("cache fidelity: %s", e)

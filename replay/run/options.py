@@ -130,6 +130,9 @@ class ReplayOptions:
                                                    "(default: what its /metrics vllm:cache_config_info says): the "
                                                    "size of the cache model that explains cache misses",
                                               metavar="N")
+    reset_server_cache: bool = _option(False, "empty every endpoint's prefix cache (POST /reset_prefix_cache: vLLM "
+                                              "with VLLM_SERVER_DEV_MODE=1, replay sim) before the first send, so "
+                                              "the run starts cold; a server that refuses: exit 2")
     capacity_search: bool = _option(False, "replay the window at a sequence of load factors and report the largest "
                                            "that meets --slo (docs/capacity.md)")
     goodput_target: float = _option(0.99, "a search's probe passes when this share of its rows is ok and meets every "

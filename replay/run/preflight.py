@@ -33,7 +33,7 @@ from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.errors import OptionError
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served, only_model, refusal
-from replay.protocol.server_cache import server_caches
+from replay.protocol.server_cache import CacheNotReset, reset_prefix_caches, server_caches
 from replay.protocol.table import sends_token_ids
 from replay.results.metadata import file_sha256, versions
 from replay.results.output import claim_output
@@ -138,6 +138,13 @@ def check_servers(spec: RunSpec) -> dict:
     options, urls = spec.options, spec.endpoint_urls()
     if problem := refusal(spec.served, options.model):
         raise ServersRefused(problem)
+    if options.reset_server_cache:  # the last question before the workers start: the run's first send follows
+        try:
+            reset_prefix_caches(urls, parse_headers(options.header))
+        except CacheNotReset as e:
+            raise ServersRefused(str(e)) from None
+        for cache in (spec.server_cache or {}).values():
+            cache["reset"] = True
     skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
     if skipped or not urls:
         return Verdict(skipped=skipped or "no server").to_dict()

@@ -31,6 +31,7 @@ class SimOptions:
     eos_prob: float = 0.002
     seed: int = 0
     tokenize_endpoint: bool = True
+    reset_endpoint: bool = True
     metrics: bool = True
     require_authorization: str | None = None
     false_usage: str | None = None
@@ -57,6 +58,8 @@ HELP = {
     "eos_prob": "per-token chance of an early stop when the request does not set ignore_eos",
     "seed": "seed of every random choice (faults, jitter, output tokens and lengths)",
     "tokenize_endpoint": "serve vLLM's POST /tokenize (--no-tokenize-endpoint: answer 404, as a server without one)",
+    "reset_endpoint": "serve vLLM's dev-mode POST /reset_prefix_cache (--no-reset-endpoint: answer 404, as vLLM "
+                      "without VLLM_SERVER_DEV_MODE=1)",
     "metrics": "serve /metrics (--no-metrics: 404, as a server without Prometheus metrics)",
     "require_authorization": "answer 401, as a server behind a key, to every request but /health and /debug/requests "
                              "whose Authorization header is not exactly this (e.g. 'Bearer KEY', 'Basic BASE64')",

@@ -48,6 +48,8 @@ def _debug_requests(engine: Engine, request: Request) -> Response:
 def _reset_prefix_cache(engine: Engine, request: Request) -> Response:
     # vLLM serves this with VLLM_SERVER_DEV_MODE=1; parity runs use it to start cold. As vLLM's
     # BlockPool.reset_prefix_cache it fails while a request holds blocks: {"success": false}.
+    if not engine.options.reset_endpoint:  # as vLLM without VLLM_SERVER_DEV_MODE=1: 404
+        return _detail(404, "Not Found")
     return Response(200, b'{"success":%s}' % (b"true" if engine.cache.reset() else b"false"))
 
 

@@ -41,6 +41,8 @@ from replay.trace.record import TraceRow
 
 FIX_UP_ROUNDS = 8
 RESEEDED_CACHE_BLOCKS = 256  # a reseeded synthesizer makes a few dozen prompts
+# Test only (docs/testing.md): the hash id whose block a worker's prompts get wrong on purpose
+BREAK_BLOCK_ENV = "TRACEREPLAY_TEST_BREAK_BLOCK"
 
 log = logging.getLogger(__name__)
 _vocab_cache: weakref.WeakKeyDictionary[ServerTokenizer, SafeVocab] = weakref.WeakKeyDictionary()
@@ -198,6 +200,22 @@ class PromptSynthesizer:
             n = step
         self.warnings += 1
         return best
+
+    def break_block(self, hash_id: int) -> None:
+        """Test only ($TRACEREPLAY_TEST_BREAK_BLOCK, read once where a worker sets up): block
+        `hash_id` gets, in every row, that row's own words of the same length, so the prompts
+        keep their lengths but stop sharing it (a replay bug the fidelity certificate must
+        catch: prompt-differs). Costs nothing unless called: it swaps the method."""
+        plain = self._row_blocks
+
+        def broken(row: TraceRow, n: int):
+            hash_ids = row.hash_ids or ()
+            for index, (block, used) in enumerate(plain(row, n)):
+                if index < len(hash_ids) and hash_ids[index] == hash_id:
+                    block = self.blocks.unique(row.request_id, index)
+                yield block, used
+
+        self._row_blocks = broken
 
     def _row_blocks(self, row: TraceRow, n: int):
         """(block, tokens used) for the blocks covering n content tokens; the last may be partial."""

@@ -58,6 +58,43 @@ class PairIndex:
             found += 1
         return found, a
 
+    def leading(self, a: int, bs, limit: int) -> int:
+        """How many of bs[:limit] pair with `a` (each with the same `a`, not chained), up to the
+        first that does not: `walk`'s probe for a set of ids (replay.results.fidelity.BlockSet),
+        in one call."""
+        slots, first, second, mask = self._slots, self._first, self._second, self._mask
+        found = 0
+        for b in bs[:limit]:
+            key = 2 * a
+            if b >= _TWO_63:
+                b -= _TWO_64
+                key += 1
+            slot = hash((key, b)) & mask
+            while number := slots[slot]:
+                if second[number] == b and first[number] == key:
+                    break
+                slot = (slot + 1) & mask
+            else:
+                return found
+            found += 1
+        return found
+
+    def add_new(self, a: int, bs) -> None:
+        """Add each (a, b) of `bs` not held yet: `find` then `add` in one call."""
+        for b in bs:
+            key = 2 * a
+            folded = b - _TWO_64 if b >= _TWO_63 else b
+            if folded != b:
+                key += 1
+            slots, first, second, mask = self._slots, self._first, self._second, self._mask
+            slot = hash((key, folded)) & mask
+            while number := slots[slot]:
+                if second[number] == folded and first[number] == key:
+                    break
+                slot = (slot + 1) & mask
+            else:
+                self.add(a, b)
+
     def second(self, number: int) -> int:
         """The b of pair `number` (1, 2, ...), as it was added."""
         b = self._second[number]
