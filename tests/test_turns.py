@@ -18,7 +18,7 @@ from replay.engine.dispatcher import Dispatcher
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.engine.turns import Turns
 from replay.errors import OptionError
-from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, SESSION_STOPPED, read_records
+from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, SESSION_STOPPED, TURN_NEVER_DUE, read_records
 from replay.results.summary import summarize
 from replay.run import preflight
 from replay.run.options import ReplayOptions
@@ -235,15 +235,20 @@ def test_a_stop_records_the_parked_turns_once(tmp_path, slow_sim, toy_tokenizer_
 def test_turns_still_waiting_at_the_drain_timeout(tmp_path, toy_tokenizer_dir):
     """Every row reached, later turns waiting for answers that do not come: --drain-timeout after the
     last send cuts those off (`no answer before drain timeout`) and their sessions' turns still
-    waiting are recorded as stopped, never sent."""
+    waiting are recorded never sent: as never due under `continue`, as their session stopped
+    under `stop-session` (the cut-off turn failed)."""
     with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "3000", "--itl-ms", "0",
                      "--prefill-ms-per-1k", "0") as never_in_time:
-        records, exit_codes = replay(tmp_path, never_in_time.url, tokenizer=toy_tokenizer_dir,
-                                     turn_timing="not-before-answer", drain_timeout=0.5)
-    assert exit_codes == [1]
-    for turns in by_session(records):
-        assert turns[0]["error"] == DRAIN_TIMEOUT
-        assert all(r["error"] == SESSION_STOPPED and r["sent_at"] is None for r in turns[1:])
+        for on_failure, label in (("continue", TURN_NEVER_DUE), ("stop-session", SESSION_STOPPED)):
+            (tmp_path / on_failure).mkdir()
+            records, exit_codes = replay(tmp_path / on_failure, never_in_time.url, tokenizer=toy_tokenizer_dir,
+                                         turn_timing="not-before-answer", drain_timeout=0.5,
+                                         on_turn_failure=on_failure)
+            assert exit_codes == [1]
+            assert len(records) == len({r["request_id"] for r in records})
+            for turns in by_session(records):
+                assert turns[0]["error"] == DRAIN_TIMEOUT
+                assert all(r["error"] == label and r["sent_at"] is None for r in turns[1:])
 
 
 def test_a_capacity_search_runs_its_probes_with_the_timing(tmp_path, slow_sim, toy_tokenizer_dir):

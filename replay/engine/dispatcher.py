@@ -42,6 +42,7 @@ from replay.results.records import (
     RUN_STOPPED,
     SESSION_STOPPED,
     STOPPED_IN_FLIGHT,
+    TURN_NEVER_DUE,
     RecordWriter,
     sent_record,
     unsent_record,
@@ -467,7 +468,8 @@ class Dispatcher:
     def _wait_for_turns(self, collector: QuietCollector) -> None:
         """Every row was reached; session turns are parked: send those due, else wait for the
         next one's time or an answer, up to --drain-timeout after the last send (then what is in
-        flight is cut off, and the turns still waiting for it are recorded as their session stopped)."""
+        flight is cut off, and the turns still waiting for it are recorded as never due, or as their
+        session stopped under --on-turn-failure stop-session: the cut-off turn failed)."""
         deadline = self._fire_due()
         if not self.turns:  # the last parked turns went out: the loop goes on (or ends) as without turns
             return
@@ -475,8 +477,10 @@ class Dispatcher:
             deadline = self.last_send + self.options.drain_timeout
             if time.time() >= deadline:
                 self._cancel_in_flight(DRAIN_TIMEOUT)
+                reason = SESSION_STOPPED if self.turns.stop_on_failure else TURN_NEVER_DUE
                 for _, _, row, _, scheduled in self.turns.parked():
-                    self._record_stopped(row, scheduled)
+                    self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
+                                               reason=reason))
                 return
         collector.idle(deadline - time.time())
         self.alarm.wait_until(deadline)

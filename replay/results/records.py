@@ -69,6 +69,7 @@ ERROR_RATE = "run aborted: error rate over"  # --max-error-rate stopped the run 
 PROBE_CUT = "probe failed early"  # a capacity search's probe could no longer meet its target: never sent
 PROBE_INVALID = "probe invalid"  # a worker was lost during a capacity search's probe: it is repeated, these never sent
 SESSION_STOPPED = "session stopped after a failed turn"  # --on-turn-failure stop-session: never sent
+TURN_NEVER_DUE = "previous turn unanswered at drain timeout"  # a closed-loop turn whose previous turn never ended: never sent
 USER_STOPPED = (RUN_STOPPED, STOPPED_IN_FLIGHT)
 
 
