@@ -2,7 +2,8 @@
 the Kubernetes JSON schemas of a current release (kubernetes-validate ships them); the master's,
 the Job's and the workers' commands, ports, names and config agree with each other, with
 docker-compose.yml and with docs/deployment.md; and the sim overlay runs to completion as
-processes on this machine, with the commands and config its manifests give.
+processes on this machine, with the commands and config its manifests give, master and workers
+ending with the run.
 """
 
 from __future__ import annotations
@@ -114,7 +115,13 @@ def test_master_workers_and_job_agree(tmp_path):
     run = parse_locust(locust_command({"command": shlex.join(args_of(job, "master"))}))
     assert run.master and run.headless and run.replay_config == master.replay_config
     assert run.master_bind_port == master.master_bind_port
-    assert run.expect_workers == by_kind(headless, "Deployment", "tracereplay-worker")["spec"]["replicas"]
+    workers_job = by_kind(headless, "Job", "tracereplay-workers")
+    assert not [r for r in headless if r["kind"] == "Deployment"], "headless: every pod ends with the run"
+    assert run.expect_workers == workers_job["spec"]["parallelism"] == workers_job["spec"]["completions"]
+    # the workers Job's pods are the Deployment's, bar what makes them end
+    job_template = yaml.safe_load(yaml.safe_dump(workers_job["spec"]["template"]))
+    assert job_template["spec"].pop("restartPolicy") == "OnFailure"  # a worker that found no master yet retries
+    assert job_template == worker_deployment["spec"]["template"]
     assert job["spec"]["backoffLimit"] == 0 and pod_spec(job)["restartPolicy"] == "Never"
     assert job["spec"]["template"]["metadata"]["labels"].items() >= service["spec"]["selector"].items()
 
@@ -153,7 +160,7 @@ def test_sim_overlay_runs_to_completion(tmp_path, toy_tokenizer_dir):
     text = config_path.read_text().replace(in_image, str(toy_tokenizer_dir))
     (tmp_path / "replay").mkdir()
     (tmp_path / "replay" / "data").symlink_to(REPO / "replay" / "data")
-    workers = by_kind(resources, "Deployment", "tracereplay-worker")
+    workers = by_kind(resources, "Job", "tracereplay-workers")
     job = by_kind(resources, "Job", "tracereplay-run")
     port = free_port()
     fleet = [SimProcess(toy_tokenizer_dir, sim_args[1:]) for _ in range(sims["spec"]["replicas"])]
@@ -172,12 +179,14 @@ def test_sim_overlay_runs_to_completion(tmp_path, toy_tokenizer_dir):
         worker_args[worker_args.index("--master-host") + 1] = "127.0.0.1"
         worker_args[worker_args.index("--master-port") + 1] = str(port)
         procs += [spawn_locust(worker_args, tmp_path, tmp_path / f"worker{i}.log")
-                  for i in range(workers["spec"]["replicas"])]
+                  for i in range(workers["spec"]["completions"])]
         finish(procs, timeout=120)
     finally:
         for sim in fleet:
             sim.stop()
     assert procs[0].returncode == 0, (tmp_path / "master.log").read_text()[-4000:]
+    for i, worker in enumerate(procs[1:]):  # the workers' pods complete with the run: nothing outlives it
+        assert worker.returncode == 0, (tmp_path / f"worker{i}.log").read_text()[-4000:]
     output = tmp_path / config["output"]
     records = check_records(output, REPO / config["trace"])
     assert {r["endpoint"] for r in records} == {s.url for s in fleet}
