@@ -450,6 +450,30 @@ def test_signal_before_the_trace_is_read(tmp_path, toy_tokenizer_dir, mode):
     assert not output.exists()
 
 
+def test_a_worker_whose_master_vanishes_before_the_plan_quits(tmp_path, toy_tokenizer_dir, fast_sim):
+    """A master killed (SIGKILL: no quit message) while it waits for a second worker: the one
+    connected, with no plan, exits 1 within seconds, not after Locust's 60 s check."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=40)
+    port = free_port()
+    args = replay_args(trace, toy_tokenizer_dir, fast_sim.url, tmp_path / "run.jsonl") + [
+        "--master", "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port)]
+    master = spawn_locust(args, tmp_path, tmp_path / "run.log")
+    worker = spawn_worker(tmp_path, port, "worker0")
+    try:
+        wait_for_text(tmp_path / "run.log", "1 workers connected", master)
+        time.sleep(1.5)  # heartbeats have flowed both ways
+        master.kill()
+        started = time.monotonic()
+        finish([worker], timeout=20)
+        took = time.monotonic() - started
+    finally:
+        finish([master, worker], timeout=5)
+    log = (tmp_path / "worker0.log").read_text()
+    assert worker.returncode == 1, log[-3000:]
+    assert "no run from it: this worker quits" in log and "Traceback" not in log
+    assert took < 15, took
+
+
 @pytest.mark.parametrize("mode", ["local", "master"])
 def test_signal_between_plan_and_go(tmp_path, toy_tokenizer_dir, mode):
     """The plan is out, and the go waits for the first round of the server's /metrics, which a

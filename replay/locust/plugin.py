@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import sys
 import time
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each stops a run (SIGHUP: its terminal closed)
 MASTER_STOP_GRACE_S = 10.0  # a worker in the master's process group waits this long for the master's stop
 MASTER_LOST_S = 6.0  # a worker stops sending when the master has not answered a heartbeat for this long
+QUIT_GRACE_S = 5.0  # a worker whose master left before the plan exits if Locust's quit has not ended it by then
 
 
 @dataclass
@@ -335,15 +337,33 @@ def _watch_master(environment, runner: WorkerRunner, part: Dispatcher) -> None:
     while True:
         gevent.sleep(1.0)
         last = runner.last_heartbeat_timestamp
-        if part.options is None or last is None or time.time() - last < MASTER_LOST_S:
+        if last is None or time.time() - last < MASTER_LOST_S:
             continue
         if part.finished.is_set():
             return
+        environment.process_exit_code = 1
+        if part.options is None:
+            _quit_before_the_plan(runner, time.time() - last)
+            return
         logger.error("no heartbeat from the master for %.0f s: stopping this worker's replay", time.time() - last)
         part.abort(MASTER_LOST)
-        environment.process_exit_code = 1
         runner.quit()
         return
+
+
+def _quit_before_the_plan(runner: WorkerRunner, silent_s: float) -> None:
+    """The master went silent before it sent this worker a plan (it ended before its run began,
+    and its quit message was lost or never acted on): nothing was sent or recorded here, so the
+    worker ends, exit 1, within seconds instead of waiting out Locust's 60 s check. If Locust's
+    own quit does not return (a worker once hung after "Got quit message" under heavy load), the
+    process exits anyway: there is nothing of a run to lose."""
+    logger.error("no heartbeat from the master for %.0f s and no run from it: this worker quits", silent_s)
+    with gevent.Timeout(QUIT_GRACE_S, False):
+        runner.quit()
+        return
+    logger.error("Locust's quit did not end this worker within %.0f s: exiting", QUIT_GRACE_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _participants(runner) -> list[tuple[str, int]]:
