@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.results.html import CAPACITY_PLOT, PLOTS
+from replay.results.html import CAPACITY_PLOT, PLOTS, TURN_WAITS_PLOT
 from replay.results.server_metrics import parse_series, sample_line
 from replay.rules.run_files import metrics_path
 from support.browser import BROWSERS, CHROMIUM_FLAGS, need
@@ -137,6 +137,28 @@ def test_missing_plotting_extra_is_said_clearly(tmp_path, toy_tokenizer_dir):
     assert "Serving Benchmark Result" in proc.stdout
     assert json.loads(summary.read_text())["requests"] == 20
     assert not (tmp_path / "r.html").exists()
+
+
+def test_closed_loop_turns_get_a_plot_of_their_waits(tmp_path, plotting):
+    """Records with waited_ms (a closed-loop --turn-timing) draw how long the turns waited for
+    their previous answers; a run without waits draws no such plot."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=100)
+    results = results_for(trace, tmp_path / "run.jsonl")
+    plain = tmp_path / "plain.html"
+    assert subprocess.run([sys.executable, "-m", "replay", "report", str(results), "--html", str(plain)],
+                          capture_output=True, timeout=120).returncode == 0  # fmt: skip
+    assert 'id="plot-turn-waits"' not in plain.read_text()
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    for r in records:
+        r["waited_ms"] = 0.0 if r["sent_at"] is None or r["request_id"] % 3 else 40.0 + r["request_id"]
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    page = tmp_path / "report.html"
+    proc = subprocess.run([sys.executable, "-m", "replay", "report", str(results), "--html", str(page)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    plot = re.search(r'<figure id="plot-turn-waits" class="plot"><figcaption>(.*?)</figcaption>(.*?)</figure>',
+                     page.read_text(), re.S)  # fmt: skip
+    assert plot and plot.group(1) == html.escape(TURN_WAITS_PLOT[1]) and "<svg" in plot.group(2)
 
 
 def capacity_probe(number: int, factor: float, goodput: float, verdict: str, ttft_p99: float) -> dict:

@@ -30,6 +30,7 @@ PLOTS = (
 
 
 CAPACITY_PLOT = ("capacity", "Capacity search: goodput and latency against load factor")
+TURN_WAITS_PLOT = ("turn-waits", "Session turns sent after their trace time: wait for the previous answer (waited_ms)")
 
 
 class PlottingMissing(RuntimeError):
@@ -280,6 +281,15 @@ def render_figures(records: list[dict], report: dict, checks=None, meta: dict | 
     ax.grid(alpha=0.3)
     figures["drift-hist"] = fig
 
+    waits = [r["waited_ms"] for r in sent if r.get("waited_ms")]  # a closed-loop --turn-timing's late turns
+    if waits:
+        fig = Figure(figsize=(9, 3.0), layout="constrained")
+        ax = fig.subplots()
+        ax.hist(waits, bins=60)
+        ax.set(xlabel="waited (ms)", ylabel="session turns", yscale="log")
+        ax.grid(alpha=0.3)
+        figures[TURN_WAITS_PLOT[0]] = fig
+
     fig = Figure(figsize=(5.2, 5.0), layout="constrained")
     ax = fig.subplots()
     compared = [c for c in checks or () if c.observed is not None]
@@ -345,7 +355,7 @@ def render_html(records: list[dict], report: dict, checks=None, meta: dict | Non
     figures = figures or render_figures(records, report, checks, meta, capacity=capacity)
     parts = []
     for name, fig in figures.items():
-        caption = dict((*PLOTS, CAPACITY_PLOT)).get(name) or fig.get_label()
+        caption = dict((*PLOTS, CAPACITY_PLOT, TURN_WAITS_PLOT)).get(name) or fig.get_label()
         parts.append(f'<figure id="plot-{name}" class="plot"><figcaption>{html.escape(caption)}</figcaption>\n'
                      f"{figure_svg(fig)}</figure>")  # fmt: skip
     meta = meta or {}
