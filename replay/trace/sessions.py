@@ -12,18 +12,18 @@ is a trade: a conversation of that many turns or more has its first blocks count
 (its clones then hit its history), and a prompt shared by fewer rows links those rows into one
 session. docs/amplify.md has the figures that set the default.
 
-Two passes over the file, holding per row its time (8 bytes) and session (4 bytes, plus 4 for
-the union-find during the second pass), and per distinct hash id a PairIndex entry (20-24 bytes)
-and three 4-byte counters: memory grows with the rows and the distinct ids, never with a row's
-content, and the ids' part is freed before the caller's own pass (only the global ids are kept,
-as a set).
+find_sessions holds it all in memory: per row its time (8 bytes) and session (4 bytes, plus 4
+for the union-find during the second pass), and per distinct hash id a PairIndex entry (20-24
+bytes) and three 4-byte counters. That suits rows already in memory (a capacity search's
+window); a file's sessions are found by replay.trace.sessions_on_disk, which applies this same
+rule in bounded memory and gives the same Sessions.
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from replay.trace.pairs import PairIndex
@@ -40,19 +40,24 @@ _CAP = (1 << 31) - 1  # the counters are 32-bit
 class Sessions:
     """The sessions of a trace's rows, by position in the stream (0, 1, ... over rows read)."""
 
-    row_session: array  # per row: its session's number, 0 .. len(starts) - 1
-    starts: array  # per session: its first row's time (s)
-    ends: array  # per session: its last row's time (s)
-    names: list[str | None]  # per session: the trace's own name for it, None when inferred
-    global_ids: set[int]  # hash ids kept as they are by every clone
+    row_session: Sequence[int]  # per row: its session's number, 0 .. len(starts) - 1
+    starts: Sequence[float]  # per session: its first row's time (s)
+    ends: Sequence[float]  # per session: its last row's time (s)
+    names: Sequence[str | None]  # per session: the trace's own name for it, None when inferred
+    global_ids: Collection[int]  # hash ids kept as they are by every clone
     id_range: tuple[int, int] | None  # (lowest, highest) hash id of the trace; None when it has none
     inferred: bool  # some sessions were inferred (rows without a session of their own)
+    sorted_starts: Sequence[float]  # the session starts, in order
+    last_end: float  # the latest session end (0.0 for none)
+    turn_counts: dict[int, int] | None = None  # turns(), when counted as the sessions were found
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def turns(self) -> dict[int, int]:
         """{turns: how many sessions have that many}."""
+        if self.turn_counts is not None:
+            return self.turn_counts
         per_session = array("i", bytes(4 * len(self.starts)))
         for session in self.row_session:
             per_session[session] += 1
@@ -60,6 +65,11 @@ class Sessions:
         for n in per_session:
             counts[n] = counts.get(n, 0) + 1
         return counts
+
+
+def check_global_min_rows(global_min_rows: int) -> None:
+    if global_min_rows < 2:
+        raise ValueError(f"--global-min-rows must be >= 2, got {global_min_rows}")
 
 
 def _distinct(ids: tuple[int, ...]) -> Iterable[int]:
@@ -71,8 +81,7 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
     """The sessions of the trace that `stream_of()` reads (a fresh TraceStream each call: the
     file is read twice), or of rows in memory (a run's window: any iterable of rows, whose
     sessions need no re-rooting)."""
-    if global_min_rows < 2:
-        raise ValueError(f"--global-min-rows must be >= 2, got {global_min_rows}")
+    check_global_min_rows(global_min_rows)
     index = PairIndex()  # (0, id) per distinct hash id, numbered 1, 2, ...
     unnamed_rows = array("i", [0])  # per id number: rows without a session of their own carrying it
     times = array("d")
@@ -171,4 +180,5 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
         elif times[position] > ends[session]:
             ends[session] = times[position]
         row_session[position] = session
-    return Sessions(row_session, starts, ends, names, global_ids, None if high < low else (int(low), int(high)), inferred)
+    return Sessions(row_session, starts, ends, names, global_ids, None if high < low else (int(low), int(high)), inferred,
+                    array("d", sorted(starts)), max(ends, default=0.0))
