@@ -21,10 +21,11 @@ from array import array
 from pathlib import Path
 
 _FLUSH_ITEMS = 1 << 14
-TRIM_EVERY = 1 << 16
-"""Operations between two trim() calls in the loops that use these arrays: 64 Ki accesses touch
-at most 64 Ki pages (256 MiB) in the worst case, in practice a few MiB (neighbouring rows share
-pages)."""
+TRIM_EVERY = 1 << 12
+"""Operations (rows, unions) between two trim() calls in the loops that use these arrays. An
+operation touches a few pages (a row's session, its clones' drawn starts), so the resident
+window is a few times 4096 pages at most whatever the arrays' size; far fewer in practice, as
+neighbouring rows share pages."""
 
 
 class FileArray:
