@@ -3,7 +3,7 @@
 1. A --rows-row Mooncake-format trace (bench/big_trace.py's) amplified x--factor by the real
    command, --runs times: peak RSS of the process (wait4 on the reaped child: exact), wall time,
    rows written (median of the runs). With --against TREE (another checkout, e.g. the main one),
-   TREE's command amplifies the same trace too, --runs times, and the two OUTs must be the same
+   TREE's command amplifies the same trace too, --against-runs times, and the two OUTs must be the same
    bytes (sha256).
 2. With --compare: `replay trace stats IN OUT` figures (rows, rate, lengths, turns per session,
    ideal hit ratio) for ../shared's Mooncake and Azure traces and a Bailian-style trace built
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--against", type=Path, metavar="TREE", help="another checkout to run and compare OUT with")
+    parser.add_argument("--against-runs", type=int, default=1, metavar="N", help="runs of --against's (default 1)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
@@ -128,11 +129,12 @@ def main() -> None:
             if name != "this checkout" and tree is None:
                 continue
             out = folder / ("big-out.jsonl" if tree is None else "big-out-against.jsonl")
-            runs = [measure(trace, out, args.factor, tree) for _ in range(args.runs)]
+            count = args.runs if tree is None else args.against_runs
+            runs = [measure(trace, out, args.factor, tree) for _ in range(count)]
             for rss, seconds, rows in runs:
                 print(f"run ({name}): peak RSS {rss:.0f} MiB, {seconds:.1f} s, {rows} rows")
             print(f"{name}: {args.rows} rows x{args.factor:g}: peak RSS {statistics.median(r[0] for r in runs):.0f} "
-                  f"MiB, {statistics.median(r[1] for r in runs):.1f} s (median of {args.runs})")
+                  f"MiB, {statistics.median(r[1] for r in runs):.1f} s (median of {count})")
         if args.against is not None:
             same = sha256(folder / "big-out.jsonl") == sha256(folder / "big-out-against.jsonl")
             print(f"OUT the same bytes as {args.against}'s: {same}")

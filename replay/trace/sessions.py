@@ -33,7 +33,7 @@ from replay.trace.record import TraceRow
 DEFAULT_GLOBAL_MIN_ROWS = 12
 """`--global-min-rows`: an id carried by this many rows of a trace without sessions is global."""
 
-_CAP = (1 << 31) - 1  # the counters are 32-bit
+COUNT_CAP = (1 << 31) - 1  # the counters are 32-bit
 
 
 @dataclass
@@ -72,7 +72,7 @@ def check_global_min_rows(global_min_rows: int) -> None:
         raise ValueError(f"--global-min-rows must be >= 2, got {global_min_rows}")
 
 
-def _distinct(ids: tuple[int, ...]) -> Iterable[int]:
+def distinct_ids(ids: tuple[int, ...]) -> Iterable[int]:
     return ids if len(set(ids)) == len(ids) else dict.fromkeys(ids)
 
 
@@ -98,12 +98,12 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
         if not ids:
             continue
         low, high = min(low, min(ids)), max(high, max(ids))
-        for hash_id in _distinct(ids):
+        for hash_id in distinct_ids(ids):
             number = find(0, hash_id)
             if not number:
                 number = add(0, hash_id)
                 unnamed_rows.append(0)
-            if session < 0 and unnamed_rows[number] < _CAP:
+            if session < 0 and unnamed_rows[number] < COUNT_CAP:
                 unnamed_rows[number] += 1
     fixups = getattr(stream, "sessions", None)  # bailian rows a later row re-rooted: {request_id: session}
 
@@ -138,7 +138,7 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
         ids = row.hash_ids
         if not ids:
             continue
-        for hash_id in _distinct(ids):
+        for hash_id in distinct_ids(ids):
             number = find(0, hash_id)
             if session >= 0:
                 mark = owner[number]

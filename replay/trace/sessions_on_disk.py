@@ -37,7 +37,7 @@ from pathlib import Path
 from replay.trace.file_array import TRIM_EVERY, Appender, FileArray
 from replay.trace.reader import TraceStream
 from replay.trace.record import TraceRow
-from replay.trace.sessions import _CAP, Sessions, _distinct, check_global_min_rows
+from replay.trace.sessions import COUNT_CAP, Sessions, check_global_min_rows, distinct_ids
 from replay.trace.sorted_spool import DEFAULT_CHUNK_ROWS, SortedSpool
 
 _TWO_63 = 1 << 63
@@ -161,6 +161,7 @@ class SessionFiles:
         if fixups:
             for appender in read[:2]:
                 appender.close()
+                appender.path.unlink()
             read[2].__exit__(None, None, None)
             read = self._read_rows(open_input(stream_of), fixups)
         times, parent_rows, spool, names, id_range = read
@@ -195,7 +196,7 @@ class SessionFiles:
             if not ids:
                 continue
             low, high = min(low, min(ids)), max(high, max(ids))
-            for hash_id in _distinct(ids):
+            for hash_id in distinct_ids(ids):
                 add(hash_id, position, line)
         id_range = None if high < low else (int(low), int(high))
         return times, parent, spool, first_rows, id_range
@@ -234,8 +235,8 @@ class SessionFiles:
                     owner = named
                 elif owner != named:
                     owner = -1
-            if unnamed > _CAP:
-                unnamed = _CAP
+            if unnamed > COUNT_CAP:
+                unnamed = COUNT_CAP
             if not named and len(linking) < global_min_rows:
                 linking.append(position)
         if current is not None:
