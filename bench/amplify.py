@@ -2,18 +2,21 @@
 
 1. A --rows-row Mooncake-format trace (bench/big_trace.py's) amplified x--factor by the real
    command, --runs times: peak RSS of the process (wait4 on the reaped child: exact), wall time,
-   rows written (median of the runs).
+   rows written (median of the runs). With --against TREE (another checkout, e.g. the main one),
+   TREE's command amplifies the same trace too, --against-runs times, and the two OUTs must be the same
+   bytes (sha256).
 2. With --compare: `replay trace stats IN OUT` figures (rows, rate, lengths, turns per session,
    ideal hit ratio) for ../shared's Mooncake and Azure traces and a Bailian-style trace built
    here (sessions as parent_chat_id chains, each turn's hash ids extending the last's, a system
    prompt shared by every session), amplified x--factor.
 
-    .venv/bin/python bench/amplify.py [--rows 2000000] [--factor 4] [--runs 3] [--compare]
+    .venv/bin/python bench/amplify.py [--rows 2000000] [--factor 4] [--runs 3] [--compare] [--against TREE]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import statistics
@@ -35,11 +38,14 @@ from replay.trace.stats import inferred_sessions, trace_stats
 SHARED = Path(os.environ.get("TRACEREPLAY_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
 
-def measure(trace: Path, out: Path, factor: float) -> tuple[float, float, int]:
-    """(peak RSS MiB, seconds, rows written) of one `replay trace amplify` process."""
+def measure(trace: Path, out: Path, factor: float, tree: Path | None = None) -> tuple[float, float, int]:
+    """(peak RSS MiB, seconds, rows written) of one `replay trace amplify` process (the code of
+    checkout `tree`, when given)."""
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "replay", "trace", "amplify", str(trace), str(out), "--factor",
-                             str(factor), "--block-size", str(BLOCK)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             str(factor), "--block-size", str(BLOCK)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, cwd=tree)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     err = proc.stderr.read().decode()
@@ -50,6 +56,14 @@ def measure(trace: Path, out: Path, factor: float) -> tuple[float, float, int]:
     with open(out, "rb") as f:
         rows = sum(1 for _ in f)
     return usage.ru_maxrss / 1024.0, seconds, rows
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def bailian_style(path: Path, sessions: int = 3000, span_s: float = 3600.0, seed: int = 0) -> Path:
@@ -99,6 +113,8 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=4.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--against", type=Path, metavar="TREE", help="another checkout to run and compare OUT with")
+    parser.add_argument("--against-runs", type=int, default=1, metavar="N", help="runs of --against's (default 1)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
@@ -109,11 +125,21 @@ def main() -> None:
                 compare(name, trace, folder / "out.jsonl", args.factor)
         trace = folder / "big.jsonl"
         write_trace(trace, args.rows, 200.0)
-        runs = [measure(trace, folder / "big-out.jsonl", args.factor) for _ in range(args.runs)]
-        for rss, seconds, rows in runs:
-            print(f"run: peak RSS {rss:.0f} MiB, {seconds:.1f} s, {rows} rows")
-        print(f"{args.rows} rows x{args.factor:g}: peak RSS {statistics.median(r[0] for r in runs):.0f} MiB, "
-              f"{statistics.median(r[1] for r in runs):.1f} s (median of {args.runs})")
+        for name, tree in (("this checkout", None), (str(args.against), args.against)):
+            if name != "this checkout" and tree is None:
+                continue
+            out = folder / ("big-out.jsonl" if tree is None else "big-out-against.jsonl")
+            count = args.runs if tree is None else args.against_runs
+            runs = [measure(trace, out, args.factor, tree) for _ in range(count)]
+            for rss, seconds, rows in runs:
+                print(f"run ({name}): peak RSS {rss:.0f} MiB, {seconds:.1f} s, {rows} rows")
+            print(f"{name}: {args.rows} rows x{args.factor:g}: peak RSS {statistics.median(r[0] for r in runs):.0f} "
+                  f"MiB, {statistics.median(r[1] for r in runs):.1f} s (median of {count})")
+        if args.against is not None:
+            same = sha256(folder / "big-out.jsonl") == sha256(folder / "big-out-against.jsonl")
+            print(f"OUT the same bytes as {args.against}'s: {same}")
+            if not same:
+                raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -368,11 +368,14 @@ def test_trace_convert_on_a_full_disk(small_disk, name):
 
 
 @pytest.mark.parametrize("name", ["out.jsonl", "out.jsonl.gz"])
-def test_trace_amplify_on_a_full_disk(small_disk, name):
-    """`replay trace amplify` to a full disk (its sort spool and OUT.tmp are beside OUT): one
-    line naming OUT, exit 1, and neither OUT nor a temporary file left behind."""
-    disk = small_disk(16)
-    fill(disk, leave=PAGE)  # less than the output takes, gzipped or not
+@pytest.mark.parametrize("leave", [PAGE, 12 * PAGE], ids=["full-in-the-temporary-files", "full-in-OUT"])
+def test_trace_amplify_on_a_full_disk(small_disk, name, leave):
+    """`replay trace amplify` to a full disk (its temporary files, the sessions' arrays and the
+    sort spools, and OUT.tmp are beside OUT): one line naming OUT, exit 1, and neither OUT nor a
+    temporary file left behind. A page left: the disk fills while the sessions are found; 12
+    pages hold those files (about 10 pages for this trace) but not OUT, gzipped or not."""
+    disk = small_disk(256)
+    fill(disk, leave=leave)
     out = disk / name
     proc = subprocess.run([sys.executable, "-m", "replay", "trace", "amplify", str(SAMPLE), str(out), "--factor",
                            "4"], capture_output=True, text=True, timeout=60)

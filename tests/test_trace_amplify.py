@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import orjson
 import pytest
 
 from replay.cli import main
-from replay.trace import sorted_spool
-from replay.trace.amplify import amplify_trace
+from replay.trace import amplify, file_array, sessions_on_disk, sorted_spool
+from replay.trace.amplify import Clones, amplify_trace
+from replay.trace.convert import to_record
 from replay.trace.reader import TraceStream
 from replay.trace.sessions import find_sessions
-from replay.trace.stats import inferred_sessions, trace_stats
+from replay.trace.sorted_spool import DEFAULT_CHUNK_ROWS
+from replay.trace.stats import inferred_sessions, length_stats, trace_stats
 from support.paths import shared_path
 from support.traces import BLOCK, bailian_trace, conversation_trace, write_jsonl
 
@@ -199,3 +203,111 @@ def test_shared_traces(tmp_path, name, fmt, factor):
     assert after["mean_rps"] == pytest.approx(factor * before["mean_rps"], rel=0.01)
     if before["ideal_prefix_hit_ratio"] is not None:
         assert abs(after["ideal_prefix_hit_ratio"] - before["ideal_prefix_hit_ratio"]) <= 0.02
+
+
+def in_memory_amplify(stream_of, factor: float, seed: int, min_rows: int) -> bytes:
+    """OUT as amplify wrote it before it found sessions on disk: find_sessions and Clones in
+    memory, every copy sorted in memory by (timestamp, copy x rows + row)."""
+    sessions = find_sessions(stream_of, min_rows)
+    clones = Clones(sessions, factor, seed)
+    rows, lines = len(sessions.row_session), []
+    stream = stream_of()
+    for position, row in enumerate(stream):
+        ids, start = row.hash_ids, row.timestamp_s
+        for copy in range(clones.count(position)):
+            row.session_id, row.hash_ids, shift = clones.copy(position, copy, ids)
+            record = to_record(row, start + shift, row.input_length, stream.block_size)
+            lines.append((record["timestamp"], copy * rows + position, orjson.dumps(record) + b"\n"))
+    lines.sort()
+    return b"".join(line for _, _, line in lines)
+
+
+def mixed_trace(path: Path, rows: int, seed: int = 0) -> Path:
+    """jsonl rows out of time order, some with a session_id and some without, carrying ids shared
+    by 1 to 30 rows (within and across sessions, named and not), some ids at and above 2^63."""
+    rng = random.Random(seed)
+    base = (1 << 63) - rows // 2
+    records = []
+    for i in range(rows):
+        ids = [base + rng.choice((0, 1, 2))] if rng.random() < 0.3 else []
+        ids += [base + 3 + rng.randrange(rows // (1 + rng.choice((0, 1, 4, 15)))) for _ in range(rng.randint(0, 4))]
+        ids.append(base + rows + i)  # an id of its own
+        record = {"timestamp": round(rng.uniform(0, 600_000), 3), "input_length": len(ids) * BLOCK,
+                  "output_length": rng.randint(1, 50), "hash_ids": ids, "block_size": BLOCK}
+        if rng.random() < 0.2:
+            record["session_id"] = f"u{rng.randrange(rows // 10)}"
+        records.append(record)
+    return write_jsonl(path, records)
+
+
+def rerooted_bailian(path: Path) -> Path:
+    """Bailian rows whose chains are read before their roots: TraceStream.sessions re-roots them."""
+    rows = []
+    for s in range(30):
+        chain = [1000 * s + k for k in range(4)]  # chain[k]'s parent is chain[k + 1], the last is the root
+        for k, chat in enumerate(chain):
+            parent = chain[k + 1] if k + 1 < len(chain) else -1
+            rows.append({"chat_id": chat, "parent_chat_id": parent, "timestamp": s + k, "input_length": 3 * 16,
+                         "output_length": 4, "hash_ids": [7, 100 * s + k, 100 * s + k + 1]})
+    return write_jsonl(path, rows)
+
+
+@pytest.mark.parametrize("trace, factor, seed, min_rows", [
+    ("mooncake", 3, 0, 12), ("mooncake", 2.5, 4, 4), ("azure", 1.5, 1, 12), ("conversations", 0.5, 2, 2),
+    ("mixed", 2.5, 3, 12), ("mixed", 3, 5, 3), ("bailian", 2, 0, 12), ("rerooted", 2.5, 6, 12)])
+def test_same_bytes_as_sessions_found_in_memory(tmp_path, conversations, monkeypatch, trace, factor, seed, min_rows):
+    """Sessions found on disk give OUT byte for byte what find_sessions in memory gave; the
+    mixed trace with every chunk, buffer and trim interval far smaller than it, so that each
+    spills, merges in groups and wraps (the sort of starts included: its rows are out of order)."""
+    paths = {"mooncake": shared_path("traces", "mooncake_synthetic_trace.jsonl"),
+             "azure": shared_path("traces", "azure_conv_2023.csv"), "conversations": conversations,
+             "bailian": bailian_trace(tmp_path / "b.jsonl", sessions=20, turns=4),
+             "rerooted": rerooted_bailian(tmp_path / "r.jsonl")}
+    chunk_rows = DEFAULT_CHUNK_ROWS
+    if trace == "mixed":
+        paths["mixed"] = mixed_trace(tmp_path / "mixed.jsonl", 3000, seed)
+        chunk_rows = 97
+        monkeypatch.setattr(sorted_spool, "MAX_OPEN", 4)
+        monkeypatch.setattr(file_array, "_FLUSH_ITEMS", 13)
+        monkeypatch.setattr(sessions_on_disk, "TRIM_EVERY", 64)
+        monkeypatch.setattr(amplify, "TRIM_EVERY", 64)
+    stream = stream_of(paths[trace], BLOCK if trace == "conversations" else None)
+    out = tmp_path / "out.jsonl"
+    amplify_trace(stream, out, factor, seed, min_rows, chunk_rows=chunk_rows)
+    assert out.read_bytes() == in_memory_amplify(stream, factor, seed, min_rows)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    if trace == "rerooted":  # the case it is there for: a second reading, knowing the re-rooted rows
+        read = stream()
+        assert list(read) and read.sessions
+
+
+def test_stats_turns_found_on_disk_are_find_sessions_turns(tmp_path):
+    trace = mixed_trace(tmp_path / "mixed.jsonl", 1500)
+    stream = stream_of(trace, None)
+    for min_rows in (2, 12):
+        found = find_sessions(stream, min_rows)
+        assert inferred_sessions(stream, min_rows) == {
+            "sessions": len(found), "turns_per_session": length_stats(found.turns()), "sessions_inferred": True}
+
+
+def test_interrupted_or_failed_amplify_leaves_nothing(tmp_path, conversations, monkeypatch):
+    """^C while the copies are written, or IN that cannot be read: no OUT, no OUT.tmp, no
+    temporary folder; IN's own error is raised as it is (not as a failure to write OUT)."""
+    calls = 0
+
+    def interrupted(*args):
+        nonlocal calls
+        calls += 1
+        if calls > 50:
+            raise KeyboardInterrupt
+        return to_record(*args)
+
+    monkeypatch.setattr(amplify, "to_record", interrupted)
+    out = tmp_path / "out" / "o.jsonl"
+    out.parent.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        amplify_trace(stream_of(conversations), out, 3)
+    assert list(out.parent.iterdir()) == []
+    with pytest.raises(FileNotFoundError):
+        amplify_trace(stream_of(tmp_path / "absent.jsonl"), out, 3)
+    assert list(out.parent.iterdir()) == []

@@ -28,7 +28,7 @@ import os
 import random
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +37,10 @@ import orjson
 from replay.results.files import OutputError
 from replay.rules.run_files import tmp_path
 from replay.trace.convert import to_record
+from replay.trace.file_array import TRIM_EVERY
 from replay.trace.reader import TraceStream
-from replay.trace.sessions import DEFAULT_GLOBAL_MIN_ROWS, Sessions, find_sessions
+from replay.trace.sessions import DEFAULT_GLOBAL_MIN_ROWS, Sessions
+from replay.trace.sessions_on_disk import ReadFailed, SessionFiles, input_rows, open_input
 from replay.trace.sorted_spool import DEFAULT_CHUNK_ROWS, SortedSpool
 from replay.trace.source import open_output
 
@@ -70,18 +72,18 @@ class Amplified:
     global_ids: int
 
 
-def copies_per_session(sessions: int, factor: float, seed: int) -> array:
-    """How many times each session appears: floor(factor), plus one for exactly
-    round(frac(factor) x sessions) of them, chosen by the seed (selection sampling)."""
+def copies_per_session(sessions: int, factor: float, seed: int) -> Iterator[int]:
+    """How many times each session appears, in session order: floor(factor), plus one for
+    exactly round(frac(factor) x sessions) of them, chosen by the seed (selection sampling)."""
     whole = math.floor(factor)
     extra = round((factor - whole) * sessions)
-    copies = array("H", [whole]) * sessions
     rng = random.Random(seed)
     for session in range(sessions):
         if extra and rng.random() * (sessions - session) < extra:
-            copies[session] += 1
             extra -= 1
-    return copies
+            yield whole + 1
+        else:
+            yield whole
 
 
 def _mix(x: int) -> int:
@@ -100,8 +102,8 @@ class CloneTimes:
 
     def __init__(self, sessions: Sessions, seed: int):
         self.starts, self.ends = sessions.starts, sessions.ends
-        self.sorted = array("d", sorted(self.starts))
-        self.last = max(self.ends, default=0.0)
+        self.sorted = sessions.sorted_starts
+        self.last = sessions.last_end
         self.seed = _mix(seed & _M64)
 
     def shift(self, session: int, copy: int) -> float:
@@ -137,14 +139,18 @@ class Clones:
     """Which copies each row of a trace gets and what each copy is: the one rule both `replay
     trace amplify` (a file, streamed) and a capacity search's probe (--search-by amplify: the
     window, in memory) amplify by. Rows are known by their position in the stream `sessions`
-    was found over."""
+    was found over. `copies`: copies_per_session's counts, already written where the caller
+    keeps them (a file), and the most of them; None: counted here, in memory."""
 
-    def __init__(self, sessions: Sessions, factor: float, seed: int = 0):
+    def __init__(self, sessions: Sessions, factor: float, seed: int = 0,
+                 copies: tuple[Sequence[int], int] | None = None):
         if problem := factor_problem(factor):
             raise ValueError(f"--factor {problem}")
         self.sessions = sessions
-        self.copies = copies_per_session(len(sessions), factor, seed)
-        self.most = max(self.copies, default=0)  # the most copies of any row
+        if copies is None:
+            counts = array("H", copies_per_session(len(sessions), factor, seed))
+            copies = counts, max(counts, default=0)
+        self.copies, self.most = copies  # the most copies of any row
         self.shift = id_shift(sessions.id_range, self.most)
         self.times = CloneTimes(sessions, seed)
 
@@ -157,18 +163,26 @@ class Clones:
         copies = self.copies
         return sum(copies[session] for session in self.sessions.row_session)
 
-    def copy(self, position: int, copy: int, hash_ids: tuple[int, ...] | list[int] | None
-             ) -> tuple[str, tuple[int, ...] | None, float]:
-        """Copy `copy` of row `position` (whose hash ids are `hash_ids`): its session id, its
-        hash ids, and the seconds added to its time."""
+    def kept(self, hash_ids: Sequence[int]) -> list[bool]:
+        """Which of `hash_ids` every clone keeps as they are (the global ones)."""
+        global_ids = self.sessions.global_ids
+        return [h in global_ids for h in hash_ids]
+
+    def copy(self, position: int, copy: int, hash_ids: tuple[int, ...] | list[int] | None,
+             kept: Sequence[bool] | None = None) -> tuple[str, tuple[int, ...] | None, float]:
+        """Copy `copy` of row `position` (whose hash ids are `hash_ids`; `kept`: self.kept(hash_ids),
+        when the caller has it for the row's other copies): its session id, its hash ids, and the
+        seconds added to its time."""
         sessions = self.sessions
         session = sessions.row_session[position]
         name = sessions.names[session]
         if name is None:
             name = f"s{session}"
         if copy and hash_ids is not None:
-            moved, global_ids = copy * self.shift, sessions.global_ids
-            hash_ids = tuple(h if h in global_ids else h + moved for h in hash_ids)
+            moved = copy * self.shift
+            if kept is None:
+                kept = self.kept(hash_ids)
+            hash_ids = tuple(h if keep else h + moved for h, keep in zip(hash_ids, kept))
         elif hash_ids is not None:
             hash_ids = tuple(hash_ids)
         return (f"{name}#{copy}" if copy else name), hash_ids, self.times.shift(session, copy)
@@ -186,42 +200,59 @@ def amplify_trace(
     global_min_rows: int = DEFAULT_GLOBAL_MIN_ROWS,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> Amplified:
-    """Write IN (read three times: `stream_of()` gives a fresh TraceStream) amplified `factor`
-    times to out_path (.gz => gzip). OutputError when it cannot be written (nothing is left at
-    out_path then); ValueError when no session would be kept, or the ids do not fit."""
+    """Write IN (read two or three times: `stream_of()` gives a fresh TraceStream) amplified
+    `factor` times to out_path (.gz => gzip). OutputError when it cannot be written, its
+    temporary files included (nothing is left at out_path then); ValueError when no session
+    would be kept, or the ids do not fit; IN's own OSError when IN cannot be read."""
     if problem := factor_problem(factor):
         raise ValueError(f"--factor {problem}")
-    sessions = find_sessions(stream_of, global_min_rows)
-    clones = Clones(sessions, factor, seed)
-    if not clones.most:
-        raise ValueError(f"--factor {factor:g} keeps none of the trace's {len(sessions)} sessions "
-                         f"(at least {1 / max(len(sessions), 1):.3g} keeps one)")
     out_path = Path(out_path)
     temporary = tmp_path(out_path)
     try:
-        with SortedSpool(out_path.parent, chunk_rows) as spool:
-            rows_in = _spool_clones(stream_of(), clones, spool)
-            with open_output(temporary, gz=out_path.name.endswith(".gz")) as out:
-                spool.write_to(out)
-        os.replace(temporary, out_path)
+        with SessionFiles(out_path.parent, chunk_rows) as files:
+            sessions = files.find(stream_of, global_min_rows)
+            counts, most, total = files.appender("copies", "H"), 0, 0
+            for n in copies_per_session(len(sessions), factor, seed):
+                counts.append(n)
+                most, total = max(most, n), total + n
+            clones = Clones(sessions, factor, seed, (files.mapped(counts).view, most))
+            if not clones.most:
+                raise ValueError(f"--factor {factor:g} keeps none of the trace's {len(sessions)} sessions "
+                                 f"(at least {1 / max(len(sessions), 1):.3g} keeps one)")
+            with SortedSpool(files.folder, chunk_rows) as spool:
+                rows_in = _spool_clones(open_input(stream_of), clones, spool, files.trim)
+                with open_output(temporary, gz=out_path.name.endswith(".gz")) as out:
+                    spool.write_to(out)
+            os.replace(temporary, out_path)
+            done = Amplified(rows_in, len(sessions), spool.rows, total, sessions.inferred, len(sessions.global_ids))
+    except ReadFailed as e:
+        temporary.unlink(missing_ok=True)
+        raise e.error from None
     except OSError as e:  # a full disk: no half trace is left to be replayed by mistake
         temporary.unlink(missing_ok=True)
         raise OutputError(out_path, e) from None
-    return Amplified(rows_in, len(sessions), spool.rows, sum(clones.copies), sessions.inferred,
-                     len(sessions.global_ids))
+    except BaseException:  # a bad row, ^C: the same
+        temporary.unlink(missing_ok=True)
+        raise
+    return done
 
 
-def _spool_clones(stream: TraceStream, clones: Clones, spool: SortedSpool) -> int:
-    """Every copy of every row into the spool; returns the rows read."""
+def _spool_clones(stream: TraceStream, clones: Clones, spool: SortedSpool, trim: Callable[[], None]) -> int:
+    """Every copy of every row into the spool; returns the rows read. `trim` every TRIM_EVERY
+    rows keeps the session arrays' resident window bounded."""
     rows = len(clones.sessions.row_session)
     dumps, add = orjson.dumps, spool.add
     position = -1
-    for position, row in enumerate(stream):
+    for position, row in enumerate(input_rows(stream)):
         if position >= rows:
             raise ValueError(f"{stream.path}: changed while it was read (more rows than the first reading's {rows})")
         ids, start = row.hash_ids, row.timestamp_s
-        for copy in range(clones.count(position)):
-            row.session_id, row.hash_ids, shift = clones.copy(position, copy, ids)
+        count = clones.count(position)
+        kept = clones.kept(ids) if count > 1 and ids else None
+        for copy in range(count):
+            row.session_id, row.hash_ids, shift = clones.copy(position, copy, ids, kept)
             record = to_record(row, start + shift, row.input_length, stream.block_size)
             add(record["timestamp"], copy * rows + position, dumps(record) + b"\n")
+        if position % TRIM_EVERY == TRIM_EVERY - 1:
+            trim()
     return position + 1

@@ -12,18 +12,18 @@ is a trade: a conversation of that many turns or more has its first blocks count
 (its clones then hit its history), and a prompt shared by fewer rows links those rows into one
 session. docs/amplify.md has the figures that set the default.
 
-Two passes over the file, holding per row its time (8 bytes) and session (4 bytes, plus 4 for
-the union-find during the second pass), and per distinct hash id a PairIndex entry (20-24 bytes)
-and three 4-byte counters: memory grows with the rows and the distinct ids, never with a row's
-content, and the ids' part is freed before the caller's own pass (only the global ids are kept,
-as a set).
+find_sessions holds it all in memory: per row its time (8 bytes) and session (4 bytes, plus 4
+for the union-find during the second pass), and per distinct hash id a PairIndex entry (20-24
+bytes) and three 4-byte counters. That suits rows already in memory (a capacity search's
+window); a file's sessions are found by replay.trace.sessions_on_disk, which applies this same
+rule in bounded memory and gives the same Sessions.
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from replay.trace.pairs import PairIndex
@@ -33,26 +33,31 @@ from replay.trace.record import TraceRow
 DEFAULT_GLOBAL_MIN_ROWS = 12
 """`--global-min-rows`: an id carried by this many rows of a trace without sessions is global."""
 
-_CAP = (1 << 31) - 1  # the counters are 32-bit
+COUNT_CAP = (1 << 31) - 1  # the counters are 32-bit
 
 
 @dataclass
 class Sessions:
     """The sessions of a trace's rows, by position in the stream (0, 1, ... over rows read)."""
 
-    row_session: array  # per row: its session's number, 0 .. len(starts) - 1
-    starts: array  # per session: its first row's time (s)
-    ends: array  # per session: its last row's time (s)
-    names: list[str | None]  # per session: the trace's own name for it, None when inferred
-    global_ids: set[int]  # hash ids kept as they are by every clone
+    row_session: Sequence[int]  # per row: its session's number, 0 .. len(starts) - 1
+    starts: Sequence[float]  # per session: its first row's time (s)
+    ends: Sequence[float]  # per session: its last row's time (s)
+    names: Sequence[str | None]  # per session: the trace's own name for it, None when inferred
+    global_ids: Collection[int]  # hash ids kept as they are by every clone
     id_range: tuple[int, int] | None  # (lowest, highest) hash id of the trace; None when it has none
     inferred: bool  # some sessions were inferred (rows without a session of their own)
+    sorted_starts: Sequence[float]  # the session starts, in order
+    last_end: float  # the latest session end (0.0 for none)
+    turn_counts: dict[int, int] | None = None  # turns(), when counted as the sessions were found
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def turns(self) -> dict[int, int]:
         """{turns: how many sessions have that many}."""
+        if self.turn_counts is not None:
+            return self.turn_counts
         per_session = array("i", bytes(4 * len(self.starts)))
         for session in self.row_session:
             per_session[session] += 1
@@ -62,7 +67,12 @@ class Sessions:
         return counts
 
 
-def _distinct(ids: tuple[int, ...]) -> Iterable[int]:
+def check_global_min_rows(global_min_rows: int) -> None:
+    if global_min_rows < 2:
+        raise ValueError(f"--global-min-rows must be >= 2, got {global_min_rows}")
+
+
+def distinct_ids(ids: tuple[int, ...]) -> Iterable[int]:
     return ids if len(set(ids)) == len(ids) else dict.fromkeys(ids)
 
 
@@ -71,8 +81,7 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
     """The sessions of the trace that `stream_of()` reads (a fresh TraceStream each call: the
     file is read twice), or of rows in memory (a run's window: any iterable of rows, whose
     sessions need no re-rooting)."""
-    if global_min_rows < 2:
-        raise ValueError(f"--global-min-rows must be >= 2, got {global_min_rows}")
+    check_global_min_rows(global_min_rows)
     index = PairIndex()  # (0, id) per distinct hash id, numbered 1, 2, ...
     unnamed_rows = array("i", [0])  # per id number: rows without a session of their own carrying it
     times = array("d")
@@ -89,12 +98,12 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
         if not ids:
             continue
         low, high = min(low, min(ids)), max(high, max(ids))
-        for hash_id in _distinct(ids):
+        for hash_id in distinct_ids(ids):
             number = find(0, hash_id)
             if not number:
                 number = add(0, hash_id)
                 unnamed_rows.append(0)
-            if session < 0 and unnamed_rows[number] < _CAP:
+            if session < 0 and unnamed_rows[number] < COUNT_CAP:
                 unnamed_rows[number] += 1
     fixups = getattr(stream, "sessions", None)  # bailian rows a later row re-rooted: {request_id: session}
 
@@ -129,7 +138,7 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
         ids = row.hash_ids
         if not ids:
             continue
-        for hash_id in _distinct(ids):
+        for hash_id in distinct_ids(ids):
             number = find(0, hash_id)
             if session >= 0:
                 mark = owner[number]
@@ -171,4 +180,5 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
         elif times[position] > ends[session]:
             ends[session] = times[position]
         row_session[position] = session
-    return Sessions(row_session, starts, ends, names, global_ids, None if high < low else (int(low), int(high)), inferred)
+    return Sessions(row_session, starts, ends, names, global_ids, None if high < low else (int(low), int(high)), inferred,
+                    array("d", sorted(starts)), max(ends, default=0.0))

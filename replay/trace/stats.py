@@ -10,6 +10,7 @@ never with its rows.
 from __future__ import annotations
 
 import math
+import tempfile
 from array import array
 from bisect import bisect_left
 from collections import Counter
@@ -19,7 +20,7 @@ from replay.trace.pairs import PairIndex
 from replay.trace.prefix import IdealHits
 from replay.trace.reader import TraceStream
 from replay.trace.record import Trace
-from replay.trace.sessions import find_sessions
+from replay.trace.sessions_on_disk import SessionFiles
 
 
 def nearest_rank(counts: Mapping[int, int], q: float) -> int:
@@ -168,13 +169,15 @@ def format_stats(stats: dict) -> str:
 
 def inferred_sessions(stream_of: Callable[[], TraceStream], global_min_rows: int) -> dict:
     """The sessions keys of trace_stats() for a trace without sessions of its own, found as
-    `replay trace amplify` finds them (replay.trace.sessions: two more passes)."""
-    sessions = find_sessions(stream_of, global_min_rows)
-    return {
-        "sessions": len(sessions) or None,
-        "turns_per_session": length_stats(sessions.turns()),
-        "sessions_inferred": True,
-    }
+    `replay trace amplify` finds them (replay.trace.sessions_on_disk: one more pass, or two, in
+    bounded memory, its temporary files in the system's temporary folder)."""
+    with SessionFiles(tempfile.gettempdir()) as files:
+        sessions = files.find(stream_of, global_min_rows)
+        return {
+            "sessions": len(sessions) or None,
+            "turns_per_session": length_stats(sessions.turns()),
+            "sessions_inferred": True,
+        }
 
 
 def format_comparison(first: dict, second: dict) -> str:
