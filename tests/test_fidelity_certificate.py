@@ -222,6 +222,20 @@ def test_a_run_writes_its_certificate(tmp_path, toy_tokenizer_dir, sim):
     assert json.loads(out.read_text())["fidelity"] == cert and "Fidelity Certificate" in report.stdout
 
 
+def test_a_run_whose_client_cannot_keep_up_says_so(tmp_path, toy_tokenizer_dir, sim):
+    """A real run asked for far more than one process can send (3,000 rows 0.05 ms apart: 20,000
+    a second): the sends fall behind, and the certificate's schedule lines say so."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3000, gap_ms=0.05, output_length=(1, 2))
+    output = tmp_path / "run.jsonl"
+    proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--require-faithful",
+                                  "--verify-server", "off"), tmp_path, exit_code=1)  # fmt: skip
+    s = json.loads(fidelity_path(output).read_text())["schedule"]
+    assert s["sends"] == 3000 and s["lag_ms"]["p99"] > 10 and s["late"] > 0 and len(s["late_worst"]) == 10
+    assert s["on_time_share"] < 0.99 and s["count_gap_s"] > 0.01
+    assert "fidelity: unfaithful (schedule: " in proc.stderr
+    assert f"Sends late by > 10 ms:                   {s['late']}" in proc.stdout
+
+
 def test_require_faithful_exits_1_on_an_unfaithful_run(tmp_path, toy_tokenizer_dir):
     """A server whose prompt counts are false (`replay sim --false-usage`): every prompt differs."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=8, gap_ms=20)
