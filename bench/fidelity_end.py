@@ -1,13 +1,23 @@
-"""What the fidelity certificate adds to the end of a big run: a synthetic merged file of
---rows records (a Poisson schedule at 200 req/s, sends 0.05-3 ms late with 1% late by 10-500 ms,
-0.1% of prompts miscounted, 1% of outputs cut), read in a fresh process twice: once only read
-(the pass the end makes anyway: the summary's), once with every record fed to the
-CertificateBuilder and the certificate made. Prints each one's peak RSS (ru_maxrss) and time,
-and the certificate's addition (the difference), the median of --runs.
+"""What the end of a big run costs: the fidelity certificate in the master and the cache child
+(re-synthesis, infinite cache and the model of the server's pool) beside it. A synthetic run of
+--rows rows is written once: a Mooncake trace (each row one of --families 20-block prefixes plus
+0-10 blocks of its own, 16-token blocks) and its merged records (a Poisson schedule at 200 req/s,
+sends 0.05-3 ms late with 1% late by 10-500 ms, 0.1% of prompts miscounted, 1% of outputs cut,
+each request 0.2 s long with a random whole-block cached count). Then, each in a fresh process:
 
-Target (issue 24): a 2,000,000-row run's end gains at most 100 MB and finishes in under a minute.
+- read: the records only read (the pass the end makes anyway: the summary's);
+- certificate: the same with every record fed to the CertificateBuilder and the certificate made;
+- cache: the cache section as the end computes it (cache_section: the real child process, the
+  toy tokenizer, openai-completions text prompts, server blocks of 16, a pool of --blocks).
 
-    .venv/bin/python bench/fidelity_end.py [--rows 2000000] [--runs 3] [--file /tmp/fidelity-2m.jsonl]
+Prints each one's peak RSS (ru_maxrss; the cache child's own) and time, the medians of --runs,
+the certificate's addition to the master (the difference) and the whole end (certificate and
+child, one after the other as `replay.run.finish` runs them).
+
+Target (issue 24): a 2,000,000-row run's end adds at most 100 MB to the master and finishes in
+under a minute.
+
+    .venv/bin/python bench/fidelity_end.py [--rows 2000000] [--runs 3] [--blocks 5000] [--dir /tmp/...]
 """
 
 from __future__ import annotations
@@ -28,75 +38,116 @@ from replay.results.records import RECORD_FIELDS, read_records
 
 T0 = 1_800_000_000.0
 RATE = 200.0
+BLOCK = 16
+ENDPOINT = "http://127.0.0.1:8000"
+VARIANTS = ("read", "certificate", "cache")
 
 
-def write_records(path: Path, rows: int, seed: int = 0) -> None:
+def write_run(folder: Path, rows: int, families: int, seed: int = 0) -> None:
+    """trace.jsonl and run.jsonl (its merged records, in request_id order) in `folder`."""
     rng = random.Random(seed)
+    prefixes = [[f * 100 + k for k in range(20)] for f in range(families)]
     due = T0
-    with open(path, "wb", buffering=1 << 20) as f:
+    with open(folder / "trace.jsonl", "wb", buffering=1 << 20) as trace, \
+            open(folder / "run.jsonl", "wb", buffering=1 << 20) as records:
         for i in range(rows):
             due += rng.expovariate(RATE)
+            hashes = prefixes[rng.randrange(families)] + [10_000_000 + i * 16 + k for k in range(rng.randrange(11))]
+            inp, out = len(hashes) * BLOCK - rng.randrange(BLOCK), rng.randint(1, 8)
+            trace.write(orjson.dumps({"timestamp": round((due - T0) * 1000, 3), "input_length": inp,
+                                      "output_length": out, "hash_ids": hashes}) + b"\n")
             lag = rng.uniform(10, 500) if rng.random() < 0.01 else rng.uniform(0.05, 3.0)
             sent = due + lag / 1000
-            inp, out = rng.randint(50, 4000), rng.randint(1, 8)
             r = dict.fromkeys(RECORD_FIELDS)
-            r.update(request_id=i, worker=i % 4, endpoint="http://127.0.0.1:8000", api="openai-chat",
+            r.update(request_id=i, worker=i % 4, endpoint=ENDPOINT, api="openai-completions",
                      scheduled_at=due, sent_at=sent, finished_at=sent + 0.2, drift_ms=round(lag, 3), ttft_ms=50.0,
                      tpot_ms=5.0, e2e_ms=200.0, itl_ms=[5.0] * (out - 1), status=200, ok=True, input_length=inp,
                      output_length=out, prompt_tokens=inp + (1 if rng.random() < 0.001 else 0),
-                     output_tokens=out - (1 if out > 1 and rng.random() < 0.01 else 0), cached_tokens=0,
-                     received_tokens=out)
-            f.write(orjson.dumps(r) + b"\n")
+                     output_tokens=out - (1 if out > 1 and rng.random() < 0.01 else 0),
+                     cached_tokens=BLOCK * rng.randrange((inp - 1) // BLOCK + 1), received_tokens=out)
+            records.write(orjson.dumps(r) + b"\n")
 
 
-def child(variant: str, path: str) -> None:
-    from replay.results.certificate import CertificateBuilder
-
+def child(variant: str, folder: Path, blocks: int) -> None:
     started = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    builder = CertificateBuilder() if variant == "certificate" else None
-    for record in read_records(path):
-        if builder is not None:
-            builder.add(record)
-    made = time.perf_counter()
-    if builder is not None:  # the summary's drift figures: the end has them already (not counted here)
-        cert = builder.certificate({"p50": None, "p99": None, "max": None}, None)
-        assert cert["schedule"]["sends"] > 0
-    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "start_mib": before / 1024, "seconds": time.perf_counter() - started,
-                      "certificate_s": time.perf_counter() - made}))
+    made = started
+    out: dict = {}
+    if variant == "cache":
+        from replay.results.cache_section import CacheJob, cache_section
+
+        job = CacheJob(results=str(folder / "run.jsonl"), trace=str(folder / "trace.jsonl"), trace_format="mooncake",
+                       block_size=BLOCK, tokenizer=str(folder / "tok"), chat_template=None, api="openai-completions",
+                       prompt_format="text", seed=0, server_block_size=BLOCK,
+                       servers={ENDPOINT: {"num_gpu_blocks": blocks, "served_before": False}})
+        section, _ = cache_section(job)
+        pool = section["misses"]["model"]["endpoints"][ENDPOINT]
+        out = {"compared": section["requests_compared"], "evictions": pool["evictions"],
+               "exact_share": section["misses"]["predicted_exact_share"]}
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the cache child's
+    else:
+        from replay.results.certificate import CertificateBuilder
+
+        builder = CertificateBuilder() if variant == "certificate" else None
+        for record in read_records(folder / "run.jsonl"):
+            if builder is not None:
+                builder.add(record)
+        made = time.perf_counter()
+        if builder is not None:  # the summary's drift figures: the end has them already (not counted here)
+            cert = builder.certificate({"p50": None, "p99": None, "max": None}, None)
+            assert cert["schedule"]["sends"] > 0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mib": peak / 1024, "seconds": time.perf_counter() - started,
+                      "certificate_s": time.perf_counter() - made, **out}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--file", default="/tmp/tracereplay-fidelity-2m.jsonl")
+    parser.add_argument("--blocks", type=int, default=5000, help="the server's pool (num_gpu_blocks)")
+    parser.add_argument("--families", type=int, default=2000)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dir", type=Path, help="where the run's files are (made when missing); "
+                        "default /tmp/tracereplay-fidelity-ROWS")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(*args.child)
+        child(args.child[0], Path(args.child[1]), args.blocks)
         return
-    path = Path(args.file)
-    if not path.exists() or sum(1 for _ in open(path, "rb")) != args.rows:
+    folder = args.dir or Path(f"/tmp/tracereplay-fidelity-{args.rows}")
+    if not (folder / "done").exists():
+        from replay.synth.toy import build_toy_tokenizer
+
+        folder.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        write_records(path, args.rows)
-        print(f"wrote {args.rows} records to {path} ({path.stat().st_size / 2**20:.0f} MiB) "
-              f"in {time.perf_counter() - t:.0f} s")
-    results: dict[str, list[dict]] = {"read": [], "certificate": []}
+        build_toy_tokenizer(folder / "tok")
+        write_run(folder, args.rows, args.families)
+        (folder / "done").write_text(f"{args.rows} rows, {args.families} families\n")
+        print(f"wrote {args.rows:,} rows to {folder} (trace {(folder / 'trace.jsonl').stat().st_size / 2**20:.0f} MiB, "
+              f"records {(folder / 'run.jsonl').stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f} s")
+    variants = args.variants.split(",")
+    results: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.runs):
-        for variant in results:
-            out = subprocess.run([sys.executable, __file__, "--child", variant, str(path)], capture_output=True,
-                                 text=True, check=True)
+        for variant in variants:
+            out = subprocess.run([sys.executable, __file__, "--child", variant, str(folder), "--blocks",
+                                  str(args.blocks)], capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
             results[variant].append(json.loads(out.stdout))
             print(variant, results[variant][-1], flush=True)
-    med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in results.items()}
-    added_mib = med["certificate"]["peak_mib"] - med["read"]["peak_mib"]
-    added_s = med["certificate"]["seconds"] - med["read"]["seconds"]
-    print(f"rows {args.rows}, median of {args.runs}: read only {med['read']['peak_mib']:.0f} MiB peak, "
-          f"{med['read']['seconds']:.1f} s; with the certificate {med['certificate']['peak_mib']:.0f} MiB, "
-          f"{med['certificate']['seconds']:.1f} s (certificate() itself {med['certificate']['certificate_s']:.1f} s)")
-    print(f"added by the certificate: {added_mib:.0f} MiB peak RSS, {added_s:.1f} s")
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in ("peak_mib", "seconds", "certificate_s")}
+           for v, rs in results.items()}
+    print(f"rows {args.rows:,}, pool {args.blocks} blocks, median of {args.runs}:")
+    for v, m in med.items():
+        print(f"  {v}: peak RSS {m['peak_mib']:.0f} MiB, {m['seconds']:.1f} s")
+    if "read" in med and "certificate" in med:
+        added_mib = med["certificate"]["peak_mib"] - med["read"]["peak_mib"]
+        added_s = med["certificate"]["seconds"] - med["read"]["seconds"]
+        print(f"  added by the certificate: {added_mib:.0f} MiB peak RSS, {added_s:.1f} s "
+              f"(certificate() itself {med['certificate']['certificate_s']:.1f} s)")
+        if "cache" in med:
+            print(f"  the whole end beyond the summary's read: certificate {added_s:.1f} s + cache child "
+                  f"{med['cache']['seconds']:.1f} s = {added_s + med['cache']['seconds']:.1f} s")
 
 
 if __name__ == "__main__":
