@@ -7,10 +7,11 @@ rate, which a 95% interval should hold near or under 5%. A/B: the first run of e
 against a run on a sim whose --stall-ms adds --regression (10%) to BASE's TTFT p50: the share
 of repetitions whose TTFT p50 verdict is "worse" is the power at this run size.
 
+Every sim has a GPU server's latencies (SERVER_LATENCIES, --sim-args to change them).
 The trace's prompts are of very different lengths (512 to 4096 tokens, no shared prefixes), so
 rows differ as production rows do and the pairing has something to cancel.
 
-    .venv/bin/python bench/compare_aa.py [--pairs 20] [--rows 250] [--scale 100]
+    .venv/bin/python bench/compare_aa.py [--pairs 20] [--rows 250] [--scale 100] [--sim-args '...']
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,10 @@ from replay.sim.process import sim_process
 from replay.synth.toy import build_toy_tokenizer
 
 BLOCK = 16
+# TTFT some 230-400 ms and 20 ms between tokens, as a GPU server's: against the sim's own 20 ms
+# TTFT, the client machine's scheduling (a few ms, shifting whole runs when other work comes and
+# goes) weighs as much as the server's noise, which is not what comparing two servers meets.
+SERVER_LATENCIES = "--ttft-ms 200 --prefill-ms-per-1k 50 --itl-ms 20"
 
 
 def write_trace(path: Path, rows: int, gap_ms: float, seed: int = 0) -> Path:
@@ -63,8 +69,12 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=1000.0, help="the trace's gap between rows, before --scale")
     parser.add_argument("--regression", type=float, default=0.10, help="the A/B's added share of BASE's TTFT p50")
     parser.add_argument("--resamples", type=int, default=1000)
+    parser.add_argument("--sim-args", default=SERVER_LATENCIES,
+                        help="more `replay sim` options for every run (default: %(default)s, a real server's "
+                             "latencies; '' for the sim's own 20 ms TTFT and 10 ms ITL)")
     args = parser.parse_args()
     started = time.monotonic()
+    sim_args = shlex.split(args.sim_args)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         tokenizer = build_toy_tokenizer(d / "tok")
@@ -73,8 +83,8 @@ def main() -> None:
         loud: Counter[str] = Counter()
         firsts = []
         for i in range(args.pairs):
-            a = replay(tokenizer, trace, d / f"aa-{i}-a.jsonl", args.scale, 2 * i + 1)
-            b = replay(tokenizer, trace, d / f"aa-{i}-b.jsonl", args.scale, 2 * i + 2)
+            a = replay(tokenizer, trace, d / f"aa-{i}-a.jsonl", args.scale, 2 * i + 1, *sim_args)
+            b = replay(tokenizer, trace, d / f"aa-{i}-b.jsonl", args.scale, 2 * i + 2, *sim_args)
             firsts.append(load_run(str(a)))
             result = compare([firsts[-1]], [load_run(str(b))], resamples=args.resamples, seed=i)
             for e in result["metrics"]:
@@ -92,7 +102,8 @@ def main() -> None:
         stall = args.regression * sum(p50s) / len(p50s)
         worse, changes = 0, []
         for i in range(args.pairs):
-            n = replay(tokenizer, trace, d / f"ab-{i}.jsonl", args.scale, 1000 + i, "--stall-ms", f"{stall:.3f}")
+            n = replay(tokenizer, trace, d / f"ab-{i}.jsonl", args.scale, 1000 + i, *sim_args, "--stall-ms",
+                       f"{stall:.3f}")
             result = compare([firsts[i]], [load_run(str(n))], resamples=args.resamples, seed=i)
             e = next(e for e in result["metrics"] if e["metric"] == "ttft_p50")
             worse += e["verdict"] == "worse"
