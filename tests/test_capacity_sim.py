@@ -28,7 +28,7 @@ from support.traces import BLOCK, mooncake_trace
 pytestmark = pytest.mark.alone
 
 SEQS, TTFT_MS, ITL_MS, OUTPUT = 4, 20, 10, 10  # each request 110 ms: the sim serves 36.4 requests a second
-GAP_MS, ROWS = 50, 100  # the window: 20 requests a second for 5 s, so its capacity is below 1.8x (arrivals bunch)
+GAP_MS, ROWS = 50, 60  # the window: 20 requests a second for 3 s, so its capacity is below 1.8x (arrivals bunch)
 SLO, TARGET, PRECISION = "ttft_ms=60", 0.9, 0.1
 SECONDS = str(ROWS * GAP_MS / 1000)
 COMMON = ("--slo", SLO, "--verify-server", "off", "--drain-timeout", "10")
