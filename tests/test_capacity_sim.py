@@ -123,7 +123,7 @@ def test_a_client_that_cannot_keep_up_is_client_limited_not_a_server_failure(tmp
     output = tmp_path / "fast-search.jsonl"
     proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--slo", "e2e_ms=60000",
                                   "--verify-server", "off", "--capacity-search", "--search-range", "16:1024",
-                                  "--probe-duration", "2", "--cooldown", "0"), tmp_path, timeout=120, exit_code=1)
+                                  "--probe-duration", "1", "--cooldown", "0"), tmp_path, timeout=120, exit_code=1)
     report = orjson.loads(capacity_path(output).read_bytes())
     verdicts = [p["verdict"] for p in report["probes"]]
     assert report["result"] == "client-limited", report["probes"]
