@@ -66,11 +66,11 @@ def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim):
     (it must ask for the rest as it goes); every row ok, sent once, by its own worker. Three
     workers here; two, in one process: tests/test_engine_pipeline.py."""
     workers = 3
-    per_worker = max(SHIP_WINDOW_ROWS, HOLD_ROWS) + 1100
+    per_worker = max(SHIP_WINDOW_ROWS, HOLD_ROWS) + CHUNK_ROWS + 100  # the rest comes in 2 chunks
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=per_worker * workers, gap_ms=2, output_length=(1, 2))
     output = tmp_path / "run.jsonl"
     master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output,
-                                                             "--scale", "1.3"), workers=workers)
+                                                             "--scale", "2"), workers=workers)
     finish([master, *procs], timeout=240)
     log = (tmp_path / "master.log").read_text()
     assert master.returncode == 0, log[-3000:]
@@ -566,7 +566,7 @@ def test_sigterm_to_one_worker(tmp_path, toy_tokenizer_dir, fast_sim, moment):
     """A worker stopped by a signal of its own (another terminal, an operator, an eviction) is not
     the user stopping the run: its unanswered rows fail as "worker stopped", the master exits 1;
     the other worker's rows are all ok."""
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=400, gap_ms=40)  # 16 s: the late worker starts well before the end
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=250, gap_ms=40)  # 10 s: rows are left after the signal
     output = tmp_path / "run.jsonl"
     port = free_port()
     master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",

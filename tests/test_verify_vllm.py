@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(560)]
 
 ROWS = 40
 BLOCK = 32
+MAX_OUTPUT = 32  # the prompts are on trial here, not the outputs
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def vllm_llamatokenizer(llama3_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory) -> Path:
-    return mooncake_slice(tmp_path_factory.mktemp("verify"), ROWS, BLOCK, 20)
+    return mooncake_slice(tmp_path_factory.mktemp("verify"), ROWS, BLOCK, 20, MAX_OUTPUT)
 
 
 def args(url: str, trace: Path, tokenizer: Path, output: Path, *extra: str) -> list[str]:

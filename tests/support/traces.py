@@ -30,9 +30,11 @@ def mooncake_trace(path: Path, rows: int, gap_ms: float, output_length=(4, 12), 
     return path
 
 
-def mooncake_slice(out_dir: Path, rows: int, block: int, time_scale: float) -> Path:
+def mooncake_slice(out_dir: Path, rows: int, block: int, time_scale: float, max_output: int | None = None) -> Path:
     """The first `rows` rows of ../shared's Mooncake trace, rescaled to `block`-token blocks and
-    sped up `time_scale` times (`replay trace convert`), for runs against real vLLM."""
+    sped up `time_scale` times (`replay trace convert`), for runs against real vLLM. `max_output`
+    caps output lengths: vLLM on CPU spends a run's time decoding, and an exact output count is
+    as exact at 32 tokens as at 700."""
     source = shared_path("traces", "mooncake_synthetic_trace.jsonl")
     out = out_dir / f"mooncake-{rows}-b{block}.jsonl"
     proc = subprocess.run(
@@ -41,6 +43,9 @@ def mooncake_slice(out_dir: Path, rows: int, block: int, time_scale: float) -> P
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    if max_output is not None:
+        rows_out = [json.loads(line) for line in out.read_text().splitlines()]
+        write_jsonl(out, [{**r, "output_length": min(r["output_length"], max_output)} for r in rows_out])
     return out
 
 
