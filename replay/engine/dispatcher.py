@@ -362,7 +362,7 @@ class Dispatcher:
         self.route = make_router(opts.routing, self.endpoints)
         if opts.turn_timing != "trace":
             self.turns = Turns(opts.turn_timing, opts.scale, opts.on_turn_failure == "stop-session",
-                               self._record_stopped)
+                               self._record_unsent_turn)
         # in a thread: the tokenizer check against the master's, then the set-up
         self.builder = build_off_loop(opts, self.block_size, self.master_fingerprint)
         # open for the process's life (records come until a stop is over); each batch is flushed
@@ -479,15 +479,15 @@ class Dispatcher:
                 self._cancel_in_flight(DRAIN_TIMEOUT)
                 reason = SESSION_STOPPED if self.turns.stop_on_failure else TURN_NEVER_DUE
                 for _, _, row, _, scheduled in self.turns.parked():
-                    self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
-                                               reason=reason))
+                    self._record_unsent_turn(row, scheduled, reason)
                 return
         collector.idle(deadline - time.time())
         self.alarm.wait_until(deadline)
 
-    def _record_stopped(self, row: TraceRow, scheduled: float) -> None:
+    def _record_unsent_turn(self, row: TraceRow, scheduled: float, reason: str = SESSION_STOPPED) -> None:
+        """A session turn never sent: its session stopped (Turns' on_stopped), or it waited past --drain-timeout."""
         self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
-                                   reason=SESSION_STOPPED))
+                                   reason=reason))
 
     def _on_read(self, now: float) -> None:
         """Called in the event loop after every read of a stream: a send that fell due meanwhile
