@@ -13,8 +13,8 @@ import orjson
 from replay.protocol.table import PROMPT_FORMATS
 from replay.results.cache_section import cache_job, cache_section
 from replay.results.certificate import CertificateBuilder
-from replay.results.files import OutputError, write_atomically
 from replay.results.metadata import read_run_metadata
+from replay.results.outputs import write_outputs
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
 from replay.results.server_metrics import read_samples, read_server_section
@@ -97,21 +97,11 @@ def run(args) -> int:
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
     report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"])
     print(format_report(report))
-    try:
-        if args.json_out:
-            write_atomically(args.json_out, orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-        if args.html_out:
-            from replay.results.html import PlottingMissing, write_html
 
-            try:
-                samples = list(read_samples(metrics_path(args.results))) if report["server"] else None
-                write_html(args.html_out, report, sent, checks, meta, png_dir=args.png_dir, samples=samples,
-                           capacity=capacity)
-            except PlottingMissing as e:
-                print(f"replay report: {e}", file=sys.stderr)
-                return 1
-            print(f"HTML report: {args.html_out}")
-    except OutputError as e:  # a full disk: the file is left as it was, or absent
-        print(f"replay report: {e}", file=sys.stderr)
-        return 1
-    return 0
+    def draw(path: str) -> None:
+        from replay.results.html import write_html
+
+        samples = list(read_samples(metrics_path(args.results))) if report["server"] else None
+        write_html(path, report, sent, checks, meta, png_dir=args.png_dir, samples=samples, capacity=capacity)
+
+    return write_outputs("replay report", report, args.json_out, args.html_out, draw, "HTML report")

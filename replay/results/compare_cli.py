@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import sys
 
-import orjson
-
 from replay.results.compare import NOT_TESTED, SAME, CompareError, compare, differences, load_run, slo_of
-from replay.results.files import OutputError, write_atomically
 from replay.results.gates import evaluate, parse_gate
+from replay.results.outputs import write_outputs
 from replay.results.report import ReportError, parse_slo
 
 
@@ -77,23 +75,13 @@ def run(args) -> int:
     code = 1 if any(not g["held"] for g in result["gates"]) else 0
     result["exit_code"] = code
     print(format_compare(result))
-    try:
-        if args.json_out:
-            write_atomically(args.json_out, orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
-        if args.html_out:
-            from replay.results.compare_html import write_compare_html
-            from replay.results.html import PlottingMissing
 
-            try:
-                write_compare_html(args.html_out, result, base, new)
-            except PlottingMissing as e:
-                print(f"replay compare: {e}", file=sys.stderr)
-                return 1
-            print(f"HTML comparison: {args.html_out}")
-    except OutputError as e:
-        print(f"replay compare: {e}", file=sys.stderr)
-        return 1
-    return code
+    def draw(path: str) -> None:
+        from replay.results.compare_html import write_compare_html
+
+        write_compare_html(path, result, base, new)
+
+    return write_outputs("replay compare", result, args.json_out, args.html_out, draw, "HTML comparison") or code
 
 
 def _value(entry: dict, value: float | None) -> str:
