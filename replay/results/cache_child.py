@@ -411,8 +411,7 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
     same send order."""
     api = job["api"]
     token_ids, server_block = _settings(job, api)
-    tokenizer = _tokenizer(job)
-    synth = None
+    synth = None  # the tokenizer is loaded when the first request is checked: not at the run's go, when it sends
     stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
     cursor = TraceCursor(stream)
     tail = RecordTail(job["results"], end_marker, horizon_s, poll_s, on_unscheduled=cursor.drop, parent=parent)
@@ -423,7 +422,7 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
         for record in tail:
             row, ideal = cursor.take(record["request_id"])
             if synth is None:
-                synth = _synthesizer(tokenizer, job, api, token_ids, stream.block_size)
+                synth = _synthesizer(_tokenizer(job), job, api, token_ids, stream.block_size)
             ids = synth.server_ids(row)
             yield _sent_prompt(record, block_hashes(ids, server_block), len(ids), ideal, starts)
 

@@ -217,6 +217,10 @@ class CacheStream:
             self.stop()
             return None
         folder = Path(self._folder.name)
+        try:  # the run is over, the end waits for it: its own priority back where allowed (root)
+            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
+        except OSError:
+            pass
         try:
             (folder / "end").touch()
         except OSError as e:
