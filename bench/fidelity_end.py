@@ -11,8 +11,11 @@ each request 0.2 s long with a random whole-block cached count). Then, each in a
   toy tokenizer, openai-completions text prompts, server blocks of 16, a pool of --blocks);
 - follow: the same section as a run gets it, from the child that follows the run (CacheStream):
   the records appended to a fresh file at --follow-rate records a second (the run), then the
-  end: the time from the end marker to the section (the requests within the follower's horizon
-  of the last send are left to check then), checked equal to `cache`'s when both run.
+  end: the time from the end marker to the section, checked equal to `cache`'s when both run.
+  With --follow-rate 0 (the default) every record is appended at once and the end waits until
+  the follower has caught up (its CPU time flat): the run's time is then the follower's
+  catch-up (rows / that time: the fastest run it keeps up with), and the end is what a run it
+  kept up with leaves (the requests within its horizon of the last send).
 
 Prints each one's peak RSS (ru_maxrss; the cache child's own) and time, the medians of --runs,
 the certificate's addition to the master (the difference) and the whole end (certificate and
@@ -32,6 +35,7 @@ import itertools
 import json
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -87,15 +91,26 @@ def follow(job, folder: Path, rate: float) -> tuple[dict, float, float]:
     stream = CacheStream()
     stream.start(job)
     started = time.perf_counter()
-    chunk = max(int(rate / 10), 1)
-    with open(folder / "run.jsonl", "rb") as records, open(appended, "ab") as out:
-        for k in itertools.count(1):
-            lines = list(itertools.islice(records, chunk))
-            if not lines:
-                break
-            out.write(b"".join(lines))
-            out.flush()
-            time.sleep(max(0.0, started + k / 10 - time.perf_counter()))
+    if rate > 0:
+        chunk = max(int(rate / 10), 1)
+        with open(folder / "run.jsonl", "rb") as records, open(appended, "ab") as out:
+            for k in itertools.count(1):
+                lines = list(itertools.islice(records, chunk))
+                if not lines:
+                    break
+                out.write(b"".join(lines))
+                out.flush()
+                time.sleep(max(0.0, started + k / 10 - time.perf_counter()))
+    else:  # every record at once; the run lasts until the follower has caught up (its CPU time flat for 3 s)
+        shutil.copyfile(folder / "run.jsonl", appended)
+        flat_since, last = time.perf_counter(), -1.0
+        while time.perf_counter() - flat_since < 3.0:
+            time.sleep(0.5)
+            fields = Path(f"/proc/{stream.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu = int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+            if cpu != last:
+                flat_since, last = time.perf_counter(), cpu
+        started += 3.0  # the flat wait is not the follower's
     run_s = time.perf_counter() - started
     ended = time.perf_counter()
     section = stream.section(job)
@@ -154,8 +169,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--dir", type=Path, help="where the run's files are (made when missing); "
                         "default /tmp/tracereplay-fidelity-ROWS")
-    parser.add_argument("--follow-rate", type=float, default=4000.0,
-                        help="follow: records appended a second while the run goes")
+    parser.add_argument("--follow-rate", type=float, default=0.0,
+                        help="follow: records appended a second while the run goes (0: all at once, "
+                        "then the end once the follower has caught up)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -190,7 +206,8 @@ def main() -> None:
         print(f"  {v}: peak RSS {m['peak_mib']:.0f} MiB, {m['seconds']:.1f} s")
     if "follow" in med:
         follows = results["follow"]
-        print(f"  follow: the run (records appended at {args.follow_rate:g}/s) "
+        how = f"records appended at {args.follow_rate:g}/s" if args.follow_rate > 0 else "the follower's catch-up"
+        print(f"  follow: the run ({how}) "
               f"{statistics.median(r['run_s'] for r in follows):.1f} s, then the end "
               f"{statistics.median(r['end_s'] for r in follows):.1f} s (the follower's CPU in all "
               f"{statistics.median(r['child_cpu_s'] for r in follows):.1f} s)")

@@ -215,3 +215,26 @@ def test_a_master_killed_leaves_no_follower(tmp_path, toy_tokenizer_dir, monkeyp
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in mine)
     assert not any(p.name.startswith("tracereplay-follow-") for p in tmpdir.iterdir()), list(tmpdir.iterdir())
+
+
+def test_the_trace_cursor_reads_only_as_far_as_asked(tmp_path):
+    """Rows read past are held until asked for, dropped once their record says the server did not
+    take them in; a row asked for after that (a placeholder, then its real record) breaks the
+    stream; `finish` counts the rows never asked for in the trace's ideal."""
+    from replay.results.cache_child import TraceCursor
+    from replay.trace.reader import TraceStream
+
+    trace = reuse_trace(tmp_path / "trace.jsonl", rows=10)
+    cursor = TraceCursor(TraceStream(trace, "mooncake", SIM_BLOCK))
+    row, ideal = cursor.take(3)
+    assert row.request_id == 3 and ideal is not None
+    assert sorted(cursor._held) == [0, 1, 2]
+    cursor.drop(1)
+    cursor.drop(5)  # not read yet: never held
+    assert [cursor.take(rid)[0].request_id for rid in (0, 2, 4, 6)] == [0, 2, 4, 6]
+    assert sorted(cursor._held) == []
+    with pytest.raises(StreamBroken, match="request 5's record came after"):
+        cursor.take(5)
+    ideal = cursor.finish()
+    whole = TraceCursor(TraceStream(trace, "mooncake", SIM_BLOCK)).finish()
+    assert (ideal.hit_tokens, ideal.total_tokens) == (whole.hit_tokens, whole.total_tokens)

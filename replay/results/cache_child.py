@@ -385,6 +385,8 @@ class TraceCursor:
         if held is not None:
             return held
         unscheduled = self._unscheduled
+        if request_id < len(unscheduled) and unscheduled[request_id]:  # a placeholder (worker lost), then its record
+            raise StreamBroken(f"request {request_id}'s record came after a record that said it was not taken in")
         for row in self._rows:
             found = row, self._count(row)
             rid = row.request_id
