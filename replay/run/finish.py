@@ -15,6 +15,7 @@ adds it to `incomplete` (replay.results.files): the run's other files are still 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,6 +34,7 @@ from replay.rules.run_files import meta_path, tmp_path
 from replay.run.spec import RunFacts, RunSpec
 
 logger = logging.getLogger(__name__)
+CACHE_FOLLOW_ENV = "TRACEREPLAY_CACHE_FOLLOW"
 
 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
@@ -113,7 +115,10 @@ def start_cache_stream(spec: RunSpec, facts: RunFacts) -> CacheStream | None:
     """Start computing the run's cache section while it replays (replay.results.cache_section.
     CacheStream), called at the go: its records file is open and the servers' first counters
     are read. None when the run has no cache section (no server block size) or its job cannot
-    be made (the end says why, as before)."""
+    be made (the end says why, as before), or $TRACEREPLAY_CACHE_FOLLOW is 0 (benchmarks: the
+    end computes the section, docs/testing.md)."""
+    if os.environ.get(CACHE_FOLLOW_ENV) == "0":
+        return None
     try:
         job = _cache_job(spec, facts, check_trace=False)  # the trace is hashed at the end, off the event loop
     except (ValueError, OSError):
