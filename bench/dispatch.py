@@ -144,7 +144,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--output-tokens", type=int, default=100)
     parser.add_argument("--itl-ms", type=float, default=5.0)
+    parser.add_argument("--no-follow", action="store_true",
+                        help="no cache follower beside the replay ($TRACEREPLAY_CACHE_FOLLOW=0): the end computes it")
     args = parser.parse_args()
+    if args.no_follow:
+        os.environ["TRACEREPLAY_CACHE_FOLLOW"] = "0"  # the replay's children inherit it
 
     client_cpu, sim_cpu = split_cores()
     print(f"dispatch bench: {args.seconds:g} s traces, {args.output_tokens} output tokens streamed, "

@@ -8,7 +8,14 @@ each request 0.2 s long with a random whole-block cached count). Then, each in a
 - read: the records only read (the pass the end makes anyway: the summary's);
 - certificate: the same with every record fed to the CertificateBuilder and the certificate made;
 - cache: the cache section as the end computes it (cache_section: the real child process, the
-  toy tokenizer, openai-completions text prompts, server blocks of 16, a pool of --blocks).
+  toy tokenizer, openai-completions text prompts, server blocks of 16, a pool of --blocks);
+- follow: the same section as a run gets it, from the child that follows the run (CacheStream):
+  the records appended to a fresh file at --follow-rate records a second (the run), then the
+  end: the time from the end marker to the section, checked equal to `cache`'s when both run.
+  With --follow-rate 0 (the default) every record is appended at once and the end waits until
+  the follower has caught up (its CPU time flat): the run's time is then the follower's
+  catch-up (rows / that time: the fastest run it keeps up with), and the end is what a run it
+  kept up with leaves (the requests within its horizon of the last send).
 
 Prints each one's peak RSS (ru_maxrss; the cache child's own) and time, the medians of --runs,
 the certificate's addition to the master (the difference) and the whole end (certificate and
@@ -23,9 +30,12 @@ under a minute.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +50,7 @@ T0 = 1_800_000_000.0
 RATE = 200.0
 BLOCK = 16
 ENDPOINT = "http://127.0.0.1:8000"
-VARIANTS = ("read", "certificate", "cache")
+VARIANTS = ("read", "certificate", "cache", "follow")
 
 
 def write_run(folder: Path, rows: int, families: int, seed: int = 0) -> None:
@@ -68,22 +78,72 @@ def write_run(folder: Path, rows: int, families: int, seed: int = 0) -> None:
             records.write(orjson.dumps(r) + b"\n")
 
 
-def child(variant: str, folder: Path, blocks: int) -> None:
+def follow(job, folder: Path, rate: float) -> tuple[dict, float, float]:
+    """(the follower's section, the run's seconds, the end's seconds): the records appended to
+    follow.jsonl at `rate` a second, in chunks of a tenth of a second, then the end."""
+    import dataclasses
+
+    from replay.results.cache_section import CacheStream
+
+    appended = folder / "follow.jsonl"
+    appended.write_bytes(b"")
+    job = dataclasses.replace(job, results=str(appended))
+    stream = CacheStream()
+    stream.start(job)
+    started = time.perf_counter()
+    if rate > 0:
+        chunk = max(int(rate / 10), 1)
+        with open(folder / "run.jsonl", "rb") as records, open(appended, "ab") as out:
+            for k in itertools.count(1):
+                lines = list(itertools.islice(records, chunk))
+                if not lines:
+                    break
+                out.write(b"".join(lines))
+                out.flush()
+                time.sleep(max(0.0, started + k / 10 - time.perf_counter()))
+    else:  # every record at once; the run lasts until the follower has caught up (its CPU time flat for 3 s)
+        shutil.copyfile(folder / "run.jsonl", appended)
+        flat_since, last = time.perf_counter(), -1.0
+        while time.perf_counter() - flat_since < 3.0:
+            time.sleep(0.5)
+            fields = Path(f"/proc/{stream.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu = int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+            if cpu != last:
+                flat_since, last = time.perf_counter(), cpu
+        started += 3.0  # the flat wait is not the follower's
+    run_s = time.perf_counter() - started
+    ended = time.perf_counter()
+    section = stream.section(job)
+    end_s = time.perf_counter() - ended
+    appended.unlink()
+    return section, run_s, end_s
+
+
+def child(variant: str, folder: Path, blocks: int, rate: float) -> None:
     started = time.perf_counter()
     made = started
     out: dict = {}
-    if variant == "cache":
+    if variant in ("cache", "follow"):
         from replay.results.cache_section import CacheJob, cache_section
 
         job = CacheJob(results=str(folder / "run.jsonl"), trace=str(folder / "trace.jsonl"), trace_format="mooncake",
                        block_size=BLOCK, tokenizer=str(folder / "tok"), chat_template=None, api="openai-completions",
                        prompt_format="text", seed=0, server_block_size=BLOCK,
                        servers={ENDPOINT: {"num_gpu_blocks": blocks, "served_before": False}})
-        section, _ = cache_section(job)
+        if variant == "cache":
+            section, _ = cache_section(job)
+        else:
+            section, run_s, end_s = follow(job, folder, rate)
+            if section is None:
+                sys.exit("the follower gave no section (see its log lines)")
+            out = {"run_s": run_s, "end_s": end_s}
+            made = time.perf_counter() - end_s
         pool = section["misses"]["model"]["endpoints"][ENDPOINT]
-        out = {"compared": section["requests_compared"], "evictions": pool["evictions"],
-               "exact_share": section["misses"]["predicted_exact_share"]}
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the cache child's
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out.update(compared=section["requests_compared"], evictions=pool["evictions"],
+                   exact_share=section["misses"]["predicted_exact_share"], child_cpu_s=children.ru_utime + children.ru_stime,
+                   section_sha256=hashlib.sha256(orjson.dumps(section, option=orjson.OPT_SORT_KEYS)).hexdigest())
+        peak = children.ru_maxrss  # the cache child's
     else:
         from replay.results.certificate import CertificateBuilder
 
@@ -109,10 +169,13 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--dir", type=Path, help="where the run's files are (made when missing); "
                         "default /tmp/tracereplay-fidelity-ROWS")
+    parser.add_argument("--follow-rate", type=float, default=0.0,
+                        help="follow: records appended a second while the run goes (0: all at once, "
+                        "then the end once the follower has caught up)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], Path(args.child[1]), args.blocks)
+        child(args.child[0], Path(args.child[1]), args.blocks, args.follow_rate)
         return
     folder = args.dir or Path(f"/tmp/tracereplay-fidelity-{args.rows}")
     if not (folder / "done").exists():
@@ -130,7 +193,8 @@ def main() -> None:
     for _ in range(args.runs):
         for variant in variants:
             out = subprocess.run([sys.executable, __file__, "--child", variant, str(folder), "--blocks",
-                                  str(args.blocks)], capture_output=True, text=True)
+                                  str(args.blocks), "--follow-rate", str(args.follow_rate)],
+                                 capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
             results[variant].append(json.loads(out.stdout))
@@ -140,6 +204,16 @@ def main() -> None:
     print(f"rows {args.rows:,}, pool {args.blocks} blocks, median of {args.runs}:")
     for v, m in med.items():
         print(f"  {v}: peak RSS {m['peak_mib']:.0f} MiB, {m['seconds']:.1f} s")
+    if "follow" in med:
+        follows = results["follow"]
+        how = f"records appended at {args.follow_rate:g}/s" if args.follow_rate > 0 else "the follower's catch-up"
+        print(f"  follow: the run ({how}) "
+              f"{statistics.median(r['run_s'] for r in follows):.1f} s, then the end "
+              f"{statistics.median(r['end_s'] for r in follows):.1f} s (the follower's CPU in all "
+              f"{statistics.median(r['child_cpu_s'] for r in follows):.1f} s)")
+        if "cache" in med:
+            same = {r["section_sha256"] for r in follows} == {r["section_sha256"] for r in results["cache"]}
+            print(f"  follow's section {'equals' if same else 'DIFFERS FROM'} cache's")
     if "read" in med and "certificate" in med:
         added_mib = med["certificate"]["peak_mib"] - med["read"]["peak_mib"]
         added_s = med["certificate"]["seconds"] - med["read"]["seconds"]

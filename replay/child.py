@@ -21,6 +21,12 @@ def run_module(module: str, args: list[str], errors: Path) -> tuple[int | str, i
     """Run `python -m module *args` to its end: (exit code, or the signal's name; the child's peak
     RSS in MiB). Its stdout and stderr go to `errors`, its stdin is /dev/null. Raises OSError when
     no child could be started."""
+    return wait_module(start_module(module, args, errors))
+
+
+def start_module(module: str, args: list[str], errors: Path) -> int:
+    """Start `python -m module *args` (stdout and stderr to `errors`, stdin /dev/null): its pid,
+    for wait_module. Raises OSError when no child could be started."""
     argv = [sys.executable, "-m", module, *args]
     spawn = os.posix_spawn
     monkey = sys.modules.get("gevent.monkey")
@@ -30,7 +36,11 @@ def run_module(module: str, args: list[str], errors: Path) -> tuple[int | str, i
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                (os.POSIX_SPAWN_OPEN, 1, str(errors), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
                (os.POSIX_SPAWN_DUP2, 1, 2)]
-    pid = spawn(argv[0], argv, env, file_actions=actions)
+    return spawn(argv[0], argv, env, file_actions=actions)
+
+
+def wait_module(pid: int) -> tuple[int | str, int]:
+    """Wait for the child `pid` to end: (exit code, or the signal's name; its peak RSS in MiB)."""
     try:
         _, status, usage = os.wait4(pid, 0)  # wait4 is not gevent's: it blocks this thread only
     except ChildProcessError:  # reaped by a SIGCHLD handler of gevent's: ended; callers check its result anyway

@@ -42,6 +42,7 @@ from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
 from replay.engine.probes import Probes
 from replay.engine.rounds import Part, Round
 from replay.engine.scraper import Scraper
+from replay.results.cache_section import CacheStream
 from replay.results.files import OutputError
 from replay.results.metadata import write_run_metadata
 from replay.results.records import (
@@ -59,7 +60,7 @@ from replay.results.records import (
 )
 from replay.results.store import REAL, RecordStore
 from replay.rules.send_time import send_time
-from replay.run.finish import finish
+from replay.run.finish import finish, start_cache_stream
 from replay.run.spec import RunFacts, RunSpec
 from replay.synth.server_check import Verdict
 
@@ -181,6 +182,7 @@ class Coordinator:
         self.heard: set[str] = set(heard) | ({transport.LOCAL_CLIENT} if local_part is not None else set())
         self.store: RecordStore | None = None  # every record, on disk; made at the start
         self.epoch: float | None = None
+        self.cache_stream: CacheStream | None = None  # the cache section, computed while the run replays
         self.last_due: float | None = None
         self.started_at: float | None = None
         self.finished = Event()
@@ -430,6 +432,8 @@ class Coordinator:
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
+        if self.probes is None:  # a search's probes are rows of their own, which no trace holds
+            self.cache_stream = start_cache_stream(self.spec, self.facts())
 
     # -- records ------------------------------------------------------------------------------------
 
@@ -642,7 +646,8 @@ class Coordinator:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
         capacity = self.probes.report() if self.probes is not None else None
         code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners,
-                      self.summary_listeners, least_code=REFUSED_EXIT_CODE if self.refused else 0, capacity=capacity)
+                      self.summary_listeners, least_code=REFUSED_EXIT_CODE if self.refused else 0, capacity=capacity,
+                      cache_stream=self.cache_stream)
         if code:
             self.on_exit_code(code)
 

@@ -1,30 +1,41 @@
 """The child process that computes a run's cache section (replay/results/cache_section.py
 starts it), so the process that asks never loads the tokenizer.
 
-It streams: one pass over the records keeps a few numbers per request the server took in; one
-pass over the trace, in file order, re-synthesizes those requests' prompts and writes their
-server-block hashes to a spool file; then the requests are checked in send order, each one's
-hashes read back from the spool, and, when the job names the servers' pool sizes, fed to the
-model of each endpoint's finite cache (replay/results/cache_model.py), whose attribution of
-every miss goes into the section under "misses". So memory holds arrays of numbers per
-request, the infinite cache's distinct blocks, the pools (bounded by their sizes) and the
-tokenizer, never a list of records or of trace rows.
+At the end (`compute`): one pass over the merged records keeps each request the server took
+in as a few numbers (its id, send time and line); one pass over the trace, in file order,
+re-synthesizes those requests' prompts and writes their server-block hashes to a spool file;
+then the requests are checked in send order (each one's line and hashes read back), and, when
+the job names the servers' pool sizes, fed to the model of each endpoint's finite cache
+(replay/results/cache_model.py), whose attribution of every miss goes into the section under
+"misses". So memory holds arrays of numbers per request, the infinite cache's distinct blocks,
+the pools (bounded by their sizes) and the tokenizer, never a list of records or of trace rows.
+
+While the run replays (`follow`, started at its go): the records the run appends are read as
+they come (RecordTail), handed to the same checks in the same send order once no earlier send
+can still come, each prompt made from a trace read only as far as the requests ask
+(TraceCursor). At the end only the last requests are left to check, and the section is the one
+`compute` would make; when the order cannot be kept (a record much later than the requests
+sent after it), the child says so and the end computes the section as above.
 
     python -m replay.results.cache_child JOB.json RESULT.json [CHECKS.bin]
+    python -m replay.results.cache_child --follow JOB.json RESULT.json END_MARKER
 
 RESULT.json is {"section": {...}}, or {"error": "..."} for a bad input (a trace or records that
-do not fit, a tokenizer that cannot load); CHECKS.bin, when named, the per-request checks
-(CHECK_FORMAT each, in send order) for `replay report --html`.
+do not fit, a tokenizer that cannot load), or with --follow {"broken": "..."}; CHECKS.bin, when
+named, the per-request checks (CHECK_FORMAT each, in send order) for `replay report --html`.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
+import shutil
 import struct
 import sys
 import tempfile
+import time
 from array import array
 from collections import Counter
 from pathlib import Path
@@ -33,7 +44,7 @@ import orjson
 
 from replay.protocol.table import prompt_format_problem, sends_token_ids
 from replay.protocol.urls import shown
-from replay.results.cache_model import CacheModel, ModelPrompt, ServerCache, attribution, model_checks, scheduled_at
+from replay.results.cache_model import CacheModel, ModelPrompt, ServerCache, StartEstimates, attribution, model_checks
 from replay.results.fidelity import (
     CacheCheck,
     CacheTally,
@@ -44,7 +55,7 @@ from replay.results.fidelity import (
     scheduled,
     send_order_checks,
 )
-from replay.results.records import read_records
+from replay.results.records import parse_record
 from replay.rules.prefix_cache import block_hashes
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.prefix import IdealHits, hit_tokens
@@ -52,7 +63,11 @@ from replay.trace.reader import TraceStream
 
 CHECK_FORMAT = struct.Struct("<qdqqqqqq")  # request_id, sent_at, prompt_tokens, reported, expected, observed, low, high
 NONE = -1  # a number the record does not have
-NAN = math.nan  # a time the record does not have
+# The tail (--follow) hands a request to the checks once the run's file holds records sent this
+# many seconds after it, or twice the longest a record came after a later-sent one, if longer.
+HORIZON_S = 120.0
+POLL_S = 0.5  # the tail's wait when the file has nothing new
+TAIL_READ = 1 << 20
 SPOOL_BUFFER = 1 << 20
 # The child makes every sent prompt of the run in one process, so it meets every shared prefix the
 # workers met between them: a block cache this size (about 585 bytes a block: some 37 MiB full)
@@ -81,28 +96,26 @@ def _none(value: int) -> int | None:
 
 
 class _Sent:
-    """The requests the server took in: a few numbers each, and their send order; with `model`,
-    what the cache model needs too (endpoint, end, output tokens, and the start estimated from
-    the time to first token against the endpoint's least)."""
+    """The requests the server took in, as the batch finds them in the merged file: each one's
+    request id, send time and line (read again, in send order, when its prompt is checked), and
+    their send order."""
 
-    def __init__(self, results: str, model: bool = False) -> None:
+    def __init__(self, results: str) -> None:
         self.request_id, self.sent_at = array("q"), array("d")
-        self.reported, self.observed = array("q"), array("q")
+        self.offset, self.length = array("q"), array("q")
         self.apis: Counter[str] = Counter()
-        self.endpoints: list[str] = []  # index -> endpoint as shown
-        self.endpoint, self.finished_at = array("q"), array("d")
-        self.output_tokens, self.ttft_ms = array("q"), array("d")
-        self.least_ttft: dict[int, float] = {}  # endpoint index -> its least ttft (a request that did not wait)
-        index: dict[str | None, int] = {}
-        for record in read_records(results):
-            self.apis[record.get("api")] += 1
-            if scheduled(record):
-                self.request_id.append(record["request_id"])
-                self.sent_at.append(record["sent_at"])
-                self.reported.append(_number(record.get("prompt_tokens")))
-                self.observed.append(_number(record.get("cached_tokens")))
-                if model:
-                    self._add_model(record, index)
+        offset = 0
+        with open(results, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    record = parse_record(line, results, number)
+                    self.apis[record.get("api")] += 1
+                    if scheduled(record):
+                        self.request_id.append(record["request_id"])
+                        self.sent_at.append(record["sent_at"])
+                        self.offset.append(offset)
+                        self.length.append(len(line))
+                offset += len(line)
         # by (sent_at, request_id): sorted by request_id (the file's own order, mostly), then stably by sent_at
         order = sorted(range(len(self.request_id)), key=self.request_id.__getitem__)
         order.sort(key=self.sent_at.__getitem__)
@@ -112,57 +125,98 @@ class _Sent:
         for k, rid in enumerate(self.request_id):
             self.position[rid] = k
 
-    def _add_model(self, record: dict, index: dict[str | None, int]) -> None:
-        name = record.get("endpoint")
-        e = index.get(name)
-        if e is None:
-            e = index[name] = len(self.endpoints)
-            self.endpoints.append(shown(name or ""))
-        self.endpoint.append(e)
-        finished, ttft, output = record.get("finished_at"), record.get("ttft_ms"), record.get("output_tokens")
-        self.finished_at.append(NAN if finished is None else finished)
-        self.output_tokens.append(output if output is not None else record.get("output_length") or 0)
-        self.ttft_ms.append(NAN if ttft is None else ttft)
-        if ttft is not None and ttft < self.least_ttft.get(e, math.inf):
-            self.least_ttft[e] = ttft
 
-    def model_fields(self, k: int) -> tuple:
-        """ModelPrompt's fields after the SentPrompt's, but `ideal`: endpoint, finished_at, output_tokens."""
-        finished = self.finished_at[k]
-        return self.endpoints[self.endpoint[k]], None if finished != finished else finished, self.output_tokens[k]
-
-    def started_at(self, k: int) -> float:
-        ttft = self.ttft_ms[k]
-        return scheduled_at(self.sent_at[k], None if ttft != ttft else ttft, self.least_ttft.get(self.endpoint[k]))
+def _sent_prompt(record: dict, hashes: list[int], prompt_tokens: int, ideal: int | None,
+                 starts: StartEstimates | None) -> SentPrompt | ModelPrompt:
+    """A request the server took in, from its record, as the checks take it: a ModelPrompt when
+    there is a cache model (`starts`: its start estimates, asked in send order), else a SentPrompt."""
+    rid, sent_at = record["request_id"], record["sent_at"]
+    reported, observed = record.get("prompt_tokens"), record.get("cached_tokens")
+    if starts is None:
+        return SentPrompt(rid, sent_at, reported, observed, hashes, prompt_tokens)
+    endpoint = shown(record.get("endpoint") or "")
+    output = record.get("output_tokens")
+    return ModelPrompt(rid, sent_at, reported, observed, hashes, prompt_tokens, endpoint, record.get("finished_at"),
+                       output if output is not None else record.get("output_length") or 0, ideal,
+                       starts.started_at(endpoint, sent_at, record.get("ttft_ms")))
 
 
-def compute(job: dict, checks_path: str | None = None) -> dict:
-    """The cache section of `job` (CacheJob's fields); the per-request checks to `checks_path`."""
-    from replay.synth.prompts import PromptSynthesizer  # the tokenizer: this process only
-    from replay.synth.tokenizer import ServerTokenizer
-
-    servers = job.get("servers")
-    sent = _Sent(job["results"], model=servers is not None)
-    api = job["api"] or (sent.apis.most_common(1)[0][0] if sent.apis else "openai-chat")
+def _settings(job: dict, api: str) -> tuple[bool, int]:
+    """(token ids sent?, the server's block size) of `job`; raises ValueError for a bad one."""
     if problem := prompt_format_problem(job["prompt_format"], api):
         raise ValueError(problem)
-    token_ids = sends_token_ids(job["prompt_format"])
     server_block = job["server_block_size"]
     if server_block <= 0:
         raise ValueError(f"server block size must be positive, got {server_block}")
-    tokenizer = ServerTokenizer.load(job["tokenizer"], job["chat_template"])
+    return sends_token_ids(job["prompt_format"]), server_block
+
+
+def _tokenizer(job: dict):
+    """The run's tokenizer (this process only: the one that asks never loads it)."""
+    from replay.synth.tokenizer import ServerTokenizer
+
+    return ServerTokenizer.load(job["tokenizer"], job["chat_template"])
+
+
+def _synthesizer(tokenizer, job: dict, api: str, token_ids: bool, block_size: int | None):
+    """The run's PromptSynthesizer (the trace's block size is known from its first row on)."""
+    from replay.synth.prompts import PromptSynthesizer
+
+    return PromptSynthesizer(tokenizer, api=api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=job["seed"],
+                             token_ids=token_ids, cache_blocks=CACHE_BLOCKS)
+
+
+def _checked(prompts, job: dict, checks_path: str | None) -> tuple[CacheTally, CacheModel | None]:
+    """`prompts` (in send order) through the infinite cache and, when the job names the
+    servers' pools, the model of their finite caches; the checks to `checks_path`."""
+    servers, server_block = job.get("servers"), job["server_block_size"]
+    model = None if servers is None else CacheModel(server_block, {
+        endpoint: ServerCache(s["num_gpu_blocks"], s["served_before"]) for endpoint, s in servers.items()})
+    tally = CacheTally()
+    if model is None:
+        checks = send_order_checks(prompts, server_block, job["reorder_window_ms"])
+    else:
+        checks = (v.check for v in model_checks(prompts, server_block, {}, model=model,
+                                                reorder_window_ms=job["reorder_window_ms"]))
+    with open(checks_path or os.devnull, "wb", buffering=SPOOL_BUFFER) as out:
+        for check in checks:
+            tally.add(check)
+            if checks_path:
+                write_check(out, check)
+    return tally, model
+
+
+def _section(job: dict, api: str, token_ids: bool, tally: CacheTally, model: CacheModel | None,
+             trace_block_size: int | None, ideal: IdealHits | None) -> dict:
+    method = method_text(api=api, token_ids=token_ids, tokenizer=job["tokenizer"], seed=job["seed"],
+                         trace_block_size=trace_block_size, server_block_size=job["server_block_size"],
+                         reorder_window_ms=job["reorder_window_ms"])
+    section = tally.section(method, ideal_trace_hits(ideal))
+    if model is not None:
+        section["misses"] = attribution(model)
+    return section
+
+
+def compute(job: dict, checks_path: str | None = None) -> dict:
+    """The cache section of `job` (CacheJob's fields) from its merged records file; the
+    per-request checks to `checks_path`."""
+    sent = _Sent(job["results"])
+    api = job["api"] or (sent.apis.most_common(1)[0][0] if sent.apis else "openai-chat")
+    token_ids, server_block = _settings(job, api)
+    model_on = job.get("servers") is not None
+    tokenizer = _tokenizer(job)
     n = len(sent.request_id)
     offset, blocks, length = array("q", [0]) * n, array("q", [0]) * n, array("q", [NONE]) * n
-    ideal_tokens = array("q", [NONE]) * n if servers is not None else None  # the trace's own expectation
+    ideal_tokens = array("q", [NONE]) * n if model_on else None  # the trace's own expectation
     stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
     synth = ideal = None
     position = sent.position
-    with tempfile.TemporaryFile(prefix="tracereplay-cache-", buffering=SPOOL_BUFFER) as spool:
+    with tempfile.TemporaryFile(prefix="tracereplay-cache-", buffering=SPOOL_BUFFER) as spool, \
+            open(job["results"], "rb") as records:
         written = 0
         for row in stream:
             if synth is None:  # the trace's block size is known from its first row on
-                synth = PromptSynthesizer(tokenizer, api=api, block_size=stream.block_size or DEFAULT_BLOCK_SIZE,
-                                          seed=job["seed"], token_ids=token_ids, cache_blocks=CACHE_BLOCKS)
+                synth = _synthesizer(tokenizer, job, api, token_ids, stream.block_size)
                 ideal = IdealHits() if stream.block_size else None
             hits = ideal.add(row, stream.block_size) if ideal is not None else 0
             k = position[row.request_id] if row.request_id < len(position) else NONE
@@ -181,50 +235,229 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
         missing = [sent.request_id[k] for k in sent.order if length[k] == NONE]
         if missing:
             raise missing_rows(len(missing), missing[0])
-        fd = spool.fileno()
+        fd, records_fd = spool.fileno(), records.fileno()
 
         def prompts():
+            starts = StartEstimates() if model_on else None
             for k in sent.order:
                 hashes = array("q")
                 hashes.frombytes(os.pread(fd, 8 * blocks[k], offset[k]))
-                if model is None:
-                    yield SentPrompt(sent.request_id[k], sent.sent_at[k], _none(sent.reported[k]),
-                                     _none(sent.observed[k]), hashes.tolist(), length[k])
-                else:
-                    yield ModelPrompt(sent.request_id[k], sent.sent_at[k], _none(sent.reported[k]),
-                                      _none(sent.observed[k]), hashes.tolist(), length[k], *sent.model_fields(k),
-                                      _none(ideal_tokens[k]), sent.started_at(k))
+                record = orjson.loads(os.pread(records_fd, sent.length[k], sent.offset[k]))
+                yield _sent_prompt(record, hashes.tolist(), length[k],
+                                   _none(ideal_tokens[k]) if ideal_tokens is not None else None, starts)
 
-        model = None if servers is None else CacheModel(server_block, {
-            endpoint: ServerCache(s["num_gpu_blocks"], s["served_before"]) for endpoint, s in servers.items()})
-        tally = CacheTally()
-        if model is None:
-            checks = send_order_checks(prompts(), server_block, job["reorder_window_ms"])
+        tally, model = _checked(prompts(), job, checks_path)
+    return _section(job, api, token_ids, tally, model, stream.block_size, ideal)
+
+
+class StreamBroken(Exception):
+    """The run's records cannot be checked while it runs (a record came after requests sent
+    later than it were checked, or a line could not be read): the end computes the section."""
+
+
+class ParentGone(Exception):
+    """The run that started this child is gone: nobody will read its section."""
+
+
+class RecordTail:
+    """The records a running replay appends to its output (replay.results.store), handed out
+    in send order as soon as no earlier send can still come: a record reaches the file when its
+    request ends, so one is handed out once the file holds records sent `horizon` seconds after
+    it. The horizon is the larger of HORIZON_S and twice the longest a record has come after a
+    later-sent one so far; a record that still comes after later ones were handed out breaks the
+    tail (StreamBroken): the order it gave would not be send order.
+
+    The file ends when `end_marker` exists (the run writes it once every record is appended);
+    until then an empty read waits `poll_s`, and a run gone (this process's parent is no longer
+    `parent`, the run's process) raises ParentGone."""
+
+    def __init__(self, path: str, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: float = POLL_S,
+                 on_unscheduled=None, parent: int | None = None) -> None:
+        self.path, self.end_marker = path, end_marker
+        self.horizon_s, self.poll_s = horizon_s, poll_s
+        self.on_unscheduled = on_unscheduled  # called with the request id of a record the server did not take in
+        self.parent = os.getppid() if parent is None else parent  # the run's process
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._offset = self._line = 0
+        self._partial = b""
+        self._heap: list[tuple[float, int, dict]] = []
+        self._latest_sent = -math.inf
+        self._lateness = 0.0
+        self._last = (-math.inf, -1)  # the last handed out (sent_at, request_id)
+        self.ended = False
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def _read(self) -> bool:
+        """Take in what was appended since the last read; False when nothing was."""
+        data = os.pread(self._fd, TAIL_READ, self._offset)
+        if not data:
+            return False
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._line += 1
+            if line.strip():  # a blank line: a placeholder's, blanked when its row's record came
+                self._take(line)
+        return True
+
+    def _take(self, line: bytes) -> None:
+        try:
+            record = parse_record(line, self.path, self._line)
+        except ValueError as e:  # a line read while it was blanked, most likely
+            raise StreamBroken(str(e)) from None
+        if not scheduled(record):
+            if self.on_unscheduled is not None:
+                self.on_unscheduled(record["request_id"])
+            return
+        key = (record["sent_at"], record["request_id"])
+        if key < self._last:
+            raise StreamBroken(f"request {key[1]}'s record came {self._latest_sent - key[0]:.1f} s after a later "
+                               f"send's, past the {self._horizon():.0f} s the tail waits")
+        if key[0] > self._latest_sent:
+            self._latest_sent = key[0]
         else:
-            checks = (v.check for v in model_checks(prompts(), server_block, {}, model=model,
-                                                    reorder_window_ms=job["reorder_window_ms"]))
-        with open(checks_path or os.devnull, "wb", buffering=SPOOL_BUFFER) as out:
-            for check in checks:
-                tally.add(check)
-                if checks_path:
-                    write_check(out, check)
-    method = method_text(api=api, token_ids=token_ids, tokenizer=job["tokenizer"], seed=job["seed"],
-                         trace_block_size=stream.block_size, server_block_size=server_block,
-                         reorder_window_ms=job["reorder_window_ms"])
-    section = tally.section(method, ideal_trace_hits(ideal))
-    if model is not None:
-        section["misses"] = attribution(model)
-    return section
+            self._lateness = max(self._lateness, self._latest_sent - key[0])
+        heapq.heappush(self._heap, (key[0], key[1], record))
+
+    def _horizon(self) -> float:
+        return max(self.horizon_s, 2.0 * self._lateness)
+
+    def __iter__(self):
+        heap = self._heap
+        while True:
+            frontier = math.inf if self.ended else self._latest_sent - self._horizon()
+            while heap and heap[0][0] < frontier:
+                sent_at, rid, record = heapq.heappop(heap)
+                self._last = (sent_at, rid)
+                yield record
+            if self.ended:
+                return
+            if self._read():
+                continue
+            if self.end_marker.exists():  # every record is in: read to the end
+                while self._read():
+                    pass
+                if self._partial.strip():
+                    raise StreamBroken(f"{self.path} ends inside a line")
+                self.ended = True
+            elif os.getppid() != self.parent:
+                raise ParentGone()
+            else:
+                time.sleep(self.poll_s)
+
+
+class TraceCursor:
+    """The trace's rows by request id, read in file order only as far as a request asks (a run
+    sends them in about that order): the rows read past are held until asked for, or dropped
+    when their record says the server did not take them in. Every row read counts in the
+    trace's own ideal (IdealHits), in file order as `compute` counts it; `finish` reads the rest."""
+
+    def __init__(self, stream: TraceStream) -> None:
+        self.stream = stream
+        self._rows = iter(stream)
+        self._held: dict[int, tuple] = {}
+        self._unscheduled = bytearray()  # request_id -> 1: its record came, the server did not take it
+        self.ideal: IdealHits | None = None
+        self._started = False
+
+    def drop(self, request_id: int) -> None:
+        self._held.pop(request_id, None)
+        if request_id >= len(self._unscheduled):
+            self._unscheduled.extend(bytes(request_id + 1 - len(self._unscheduled) + 1024))
+        self._unscheduled[request_id] = 1
+
+    def _count(self, row) -> int | None:
+        """`row`'s ideal hit tokens (None: the trace has no block size)."""
+        block_size = self.stream.block_size
+        if not self._started:
+            self._started = True
+            self.ideal = IdealHits() if block_size else None
+        if self.ideal is None:
+            return None
+        return hit_tokens(row, self.ideal.add(row, block_size), block_size)
+
+    def take(self, request_id: int) -> tuple:
+        """(the row, its ideal hit tokens) of `request_id`; raises ValueError when the trace has none."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            return held
+        unscheduled = self._unscheduled
+        if request_id < len(unscheduled) and unscheduled[request_id]:  # a placeholder (worker lost), then its record
+            raise StreamBroken(f"request {request_id}'s record came after a record that said it was not taken in")
+        for row in self._rows:
+            found = row, self._count(row)
+            rid = row.request_id
+            if rid == request_id:
+                return found
+            if rid >= len(unscheduled) or not unscheduled[rid]:
+                self._held[rid] = found
+        raise missing_rows(1, request_id)
+
+    def finish(self) -> IdealHits | None:
+        """Read the rows no request asked for (the trace's ideal counts them all): its IdealHits."""
+        for row in self._rows:
+            self._count(row)
+        if not self._started and self.stream.block_size:  # a trace without rows
+            self.ideal = IdealHits()
+        return self.ideal
+
+
+def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: float = POLL_S,
+           parent: int | None = None) -> dict:
+    """The cache section of `job` (its `api` named), computed while the run (process `parent`)
+    appends its records to job["results"]: the same section `compute` makes from the merged
+    file at the end, when the tail is not broken (StreamBroken), the requests checked in the
+    same send order."""
+    api = job["api"]
+    token_ids, server_block = _settings(job, api)
+    synth = None  # the tokenizer is loaded when the first request is checked: not at the run's go, when it sends
+    stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
+    cursor = TraceCursor(stream)
+    tail = RecordTail(job["results"], end_marker, horizon_s, poll_s, on_unscheduled=cursor.drop, parent=parent)
+    starts = StartEstimates() if job.get("servers") is not None else None
+
+    def prompts():
+        nonlocal synth
+        for record in tail:
+            row, ideal = cursor.take(record["request_id"])
+            if synth is None:
+                synth = _synthesizer(_tokenizer(job), job, api, token_ids, stream.block_size)
+            ids = synth.server_ids(row)
+            yield _sent_prompt(record, block_hashes(ids, server_block), len(ids), ideal, starts)
+
+    try:
+        tally, model = _checked(prompts(), job, None)
+    finally:
+        tail.close()
+    ideal = cursor.finish()
+    return _section(job, api, token_ids, tally, model, stream.block_size, ideal)
 
 
 def main(argv: list[str]) -> int:
-    """The child: compute the section of the job in argv[0], write it (or the input's error) to argv[1]."""
-    job_path, result_path, checks_path = (argv + [""])[:3]
+    """The child: compute the section of the job in argv[0], write it (or the input's error) to
+    argv[1]. With `--follow` first: follow the run as it goes (`follow`); argv[2] is the end
+    marker, and a broken tail writes {"broken": why} (the end then computes the section)."""
+    following = argv[:1] == ["--follow"]
+    if following:
+        argv = argv[1:]
+    job_path, result_path, third = (argv + [""])[:3]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # The run already warned about rows too short for the template; the section counts them instead.
     logging.getLogger("replay.synth.prompts").setLevel(logging.ERROR)
+    job = orjson.loads(Path(job_path).read_bytes())
     try:
-        result = {"section": compute(orjson.loads(Path(job_path).read_bytes()), checks_path or None)}
+        if following:
+            result = {"section": follow(job, Path(third), job.get("horizon_s", HORIZON_S), parent=job.get("parent"))}
+        else:
+            result = {"section": compute(job, third or None)}
+    except StreamBroken as e:
+        result = {"broken": str(e)}
+    except ParentGone:
+        shutil.rmtree(Path(job_path).parent, ignore_errors=True)  # the run's folder for this child: nobody reads it
+        return 0
     except (ValueError, OSError) as e:  # a bad input, said in one line (TraceError, PromptError are ValueErrors)
         result = {"error": str(e)}
     Path(result_path).write_bytes(orjson.dumps(result))

@@ -374,19 +374,16 @@ def model_prompts(records: Iterable[Record], server_ids, block_size: int) -> lis
     PromptSynthesizer's server_ids of the row). For tests and small runs: replay/results/cache_child.py
     streams the same from files."""
     sent = sorted((r for r in records if scheduled(r)), key=lambda r: (r["sent_at"], r["request_id"]))
-    least: dict[str, float] = {}  # per endpoint, the least ttft: a request that did not wait
-    for r in sent:
-        if r.get("ttft_ms") is not None:
-            least[r.get("endpoint") or ""] = min(r["ttft_ms"], least.get(r.get("endpoint") or "", float("inf")))
+    starts = StartEstimates()
     out = []
     for r in sent:
         ids = server_ids(r["request_id"])
         output = r.get("output_tokens")
+        endpoint = r.get("endpoint") or ""
         out.append(ModelPrompt(
             r["request_id"], r["sent_at"], r.get("prompt_tokens"), r.get("cached_tokens"), block_hashes(ids, block_size),
-            len(ids), r.get("endpoint") or "", r.get("finished_at"),
-            output if output is not None else r.get("output_length") or 0, None,
-            scheduled_at(r["sent_at"], r.get("ttft_ms"), least.get(r.get("endpoint") or "")),
+            len(ids), endpoint, r.get("finished_at"), output if output is not None else r.get("output_length") or 0,
+            None, starts.started_at(endpoint, r["sent_at"], r.get("ttft_ms")),
         ))  # fmt: skip
     return out
 
@@ -398,6 +395,23 @@ def scheduled_at(sent_at: float, ttft_ms: float | None, least_ttft_ms: float | N
     if ttft_ms is None or least_ttft_ms is None:
         return sent_at
     return sent_at + max(ttft_ms - least_ttft_ms, 0.0) / 1000.0
+
+
+class StartEstimates:
+    """`scheduled_at` for requests given in send order, each endpoint's least time to first
+    token taken over its requests sent up to the one asked about (itself included). A prefix's
+    least, not the whole run's: a request's estimate then depends only on what was sent before
+    it, so the model gives the same answer whether it runs at the end or while the run replays
+    (replay.results.cache_child --follow), where later requests are not known yet."""
+
+    def __init__(self) -> None:
+        self._least: dict[str, float] = {}
+
+    def started_at(self, endpoint: str, sent_at: float, ttft_ms: float | None) -> float:
+        least = self._least.get(endpoint)
+        if ttft_ms is not None and (least is None or ttft_ms < least):
+            least = self._least[endpoint] = ttft_ms
+        return scheduled_at(sent_at, ttft_ms, least)
 
 
 def start_counters(metrics_file: str | Path) -> dict[str, dict[str, float]]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -25,7 +27,7 @@ from typing import TextIO
 
 import orjson
 
-from replay.child import last_line, run_module
+from replay.child import last_line, run_module, start_module, wait_module
 from replay.results.cache_model import server_caches, start_counters
 from replay.results.fidelity import CacheCheck
 from replay.results.metadata import file_sha256
@@ -69,13 +71,14 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
               server_cache_blocks: int | None = None, trace: str | None = None,
               trace_format: str | None = None, block_size: int | None = None, tokenizer: str | None = None,
               chat_template: str | None = None, api: str | None = None, prompt_format: str | None = None,
-              seed: int | None = None, reorder_window_ms: float = 0.0,
+              seed: int | None = None, reorder_window_ms: float = 0.0, check_trace: bool = True,
               out: TextIO | None = sys.stderr) -> CacheJob | None:
     """The cache check of the run whose records are `results` and metadata `meta` (None: none
     beside them); the arguments win over the metadata (its `server_cache`: the block size and
     pool size each endpoint said). None when there is no cache check: no trace named, or (said
     on `out`, unless None) no server block size. Raises ReportError when the run's tokenizer is
-    unknown, TokenizerNotFound (an OSError) when it is not on this host."""
+    unknown, TokenizerNotFound (an OSError) when it is not on this host. `check_trace`: warn when
+    the trace's sha256 differs from the metadata's (reads the whole trace)."""
     meta = meta or {}
     meta_trace = meta.get("trace") or {}
     trace_path = _pick(trace, meta_trace.get("path"))
@@ -100,7 +103,7 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
     if tokenizer_path is None:
         raise ReportError("cache fidelity needs the run's tokenizer: pass --tokenizer (no run metadata names it)")
     same_trace = trace is None
-    if same_trace and meta_trace.get("sha256") and file_sha256(trace_path) != meta_trace["sha256"]:
+    if check_trace and same_trace and meta_trace.get("sha256") and file_sha256(trace_path) != meta_trace["sha256"]:
         print(f"warning: {trace_path} changed since the run (sha256 differs from the run metadata)", file=out)
     return CacheJob(
         results=str(results),
@@ -162,3 +165,98 @@ def cache_section(job: CacheJob, *, checks: bool = False) -> tuple[dict, list[Ca
         log.info("cache fidelity computed in a child process in %.1f s (its peak RSS %d MiB)",
                  time.perf_counter() - started, peak_mib)
         return result["section"], read_checks(paths["checks.bin"]) if checks else None
+
+
+class CacheStream:
+    """A run's cache section computed while the run replays: a child (cache_child --follow,
+    at a lower priority, so it takes the CPU the replay leaves) reads the records as the run
+    appends them and checks them in send order, so the end only waits for the last ones.
+
+    The section it makes is the end's only for the job it was started with: `section` takes a
+    job made at the end and gives None (the end computes the section as before) when the two
+    differ, when the child failed or was killed, or when its tail broke (a record much later
+    than the requests sent after it). Nothing here is needed for the section."""
+
+    NICE = 10
+
+    def __init__(self) -> None:
+        self.job: CacheJob | None = None
+        self.pid: int | None = None
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    def start(self, job: CacheJob, horizon_s: float | None = None) -> None:
+        """Follow the run of `job` (its api named; its records file being appended). A child that
+        cannot start (no room for its job file) is a debug line: the end computes the section."""
+        try:
+            self._folder = tempfile.TemporaryDirectory(prefix="tracereplay-follow-")
+            folder = Path(self._folder.name)
+            fields = {**dataclasses.asdict(job), "parent": os.getpid()}  # the child ends when this process is gone
+            if horizon_s is not None:
+                fields["horizon_s"] = horizon_s
+            (folder / "job.json").write_bytes(orjson.dumps(fields))
+            self.pid = start_module(CHILD_MODULE, ["--follow", *(str(folder / name) for name in
+                                                                 ("job.json", "result.json", "end"))],
+                                    folder / "stderr")
+            self.job = job
+        except OSError as e:
+            log.debug("the cache section is not computed while the run replays (%s)", e)
+            self.stop()
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.pid, self.NICE)
+        except OSError:
+            pass
+
+    def section(self, job: CacheJob) -> dict | None:
+        """The section of `job` (the end's), once the child has checked the last records; None when
+        the end must compute it. Blocks the calling thread until the child ends (run it off the loop)."""
+        if self.pid is None or self._folder is None:
+            return None
+        if job != self.job:
+            log.info("the cache section is computed at the end: the run's settings changed since its go")
+            self.stop()
+            return None
+        folder = Path(self._folder.name)
+        try:  # the run is over, the end waits for it: its own priority back where allowed (root)
+            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
+        except OSError:
+            pass
+        try:
+            (folder / "end").touch()
+        except OSError as e:
+            log.info("the cache section is computed at the end (%s)", e)
+            self.stop()
+            return None
+        started = time.perf_counter()
+        pid, self.pid = self.pid, None
+        status, peak_mib = wait_module(pid)
+        try:
+            result = orjson.loads((folder / "result.json").read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            result = None
+        self.stop()
+        if status != 0 or not isinstance(result, dict) or "section" not in result:
+            why = ((result or {}).get("broken") or (result or {}).get("error") if isinstance(result, dict) else None)
+            log.info("the cache section is computed at the end: the child that followed the run ended without it "
+                     "(%s)", why or (f"ended with {status}" if status != 0 else "no result"))
+            return None
+        log.info("cache fidelity computed while the run replayed, its last records in %.1f s%s",
+                 time.perf_counter() - started, f" (the child's peak RSS {peak_mib} MiB)" if peak_mib else "")
+        return result["section"]
+
+    def stop(self) -> None:
+        """End the child if it runs; remove its folder."""
+        if self.pid is not None:
+            pid, self.pid = self.pid, None
+            try:
+                if os.wait4(pid, os.WNOHANG)[0] == 0:  # still running (not reaped: the pid is still its)
+                    os.kill(pid, signal.SIGTERM)
+                    wait_module(pid)
+            except ChildProcessError:  # reaped by a SIGCHLD handler of gevent's
+                pass
+        if self._folder is not None:
+            try:
+                self._folder.cleanup()
+            except OSError:
+                pass
+            self._folder = None

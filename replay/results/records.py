@@ -208,15 +208,20 @@ def read_records(path: str | Path) -> Iterator[Record]:
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
-                try:
-                    record = orjson.loads(line)
-                except orjson.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{number}: not a JSON record: {e}") from None
-                if type(record) is not dict or not all(key in record for key in IDENTIFYING_FIELDS):
-                    raise ValueError(f"{path}:{number}: not a run's record: expected the per-request JSONL a "
-                                     f"replay writes (its --output), whose every line has "
-                                     f"{' and '.join(map(repr, IDENTIFYING_FIELDS))}")
-                yield record
+                yield parse_record(line, path, number)
+
+
+def parse_record(line: bytes, path: str | Path, number: int) -> Record:
+    """The record on line `number` of `path`; raises the ValueError read_records says."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"{path}:{number}: not a JSON record: {e}") from None
+    if type(record) is not dict or not all(key in record for key in IDENTIFYING_FIELDS):
+        raise ValueError(f"{path}:{number}: not a run's record: expected the per-request JSONL a "
+                         f"replay writes (its --output), whose every line has "
+                         f"{' and '.join(map(repr, IDENTIFYING_FIELDS))}")
+    return record
 
 
 def output_tokens_of(record: Record) -> int:

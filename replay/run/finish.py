@@ -15,13 +15,14 @@ adds it to `incomplete` (replay.results.files): the run's other files are still 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from replay.engine.capacity import NO_ANSWER, quotable_line
 from replay.engine.dispatcher import off_loop
-from replay.results.cache_section import cache_job, cache_section
+from replay.results.cache_section import CacheJob, CacheStream, cache_job, cache_section
 from replay.results.certificate import UNFAITHFUL, CertificateBuilder
 from replay.results.files import OutputError
 from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
@@ -33,12 +34,13 @@ from replay.rules.run_files import meta_path, tmp_path
 from replay.run.spec import RunFacts, RunSpec
 
 logger = logging.getLogger(__name__)
+CACHE_FOLLOW_ENV = "TRACEREPLAY_CACHE_FOLLOW"
 
 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
            on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[dict], None]] = (),
            summary_listeners: Iterable[Callable[[dict], None]] = (), least_code: int = 0,
-           capacity: dict | None = None) -> int:
+           capacity: dict | None = None, cache_stream: CacheStream | None = None) -> int:
     """End the run whose every row has a record in `store`; returns the exit code: 1 when any
     row failed for a reason other than the user's stop, or a file of the run is not whole, else 0;
     never under `least_code` (2: a run refused before the first send, whose rows all fail).
@@ -64,7 +66,10 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
 
     count = store.finish(each)
     spec.schedule.close()
-    report = builder.report(_cache_section(spec, facts))
+    whole = not incomplete and not store.unwritten  # every record in the appended file the stream read
+    report = builder.report(_cache_section(spec, facts, cache_stream if whole else None))
+    if cache_stream is not None:
+        cache_stream.stop()
     report["server"] = read_server_section(spec.output, report["endpoints"], spec.options.server_metric or ())
     report["fidelity"] = certificate = fidelity.certificate(report["drift_ms"], report["cache"])
     for listener in summary_listeners:
@@ -100,17 +105,46 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     return code
 
 
-def _cache_section(spec: RunSpec, facts: RunFacts) -> dict | None:
+def _cache_job(spec: RunSpec, facts: RunFacts, *, check_trace: bool = True) -> CacheJob | None:
+    """The run's cache job (replay.results.cache_section.cache_job); None without a server block size."""
+    return cache_job(spec.output, spec.metadata(facts), server_block_size=spec.options.server_block_size,
+                     server_cache_blocks=spec.options.server_cache_blocks, check_trace=check_trace, out=None)
+
+
+def start_cache_stream(spec: RunSpec, facts: RunFacts) -> CacheStream | None:
+    """Start computing the run's cache section while it replays (replay.results.cache_section.
+    CacheStream), called at the go: its records file is open and the servers' first counters
+    are read. None when the run has no cache section (no server block size) or its job cannot
+    be made (the end says why, as before), or $TRACEREPLAY_CACHE_FOLLOW is 0 (benchmarks: the
+    end computes the section, docs/testing.md)."""
+    if os.environ.get(CACHE_FOLLOW_ENV) == "0":
+        return None
+    try:
+        job = _cache_job(spec, facts, check_trace=False)  # the trace is hashed at the end, off the event loop
+    except (ValueError, OSError):
+        return None
+    if job is None:
+        return None
+    stream = CacheStream()
+    stream.start(job)
+    return stream
+
+
+def _cache_section(spec: RunSpec, facts: RunFacts, stream: CacheStream | None = None) -> dict | None:
     """The Prefix Cache Fidelity section, with the cache model's miss attribution, as `replay
     report` makes it, from the merged file in a child process (replay.results.cache_section:
     this process never loads the tokenizer, and the event loop turns meanwhile), whenever the
     server's block size is known (what its /metrics said before the run, or
     --server-block-size); a failure to compute it is logged and leaves the summary without it.
-    The run's metadata it reads is made only then."""
+    The run's metadata it reads is made only then. `stream`'s section (computed while the run
+    replayed) is taken when it is the same job's."""
     try:
-        job = cache_job(spec.output, spec.metadata(facts), server_block_size=spec.options.server_block_size,
-                        server_cache_blocks=spec.options.server_cache_blocks, out=None)
-        return off_loop(cache_section, job)[0] if job is not None else None
+        job = _cache_job(spec, facts)
+        if job is None:
+            return None
+        if stream is not None and (section := off_loop(stream.section, job)) is not None:
+            return section
+        return off_loop(cache_section, job)[0]
     except (ValueError, OSError) as e:
         logger.error("cache fidelity: %s", e)
         return None

@@ -1,0 +1,240 @@
+"""The cache section computed while the run replays (replay/results/cache_child.py --follow,
+replay/results/cache_section.py CacheStream): the follower reads the records as the run appends
+them, checks them in send order once no earlier send can come, and its section is the one the
+end would compute from the merged file; when it cannot be (a record too late, the follower
+gone, the run's settings changed), the end computes the section as before; a run that dies
+leaves no follower behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import gevent
+import orjson
+import pytest
+
+from replay.results.cache_child import RecordTail, StreamBroken
+from replay.results.cache_section import CacheStream, cache_job, cache_section
+from replay.results.metadata import read_run_metadata
+from replay.rules.run_files import summary_path
+from replay.sim.process import sim_process
+from support.cache_model import SIM_BLOCK, reuse_trace
+from support.processes import replay_args, run_locust, spawn_locust
+from support.waiting import wait_for_text
+
+FAST_SIM = ("--block-size", str(SIM_BLOCK), "--ttft-ms", "3", "--itl-ms", "1", "--prefill-ms-per-1k", "0",
+            "--eos-prob", "0")
+
+
+@pytest.fixture(scope="module")
+def evicting_run(tmp_path_factory, toy_tokenizer_dir) -> Path:
+    """A real replay against a `replay sim` whose small cache evicts: its OUTPUT (merged, sorted
+    by request_id) beside OUTPUT.worker-0.jsonl (the records in the order the worker wrote them)."""
+    tmp_path = tmp_path_factory.mktemp("run")
+    trace = reuse_trace(tmp_path / "trace.jsonl")
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--only-summary"), tmp_path)
+    assert "cache fidelity computed while the run replayed" in proc.stderr, proc.stderr[-3000:]
+    return output
+
+
+def _records(path: Path) -> list[bytes]:
+    return [line for line in path.read_bytes().splitlines(keepends=True) if line.strip()]
+
+
+def test_the_run_took_the_followers_section_and_it_is_the_ends(evicting_run):
+    """The run's summary holds the follower's section; the end's computation from the merged
+    file (what `replay report` does) gives the same, the model's evictions and causes included."""
+    summary = json.loads(summary_path(evicting_run).read_text())
+    job = cache_job(evicting_run, read_run_metadata(evicting_run), out=None)
+    section, _ = cache_section(job)
+    assert summary["cache"] == section
+    assert section["misses"]["model"]["endpoints"], section["misses"]
+    assert any(e.get("evictions") for e in section["misses"]["model"]["endpoints"].values())
+
+
+def test_a_follower_fed_as_the_run_goes_makes_the_same_section(evicting_run, tmp_path):
+    """The worker's records, appended in the order it wrote them, a few at a time, with a short
+    horizon so the follower checks most of them before the end: the section equals the one the
+    end computes from the merged file."""
+    job = cache_job(evicting_run, read_run_metadata(evicting_run), out=None)
+    expected, _ = cache_section(job)
+    appended = tmp_path / "appended.jsonl"
+    appended.write_bytes(b"")
+    lines = _records(Path(f"{evicting_run}.worker-0.jsonl"))
+    stream = CacheStream()
+    following = dataclasses.replace(job, results=str(appended))
+    stream.start(following, horizon_s=0.2)
+    assert stream.pid is not None
+    with open(appended, "ab") as f:
+        for k in range(0, len(lines), 7):
+            f.write(b"".join(lines[k:k + 7]))
+            f.flush()
+            time.sleep(0.01)
+    assert stream.section(following) == {**expected}
+
+
+def test_a_changed_job_is_computed_at_the_end(evicting_run):
+    job = cache_job(evicting_run, read_run_metadata(evicting_run), out=None)
+    stream = CacheStream()
+    stream.start(job)
+    pid = stream.pid
+    assert stream.section(dataclasses.replace(job, seed=job.seed + 1)) is None
+    assert stream.pid is None and not _alive(pid)
+
+
+def _tail_record(rid: int, sent_at: float, ok: bool = True) -> bytes:
+    return orjson.dumps({"request_id": rid, "sent_at": sent_at, "ok": ok, "status": 200 if ok else 500,
+                         "worker": 0, "endpoint": "x"}) + b"\n"
+
+
+def test_the_tail_hands_out_in_send_order_once_no_earlier_send_can_come(tmp_path):
+    """Records appended out of send order (as requests end) come out in send order, each once the
+    file holds a record sent the horizon after it; a record the server did not take in is only
+    told; a record later than the horizon allows breaks the tail; the end marker ends it."""
+    path, end = tmp_path / "records.jsonl", tmp_path / "end"
+    path.write_bytes(b"")
+    unscheduled: list[int] = []
+    tail = RecordTail(str(path), end, horizon_s=1.0, poll_s=0.005, on_unscheduled=unscheduled.append)
+    out: list[tuple[float, int]] = []
+
+    def consume():
+        for record in tail:
+            out.append((record["sent_at"], record["request_id"]))
+
+    consumer = gevent.spawn(consume)
+    with open(path, "ab") as f:
+        # sent 0, 0.5, 1.0, ...; each pair written in reverse order; request 3 failed
+        for k in range(0, 20, 2):
+            f.write(_tail_record(k + 1, (k + 1) / 2, ok=k + 1 != 3) + _tail_record(k, k / 2))
+            f.flush()
+        gevent.sleep(0.1)
+        assert out == sorted(out) and out[-1][0] < 9.5 - 1.0 and len(out) == 16, out  # 0..8.0 (17) less request 3
+        assert unscheduled == [3]
+        f.write(_tail_record(99, 8.2))  # 1.3 s after the latest send: within its horizon, not handed out yet
+        f.flush()
+        gevent.sleep(0.05)
+        f.write(_tail_record(100, 7.0))  # before 8.0, already handed out: a broken order
+        f.flush()
+        with pytest.raises(StreamBroken, match="request 100"):
+            consumer.get(timeout=5)
+    tail.close()
+
+    path.write_bytes(b"".join(_tail_record(k, k / 10) for k in range(5)) + b'{"request_id": 5')
+    tail = RecordTail(str(path), end, horizon_s=100.0, poll_s=0.005)
+    end.touch()
+    with pytest.raises(StreamBroken, match="ends inside a line"):
+        list(tail)
+    tail.close()
+    path.write_bytes(b"".join(_tail_record(k, k / 10) for k in range(5)) + b"   \n")  # a blanked placeholder
+    tail = RecordTail(str(path), end, horizon_s=100.0, poll_s=0.005)
+    assert [r["request_id"] for r in tail] == [0, 1, 2, 3, 4]
+    tail.close()
+
+
+def _followers() -> dict[int, str]:
+    """{pid: its command line} of the cache followers running now."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "replay.results.cache_child --follow" in cmdline:
+                found[int(entry.name)] = cmdline
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _started_followers(tmpdir: Path, proc) -> list[int]:
+    """The pids of the followers whose job is in `tmpdir` (the run's TMPDIR), once there is one."""
+    deadline = time.monotonic() + 10
+    while not (mine := [pid for pid, cmd in _followers().items() if str(tmpdir) in cmd]) and time.monotonic() < deadline:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    assert mine, "no follower started"
+    return mine
+
+
+def test_a_follower_killed_leaves_the_end_to_compute_the_section(tmp_path, toy_tokenizer_dir, monkeypatch):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    trace = reuse_trace(tmp_path / "trace.jsonl", gap_ms=25.0)  # 4 s
+    output, log = tmp_path / "run.jsonl", tmp_path / "run.log"
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim:
+        proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--only-summary"), tmp_path, log)
+        try:
+            wait_for_text(log, "replay starts at", proc)
+            for pid in _started_followers(tmpdir, proc):
+                os.kill(pid, signal.SIGKILL)
+            assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert "the cache section is computed at the end: the child that followed the run ended without it" in text, \
+        text[-3000:]
+    summary = json.loads(summary_path(output).read_text())
+    job = cache_job(output, read_run_metadata(output), out=None)
+    assert summary["cache"] == cache_section(job)[0]
+
+
+def test_a_master_killed_leaves_no_follower(tmp_path, toy_tokenizer_dir, monkeypatch):
+    """The master dies (SIGKILL) mid-run: its follower sees its parent gone, ends, and removes its folder."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    trace = reuse_trace(tmp_path / "trace.jsonl", gap_ms=100.0)  # 16 s
+    output, log = tmp_path / "run.jsonl", tmp_path / "run.log"
+    with sim_process(toy_tokenizer_dir, *FAST_SIM) as sim:
+        proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--only-summary"), tmp_path, log)
+        try:
+            wait_for_text(log, "replay starts at", proc)
+            mine = _started_followers(tmpdir, proc)
+            assert any(p.name.startswith("tracereplay-follow-") for p in tmpdir.iterdir())
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+        finally:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in mine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in mine)
+    assert not any(p.name.startswith("tracereplay-follow-") for p in tmpdir.iterdir()), list(tmpdir.iterdir())
+
+
+def test_the_trace_cursor_reads_only_as_far_as_asked(tmp_path):
+    """Rows read past are held until asked for, dropped once their record says the server did not
+    take them in; a row asked for after that (a placeholder, then its real record) breaks the
+    stream; `finish` counts the rows never asked for in the trace's ideal."""
+    from replay.results.cache_child import TraceCursor
+    from replay.trace.reader import TraceStream
+
+    trace = reuse_trace(tmp_path / "trace.jsonl", rows=10)
+    cursor = TraceCursor(TraceStream(trace, "mooncake", SIM_BLOCK))
+    row, ideal = cursor.take(3)
+    assert row.request_id == 3 and ideal is not None
+    assert sorted(cursor._held) == [0, 1, 2]
+    cursor.drop(1)
+    cursor.drop(5)  # not read yet: never held
+    assert [cursor.take(rid)[0].request_id for rid in (0, 2, 4, 6)] == [0, 2, 4, 6]
+    assert sorted(cursor._held) == []
+    with pytest.raises(StreamBroken, match="request 5's record came after"):
+        cursor.take(5)
+    ideal = cursor.finish()
+    whole = TraceCursor(TraceStream(trace, "mooncake", SIM_BLOCK)).finish()
+    assert (ideal.hit_tokens, ideal.total_tokens) == (whole.hit_tokens, whole.total_tokens)
