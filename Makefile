@@ -36,8 +36,8 @@ vllm: $(VLLM_STAMP)
 # (tests/conftest.py). TEST_JOBS=0 runs them in this process. The tests marked `alone` run
 # after, by themselves: the others' CPU load would break their wall-clock bounds (exit 5: none selected).
 # The alone tests' vLLM starts meanwhile, at nice 19 (tests/support/serve_vllm.py): its start
-# uses the CPU the parallel tests leave idle instead of the alone tests' time. The trap stops
-# it however the recipe ends.
+# yields to the parallel tests instead of taking the alone tests' time. The trap stops it
+# however the recipe ends.
 TEST_JOBS ?= 4
 
 test: $(STAMP) $(VLLM_STAMP) bytecode

@@ -3,10 +3,10 @@
 SIGTERM or SIGINT, then stop it.
 
 `make test` runs it at nice 19 while the parallel tests run, and passes FILE to the alone tests
-(SMALL_CACHE_ENV): a vLLM start is about 30 s of CPU, which the parallel tests' idle moments
-pay for instead of the alone tests' wall time. Where it cannot start one (vLLM not installed,
-no shared test data, a failed start) it writes "-" and exits, and the test starts its own, with
-its own skip or failure.
+(SMALL_CACHE_ENV): a vLLM start is about 30 s of CPU (three processes import torch and vLLM),
+spent where it yields to the parallel tests instead of in the alone tests' wall time. Where it
+cannot start one (vLLM not installed, no shared test data, a failed start) it writes "-" and
+exits, and the test starts its own, with its own skip or failure.
 """
 
 from __future__ import annotations
