@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.alone, pytest.mark.timeout(400)]
 @pytest.fixture(scope="module")
 def small_cache_url(tmp_path_factory):
     require_vllm()
+    shared_path("tokenizers", "qwen2")  # the skip that says why, where it is missing
     url = started_ahead(SMALL_CACHE_ENV)
     if url:
         yield url
