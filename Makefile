@@ -35,12 +35,18 @@ vllm: $(VLLM_STAMP)
 # (pytest-xdist) even on 2 cores; --dist loadgroup keeps each real vLLM server's tests in one
 # (tests/conftest.py). TEST_JOBS=0 runs them in this process. The tests marked `alone` run
 # after, by themselves: the others' CPU load would break their wall-clock bounds (exit 5: none selected).
+# The alone tests' vLLM starts meanwhile, at nice 19 (tests/support/serve_vllm.py): its start
+# yields to the parallel tests instead of taking the alone tests' time. The trap stops it
+# however the recipe ends.
 TEST_JOBS ?= 4
 
 test: $(STAMP) $(VLLM_STAMP) bytecode
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not alone" $(PYTEST_ARGS)
-	$(PY) -m pytest -m alone $(PYTEST_ARGS) || test $$? -eq 5
+	ahead=$$(mktemp); \
+	PYTHONPATH=tests nice -n 19 $(PY) -m support.serve_vllm "$$ahead" & server=$$!; \
+	trap 'kill $$server 2>/dev/null; wait $$server; rm -f "$$ahead"' EXIT; \
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not alone" $(PYTEST_ARGS) && \
+	{ TRACEREPLAY_VLLM_SMALL_CACHE_FILE="$$ahead" $(PY) -m pytest -m alone $(PYTEST_ARGS) || test $$? -eq 5; }
 
 demo: $(STAMP) bytecode
 	$(PY) -m replay.demo

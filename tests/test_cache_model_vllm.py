@@ -3,9 +3,9 @@ prefix reuse, replayed by `locust --headless`; the model (replay/results/cache_m
 block pool at the block size and pool size its /metrics state) predicts the observed cached
 tokens for >= 95% of requests and names a cause for every miss.
 
-The pool: VLLM_CPU_KVCACHE_SPACE is whole GiB (1 GiB holds 131072 blocks of this tiny model),
-so `--num-gpu-blocks-override 40` makes it small; vLLM's CPU attention takes blocks of a
-multiple of 32 tokens. The server is this module's own (its own SERIAL_GROUPS group).
+The server (support.vllm.small_cache_vllm) is this module's own (its own SERIAL_GROUPS group);
+`make test` starts it ahead, while the parallel tests run (tests/support/serve_vllm.py), so this
+alone test does not wait for its start.
 """
 
 from __future__ import annotations
@@ -15,34 +15,43 @@ import pytest
 from support.cache_model import reuse_trace, run_verdicts
 from support.paths import shared_path
 from support.processes import run_locust
-from support.vllm import make_tiny_model, require_vllm, reset_prefix_cache, vllm_server
+from support.vllm import (
+    SMALL_CACHE_BLOCK,
+    SMALL_CACHE_BLOCKS,
+    SMALL_CACHE_ENV,
+    require_vllm,
+    reset_prefix_cache,
+    small_cache_vllm,
+    started_ahead,
+)
 
 # alone: the model's start times come from the run's timing, which the other tests' load skews
 # (0.875 exact beside them in a clean-clone run, 0.96-1.0 alone)
 pytestmark = [pytest.mark.vllm, pytest.mark.alone, pytest.mark.timeout(400)]
 
-BLOCKS = 40
-BLOCK = 32
-
 
 @pytest.fixture(scope="module")
-def small_cache_vllm(tmp_path_factory):
+def small_cache_url(tmp_path_factory):
     require_vllm()
-    model = make_tiny_model(shared_path("tokenizers", "qwen2"), tmp_path_factory.mktemp("tiny-qwen2"), max_model_len=1024)
-    with vllm_server(model, block_size=BLOCK, kv_cache_gib=1, max_model_len=1024,
-                     extra_args=("--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "16")) as url:
+    shared_path("tokenizers", "qwen2")  # the skip that says why, where it is missing
+    url = started_ahead(SMALL_CACHE_ENV)
+    if url:
+        yield url
+        return
+    with small_cache_vllm(tmp_path_factory.mktemp("tiny-qwen2")) as url:
         yield url
 
 
-def test_the_model_predicts_real_vllms_evictions(small_cache_vllm, tmp_path):
+def test_the_model_predicts_real_vllms_evictions(small_cache_url, tmp_path):
     tokenizer = shared_path("tokenizers", "qwen2")
     trace = reuse_trace(tmp_path / "trace.jsonl", rows=160, families=16, gap_ms=20)
     output = tmp_path / "run.jsonl"
-    reset_prefix_cache(small_cache_vllm)
-    run_locust(["--headless", "--host", small_cache_vllm, "--trace", str(trace), "--block-size", "16", "--tokenizer",
+    reset_prefix_cache(small_cache_url)
+    run_locust(["--headless", "--host", small_cache_url, "--trace", str(trace), "--block-size", "16", "--tokenizer",
                 str(tokenizer), "--model", "tiny", "--output", str(output), "--only-summary"], tmp_path, timeout=300)
     verdicts, section, caches = run_verdicts(output, tokenizer)
-    assert list(caches.values()) == [{"block_size": BLOCK, "num_gpu_blocks": BLOCKS, "source": "server"}]
+    assert list(caches.values()) == [{"block_size": SMALL_CACHE_BLOCK, "num_gpu_blocks": SMALL_CACHE_BLOCKS,
+                                      "source": "server"}]
     assert section["requests_compared"] == 160
     assert section["exact_share"] >= 0.95, [v for v in verdicts if not v.exact]
     assert section["misses"] > 0 and section["misses_attributed_share"] == 1.0, section["miss_causes"]

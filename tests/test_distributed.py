@@ -70,7 +70,7 @@ def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=per_worker * workers, gap_ms=2, output_length=(1, 2))
     output = tmp_path / "run.jsonl"
     master, procs = master_and_workers(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output,
-                                                             "--scale", "2"), workers=workers)
+                                                             "--scale", "4"), workers=workers)
     finish([master, *procs], timeout=240)
     log = (tmp_path / "master.log").read_text()
     assert master.returncode == 0, log[-3000:]
@@ -84,7 +84,7 @@ def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim):
 @pytest.mark.alone
 def test_processes_partition_session_every_row_once(tmp_path, toy_tokenizer_dir, fast_sim):
     """--processes 2 --partition session over many sessions: whole sessions per worker, each row once."""
-    trace = bailian_trace(tmp_path / "bailian.jsonl", sessions=1100, turns=8, gap_s=0.0012)  # 8,800 rows
+    trace = bailian_trace(tmp_path / "bailian.jsonl", sessions=1100, turns=8, gap_s=0.0006)  # 8,800 rows
     output = tmp_path / "run.jsonl"
     port = free_port()
     run_locust(["--headless", "--host", fast_sim.url, "--trace", str(trace), "--trace-format", "bailian",

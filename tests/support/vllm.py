@@ -38,6 +38,9 @@ from support.ports import free_port
 VLLM_VENV = Path(os.environ.get("TRACEREPLAY_VLLM_VENV", REPO / ".venv-vllm"))
 SKIP_ENV = "TRACEREPLAY_SKIP_VLLM"
 REUSE_ENV = "TRACEREPLAY_VLLM_URL"
+# A file in which a server started ahead (tests/support/serve_vllm.py, `make test`) writes its
+# URL once healthy, or "-" when it started none.
+SMALL_CACHE_ENV = "TRACEREPLAY_VLLM_SMALL_CACHE_FILE"
 SERVED_MODEL = "tiny"
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
@@ -224,6 +227,41 @@ def vllm_server(
         _stop(proc)
         if not failed:
             log.unlink(missing_ok=True)
+
+
+SMALL_CACHE_BLOCKS = 40
+SMALL_CACHE_BLOCK = 32
+
+
+@contextlib.contextmanager
+def small_cache_vllm(work_dir: str | Path, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
+    """vLLM serving the tiny model with the Qwen2 tokenizer and a pool of SMALL_CACHE_BLOCKS blocks
+    of SMALL_CACHE_BLOCK tokens, small enough to evict (tests/test_cache_model_vllm.py):
+    VLLM_CPU_KVCACHE_SPACE is whole GiB (1 GiB holds 131072 blocks of this model), so
+    `--num-gpu-blocks-override` makes it small; vLLM's CPU attention takes blocks of a multiple of 32."""
+    model = make_tiny_model(SHARED / "tokenizers" / "qwen2", Path(work_dir), max_model_len=1024)
+    with vllm_server(model, block_size=SMALL_CACHE_BLOCK, kv_cache_gib=1, max_model_len=1024,
+                     extra_args=("--num-gpu-blocks-override", str(SMALL_CACHE_BLOCKS), "--max-num-seqs", "16"),
+                     startup_timeout_s=startup_timeout_s) as url:
+        yield url
+
+
+def started_ahead(env: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str | None:
+    """The URL of the server started ahead into the file `env` names, waiting while it starts;
+    None when `env` is not set, or no server came (the caller starts its own)."""
+    name = os.environ.get(env)
+    if not name:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            text = Path(name).read_text().strip()
+        except OSError:
+            return None
+        if text:
+            return None if text == "-" else text
+        time.sleep(0.5)
+    return None
 
 
 def reset_prefix_cache(url: str) -> None:

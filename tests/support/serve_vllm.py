@@ -1,0 +1,68 @@
+"""`python -m support.serve_vllm FILE` (with tests/ on PYTHONPATH): start the alone tests' vLLM
+(small_cache_vllm) ahead of them, write its URL into FILE once it is healthy, and serve until
+SIGTERM or SIGINT, then stop it.
+
+`make test` runs it at nice 19 while the parallel tests run, and passes FILE to the alone tests
+(SMALL_CACHE_ENV): a vLLM start is about 30 s of CPU (three processes import torch and vLLM),
+spent where it yields to the parallel tests instead of in the alone tests' wall time. Where it
+cannot start one (vLLM not installed, no shared test data, a failed start) it writes "-" and
+exits, and the test starts its own, with its own skip or failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from support.paths import SHARED
+from support.vllm import SKIP_ENV, VllmStartError, small_cache_vllm, vllm_python
+
+# At nice 19 beside busy parallel tests the start may take as long as they do: it must not
+# time out before the alone tests begin, when it gets the CPU.
+STARTUP_TIMEOUT_S = 1800.0
+
+
+def _stop(signum, frame) -> None:
+    raise SystemExit(0)  # unwinds small_cache_vllm, which stops the server's process group
+
+
+def _as_any_other_process() -> None:
+    """Back to nice 0 once started, where this user may raise a priority (root: CI): the alone
+    test then finds its server as one it started itself. vLLM is this process's child, leading a
+    process group of its own (its engine and worker processes)."""
+    with contextlib.suppress(OSError):
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    os.setpriority(os.PRIO_PGRP, int(stat.parent.name), 0)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m support.serve_vllm FILE", file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    signal.signal(signal.SIGTERM, _stop)
+    if vllm_python() is None or not SHARED.exists() or os.environ.get(SKIP_ENV) == "1":
+        out.write_text("-")
+        return 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="tiny-qwen2-") as work, small_cache_vllm(work, STARTUP_TIMEOUT_S) as url:
+            _as_any_other_process()
+            out.write_text(url)
+            while True:
+                signal.pause()
+    except VllmStartError as e:
+        out.write_text("-")
+        print(f"serve_vllm: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
