@@ -461,6 +461,8 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:  # a bad input, said in one line (TraceError, PromptError are ValueErrors)
         result = {"error": str(e)}
     Path(result_path).write_bytes(orjson.dumps(result))
+    if following and job.get("parent") is not None and os.getppid() != job["parent"]:
+        shutil.rmtree(Path(job_path).parent, ignore_errors=True)  # the run died while its end waited for this
     return 0
 
 
