@@ -27,7 +27,6 @@ did not read the cache.
 from __future__ import annotations
 
 import argparse
-import compileall
 import json
 import os
 import random
@@ -43,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
-from common import split_cores  # noqa: E402
+from common import compile_bytecode, split_cores  # noqa: E402
 
 from replay.results.records import read_records  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402
@@ -210,12 +209,6 @@ def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | 
           f"cold run: {results[0]['cpu_ms_per_req']:.2f} ms/request, {results[0]['peak_rss_mib']:.0f} MiB "
           f"(locust's own {results[0]['own_peak_rss_mib']:.0f} MiB; the rest is the set-up's child process)")
     return problems
-
-
-def compile_bytecode() -> None:
-    ok = compileall.compile_dir(REPO / "replay", quiet=1) and compileall.compile_file(REPO / "locustfile.py", quiet=1)
-    if not ok:
-        raise SystemExit("bench/startup.py: the project's bytecode did not compile")
 
 
 def main() -> int:
