@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import compile_bytecode, split_cores  # noqa: E402
+from common import LOCUST, compile_bytecode, locust_cpu, split_cores  # noqa: E402
 
 from replay.results.records import read_records  # noqa: E402
 from replay.results.summary import percentile  # noqa: E402
@@ -72,21 +72,6 @@ for _ in range(400):
     late.append((time.time() - t) * 1000)
 late.sort()
 print(late[int(len(late) * 0.99)])
-"""
-
-
-# `python -m locust ARGS` that writes, as it exits, its own CPU seconds and its reaped children's
-# to the file named first: the two parts of cpu/req.
-LOCUST = """
-import resource, runpy, sys
-usage_file = sys.argv.pop(1)
-sys.argv[0] = "locust"
-try:
-    runpy.run_module("locust", run_name="__main__", alter_sys=True)
-finally:
-    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    with open(usage_file, "w") as f:
-        f.write(f"{own.ru_utime + own.ru_stime} {children.ru_utime + children.ru_stime}")
 """
 
 
@@ -139,7 +124,7 @@ def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None) 
         if proc.returncode != 0:
             raise RuntimeError(f"locust failed ({proc.returncode}): {log.read()[-2000:]}")
     cpu_s = children_cpu() - cpu_before
-    own_s, children_s = (float(x) for x in usage.read_text().split())
+    own_s, children_s = locust_cpu(usage)
     records = list(read_records(out))
     sent = sorted(r["sent_at"] for r in records if r["sent_at"] is not None)
     drift = sorted(r["drift_ms"] for r in records if r["drift_ms"] is not None)
