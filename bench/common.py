@@ -1,10 +1,15 @@
-"""What the benchmarks share: timing by median, and which core each side runs on."""
+"""What the benchmarks share: timing by median, which core each side runs on, and the project's
+bytecode compiled before any process is timed."""
 
 from __future__ import annotations
 
+import compileall
 import os
 import statistics
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def median_seconds(fn, runs: int = 5) -> float:
@@ -24,3 +29,34 @@ def split_cores() -> tuple[int | None, int | None]:
     if len(cores) < 2:
         return None, None
     return cores[0], cores[1]
+
+
+def compile_bytecode() -> None:
+    """Compile the project's bytecode, as `make bytecode` does (and pip for an installed package):
+    with PYTHONDONTWRITEBYTECODE set, as on CI machines and in the Dockerfile, every process a
+    benchmark starts would otherwise compile the whole package again, a CPU cost of the checkout,
+    not of the code being timed. Files already compiled are skipped."""
+    ok = compileall.compile_dir(REPO / "replay", quiet=1) and compileall.compile_file(REPO / "locustfile.py", quiet=1)
+    if not ok:
+        raise SystemExit("bench: the project's bytecode did not compile")
+
+
+# `python -c LOCUST USAGE_FILE ARGS` is `python -m locust ARGS` that writes, as it exits, its own CPU
+# seconds and its reaped children's (e.g. the end-of-run cache child) to USAGE_FILE.
+LOCUST = """
+import resource, runpy, sys
+usage_file = sys.argv.pop(1)
+sys.argv[0] = "locust"
+try:
+    runpy.run_module("locust", run_name="__main__", alter_sys=True)
+finally:
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    with open(usage_file, "w") as f:
+        f.write(f"{own.ru_utime + own.ru_stime} {children.ru_utime + children.ru_stime}")
+"""
+
+
+def locust_cpu(usage_file: Path) -> tuple[float, float]:
+    """(the locust process's own CPU seconds, its child processes'), as LOCUST wrote them."""
+    own, children = usage_file.read_text().split()
+    return float(own), float(children)

@@ -8,6 +8,10 @@ the p99 lateness of the same timer in an idle process on that core just before t
 process's CPU ms per request over the whole run (start-up and body building included; unlike
 drift, it hardly depends on how busy the machine is) and how long in all it waited for its core
 while runnable (other processes on that core: each such wait shows up as drift).
+That CPU is then split in two: `own`, the locust process itself, and `children`, the child
+processes it started and waited for (the end-of-run cache child, replay/results/cache_child.py;
+with a cold set-up cache the set-up child too), from its own getrusage at its exit; own +
+children = cpu/req. A fixed cost per run weighs more per request at the lower rates.
 Target: drift p99 <= 2 ms up to 500 req/s per worker process.
 
     .venv/bin/python bench/dispatch.py [--rates 100,200,500,1000] [--seconds 5] [--runs 3]
@@ -30,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import split_cores  # noqa: E402
+from common import LOCUST, compile_bytecode, locust_cpu, split_cores  # noqa: E402
 
 from replay.results.records import read_records  # noqa: E402
 from replay.results.summary import percentile  # noqa: E402
@@ -106,7 +110,8 @@ def runqueue_wait_ms(proc: subprocess.Popen, every: float = 0.05) -> float:
 
 
 def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None) -> dict:
-    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless", "--host", url,
+    usage = out.with_name(out.name + ".cpu")
+    cmd = [sys.executable, "-c", LOCUST, str(usage), "-f", str(REPO / "locustfile.py"), "--headless", "--host", url,
            "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
            "--output", str(out), "--loglevel", "WARNING", "--only-summary"]
     noise = timer_noise(cpu)
@@ -119,6 +124,7 @@ def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None) 
         if proc.returncode != 0:
             raise RuntimeError(f"locust failed ({proc.returncode}): {log.read()[-2000:]}")
     cpu_s = children_cpu() - cpu_before
+    own_s, children_s = locust_cpu(usage)
     records = list(read_records(out))
     sent = sorted(r["sent_at"] for r in records if r["sent_at"] is not None)
     drift = sorted(r["drift_ms"] for r in records if r["drift_ms"] is not None)
@@ -134,6 +140,8 @@ def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None) 
         "ttft_p50": percentile(ttft, 50) if ttft else float("nan"),
         "cpu_ms": cpu_s * 1000.0 / len(records),
         "runqueue_ms": waited_ms,
+        "own_cpu_ms": own_s * 1000.0 / len(records),
+        "children_cpu_ms": children_s * 1000.0 / len(records),
     }
 
 
@@ -151,10 +159,11 @@ def main() -> None:
         os.environ["TRACEREPLAY_CACHE_FOLLOW"] = "0"  # the replay's children inherit it
 
     client_cpu, sim_cpu = split_cores()
+    compile_bytecode()
     print(f"dispatch bench: {args.seconds:g} s traces, {args.output_tokens} output tokens streamed, "
           f"itl {args.itl_ms:g} ms, median of {args.runs} runs; locust on cpu {client_cpu}, sim on cpu {sim_cpu}")
     print(f"{'target/s':>9} {'achieved/s':>10} {'ok':>6} {'drift p50':>10} {'p99':>8} {'max':>8} {'ttft p50':>9} "
-          f"{'idle timer p99':>15} {'cpu/req':>8} {'runq wait':>9}  (ms)  loadavg")
+          f"{'idle timer p99':>15} {'cpu/req':>8} {'runq wait':>9} {'own':>7} {'children':>8}  (ms)  loadavg")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tokenizer = build_toy_tokenizer(tmp / "tok")
@@ -168,7 +177,7 @@ def main() -> None:
                 med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 print(f"{rate:9.0f} {med['rate']:10.1f} {med['ok']:6.1%} {med['p50']:10.3f} {med['p99']:8.3f} "
                       f"{med['max']:8.3f} {med['ttft_p50']:9.1f} {med['noise_p99']:15.3f} {med['cpu_ms']:8.3f} "
-                      f"{med['runqueue_ms']:9.0f}  "
+                      f"{med['runqueue_ms']:9.0f} {med['own_cpu_ms']:7.3f} {med['children_cpu_ms']:8.3f}  "
                       f"{open('/proc/loadavg').read().split()[0]}", flush=True)
 
 

@@ -104,6 +104,12 @@ class Part:
         self._layouts: list[tuple[array, array] | None] = []  # per round laid out: Round.layout's
         self._bases = array("q", [0])  # round r's first row number; then the row count
         self._chunk_bases = array("q", [0])  # round r's first chunk number; then the chunk count
+        # A run without a search: its one round (rounds is [None] for good) is the part's rows in
+        # order, laid out now, and the per-row methods read it directly: a run's end asks them of
+        # every row, several times.
+        self._plain = bool(rounds) and rounds[0] is None
+        if self._plain:
+            self._sync()
 
     def _sync(self) -> None:
         """Lay out the rounds added since (each part's layout is its own, made once)."""
@@ -125,7 +131,8 @@ class Part:
         self.positions = array("q")
 
     def __len__(self) -> int:
-        self._sync()
+        if not self._plain:
+            self._sync()
         return self._bases[-1]
 
     def _round_of(self, i: int) -> int:
@@ -134,6 +141,8 @@ class Part:
 
     def where(self, i: int) -> tuple[Round | None, int, int]:
         """Row `i` of the part: its round, its place in the schedule, and which copy it is."""
+        if self._plain:
+            return None, self._positions[0][i], 0
         r = self._round_of(i)
         j, layout, positions = i - self._bases[r], self._layouts[r], self._positions[r]
         if layout is None:
@@ -146,6 +155,8 @@ class Part:
         return round_.encode(data, position, copy) if round_ is not None else data
 
     def request_id(self, i: int) -> int:
+        if self._plain:
+            return self.schedule.request_ids[self._positions[0][i]]
         round_, position, copy = self.where(i)
         trace_id = self.schedule.request_ids[position]
         return round_.request_id(trace_id, copy) if round_ is not None else trace_id
@@ -158,6 +169,8 @@ class Part:
 
     def chunk_of(self, i: int) -> int:
         """The number of the chunk that carries row `i`."""
+        if self._plain:
+            return i // self.chunk_rows
         r = self._round_of(i)
         return self._chunk_bases[r] + (i - self._bases[r]) // self.chunk_rows
 

@@ -15,6 +15,7 @@ replay options imported ahead (a locustfile that is no replay's must not get the
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def run(args: list[str]) -> int:
     import locust.main  # first: importing Locust monkey-patches the standard library with gevent
 
     if not names_a_locustfile(args):
+        gc.freeze()  # Locust's objects, before the replay's imports (see replay/locust/locustfile.py)
         importlib.import_module("replay.locust.plugin")  # the replay options on Locust's parser, for --help too
         locust.events.init_command_line_parser.add_listener(_usage)
     sys.argv = ["replay run", *argv]  # Locust's parsers read sys.argv; argv[0] names the command in errors

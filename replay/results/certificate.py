@@ -83,6 +83,8 @@ def _share(part: int, whole: int) -> float | None:
 
 
 def _finite(value) -> bool:
+    if type(value) is float:  # a record's times and lags, read from JSON: checked once a field per record
+        return math.isfinite(value)
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
