@@ -168,16 +168,16 @@ def cache_section(job: CacheJob, *, checks: bool = False) -> tuple[dict, list[Ca
 
 
 class CacheStream:
-    """A run's cache section computed while the run replays: a child (cache_child --follow,
-    at a lower priority, so it takes the CPU the replay leaves) reads the records as the run
-    appends them and checks them in send order, so the end only waits for the last ones.
+    """A run's cache section computed while the run replays: a child (cache_child --follow)
+    reads the records as the run appends them and checks them in send order, so the end only
+    waits for the last ones. It runs under SCHED_IDLE (where the system has it; nice 19
+    otherwise): it gets a core only when nothing else wants it, and a send that falls due
+    preempts it at once, so it takes the CPU the replay leaves and never the replay's own.
 
     The section it makes is the end's only for the job it was started with: `section` takes a
     job made at the end and gives None (the end computes the section as before) when the two
     differ, when the child failed or was killed, or when its tail broke (a record much later
     than the requests sent after it). Nothing here is needed for the section."""
-
-    NICE = 10
 
     def __init__(self) -> None:
         self.job: CacheJob | None = None
@@ -202,10 +202,7 @@ class CacheStream:
             log.debug("the cache section is not computed while the run replays (%s)", e)
             self.stop()
             return
-        try:
-            os.setpriority(os.PRIO_PROCESS, self.pid, self.NICE)
-        except OSError:
-            pass
+        _set_idle(self.pid, True)
 
     def section(self, job: CacheJob) -> dict | None:
         """The section of `job` (the end's), once the child has checked the last records; None when
@@ -217,10 +214,7 @@ class CacheStream:
             self.stop()
             return None
         folder = Path(self._folder.name)
-        try:  # the run is over, the end waits for it: its own priority back where allowed (root)
-            os.setpriority(os.PRIO_PROCESS, self.pid, 0)
-        except OSError:
-            pass
+        _set_idle(self.pid, False)  # the run is over and the end waits for it
         try:
             (folder / "end").touch()
         except OSError as e:
@@ -260,3 +254,19 @@ class CacheStream:
             except OSError:
                 pass
             self._folder = None
+
+
+def _set_idle(pid: int, idle: bool) -> None:
+    """Process `pid` to SCHED_IDLE (nice 19 where there is none), or back to a normal process's
+    scheduling where this process may raise it again (root); otherwise it stays as it was."""
+    try:
+        if idle:
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, pid, 0)
+    except (AttributeError, OSError):  # no SCHED_IDLE here, or not allowed
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, 19 if idle else 0)
+        except OSError:
+            pass
