@@ -172,7 +172,8 @@ class CacheStream:
     reads the records as the run appends them and checks them in send order, so the end only
     waits for the last ones. It runs under SCHED_IDLE (where the system has it; nice 19
     otherwise): it gets a core only when nothing else wants it, and a send that falls due
-    preempts it at once, so it takes the CPU the replay leaves and never the replay's own.
+    preempts it at once, so it takes the CPU the replay leaves; and where this process is
+    pinned to some cores (taskset), on the others: its caches' churn is not the replay's.
 
     The section it makes is the end's only for the job it was started with: `section` takes a
     job made at the end and gives None (the end computes the section as before) when the two
@@ -203,6 +204,7 @@ class CacheStream:
             self.stop()
             return
         _set_idle(self.pid, True)
+        _off_my_cores(self.pid)
 
     def section(self, job: CacheJob) -> dict | None:
         """The section of `job` (the end's), once the child has checked the last records; None when
@@ -270,3 +272,15 @@ def _set_idle(pid: int, idle: bool) -> None:
             os.setpriority(os.PRIO_PROCESS, pid, 19 if idle else 0)
         except OSError:
             pass
+
+
+def _off_my_cores(pid: int) -> None:
+    """Process `pid` onto the cores this process is not pinned to, when it is pinned to some and
+    others are there; else left as it is (a cpuset that forbids them included)."""
+    try:
+        mine = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - mine
+        if others:
+            os.sched_setaffinity(pid, others)
+    except (AttributeError, OSError):
+        pass
