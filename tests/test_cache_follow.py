@@ -81,10 +81,19 @@ def test_a_follower_fed_as_the_run_goes_makes_the_same_section(evicting_run, tmp
 
 
 def test_a_changed_job_is_computed_at_the_end(evicting_run):
+    """Also: the follower runs under SCHED_IDLE, on the cores its run is not pinned to."""
     job = cache_job(evicting_run, read_run_metadata(evicting_run), out=None)
     stream = CacheStream()
-    stream.start(job)
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(pinned)})
+    try:
+        stream.start(job)
+    finally:
+        os.sched_setaffinity(0, pinned)
     pid = stream.pid
+    assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+    if len(pinned) > 1:
+        assert min(pinned) not in os.sched_getaffinity(pid)
     assert stream.section(dataclasses.replace(job, seed=job.seed + 1)) is None
     assert stream.pid is None and not _alive(pid)
 
