@@ -247,3 +247,5 @@ def test_the_trace_cursor_reads_only_as_far_as_asked(tmp_path):
     ideal = cursor.finish()
     whole = TraceCursor(TraceStream(trace, "mooncake", SIM_BLOCK)).finish()
     assert (ideal.hit_tokens, ideal.total_tokens) == (whole.hit_tokens, whole.total_tokens)
+    window = TraceCursor(TraceStream(trace, "mooncake", SIM_BLOCK), first=5)  # a run of rows 5..9
+    assert window.take(7)[0].request_id == 7 and sorted(window._held) == [5, 6]

@@ -355,8 +355,10 @@ class TraceCursor:
     when their record says the server did not take them in. Every row read counts in the
     trace's own ideal (IdealHits), in file order as `compute` counts it; `finish` reads the rest."""
 
-    def __init__(self, stream: TraceStream) -> None:
+    def __init__(self, stream: TraceStream, first: int = 0) -> None:
+        """`first`: the run's lowest request id; rows before it (a window's start) are never held."""
         self.stream = stream
+        self._first = first
         self._rows = iter(stream)
         self._held: dict[int, tuple] = {}
         self._unscheduled = bytearray()  # request_id -> 1: its record came, the server did not take it
@@ -392,7 +394,7 @@ class TraceCursor:
             rid = row.request_id
             if rid == request_id:
                 return found
-            if rid >= len(unscheduled) or not unscheduled[rid]:
+            if rid >= self._first and (rid >= len(unscheduled) or not unscheduled[rid]):
                 self._held[rid] = found
         raise missing_rows(1, request_id)
 
@@ -415,7 +417,7 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
     token_ids, server_block = _settings(job, api)
     synth = None  # the tokenizer is loaded when the first request is checked: not at the run's go, when it sends
     stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
-    cursor = TraceCursor(stream)
+    cursor = TraceCursor(stream, job.get("first_request_id", 0))
     tail = RecordTail(job["results"], end_marker, horizon_s, poll_s, on_unscheduled=cursor.drop, parent=parent)
     starts = StartEstimates() if job.get("servers") is not None else None
 

@@ -185,13 +185,15 @@ class CacheStream:
         self.pid: int | None = None
         self._folder: tempfile.TemporaryDirectory | None = None
 
-    def start(self, job: CacheJob, horizon_s: float | None = None) -> None:
-        """Follow the run of `job` (its api named; its records file being appended). A child that
+    def start(self, job: CacheJob, horizon_s: float | None = None, first_request_id: int = 0) -> None:
+        """Follow the run of `job` (its api named; its records file being appended), whose lowest
+        request id is `first_request_id` (the trace rows before it are never held). A child that
         cannot start (no room for its job file) is a debug line: the end computes the section."""
         try:
             self._folder = tempfile.TemporaryDirectory(prefix="tracereplay-follow-")
             folder = Path(self._folder.name)
-            fields = {**dataclasses.asdict(job), "parent": os.getpid()}  # the child ends when this process is gone
+            fields = {**dataclasses.asdict(job), "parent": os.getpid(),  # the child ends when this process is gone
+                      "first_request_id": first_request_id}
             if horizon_s is not None:
                 fields["horizon_s"] = horizon_s
             (folder / "job.json").write_bytes(orjson.dumps(fields))

@@ -126,7 +126,7 @@ def start_cache_stream(spec: RunSpec, facts: RunFacts) -> CacheStream | None:
     if job is None:
         return None
     stream = CacheStream()
-    stream.start(job)
+    stream.start(job, first_request_id=spec.schedule.request_id_range()[0])
     return stream
 
 
