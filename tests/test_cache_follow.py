@@ -7,6 +7,7 @@ leaves no follower behind."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -179,21 +180,30 @@ def _started_followers(tmpdir: Path, proc) -> list[int]:
     return mine
 
 
-def test_a_follower_killed_leaves_the_end_to_compute_the_section(tmp_path, toy_tokenizer_dir, monkeypatch):
+@contextlib.contextmanager
+def _replay_under_way(tmp_path, tokenizer_dir, monkeypatch, gap_ms: float, *sim_args):
+    """A replay of reuse_trace (rows `gap_ms` apart) against a sim, with a TMPDIR of its own, once
+    it has said its go: (its process, that TMPDIR, OUTPUT, its log). Killed on the way out."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
-    trace = reuse_trace(tmp_path / "trace.jsonl", gap_ms=25.0)  # 4 s
+    trace = reuse_trace(tmp_path / "trace.jsonl", gap_ms=gap_ms)
     output, log = tmp_path / "run.jsonl", tmp_path / "run.log"
-    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim:
-        proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--only-summary"), tmp_path, log)
+    with sim_process(tokenizer_dir, *FAST_SIM, *sim_args) as sim:
+        proc = spawn_locust(replay_args(trace, tokenizer_dir, sim.url, output, "--only-summary"), tmp_path, log)
         try:
             wait_for_text(log, "replay starts at", proc)
-            for pid in _started_followers(tmpdir, proc):
-                os.kill(pid, signal.SIGKILL)
-            assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+            yield proc, tmpdir, output, log
         finally:
             proc.kill()
+
+
+def test_a_follower_killed_leaves_the_end_to_compute_the_section(tmp_path, toy_tokenizer_dir, monkeypatch):
+    with _replay_under_way(tmp_path, toy_tokenizer_dir, monkeypatch, 25.0, "--cache-blocks", "30") \
+            as (proc, tmpdir, output, log):  # 4 s
+        for pid in _started_followers(tmpdir, proc):
+            os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "the cache section is computed at the end: the child that followed the run ended without it" in text, \
         text[-3000:]
@@ -204,21 +214,11 @@ def test_a_follower_killed_leaves_the_end_to_compute_the_section(tmp_path, toy_t
 
 def test_a_master_killed_leaves_no_follower(tmp_path, toy_tokenizer_dir, monkeypatch):
     """The master dies (SIGKILL) mid-run: its follower sees its parent gone, ends, and removes its folder."""
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmpdir))
-    trace = reuse_trace(tmp_path / "trace.jsonl", gap_ms=100.0)  # 16 s
-    output, log = tmp_path / "run.jsonl", tmp_path / "run.log"
-    with sim_process(toy_tokenizer_dir, *FAST_SIM) as sim:
-        proc = spawn_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--only-summary"), tmp_path, log)
-        try:
-            wait_for_text(log, "replay starts at", proc)
-            mine = _started_followers(tmpdir, proc)
-            assert any(p.name.startswith("tracereplay-follow-") for p in tmpdir.iterdir())
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
-        finally:
-            proc.kill()
+    with _replay_under_way(tmp_path, toy_tokenizer_dir, monkeypatch, 100.0) as (proc, tmpdir, _, _):  # 16 s
+        mine = _started_followers(tmpdir, proc)
+        assert any(p.name.startswith("tracereplay-follow-") for p in tmpdir.iterdir())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in mine) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -433,7 +433,7 @@ class Coordinator:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
         if self.probes is None:  # a search's probes are rows of their own, which no trace holds
-            self.cache_stream = start_cache_stream(self.spec, self.facts())
+            self.cache_stream = start_cache_stream(self.spec, self.facts(), self.store.first)
 
     # -- records ------------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ import tempfile
 import time
 from array import array
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -209,29 +210,27 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
     offset, blocks, length = array("q", [0]) * n, array("q", [0]) * n, array("q", [NONE]) * n
     ideal_tokens = array("q", [NONE]) * n if model_on else None  # the trace's own expectation
     stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
-    synth = ideal = None
+    trace = TraceCursor(stream)
+    synth = None
     position = sent.position
     with tempfile.TemporaryFile(prefix="tracereplay-cache-", buffering=SPOOL_BUFFER) as spool, \
             open(job["results"], "rb") as records:
         written = 0
-        for row in stream:
+        for row, row_ideal in trace.rows():
             if synth is None:  # the trace's block size is known from its first row on
                 synth = _synthesizer(tokenizer, job, api, token_ids, stream.block_size)
-                ideal = IdealHits() if stream.block_size else None
-            hits = ideal.add(row, stream.block_size) if ideal is not None else 0
             k = position[row.request_id] if row.request_id < len(position) else NONE
             if k == NONE:
                 continue
-            if ideal_tokens is not None and ideal is not None:
-                ideal_tokens[k] = hit_tokens(row, hits, stream.block_size)
+            if ideal_tokens is not None and row_ideal is not None:
+                ideal_tokens[k] = row_ideal
             ids = synth.server_ids(row)
             hashes = array("q", block_hashes(ids, server_block))
             offset[k], blocks[k], length[k] = written, len(hashes), len(ids)
             spool.write(hashes)
             written += 8 * len(hashes)
         spool.flush()
-        if synth is None and stream.block_size:  # a trace without rows
-            ideal = IdealHits()
+        ideal = trace.finish()
         missing = [sent.request_id[k] for k in sent.order if length[k] == NONE]
         if missing:
             raise missing_rows(len(missing), missing[0])
@@ -350,10 +349,11 @@ class RecordTail:
 
 
 class TraceCursor:
-    """The trace's rows by request id, read in file order only as far as a request asks (a run
-    sends them in about that order): the rows read past are held until asked for, or dropped
-    when their record says the server did not take them in. Every row read counts in the
-    trace's own ideal (IdealHits), in file order as `compute` counts it; `finish` reads the rest."""
+    """The trace's rows, each with its hit tokens in the trace's own ideal (IdealHits: every row
+    counts, in file order), read once: all of them in order (`rows`, the end's pass), or by
+    request id only as far as a request asks (`take`, the follower's: a run sends them in about
+    that order), the rows read past held until asked for, or dropped when their record says the
+    server did not take them in. `finish` reads the rest and gives the ideal."""
 
     def __init__(self, stream: TraceStream, first: int = 0) -> None:
         """`first`: the run's lowest request id; rows before it (a window's start) are never held."""
@@ -380,6 +380,11 @@ class TraceCursor:
         if self.ideal is None:
             return None
         return hit_tokens(row, self.ideal.add(row, block_size), block_size)
+
+    def rows(self) -> Iterator[tuple]:
+        """(row, its ideal hit tokens) of every row not read yet, in file order."""
+        for row in self._rows:
+            yield row, self._count(row)
 
     def take(self, request_id: int) -> tuple:
         """(the row, its ideal hit tokens) of `request_id`; raises ValueError when the trace has none."""

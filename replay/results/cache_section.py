@@ -152,11 +152,8 @@ def cache_section(job: CacheJob, *, checks: bool = False) -> tuple[dict, list[Ca
         args = [str(paths["job.json"]), str(paths["result.json"]), str(paths["checks.bin"]) if checks else ""]
         started = time.perf_counter()
         status, peak_mib = run_module(CHILD_MODULE, args, paths["stderr"])
-        try:
-            result = orjson.loads(paths["result.json"].read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            result = None
-        if status != 0 or not isinstance(result, dict):
+        result = _result(paths["result.json"])
+        if status != 0 or result is None:
             how = f"ended with {status}" if status != 0 else "wrote no result"
             raise CacheChildError(f"the child process computing it {how} ({last_line(paths['stderr'])}); "
                                   "no cache section")
@@ -228,13 +225,10 @@ class CacheStream:
         started = time.perf_counter()
         pid, self.pid = self.pid, None
         status, peak_mib = wait_module(pid)
-        try:
-            result = orjson.loads((folder / "result.json").read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            result = None
+        result = _result(folder / "result.json")
         self.stop()
-        if status != 0 or not isinstance(result, dict) or "section" not in result:
-            why = ((result or {}).get("broken") or (result or {}).get("error") if isinstance(result, dict) else None)
+        if status != 0 or result is None or "section" not in result:
+            why = result and (result.get("broken") or result.get("error"))
             log.info("the cache section is computed at the end: the child that followed the run ended without it "
                      "(%s)", why or (f"ended with {status}" if status != 0 else "no result"))
             return None
@@ -258,6 +252,15 @@ class CacheStream:
             except OSError:
                 pass
             self._folder = None
+
+
+def _result(path: Path) -> dict | None:
+    """What a child wrote to its result file; None when it wrote none (or not a JSON object)."""
+    try:
+        result = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return result if isinstance(result, dict) else None
 
 
 def _set_idle(pid: int, idle: bool) -> None:

@@ -111,12 +111,13 @@ def _cache_job(spec: RunSpec, facts: RunFacts, *, check_trace: bool = True) -> C
                      server_cache_blocks=spec.options.server_cache_blocks, check_trace=check_trace, out=None)
 
 
-def start_cache_stream(spec: RunSpec, facts: RunFacts) -> CacheStream | None:
+def start_cache_stream(spec: RunSpec, facts: RunFacts, first_request_id: int) -> CacheStream | None:
     """Start computing the run's cache section while it replays (replay.results.cache_section.
     CacheStream), called at the go: its records file is open and the servers' first counters
     are read. None when the run has no cache section (no server block size) or its job cannot
     be made (the end says why, as before), or $TRACEREPLAY_CACHE_FOLLOW is 0 (benchmarks: the
-    end computes the section, docs/testing.md)."""
+    end computes the section, docs/testing.md). `first_request_id`: the run's lowest (its
+    record store's first)."""
     if os.environ.get(CACHE_FOLLOW_ENV) == "0":
         return None
     try:
@@ -126,7 +127,7 @@ def start_cache_stream(spec: RunSpec, facts: RunFacts) -> CacheStream | None:
     if job is None:
         return None
     stream = CacheStream()
-    stream.start(job, first_request_id=spec.schedule.request_id_range()[0])
+    stream.start(job, first_request_id=first_request_id)
     return stream
 
 
