@@ -249,3 +249,20 @@ def test_the_trace_cursor_reads_only_as_far_as_asked(tmp_path):
     assert (ideal.hit_tokens, ideal.total_tokens) == (whole.hit_tokens, whole.total_tokens)
     window = TraceCursor(TraceStream(trace, "mooncake", SIM_BLOCK), first=5)  # a run of rows 5..9
     assert window.take(7)[0].request_id == 7 and sorted(window._held) == [5, 6]
+
+
+def test_the_tail_reads_more_than_one_read_at_a_time(tmp_path):
+    """Records appended at once past TAIL_READ (a line split between two reads), sent over more
+    than the horizon: every one handed out once, in send order."""
+    from replay.results.cache_child import TAIL_READ
+
+    path, end = tmp_path / "records.jsonl", tmp_path / "end"
+    pad = "x" * 500
+    lines = [orjson.dumps({"request_id": k, "sent_at": k / 10, "ok": True, "status": 200, "worker": 0,
+                           "endpoint": "x", "pad": pad}) + b"\n" for k in range(4000)]
+    path.write_bytes(b"".join(lines))
+    assert path.stat().st_size > 2 * TAIL_READ
+    end.touch()
+    tail = RecordTail(str(path), end, horizon_s=30.0, poll_s=0.005)
+    assert [r["request_id"] for r in tail] == list(range(4000))
+    tail.close()
