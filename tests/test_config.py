@@ -21,7 +21,7 @@ from replay.run.config import ConfigError, apply_config, config_keys, load_confi
 from replay.run.options import LOCAL_OPTION_NAMES, ReplayOptions, add_arguments
 from replay.sim.process import sim_process
 from support.paths import shared_path
-from support.processes import LOCUST
+from support.processes import run_replay
 from support.records import check_records
 from support.traces import bailian_trace
 
@@ -171,9 +171,8 @@ def test_bailian_config_end_to_end(data_dir, toy_tokenizer_dir):
     config = REPO / "configs" / "bailian-sessions.yaml"
     with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "10", "--itl-ms", "1") as a, \
             sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "10", "--itl-ms", "1") as b:
-        proc = subprocess.run([*LOCUST, "--headless", "--replay-config", str(config), "--model", "sim",
-                               "--endpoints", f"{a.url},{b.url}", "--loglevel", "INFO"],
-                              cwd=data_dir, capture_output=True, text=True, timeout=90)
+        proc = run_replay(["--headless", "--replay-config", str(config), "--model", "sim",
+                          "--endpoints", f"{a.url},{b.url}", "--loglevel", "INFO"], data_dir, 90)
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = data_dir / "data" / "results" / "bailian-sessions.jsonl"  # the file's `output`
     trace = data_dir / "data" / "traces" / "bailian.jsonl"
@@ -189,7 +188,6 @@ def test_bailian_config_end_to_end(data_dir, toy_tokenizer_dir):
 
 def test_locust_rejects_a_bad_config(tmp_path):
     bad = write(tmp_path, "trace: t.jsonl\nroutng: session\n")
-    proc = subprocess.run([*LOCUST, "--headless", "--host", "http://127.0.0.1:9", "--replay-config", str(bad)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = run_replay(["--headless", "--host", "http://127.0.0.1:9", "--replay-config", str(bad)], tmp_path, 60)
     assert proc.returncode == 2
     assert f"{bad}:2: unknown key 'routng'; valid keys: " in proc.stderr

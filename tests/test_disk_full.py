@@ -22,7 +22,7 @@ from replay.results.metadata import read_run_metadata
 from replay.results.records import OUTPUT_ERROR, RECORD_FIELDS, read_records
 from replay.results.store import RecordStore
 from support.ports import free_port
-from support.processes import LOCUST, finish, master_and_workers, replay_args, spawn_locust, spawn_worker
+from support.processes import finish, master_and_workers, replay_args, run_replay, spawn_locust, spawn_worker
 from support.records import ok_record
 from support.waiting import wait_for, wait_for_text
 
@@ -114,7 +114,7 @@ def assert_records_once(output: Path) -> list[dict]:
 
 
 def run(cmd_args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*LOCUST, *cmd_args], cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return run_replay(cmd_args, cwd, RUN_TIMEOUT_S)
 
 
 def run_as(mode: str, cmd_args: list[str], cwd: Path) -> tuple[int, str, str]:

@@ -20,7 +20,7 @@ from replay.results.records import DRAIN_TIMEOUT, OVERSIZED, RUN_STOPPED, STOPPE
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
 from support.ports import free_port
-from support.processes import LOCUST, finish, master_and_workers, replay_args, run_locust
+from support.processes import LOCUST, finish, master_and_workers, replay_args, run_locust, run_replay
 from support.records import check_records
 from support.traces import BLOCK, bailian_trace, mooncake_trace, trace_ids
 from support.waiting import wait_for, wait_for_text
@@ -282,7 +282,7 @@ def test_a_row_beyond_any_replay_is_refused_on_the_master(tmp_path, toy_tokenize
     trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 3}\n'
                      '{"timestamp": 1e300, "input_length": 20, "output_length": 3}\n')
     args = replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", tmp_path / "run.jsonl")
-    proc = subprocess.run([*LOCUST, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = run_replay(args, tmp_path, 60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (f"replay: {trace}:2: field 'timestamp': 1e+297 s is 1e+297 s from an earlier row's 0 s; a trace spans "
             "at most 315576000 s (10 years)") in proc.stderr, proc.stderr[-2000:]
@@ -338,7 +338,7 @@ def test_bad_options_refused_on_the_master(tmp_path, toy_tokenizer_dir, flags, m
     worker, or hang, with exit 0): one line naming the option, exit 2."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
     args = replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", tmp_path / "run.jsonl", *flags)
-    proc = subprocess.run([*LOCUST, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = run_replay(args, tmp_path, 60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run.jsonl").exists()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import logging
 import re
-import subprocess
 from datetime import datetime
 
 import gevent
@@ -19,7 +18,7 @@ from replay.engine.coordinator import Coordinator
 from replay.engine.live import LiveStats
 from replay.engine.progress import ERASE, LOG_INTERVAL_S, TTY_INTERVAL_S, ProgressLine, progress_line
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
-from support.processes import LOCUST, replay_args
+from support.processes import replay_args, run_replay
 from support.traces import mooncake_trace
 
 FIGURES = {
@@ -107,8 +106,7 @@ def test_a_headless_run_prints_the_line_at_least_every_5_s(tmp_path, toy_tokeniz
     """With --only-summary, as `make demo` runs: Locust prints nothing else while it runs."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=34, gap_ms=300)  # about 10 s: lines at 0, 4, 8 s and the last
     args = replay_args(trace, toy_tokenizer_dir, fast_sim.url, tmp_path / "run.jsonl", "--only-summary")
-    proc = subprocess.run([*LOCUST, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=90)  # both streams in one, in the order they were written
+    proc = run_replay(args, tmp_path, 90, stderr_to_stdout=True)  # both streams in one, in the order they were written
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:]
     lines = LINE.findall(out)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from replay.results.records import WORKER_FAILED, read_records
 from replay.synth.tokenizer import tokenizer_fingerprint
 from replay.synth.toy import build_toy_tokenizer
 from support.ports import free_port
-from support.processes import LOCUST, finish, replay_args, spawn_locust, spawn_worker
+from support.processes import finish, replay_args, run_replay, spawn_locust, spawn_worker
 from support.traces import mooncake_trace, trace_ids
 
 
@@ -94,7 +93,7 @@ def test_unloadable_tokenizer_is_refused_on_the_master(tmp_path, toy_tokenizer_d
         message = "--tokenizer tok: cannot load: tokenizer not found: tok"
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
     args = replay_args(trace, Path("tok"), "http://127.0.0.1:9", tmp_path / "run.jsonl", *flags)
-    proc = subprocess.run([*LOCUST, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = run_replay(args, tmp_path, 60)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "replay: " in line]
     assert len(lines) == 1 and f"replay: {message}" in lines[0], proc.stderr[-3000:]

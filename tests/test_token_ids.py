@@ -22,7 +22,7 @@ from replay.results.records import RECORD_FIELDS
 from replay.run.config import ConfigError, apply_config, load_config
 from replay.run.options import ReplayOptions, add_arguments
 from replay.sim.process import sim_process
-from support.processes import LOCUST, replay_args, run_locust
+from support.processes import replay_args, run_locust, run_replay
 from support.records import check_records
 from support.traces import BLOCK, mooncake_trace
 
@@ -89,7 +89,7 @@ def test_token_ids_refused_with_other_apis(tmp_path, toy_tokenizer_dir, api):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
     args = replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", tmp_path / "run.jsonl", "--api", api,
                        "--prompt-format", "token-ids")
-    proc = subprocess.run([*LOCUST, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = run_replay(args, tmp_path, 60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     message = f"replay: --prompt-format token-ids: only with --api openai-completions, not --api {api}"
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line or "Traceback" in line]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import orjson
@@ -20,7 +19,7 @@ from replay.sim.process import sim_process
 from replay.synth.tokenizer import tokenizer_fingerprint
 from replay.synth.tokenizer_source import TokenizerNotFound, hub_cache_dir, parse_hub_id, resolve_tokenizer
 from support.hf_cache import cache_revision
-from support.processes import LOCUST, replay_args
+from support.processes import replay_args, run_replay
 from support.traces import BLOCK, mooncake_trace, trace_ids
 
 MAIN = "a" * 40  # refs/main
@@ -140,8 +139,7 @@ def test_a_run_by_id_replays_and_records_the_snapshot(hub, tmp_path):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=6, gap_ms=5)
     output = tmp_path / "run.jsonl"
     with sim_process("org/toy", "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "0") as sim:
-        proc = subprocess.run([*LOCUST, *replay_args(trace, "org/toy", sim.url, output)], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=90)
+        proc = run_replay(replay_args(trace, "org/toy", sim.url, output), tmp_path, 90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(r["request_id"] for r in read_records(output) if r["ok"]) == sorted(trace_ids(trace))
     meta = orjson.loads(meta_path(output).read_bytes())
@@ -150,8 +148,7 @@ def test_a_run_by_id_replays_and_records_the_snapshot(hub, tmp_path):
 
 def test_a_run_by_an_absent_id_is_refused_in_one_line(hub, tmp_path):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
-    proc = subprocess.run([*LOCUST, *replay_args(trace, "org/none", "http://127.0.0.1:9", tmp_path / "run.jsonl")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = run_replay(replay_args(trace, "org/none", "http://127.0.0.1:9", tmp_path / "run.jsonl"), tmp_path, 60)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "replay: " in line]
     assert len(lines) == 1 and "--tokenizer org/none: cannot load: tokenizer not found" in lines[0]

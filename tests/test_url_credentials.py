@@ -24,7 +24,15 @@ from replay.results.metadata import read_run_metadata
 from replay.rules.run_files import summary_path
 from replay.sim.process import sim_process
 from support.ports import free_port
-from support.processes import LOCUST, finish, master_and_workers, replay_args, run_locust, start_web_locust, web_args
+from support.processes import (
+    finish,
+    master_and_workers,
+    replay_args,
+    run_locust,
+    run_replay,
+    start_web_locust,
+    web_args,
+)
 from support.records import check_records, server_samples
 from support.traces import BLOCK, mooncake_trace
 from support.waiting import wait_for
@@ -127,9 +135,7 @@ def test_a_wrong_password_fails_without_showing_it(tmp_path, toy_tokenizer_dir, 
     results.mkdir()
     trace = mooncake_trace(results / "trace.jsonl", rows=3, gap_ms=10)
     url = locked_sims[0].url.replace("http://", f"http://{USER}:wrong-{PASSWORD}@", 1)
-    proc = subprocess.run([*LOCUST,
-                           *replay_args(trace, toy_tokenizer_dir, url, results / "run.jsonl")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = run_replay(replay_args(trace, toy_tokenizer_dir, url, results / "run.jsonl"), tmp_path, 120)
     assert proc.returncode != 0
     assert "401" in proc.stderr + proc.stdout
     assert leaks(results, proc.stdout, proc.stderr) == []

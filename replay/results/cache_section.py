@@ -264,17 +264,19 @@ def _result(path: Path) -> dict | None:
 
 
 def _set_idle(pid: int, idle: bool) -> None:
-    """Process `pid` to SCHED_IDLE (nice 19 where there is none), or back to a normal process's
-    scheduling where this process may raise it again (root); otherwise it stays as it was."""
+    """Process `pid` to SCHED_IDLE (nice 19 where there is none), or back to this process's own
+    scheduling where this process may raise it again (root); otherwise it stays as it was. Back
+    to this process's, not to a default: a replay started under nice or SCHED_IDLE (a test
+    suite's background pass, a batch job) keeps its end's work at the priority it was given."""
     try:
         if idle:
             os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
         else:
-            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, pid, 0)
+            os.sched_setscheduler(pid, os.sched_getscheduler(0), os.sched_getparam(0))
+            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0))
     except (AttributeError, OSError):  # no SCHED_IDLE here, or not allowed
         try:
-            os.setpriority(os.PRIO_PROCESS, pid, 19 if idle else 0)
+            os.setpriority(os.PRIO_PROCESS, pid, 19 if idle else os.getpriority(os.PRIO_PROCESS, 0))
         except OSError:
             pass
 

@@ -2,9 +2,10 @@
 (small_cache_vllm) ahead of them, write its URL into FILE once it is healthy, and serve until
 SIGTERM or SIGINT, then stop it.
 
-`make test` runs it at nice 19 while the parallel tests run, and passes FILE to the alone tests
-(SMALL_CACHE_ENV): a vLLM start is about 30 s of CPU (three processes import torch and vLLM),
-spent where it yields to the parallel tests instead of in the alone tests' wall time. Where it
+`make test` runs it under SCHED_IDLE with the parallel tests, and passes FILE to the alone vLLM
+test (SMALL_CACHE_ENV), which runs after them: a vLLM start is about 30 s of CPU (three processes
+import torch and vLLM), spent beside the parallel tests instead of in the alone tests' wall time
+and never before the alone tests that run meanwhile. Where it
 cannot start one (vLLM not installed, no shared test data, a failed start) it writes "-" and
 exits, and the test starts its own, with its own skip or failure.
 """
@@ -21,8 +22,8 @@ from pathlib import Path
 from support.paths import SHARED
 from support.vllm import SKIP_ENV, VllmStartError, small_cache_vllm, vllm_python
 
-# At nice 19 beside busy parallel tests the start may take as long as they do: it must not
-# time out before the alone tests begin, when it gets the CPU.
+# Under SCHED_IDLE beside busy tests the start may take as long as they do: it must not time
+# out before the alone vLLM test begins.
 STARTUP_TIMEOUT_S = 1800.0
 
 
@@ -31,14 +32,24 @@ def _stop(signum, frame) -> None:
 
 
 def _as_any_other_process() -> None:
-    """Back to nice 0 once started, where this user may raise a priority (root: CI): the alone
-    test then finds its server as one it started itself. vLLM is this process's child, leading a
-    process group of its own (its engine and worker processes)."""
+    """Back to normal scheduling (SCHED_OTHER, nice 0) once started, where this user may raise a
+    priority (root: CI): the alone test then finds its server as one it started itself. vLLM is
+    this process's child, leading a process group of its own (its engine and worker processes);
+    a scheduling policy is each thread's own, so every thread of the group is set."""
     with contextlib.suppress(OSError):
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        stats = {int(stat.parent.name): stat for stat in Path("/proc").glob("[0-9]*/stat")}
+        fields = {}
+        for pid, stat in stats.items():
             with contextlib.suppress(OSError, ValueError, IndexError):
-                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    os.setpriority(os.PRIO_PGRP, int(stat.parent.name), 0)
+                after = stat.read_text().rsplit(")", 1)[1].split()
+                fields[pid] = (int(after[1]), int(after[2]))  # parent, process group
+        for leader in (pid for pid, (parent, _) in fields.items() if parent == os.getpid()):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PGRP, leader, 0)
+            for pid in (pid for pid, (_, group) in fields.items() if group == leader):
+                for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+                    with contextlib.suppress(OSError, ValueError):
+                        os.sched_setscheduler(int(task.name), os.SCHED_OTHER, os.sched_param(0))
 
 
 def main(argv: list[str]) -> int:

@@ -215,8 +215,11 @@ def vllm_server(
     fd, log_name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
     log = Path(log_name)
     with os.fdopen(fd, "wb") as log_file:
+        # A process group of its own (stopped as one), in this session: a new session would be a
+        # scheduling group of its own where the kernel groups by session (autogroup), weighted
+        # as a normal process however idle its scheduling (make test's SCHED_IDLE pass).
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, process_group=0
         )
     failed = True
     try:
