@@ -46,6 +46,7 @@ IDLE := $(shell chrt --idle 0 true 2>/dev/null && echo chrt --idle 0 || echo nic
 
 test: $(STAMP) $(VLLM_STAMP) bytecode
 	$(PY) -m ruff check .
+	sync  # a fresh install's files written out before the alone tests, not while they run
 	ahead=$$(mktemp); log=$$(mktemp); \
 	PYTHONPATH=tests $(IDLE) $(PY) -m support.serve_vllm "$$ahead" & server=$$!; \
 	$(IDLE) $(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not alone" $(PYTEST_ARGS) >"$$log" 2>&1 & parallel=$$!; \

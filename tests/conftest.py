@@ -50,14 +50,23 @@ SERIAL_GROUPS = {
 }
 
 
+# Alone tests that run last among the alone tests: the capacity search calls a probe whose sends
+# run 10 ms late (p99) client-limited, and 60 rows make its p99 one stall. `make test` runs the
+# alone tests beside the parallel ones, whose starts (vLLM servers loading, a fresh checkout's
+# files still being written out) are the busiest time of the run.
+ALONE_LAST = ("tests/test_capacity_sim.py",)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every `vllm` test belongs to a SERIAL_GROUPS module (a new one must be listed there), and
-    they come first: they are the longest pieces of work, and end the run late if started late."""
+    they come first: they are the longest pieces of work, and end the run late if started late.
+    ALONE_LAST's come last."""
     for item in items:
         if item.get_closest_marker("vllm") and item.nodeid.split("::")[0] not in SERIAL_GROUPS:
             raise pytest.UsageError(f"{item.nodeid}: a vllm test whose module is not in SERIAL_GROUPS "
                                     "(tests/conftest.py), so pytest-xdist could start its server in every worker")
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)  # stable: otherwise in order
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is None,  # stable: otherwise in order
+                                 item.nodeid.split("::")[0] in ALONE_LAST))
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: run in the controlling process
