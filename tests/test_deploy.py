@@ -211,9 +211,15 @@ def test_prefix_routing_and_per_endpoint_report(tmp_path, toy_tokenizer_dir):
         by_prefix[rows[r["request_id"]]["hash_ids"][0]].add(r["endpoint"])
     assert len(by_prefix) == 5 and all(len(e) == 1 for e in by_prefix.values()), by_prefix
     assert set.union(*by_prefix.values()) == {a.url, b.url}
-    # every request after its family's first finds the shared blocks in that server's cache
-    firsts = {min(r["request_id"] for r in records if rows[r["request_id"]]["hash_ids"][0] == h) for h in by_prefix}
-    assert all(r["cached_tokens"] >= BLOCK for r in records if r["request_id"] not in firsts)
+    # every request sent once its family's first had its first token (its blocks were cached by
+    # then) finds the shared blocks in that server's cache; on a busy host, late sends can go out
+    # together, and a family's second then reaches the server with its first
+    first = {}
+    for r in sorted(records, key=lambda r: r["sent_at"]):
+        first.setdefault(rows[r["request_id"]]["hash_ids"][0], r)
+    later = [r for r in records if r["sent_at"] >= (f := first[rows[r["request_id"]]["hash_ids"][0]])["sent_at"]
+             + f["ttft_ms"] / 1000 and r is not f]
+    assert len(later) >= len(records) // 2 and all(r["cached_tokens"] >= BLOCK for r in later), later
 
     report_json = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--json", str(report_json)],
