@@ -90,9 +90,15 @@ def session_set_up_cache(tmp_path_factory) -> Path:
     """An empty set-up cache (replay/synth/setup_cache.py) for each test session, never the
     user's ~/.cache: a session's first set-up of each tokenizer is cold, so cold-start bugs are
     not hidden behind entries an earlier session wrote. Child processes (locust, replay sim)
-    inherit it. Tests about the cache itself use a folder of their own. Each xdist worker has
-    its own (tmp_path_factory's folders are per worker)."""
-    path = tmp_path_factory.mktemp("setup-cache")
+    inherit it. Tests about the cache itself use a folder of their own. The pytest-xdist workers
+    of one session share it (each worker's temporary folder is in the session's), as the
+    replay's own workers on one host do: a real tokenizer's set-up is built once a session,
+    not once a worker."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / "setup-cache"
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("setup-cache")
     before = os.environ.get("TRACEREPLAY_CACHE_DIR")
     os.environ["TRACEREPLAY_CACHE_DIR"] = str(path)
     yield path

@@ -270,18 +270,18 @@ def test_sorted_array_is_sorted_bit_for_bit(monkeypatch, n, kind):
 
 # -- memory ------------------------------------------------------------------------------------
 
-UNSENT_ROWS = 400_000
-OK_ROWS = 200_000
+UNSENT_ROWS = 100_000
+OK_ROWS = 50_000
 ITL_PER_OK = 3
-# Never-sent rows must cost counters only: after UNSENT_ROWS of them the builder holds < 100 KB,
-# so even one byte kept per row (400 KB) fails, let alone an 8-byte value (3.2 MB).
+# Never-sent rows must cost counters only: after UNSENT_ROWS of them the builder holds < 50 KB,
+# so even one byte kept per row (100 KB) fails, let alone an 8-byte value (800 KB).
 # What the builder must keep for OK_ROWS ok rows: TTFT, TPOT, E2E, drift, the endpoint's TTFT and
-# E2E, and ITL_PER_OK ITL values, 8 bytes each in array('d'): 200,000 x 9 x 8 = 14.4 MB. array
-# over-allocates by ~1/16 as it grows, and report() holds the largest array (ITL, 4.8 MB) twice
-# while it merges plus SORT_RUN values as Python floats (~2.6 MB): about 23 MB in all. The bound
-# is 30 MB: keeping the values as Python floats (32 bytes each: 58 MB) breaks it, let alone the
+# E2E, and ITL_PER_OK ITL values, 8 bytes each in array('d'): 50,000 x 9 x 8 = 3.6 MB. array
+# over-allocates by ~1/16 as it grows, and report() holds the largest array (ITL, 1.2 MB) twice
+# while it merges plus SORT_RUN values as Python floats (~2.6 MB): about 6.5 MB in all. The bound
+# is 10 MB: keeping the values as Python floats (32 bytes each: 14.4 MB) breaks it, let alone the
 # records (a dict is ~1 KB).
-PEAK_BOUND = 30_000_000
+PEAK_BOUND = 10_000_000
 
 
 def test_rows_never_sent_cost_counters_only():
@@ -307,7 +307,7 @@ def test_rows_never_sent_cost_counters_only():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert after_unsent < 100_000, f"{UNSENT_ROWS:,} rows never sent hold {after_unsent:,} bytes"
+    assert after_unsent < 50_000, f"{UNSENT_ROWS:,} rows never sent hold {after_unsent:,} bytes"
     assert peak < PEAK_BOUND, f"peak {peak:,} bytes"
     assert report["requests"] == UNSENT_ROWS + OK_ROWS and report["requests_unsent"] == UNSENT_ROWS
     assert report["itl_ms"]["p50"] == 12.5 and sum(e["requests"] for e in report["endpoints"].values()) == OK_ROWS
