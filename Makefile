@@ -35,26 +35,28 @@ vllm: $(VLLM_STAMP)
 # (pytest-xdist) even on 2 cores; --dist loadgroup keeps each real vLLM server's tests in one
 # (tests/conftest.py). TEST_JOBS=0 runs them in one process. The tests marked `alone` have
 # wall-clock bounds (drift, stop times, heartbeats) that other tests' CPU load would break: they
-# run at the same time as the parallel ones, one at a time and at normal priority, while the
-# parallel ones and the alone vLLM test's server start run under SCHED_IDLE ($(IDLE)), which
-# gets a core only when no normal process wants it: the alone tests see a quiet machine, and
-# the parallel ones take the CPU the alone ones leave idle while they wait. The alone vLLM test
-# runs last, once the parallel tests are done and its server is up (tests/support/serve_vllm.py).
-# The parallel tests' output is shown when they end (exit 5 of an alone pass: none selected).
+# run one at a time and at normal priority, at the same time as the parallel ones, which run
+# (with the alone vLLM test's server start) under SCHED_IDLE ($(IDLE)): it gets a core only
+# when no normal process wants one, so the alone tests see a quiet machine and the parallel ones
+# take the CPU the alone ones leave idle while they wait. The alone tests that keep more than a
+# core busy (`heavy`) would leave the parallel ones none: they run after them, with the alone
+# vLLM test, whose server is up by then (tests/support/serve_vllm.py). `sync` first: a fresh
+# install's files are written out before the alone tests, not while they run. The parallel
+# tests' output is shown when they end (exit 5 of an alone pass: none selected).
 TEST_JOBS ?= 4
 IDLE := $(shell chrt --idle 0 true 2>/dev/null && echo chrt --idle 0 || echo nice -n 19)
 
 test: $(STAMP) $(VLLM_STAMP) bytecode
 	$(PY) -m ruff check .
-	sync  # a fresh install's files written out before the alone tests, not while they run
+	sync
 	ahead=$$(mktemp); log=$$(mktemp); \
 	PYTHONPATH=tests $(IDLE) $(PY) -m support.serve_vllm "$$ahead" & server=$$!; \
 	$(IDLE) $(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not alone" $(PYTEST_ARGS) >"$$log" 2>&1 & parallel=$$!; \
 	trap 'kill $$server $$parallel 2>/dev/null; wait $$server; rm -f "$$ahead" "$$log"' EXIT; \
-	$(PY) -m pytest -m "alone and not vllm" $(PYTEST_ARGS); alone=$$?; \
+	$(PY) -m pytest -m "alone and not vllm and not heavy" $(PYTEST_ARGS); alone=$$?; \
 	wait $$parallel; parallel_rc=$$?; cat "$$log"; \
-	TRACEREPLAY_VLLM_SMALL_CACHE_FILE="$$ahead" $(PY) -m pytest -m "alone and vllm" $(PYTEST_ARGS); last=$$?; \
-	echo "make test: parallel tests exit $$parallel_rc, alone tests $$alone, alone vLLM test $$last"; \
+	TRACEREPLAY_VLLM_SMALL_CACHE_FILE="$$ahead" $(PY) -m pytest -m "alone and (vllm or heavy)" $(PYTEST_ARGS); last=$$?; \
+	echo "make test: parallel tests exit $$parallel_rc, alone tests beside them $$alone, alone tests after them $$last"; \
 	test $$parallel_rc -eq 0 && { test $$alone -eq 0 || test $$alone -eq 5; } && { test $$last -eq 0 || test $$last -eq 5; }
 
 demo: $(STAMP) bytecode

@@ -78,7 +78,7 @@ def test_each_read_calls_the_hook_in_the_loop_which_can_wake_a_waiting_greenlet(
     assert outcome.ok, outcome.error
     # woken by the read, not by its own deadline 30 s away (1 s: a loaded machine's bound)
     assert woke and reads and 0 <= woke[0] - reads[0] < 1.0, (woke[:1], reads[:1])
-    assert reads == sorted(reads) and len(reads) >= 4 and all(in_loop)
+    assert reads == sorted(reads) and len(reads) >= 2 and all(in_loop)  # a slow reader gets chunks together
     # token times are the arrival times of the reads that brought them (the last read ends the
     # stream and calls no hook)
     assert sum(t in reads for t in outcome.token_times) >= len(outcome.token_times) - 2

@@ -134,7 +134,8 @@ def test_replay_view_in_chromium(tmp_path, toy_tokenizer_dir, sim, browser, dcgm
             return points >= 8 and browser.find_elements("css selector", "#chart-ttft polyline.series")
 
         wait_for(charts_drawn, "the TTFT chart to draw 8 points", timeout=30)
-        assert text(browser, "state") == "RUNNING"  # shown upper-case by CSS
+        # shown upper-case by CSS; a browser slowed by a busy host may see the last sends gone out
+        assert text(browser, "state") in ("RUNNING", "DRAINING")
         assert text(browser, "rows-total") == str(rows)
         assert 0 < int(text(browser, "rows-sent")) <= rows
         for chart in ("ttft", "tpot", "e2e", "output", "input", "inflight", "drift", "cache"):

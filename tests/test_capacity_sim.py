@@ -115,6 +115,7 @@ def test_master_and_two_workers_find_the_same_capacity(folder, toy_tokenizer_dir
     assert workers_seen == {0, 1}
 
 
+@pytest.mark.heavy
 def test_a_client_that_cannot_keep_up_is_client_limited_not_a_server_failure(tmp_path, toy_tokenizer_dir, sim):
     """One process asked for thousands of requests a second (the window x 16, x 32, ...) cannot
     send them on time: a probe is client-limited, and the search ends there (exit 1) saying to

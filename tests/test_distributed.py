@@ -60,6 +60,7 @@ def assert_each_sent_once(output: Path, sim_url: str, request_ids) -> None:
     assert set(seen) == expected, (len(seen), len(expected), sorted(set(expected) - set(seen))[:5])
 
 
+@pytest.mark.heavy
 @pytest.mark.alone
 def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim):
     """More rows per worker than the shipping window and than a worker holds ahead of its sends
@@ -81,6 +82,7 @@ def test_every_row_once_by_its_worker(tmp_path, toy_tokenizer_dir, fast_sim):
     assert "missing" not in log  # no worker was dropped for missing heartbeats
 
 
+@pytest.mark.heavy
 @pytest.mark.alone
 def test_processes_partition_session_every_row_once(tmp_path, toy_tokenizer_dir, fast_sim):
     """--processes 2 --partition session over many sessions: whole sessions per worker, each row once."""
