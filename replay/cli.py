@@ -7,11 +7,13 @@ import importlib
 import importlib.metadata
 import sys
 
-# Each module has register(subparsers): it adds its subcommand with set_defaults(func=...),
-# and func(args) returns the process exit code. `run` is listed by replay.locust.cli, but its
-# arguments are Locust's to parse (main hands them over before any parsing here).
-COMMAND_MODULES = ("replay.locust.cli", "replay.trace.cli", "replay.synth.cli", "replay.sim.cli", "replay.results.cli",
-                   "replay.results.compare_cli")
+# Each command's module has register(subparsers): it adds that one subcommand with
+# set_defaults(func=...), and func(args) returns the process exit code. A command imports only
+# its own module (`replay sim` does not import the HTTP client or the report), so each process
+# the suite and a fleet start pays for what it runs. `run` is listed by replay.locust.cli, but
+# its arguments are Locust's to parse (main hands them over before any parsing here).
+COMMAND_MODULES = {"run": "replay.locust.cli", "trace": "replay.trace.cli", "prompts": "replay.synth.cli",
+                   "sim": "replay.sim.cli", "report": "replay.results.cli", "compare": "replay.results.compare_cli"}
 
 
 def version() -> str:
@@ -26,12 +28,14 @@ def version() -> str:
     return f"tracereplay {of('tracereplay')} (locust {of('locust')})"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line with every command, or with `command` only (one of COMMAND_MODULES)."""
     parser = argparse.ArgumentParser(prog="replay", description="Replay production LLM request traces.")
     parser.add_argument("--version", action="version", version=version())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for name, module in COMMAND_MODULES.items():
+        if command in (None, name):
+            importlib.import_module(module).register(subparsers)
     return parser
 
 
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         from replay.locust.cli import run
 
         return run(argv[1:])
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv and argv[0] in COMMAND_MODULES else None)
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help()

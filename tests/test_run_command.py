@@ -6,6 +6,7 @@ import importlib.metadata
 import subprocess
 import sys
 
+from replay.cli import COMMAND_MODULES, build_parser
 from replay.locust.cli import LOCUSTFILE, locust_argv
 
 REPLAY = [sys.executable, "-m", "replay"]
@@ -54,3 +55,18 @@ def test_version(tmp_path):
     text = output_of(["--version"], tmp_path)
     assert text.strip() == (f"tracereplay {importlib.metadata.version('tracereplay')} "
                             f"(locust {importlib.metadata.version('locust')})")
+
+
+def test_each_command_module_registers_its_own_command_only():
+    """`replay COMMAND` imports COMMAND's module alone (replay/cli.py): each module must add
+    exactly the command it is listed under, and the full parser (`replay --help`) every one."""
+    for command in COMMAND_MODULES:
+        assert set(build_parser(command)._subparsers._group_actions[0].choices) == {command}, command
+    assert set(build_parser()._subparsers._group_actions[0].choices) == set(COMMAND_MODULES)
+
+
+def test_a_command_imports_only_its_own_module():
+    code = ("import sys; from replay.cli import main\ntry: main(['sim', '--help'])\nexcept SystemExit: pass\n"
+            "print(sorted(m for m in sys.modules if m.endswith('cli') and m.startswith('replay')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.strip().splitlines()[-1] == "['replay.cli', 'replay.sim.cli']", out[-2000:]
