@@ -13,9 +13,11 @@ import pytest
 import requests
 
 from support.ports import free_port
-from support.processes import LOCUST, ForkedRun, fork_replay_run, run_replay, spawn_locust, web_args
+from support.processes import LOCUST, ZYGOTE_ENV, ForkedRun, fork_replay_run, run_replay, spawn_locust, web_args
 from support.traces import mooncake_trace
 from support.waiting import wait_for
+
+pytestmark = pytest.mark.skipif(os.environ.get(ZYGOTE_ENV) == "0", reason=f"{ZYGOTE_ENV}=0: no zygote to test")
 
 
 def _alive(pid: int) -> bool:

@@ -22,12 +22,10 @@ from pathlib import Path
 
 from support.ports import free_port
 from support.traces import BLOCK
-from support.zygote import send_request
+from support.zygote import TESTS, send_request
 
 LOCUST = [sys.executable, "-m", "replay", "run"]  # Locust with the package's locustfile, as users start it
 ZYGOTE_ENV = "TRACEREPLAY_TEST_ZYGOTE"
-ZYGOTE_START_TIMEOUT_S = 60.0
-TESTS = Path(__file__).resolve().parent.parent
 
 
 def _interpreter_env(env) -> dict[str, str]:
@@ -37,19 +35,19 @@ def _interpreter_env(env) -> dict[str, str]:
 
 
 class _Zygote:
-    """This process's zygote (each pytest-xdist worker has its own), started at its first use."""
+    """This process's zygote (each pytest-xdist worker has its own), started at its first use.
+    It says "ready" once it listens, and ends with this process."""
 
     def __init__(self) -> None:
+        self.owner = os.getpid()  # a process forked from this one has its own
         self.folder = tempfile.TemporaryDirectory(prefix="zygote-")
         self.path = os.path.join(self.folder.name, "socket")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
         self.started_with = _interpreter_env(os.environ)
         self.proc = subprocess.Popen([sys.executable, "-m", "support.zygote", self.path], env=env,
                                      stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
-        while not os.path.exists(self.path) or self.proc.stdout.readline().strip() != "ready":
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the test zygote did not start (tests/support/zygote.py)")
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the test zygote did not start (tests/support/zygote.py; its error is above)")
         atexit.register(self.stop)
 
     def stop(self) -> None:
@@ -69,7 +67,6 @@ class _Zygote:
 
 
 _zygote: _Zygote | None = None
-_zygote_pid: int | None = None
 
 
 def _umask() -> int:
@@ -81,11 +78,11 @@ def _umask() -> int:
 def fork_replay_run(args: list[str], cwd: Path, stdout: int, stderr: int) -> ForkedRun | None:
     """`replay run ARGS` forked from this process's zygote, its stdout and stderr onto these fds;
     None where it must be a process of its own (then start one)."""
-    global _zygote, _zygote_pid
+    global _zygote
     if os.environ.get(ZYGOTE_ENV) == "0":
         return None
-    if _zygote is None or _zygote_pid != os.getpid():
-        _zygote, _zygote_pid = _Zygote(), os.getpid()
+    if _zygote is None or _zygote.owner != os.getpid():
+        _zygote = _Zygote()
     return _zygote.fork(args, cwd, stdout, stderr)
 
 
@@ -180,7 +177,8 @@ def spawn_locust(args: list[str], cwd: Path, log: Path, env: dict[str, str] | No
                                 text=True, env=env, start_new_session=new_session)
 
 
-def spawn_worker(tmp_path: Path, port: int, name: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+def spawn_worker(tmp_path: Path, port: int, name: str, env: dict[str, str] | None = None,
+                 **kwargs) -> subprocess.Popen | ForkedRun:
     """A worker running in `tmp_path` (relative paths in the plan resolve there), log `tmp_path/name.log`;
     `kwargs` as spawn_locust's."""
     return spawn_locust(["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)], tmp_path,

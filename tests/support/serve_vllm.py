@@ -4,10 +4,9 @@ SIGTERM or SIGINT, then stop it.
 
 `make test` runs it under SCHED_IDLE with the parallel tests, and passes FILE to the alone vLLM
 test (SMALL_CACHE_ENV), which runs after them: a vLLM start is about 30 s of CPU (three processes
-import torch and vLLM), spent beside the parallel tests instead of in the alone tests' wall time
-and never before the alone tests that run meanwhile. Where it
-cannot start one (vLLM not installed, no shared test data, a failed start) it writes "-" and
-exits, and the test starts its own, with its own skip or failure.
+import torch and vLLM), spent beside the parallel tests instead of in the alone tests' wall time. Where it cannot
+start one (vLLM not installed, no shared test data, a failed start) it writes "-" and exits,
+and the test starts its own, with its own skip or failure.
 """
 
 from __future__ import annotations
@@ -37,12 +36,11 @@ def _as_any_other_process() -> None:
     this process's child, leading a process group of its own (its engine and worker processes);
     a scheduling policy is each thread's own, so every thread of the group is set."""
     with contextlib.suppress(OSError):
-        stats = {int(stat.parent.name): stat for stat in Path("/proc").glob("[0-9]*/stat")}
         fields = {}
-        for pid, stat in stats.items():
+        for stat in Path("/proc").glob("[0-9]*/stat"):
             with contextlib.suppress(OSError, ValueError, IndexError):
                 after = stat.read_text().rsplit(")", 1)[1].split()
-                fields[pid] = (int(after[1]), int(after[2]))  # parent, process group
+                fields[int(stat.parent.name)] = (int(after[1]), int(after[2]))  # parent, process group
         for leader in (pid for pid, (parent, _) in fields.items() if parent == os.getpid()):
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PGRP, leader, 0)

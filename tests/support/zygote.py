@@ -31,6 +31,7 @@ import tempfile
 PR_SET_PDEATHSIG = 1
 MAX_FDS = 3  # stdin, stdout, stderr
 HEADER = struct.Struct("!I")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # on the zygote's path, not a run's
 _ORIGINAL: dict = {}  # the standard library's functions as they were before Locust patched them
 
 
@@ -45,15 +46,11 @@ def _die_with_parent(sig: int) -> None:
 def send_request(sock: socket.socket, request: dict, fds: list[int]) -> None:
     """One request: its length, the JSON, and the three standard streams' fds beside it."""
     body = json.dumps(request).encode()
-    sock.sendmsg([HEADER.pack(len(body)) + body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
+    socket.send_fds(sock, [HEADER.pack(len(body)) + body], fds)
 
 
 def _receive_request(conn) -> tuple[dict, list[int]]:
-    data, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS * 4))
-    fds: list[int] = []
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) - len(payload) % 4]))
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, MAX_FDS)
     (size,) = HEADER.unpack_from(data)
     body = data[HEADER.size:]
     while len(body) < size:
@@ -85,7 +82,7 @@ def _as_requester(pid: int) -> None:
                 pass
 
 
-def _become_the_run(request: dict, fds: list[int], requester: int, tests_path: str) -> None:
+def _become_the_run(request: dict, fds: list[int], requester: int) -> None:
     """In the forked run: the process `python -m replay run ARGS` would have been, then its exit."""
     import gevent
 
@@ -112,16 +109,15 @@ def _become_the_run(request: dict, fds: list[int], requester: int, tests_path: s
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # read from the environment again (TMPDIR), as a new process would
-    sys.path[:] = [request["cwd"], *(p for p in sys.path[1:] if p != tests_path)]  # as `-m` sets it
+    sys.path[:] = [request["cwd"], *(p for p in sys.path[1:] if p != TESTS)]  # as `-m` sets it
     import replay
     from replay.cli import main
 
     sys.argv = [os.path.join(os.path.dirname(replay.__file__), "__main__.py"), "run", *request["args"]]
-
     sys.exit(main(sys.argv[1:]))
 
 
-def _keep(conn, request: dict, fds: list[int], requester: int, tests_path: str) -> None:
+def _keep(conn, request: dict, fds: list[int], requester: int) -> None:
     """The keeper: fork the run, report its pid and its wait status; kill it if the requester goes.
     It uses the standard library as it was before Locust patched it (gevent's versions would use
     the loop it shares with the zygote)."""
@@ -134,7 +130,7 @@ def _keep(conn, request: dict, fds: list[int], requester: int, tests_path: str) 
         conn.close()
         os.close(wake_r)
         os.close(wake_w)
-        _become_the_run(request, fds, requester, tests_path)
+        _become_the_run(request, fds, requester)
         return  # not reached: _become_the_run exits
     for fd in fds:
         os.close(fd)
@@ -160,7 +156,6 @@ def _keep(conn, request: dict, fds: list[int], requester: int, tests_path: str) 
 
 
 def serve(path: str) -> None:
-    tests_path = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     import locust.main  # noqa: F401  first: importing Locust monkey-patches the standard library
     from gevent import monkey
 
@@ -190,7 +185,7 @@ def serve(path: str) -> None:
             continue
         if _ORIGINAL["fork"]() == 0:
             listener.close()
-            _keep(conn, request, fds, requester, tests_path)
+            _keep(conn, request, fds, requester)
             os._exit(0)
         conn.close()
         for fd in fds:
