@@ -6,13 +6,17 @@ A module's imports are its `import replay.x` and `from replay.x import y` statem
 as a module when replay/x/y.py or replay/x/y/ exists), and importing a module runs its
 packages' __init__.py first, so those count too. Imports under `if TYPE_CHECKING:` never run and
 are left out; imports inside functions run on a call and are counted unless asked otherwise.
+
+Parsing is most of the cost (~1 ms a module); an ImportMemo keeps each source's imports by the
+sha256 of its name and bytes, which decide them, so a caller can keep them across processes
+and parse only the sources that changed.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 PACKAGE = "replay"
@@ -67,15 +71,37 @@ def _with_packages(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def imported_modules(name: str, root: Path = ROOT, in_functions: bool = True) -> set[str]:
-    """The replay modules that importing module `name` (or calling its functions, with
-    `in_functions`) imports directly, with their packages."""
-    path = module_file(name, root)
-    if path is None:
-        return set()
-    tree = ast.parse(path.read_bytes(), str(path))
+class ImportMemo:
+    """The replay imports each source names (before checking which of them exist), by the
+    sha256 of the module's name, whether it is a package, whether imports in functions count,
+    and its bytes. `known`: a
+    memo kept from earlier (replay.synth.setup_cache keeps one on disk); `used`: the entries
+    this process needed, what is worth keeping."""
+
+    def __init__(self, known: Mapping[str, list[str]] | None = None):
+        self.known = dict(known or {})
+        self.used: dict[str, list[str]] = {}
+
+    def targets(self, name: str, source: bytes, path: Path, in_functions: bool) -> list[str]:
+        is_package = path.name == "__init__.py"  # its relative imports start from itself
+        key = hashlib.sha256(f"{name}\0{int(is_package)}\0{int(in_functions)}\0".encode() + source).hexdigest()
+        found = self.known.get(key)
+        if found is None:
+            found = _import_targets(name, source, path, in_functions)
+        self.used[key] = found
+        return found
+
+    @property
+    def changed(self) -> bool:
+        """Whether `used` differs from `known` (a source parsed, or an entry no longer needed)."""
+        return self.used.keys() != self.known.keys()
+
+
+def _import_targets(name: str, source: bytes, path: Path, in_functions: bool) -> list[str]:
+    """The replay modules module `name`'s `source` imports by name, whether or not they exist."""
+    tree = ast.parse(source, str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
+    found: list[str] = []
     for statement in _statements(tree, in_functions):
         if isinstance(statement, ast.Import):
             targets = [alias.name for alias in statement.names]
@@ -85,14 +111,29 @@ def imported_modules(name: str, root: Path = ROOT, in_functions: bool = True) ->
                 anchor = package.split(".")[: len(package.split(".")) - statement.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             targets = [base] + [f"{base}.{alias.name}" for alias in statement.names]
-        for target in targets:
-            if target.split(".")[0] == PACKAGE and module_file(target, root) is not None:
-                found.update(_with_packages(target))
+        found.extend(target for target in targets if target.split(".")[0] == PACKAGE and target not in found)
+    return found
+
+
+def imported_modules(name: str, root: Path = ROOT, in_functions: bool = True, memo: ImportMemo | None = None) -> set[str]:
+    """The replay modules that importing module `name` (or calling its functions, with
+    `in_functions`) imports directly, with their packages."""
+    path = module_file(name, root)
+    if path is None:
+        return set()
+    source = path.read_bytes()
+    targets = (memo.targets(name, source, path, in_functions) if memo is not None
+               else _import_targets(name, source, path, in_functions))
+    found: set[str] = set()
+    for target in targets:
+        if module_file(target, root) is not None:
+            found.update(_with_packages(target))
     found.discard(name)
     return found
 
 
-def import_closure(entries: Iterable[str], root: Path = ROOT, in_functions: bool = True) -> list[str]:
+def import_closure(entries: Iterable[str], root: Path = ROOT, in_functions: bool = True,
+                   memo: ImportMemo | None = None) -> list[str]:
     """`entries`, their packages, and every replay module they import, directly or not; sorted."""
     seen: set[str] = set()
     todo = [package for entry in entries for package in _with_packages(entry)]
@@ -100,15 +141,15 @@ def import_closure(entries: Iterable[str], root: Path = ROOT, in_functions: bool
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo.extend(imported_modules(name, root, in_functions) - seen)
+            todo.extend(imported_modules(name, root, in_functions, memo) - seen)
     return sorted(seen)
 
 
-def source_digest(entries: Iterable[str], root: Path = ROOT) -> str:
+def source_digest(entries: Iterable[str], root: Path = ROOT, memo: ImportMemo | None = None) -> str:
     """sha256 over the names and sources of import_closure(entries): any edit to a module they
     run, however far down, is a new digest."""
     digest = hashlib.sha256()
-    for name in import_closure(entries, root):
+    for name in import_closure(entries, root, memo=memo):
         path = module_file(name, root)
         if path is not None:
             digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")

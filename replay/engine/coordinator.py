@@ -39,7 +39,6 @@ from gevent.event import Event
 from replay.engine import messages, transport
 from replay.engine.clock import SYSTEM_CLOCK, Clock, answer_ping
 from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
-from replay.engine.probes import Probes
 from replay.engine.rounds import Part, Round
 from replay.engine.scraper import Scraper
 from replay.results.cache_section import CacheStream
@@ -141,6 +140,14 @@ def _ignore_exit_code(code: int) -> None:
     pass
 
 
+def _probes(coordinator: Coordinator):
+    """A capacity search's driver, imported here: a run without a search never pays for the
+    search's modules (its probes, their rounds' amplification)."""
+    from replay.engine.probes import Probes
+
+    return Probes(coordinator)
+
+
 def _no_cpu(client_id: str) -> float | None:
     return None
 
@@ -198,7 +205,7 @@ class Coordinator:
         self.server_check = Verdict(skipped="not checked").to_dict()  # the preflight's verdict, for the meta file
         # A capacity search (docs/capacity.md): its probes, run as rounds of the window's rows; a
         # run without one is one round of the rows as the trace has them.
-        self.probes = Probes(self) if self.options.capacity_search else None
+        self.probes = _probes(self) if self.options.capacity_search else None
         self.rounds: list[Round | None] = [None] if self.probes is None else []
         # every row of the window, for the rows no worker was given (no worker at all)
         self.whole = Part(self.schedule, array("q", range(len(self.schedule))), self.rounds, CHUNK_ROWS)

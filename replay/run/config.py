@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from replay.run.options import CONFIG_FLAG, ReplayOptions, add_arguments
 
 CONFIG_DEST = CONFIG_FLAG[2:].replace("-", "_")
@@ -119,6 +117,8 @@ def load_config(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"{path}:{line}: not UTF-8: byte 0x{data[e.start]:02x}") from None
+    import yaml  # here, not at the top: only a run with a config file pays its import (~10 ms)
+
     loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()

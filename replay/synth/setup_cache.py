@@ -61,6 +61,7 @@ TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joi
 # that builds and writes them (setup_child; it imports this module). Every replay module they
 # import, however far down, is in the key's code digest.
 SETUP_ENTRIES = ("replay.synth.vocab", "replay.synth.frames", "replay.synth.setup_child")
+IMPORT_MEMO = "source-imports.json"  # code_digest's memo of each source's imports (source_graph.ImportMemo)
 
 log = logging.getLogger(__name__)
 _in_process: dict[tuple, Measured] = {}  # this process's set-ups (cached(): a second one of the same files is free)
@@ -80,17 +81,38 @@ def cache_dir() -> Path:
 
 
 @cache
-def code_digest(root: Path | None = None) -> str:
+def code_digest(root: Path = source_graph.ROOT) -> str:
     """The digest of the source of every module that decides a set-up (the package under `root`;
-    None: this process's own, read once: its source does not change while it runs)."""
-    if root is None:
-        return _own_code_digest()
-    return source_graph.source_digest(SETUP_ENTRIES, root)
+    its source does not change while this process runs). The modules' imports come from this
+    host's memo (IMPORT_MEMO in the cache folder) where their bytes are unchanged: the digest
+    reads each source but parses only those edited since."""
+    memo = source_graph.ImportMemo(_read_import_memo())
+    digest = source_graph.source_digest(SETUP_ENTRIES, root, memo)
+    if memo.changed:
+        _write_import_memo(memo.used)
+    return digest
 
 
-@cache
-def _own_code_digest() -> str:
-    return source_graph.source_digest(SETUP_ENTRIES, source_graph.ROOT)
+def _read_import_memo() -> dict[str, list[str]]:
+    """The memo's entries, or none where it is missing, unreadable or not entirely well formed
+    (then every source is parsed: a slower start, never a wrong digest)."""
+    try:
+        memo = orjson.loads((cache_dir() / IMPORT_MEMO).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    if not isinstance(memo, dict) or not all(
+            isinstance(v, list) and all(isinstance(m, str) for m in v) for v in memo.values()):
+        return {}
+    return memo
+
+
+def _write_import_memo(entries: dict[str, list[str]]) -> None:
+    """Replace the memo (atomically); a folder that cannot be written only costs the next
+    process its parse."""
+    try:
+        _write_atomically(cache_dir() / IMPORT_MEMO, orjson.dumps(entries))
+    except OSError as e:
+        log.debug("set-up cache: the import memo cannot be written (%s)", e)
 
 
 def cache_key(fingerprint: str, template_specials: dict, api: str) -> dict:
@@ -212,8 +234,11 @@ def encode_entry(key: dict, measured: Measured) -> bytes:
 
 
 def write_entry(path: Path, key: dict, measured: Measured) -> None:
-    """Atomically: a temporary file in the same folder, renamed over `path`."""
-    data = encode_entry(key, measured)
+    _write_atomically(path, encode_entry(key, measured))
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """A temporary file in the same folder, renamed over `path`: a reader never sees half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
