@@ -453,3 +453,18 @@ def test_full_while_the_cache_child_writes(tmp_path, small_disk, toy_tokenizer_d
         assert cert["cache"] == {"infinite": None, "misses": None}
         assert "not checked: cache" in proc.stdout
     assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+def test_full_while_the_import_memo_is_written(tmp_path, small_disk, monkeypatch):
+    """The set-up cache key's import memo (replay.synth.setup_cache.IMPORT_MEMO) on a full cache
+    folder: the digest is the one every source parsed gives, nothing raised, no temporary file
+    left (the temporary file is made, a name takes no page; its write fails)."""
+    from replay import source_graph
+    from replay.synth import setup_cache
+
+    disk = small_disk(64, "cache")
+    fill(disk)
+    monkeypatch.setenv(setup_cache.ENV, str(disk))
+    expected = source_graph.source_digest(setup_cache.SETUP_ENTRIES, source_graph.ROOT)
+    assert setup_cache.code_digest.__wrapped__(source_graph.ROOT) == expected
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]

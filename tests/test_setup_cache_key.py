@@ -5,6 +5,7 @@ key, so a stale entry is never read; an edit elsewhere keeps the key (entries st
 import shutil
 from pathlib import Path
 
+import orjson
 import pytest
 
 from replay import source_graph
@@ -48,3 +49,78 @@ def test_an_edit_elsewhere_keeps_the_key(package_copy, module):
 
 def test_the_key_carries_the_code_digest():
     assert setup_cache.cache_key("fingerprint", {}, "openai-chat")["code"] == setup_cache.code_digest()
+
+
+# -- the import memo: each source's imports kept on this host, by the sha256 of its bytes -------
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "cache"
+    monkeypatch.setenv(setup_cache.ENV, str(path))
+    return path
+
+
+def digest(root: Path) -> str:
+    """code_digest as a new process computes it (not this process's @cache of it)."""
+    return setup_cache.code_digest.__wrapped__(root)
+
+
+def parsed_digest(root: Path) -> str:
+    """The digest with every source parsed, no memo."""
+    return source_graph.source_digest(setup_cache.SETUP_ENTRIES, root)
+
+
+def no_parsing(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a source was parsed although the memo holds its imports")
+    monkeypatch.setattr(source_graph.ast, "parse", refuse)
+
+
+def test_the_memo_keeps_the_closure_and_the_digest_and_spares_the_parse(package_copy, cache, monkeypatch):
+    assert digest(package_copy) == parsed_digest(package_copy) == setup_cache.code_digest()
+    memo = orjson.loads((cache / setup_cache.IMPORT_MEMO).read_bytes())
+    assert len(memo) == len(source_graph.import_closure(setup_cache.SETUP_ENTRIES, package_copy))
+    written = (cache / setup_cache.IMPORT_MEMO).stat().st_mtime_ns
+    no_parsing(monkeypatch)
+    assert digest(package_copy) == setup_cache.code_digest()
+    assert (cache / setup_cache.IMPORT_MEMO).stat().st_mtime_ns == written  # nothing new: not rewritten
+
+
+def test_an_edit_after_the_memo_is_read_from_the_source(package_copy, cache):
+    """A module of the closure that now imports one more module: its bytes are new, so its
+    imports are parsed again and the new module joins the closure (and the key)."""
+    before = digest(package_copy)
+    assert "replay.results.html" not in source_graph.import_closure(setup_cache.SETUP_ENTRIES, package_copy)
+    after = digest_after(package_copy, "replay.rules.tokens", "\nimport replay.results.html  # noqa\n")
+    edited = digest(package_copy)
+    assert after == edited == parsed_digest(package_copy) != before
+    memo = source_graph.ImportMemo(orjson.loads((cache / setup_cache.IMPORT_MEMO).read_bytes()))
+    assert "replay.results.html" in source_graph.import_closure(setup_cache.SETUP_ENTRIES, package_copy, memo=memo)
+    assert not memo.changed  # the memo written after the edit holds the edited closure, and only it
+
+
+@pytest.mark.parametrize("content", [b"", b"{", b"[]", b"null", b'{"k": 1}', b'{"k": [1]}', b'{"k": "replay"}',
+                                     b"\xff\xfe", b"{}" * 3])
+def test_a_damaged_memo_is_ignored_and_replaced(package_copy, cache, content):
+    cache.mkdir()
+    (cache / setup_cache.IMPORT_MEMO).write_bytes(content)
+    assert digest(package_copy) == parsed_digest(package_copy)
+    memo = orjson.loads((cache / setup_cache.IMPORT_MEMO).read_bytes())
+    assert len(memo) == len(source_graph.import_closure(setup_cache.SETUP_ENTRIES, package_copy))
+
+
+def test_a_truncated_memo_is_ignored(package_copy, cache):
+    digest(package_copy)
+    path = cache / setup_cache.IMPORT_MEMO
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert digest(package_copy) == parsed_digest(package_copy)
+
+
+@pytest.mark.parametrize("where", ["under a regular file", "a regular file"])
+def test_a_cache_folder_that_cannot_be_written_costs_only_the_parse(package_copy, tmp_path, monkeypatch, where):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(setup_cache.ENV, str(blocker / "cache" if where == "under a regular file" else blocker))
+    assert digest(package_copy) == parsed_digest(package_copy)
+    assert blocker.read_text() == "not a folder"
