@@ -5,6 +5,7 @@ error line and a summary without the section, never a hang."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,11 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from replay.results import cache_child
 from replay.results import cache_section as cache_module
 from replay.results.cache_section import CacheChildError, cache_job, cache_section
 from replay.results.metadata import read_run_metadata
 from replay.results.report import ReportError
 from replay.sim.process import sim_process
+from replay.synth import prompts as prompts_module
+from replay.synth import tokenizer as tokenizer_module
 from support.processes import replay_args, run_locust, spawn_locust
 from support.traces import mooncake_trace
 from support.waiting import wait_for_text
@@ -68,6 +72,30 @@ def test_the_asking_process_never_loads_the_tokenizer(finished_run):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(Path(f"{finished_run}.summary.json").read_text())
     assert json.loads(proc.stdout) == summary["cache"]
+
+
+def test_the_child_takes_the_set_up_from_the_cache_and_never_loads_the_tokenizer(finished_run, monkeypatch):
+    """The prompts' token ids come from the set-up the run's preflight cached: the child loads
+    the tokenizer itself only where a worker would (a real one costs 0.1-0.35 s of CPU and up to
+    170 MB, at every run's end and in every follower)."""
+
+    def refuse(path):
+        raise AssertionError(f"the child loaded the tokenizer {path}")
+
+    from_cache = []
+    cached = prompts_module.setup_cache.cached
+
+    def recorded(*args):
+        measured, hit = cached(*args)
+        from_cache.append(hit)
+        return measured, hit
+
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", refuse)
+    monkeypatch.setattr(prompts_module.setup_cache, "cached", recorded)
+    job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK)
+    section = cache_child.compute(dataclasses.asdict(job))
+    assert from_cache == [True]
+    assert section == json.loads(Path(f"{finished_run}.summary.json").read_text())["cache"]
 
 
 def test_the_checks_come_back_for_the_html(finished_run):

@@ -153,10 +153,12 @@ def _settings(job: dict, api: str) -> tuple[bool, int]:
 
 
 def _tokenizer(job: dict):
-    """The run's tokenizer (this process only: the one that asks never loads it)."""
+    """The run's tokenizer (this process only: the one that asks never loads it), loaded on first
+    use: the prompts' token ids come from the set-up (read from the set-up cache, which the run's
+    preflight filled) and need the tokenizer itself only where a worker's would."""
     from replay.synth.tokenizer import ServerTokenizer
 
-    return ServerTokenizer.load(job["tokenizer"], job["chat_template"])
+    return ServerTokenizer.load(job["tokenizer"], job["chat_template"], lazy=True)
 
 
 def _synthesizer(tokenizer, job: dict, api: str, token_ids: bool, block_size: int | None):
