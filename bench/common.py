@@ -31,12 +31,12 @@ def split_cores() -> tuple[int | None, int | None]:
     return cores[0], cores[1]
 
 
-def compile_bytecode() -> None:
+def compile_bytecode(tree: Path = REPO) -> None:
     """Compile the project's bytecode, as `make bytecode` does (and pip for an installed package):
     with PYTHONDONTWRITEBYTECODE set, as on CI machines and in the Dockerfile, every process a
     benchmark starts would otherwise compile the whole package again, a CPU cost of the checkout,
     not of the code being timed. Files already compiled are skipped."""
-    ok = compileall.compile_dir(REPO / "replay", quiet=1) and compileall.compile_file(REPO / "locustfile.py", quiet=1)
+    ok = compileall.compile_dir(tree / "replay", quiet=1) and compileall.compile_file(tree / "locustfile.py", quiet=1)
     if not ok:
         raise SystemExit("bench: the project's bytecode did not compile")
 

@@ -14,7 +14,12 @@ with a cold set-up cache the set-up child too), from its own getrusage at its ex
 children = cpu/req. A fixed cost per run weighs more per request at the lower rates.
 Target: drift p99 <= 2 ms up to 500 req/s per worker process.
 
-    .venv/bin/python bench/dispatch.py [--rates 100,200,500,1000] [--seconds 5] [--runs 3]
+With --against TREE (another checkout, e.g. `git worktree add /tmp/base COMMIT`), TREE's
+locustfile and replay (on PYTHONPATH) replay the same traces against the same sim, run for run
+alternately with this checkout's, and each rate prints a row for each tree and the ratio of
+their own CPU: two sets of runs minutes apart differ by more than the fixed costs being compared.
+
+    .venv/bin/python bench/dispatch.py [--rates 100,200,500,1000] [--seconds 5] [--runs 3] [--against TREE]
 """
 
 from __future__ import annotations
@@ -109,20 +114,22 @@ def runqueue_wait_ms(proc: subprocess.Popen, every: float = 0.05) -> float:
     return waited / 1e6
 
 
-def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None) -> dict:
+def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None, tree: Path = REPO) -> dict:
+    """One replay of `trace` by `tree`'s locustfile and replay package."""
     usage = out.with_name(out.name + ".cpu")
-    cmd = [sys.executable, "-c", LOCUST, str(usage), "-f", str(REPO / "locustfile.py"), "--headless", "--host", url,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-c", LOCUST, str(usage), "-f", str(tree / "locustfile.py"), "--headless", "--host", url,
            "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
            "--output", str(out), "--loglevel", "WARNING", "--only-summary"]
     noise = timer_noise(cpu)
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     cpu_before = children_cpu()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec, env=env, cwd=tree)
         waited_ms = runqueue_wait_ms(proc)
         log.seek(0)
         if proc.returncode != 0:
-            raise RuntimeError(f"locust failed ({proc.returncode}): {log.read()[-2000:]}")
+            raise RuntimeError(f"locust ({tree}) failed ({proc.returncode}): {log.read()[-2000:]}")
     cpu_s = children_cpu() - cpu_before
     own_s, children_s = locust_cpu(usage)
     records = list(read_records(out))
@@ -154,12 +161,16 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=5.0)
     parser.add_argument("--no-follow", action="store_true",
                         help="no cache follower beside the replay ($TRACEREPLAY_CACHE_FOLLOW=0): the end computes it")
+    parser.add_argument("--against", type=Path, metavar="TREE",
+                        help="another checkout to run alternately with this one, on the same traces and sim")
     args = parser.parse_args()
+    trees = [REPO] if args.against is None else [REPO, args.against.resolve()]
     if args.no_follow:
         os.environ["TRACEREPLAY_CACHE_FOLLOW"] = "0"  # the replay's children inherit it
 
     client_cpu, sim_cpu = split_cores()
-    compile_bytecode()
+    for tree in trees:
+        compile_bytecode(tree)
     print(f"dispatch bench: {args.seconds:g} s traces, {args.output_tokens} output tokens streamed, "
           f"itl {args.itl_ms:g} ms, median of {args.runs} runs; locust on cpu {client_cpu}, sim on cpu {sim_cpu}")
     print(f"{'target/s':>9} {'achieved/s':>10} {'ok':>6} {'drift p50':>10} {'p99':>8} {'max':>8} {'ttft p50':>9} "
@@ -169,16 +180,31 @@ def main() -> None:
         tokenizer = build_toy_tokenizer(tmp / "tok")
         with sim_process(tokenizer, "--block-size", str(BLOCK), "--ttft-ms", "20", "--itl-ms", str(args.itl_ms),
                          "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000", cpu=sim_cpu) as sim:
-            for rate in (float(r) for r in args.rates.split(",")):
+            rates = [float(r) for r in args.rates.split(",")]
+            first_rate = rates[0]
+            for rate in rates:
                 trace = tmp / f"trace-{rate:g}.jsonl"
                 write_trace(trace, rate, args.seconds, args.output_tokens)
-                runs = [one_run(tokenizer, sim.url, trace, tmp / f"out-{rate:g}-{i}.jsonl", client_cpu)
-                        for i in range(args.runs)]
-                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                print(f"{rate:9.0f} {med['rate']:10.1f} {med['ok']:6.1%} {med['p50']:10.3f} {med['p99']:8.3f} "
-                      f"{med['max']:8.3f} {med['ttft_p50']:9.1f} {med['noise_p99']:15.3f} {med['cpu_ms']:8.3f} "
-                      f"{med['runqueue_ms']:9.0f} {med['own_cpu_ms']:7.3f} {med['children_cpu_ms']:8.3f}  "
-                      f"{open('/proc/loadavg').read().split()[0]}", flush=True)
+                if rate == first_rate:  # each tree's set-up cache filled before any run is timed
+                    for t, tree in enumerate(trees):
+                        one_run(tokenizer, sim.url, trace, tmp / f"warm-up-{t}.jsonl", client_cpu, tree)
+                runs: dict[Path, list[dict]] = {tree: [] for tree in trees}
+                for i in range(args.runs):
+                    for t, tree in enumerate(trees):
+                        runs[tree].append(one_run(tokenizer, sim.url, trace, tmp / f"out-{rate:g}-{i}-{t}.jsonl",
+                                                  client_cpu, tree))
+                own = {}
+                for tree in trees:
+                    med = {k: statistics.median(r[k] for r in runs[tree]) for k in runs[tree][0]}
+                    own[tree] = med["own_cpu_ms"]
+                    name = "" if len(trees) == 1 else f"  {'this checkout' if tree == REPO else tree}"
+                    print(f"{rate:9.0f} {med['rate']:10.1f} {med['ok']:6.1%} {med['p50']:10.3f} {med['p99']:8.3f} "
+                          f"{med['max']:8.3f} {med['ttft_p50']:9.1f} {med['noise_p99']:15.3f} {med['cpu_ms']:8.3f} "
+                          f"{med['runqueue_ms']:9.0f} {med['own_cpu_ms']:7.3f} {med['children_cpu_ms']:8.3f}  "
+                          f"{open('/proc/loadavg').read().split()[0]}{name}", flush=True)
+                if len(trees) == 2:
+                    print(f"{rate:9.0f} own cpu/req, this checkout / {trees[1]}: {own[REPO] / own[trees[1]]:.3f}",
+                          flush=True)
 
 
 if __name__ == "__main__":
