@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from support import ports
 from support.paths import SHARED
 from support.vllm import SKIP_ENV, VllmStartError, small_cache_vllm, vllm_python
 
@@ -56,6 +57,7 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(argv[0])
     signal.signal(signal.SIGTERM, _stop)
+    ports.use_block(ports.AHEAD)  # not the alone tests' block: they start servers while vLLM starts
     if vllm_python() is None or not SHARED.exists() or os.environ.get(SKIP_ENV) == "1":
         out.write_text("-")
         return 0
