@@ -218,8 +218,12 @@ def test_after_answer_with_a_master_and_two_worker_processes(tmp_path, slow_sim,
     assert sorted(r["request_id"] for r in records) == list(range(SESSIONS * TURNS)) and all(r["ok"] for r in records)
     assert {r["worker"] for r in records} == {0, 1}
     assert all(len({r["worker"] for r in turns}) == 1 for turns in by_session(records))
+    # Kept there, not timed: a gap counted from the send (not the answer) is off by ANSWER_MS, a
+    # gap dropped by 80-120 ms, while three processes on two cores beside `make test`'s parallel
+    # pass see a few ms of scheduling (2.35 ms once at the second largest of 18). How precisely a
+    # turn goes out is asserted in one process above, and measured by bench/dispatch.py.
     errors = gaps_after_answers(records)
-    assert errors[int(0.99 * (len(errors) - 1))] <= 2.0, errors
+    assert errors[int(0.99 * (len(errors) - 1))] <= 10.0, errors
 
 
 def test_a_stop_records_the_parked_turns_once(tmp_path, slow_sim, toy_tokenizer_dir):
