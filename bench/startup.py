@@ -18,11 +18,17 @@ The project's bytecode is compiled first (as `make` does, and pip for an install
 with PYTHONDONTWRITEBYTECODE set, as on CI machines and in the Dockerfile, each start would
 otherwise compile the whole package again, ~0.05 s CPU, which is not set-up.
 
+With --against TREE (another checkout, e.g. `git worktree add /tmp/base COMMIT`), the replays
+are made alternately by this checkout and TREE (its locustfile and replay on PYTHONPATH, a set-up
+cache of its own), run for run, on the same trace and sim, and the medians of each and the ratio
+of their own CPU are printed: two sets of runs minutes apart differ by more than a few percent.
+
 Median of --runs. Exits 1 when a run fails, a row is not ok or not exact, or a warm set-up
 did not read the cache.
 
     .venv/bin/python bench/startup.py [--tokenizers qwen2,llama3,llama2] [--runs 5]
                                       [--rows 250] [--seconds 60] [--replay-runs 3] [--no-replay]
+                                      [--against TREE]
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+OUTER_PYTHONPATH = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1:]  # what the caller had
 
 from common import LOCUST, compile_bytecode, locust_cpu, split_cores  # noqa: E402
 
@@ -134,16 +141,17 @@ def write_trace(path: Path, rows: int, seconds: float, seed: int = 0) -> None:
 
 
 def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, cpu: int | None,
-                extra: list[str]) -> dict:
+                extra: list[str], tree: Path = REPO) -> dict:
+    """One replay of `trace` by `tree`'s locustfile and replay package."""
     usage_file = out.with_name(out.name + ".cpu")
-    cmd = [sys.executable, "-c", LOCUST, str(usage_file), "-f", str(REPO / "locustfile.py"), "--headless", "--host", url,
+    cmd = [sys.executable, "-c", LOCUST, str(usage_file), "-f", str(tree / "locustfile.py"), "--headless", "--host", url,
            "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
            "--api", "openai-completions", "--output", str(out), "--overwrite", "--loglevel", "WARNING",
            "--only-summary", *extra]
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
-    env = {**os.environ, CACHE_ENV: str(cache)}
+    env = {**os.environ, CACHE_ENV: str(cache), "PYTHONPATH": os.pathsep.join([str(tree), *OUTER_PYTHONPATH])}
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec, env=env, cwd=tree)
         own_peak_kib = 0  # the locust process's own high-water mark (wait4's is its children's too)
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -184,38 +192,55 @@ def _high_water_kib(pid: int) -> int:
 
 
 def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | None, server: int | None,
-                 extra: list[str] = ()) -> list[str]:
+                 extra: list[str] = (), against: Path | None = None) -> list[str]:
     tokenizer = tokenizer_dir(name)
     if not tokenizer.exists():
         print(f"replay skipped: {tokenizer} is absent")
         return []
+    trees = [REPO] if against is None else [REPO, against]
     print(f"replay: {rows} rows over {seconds:g} s, {name}, openai-completions, locust --headless on cpu {client}, "
-          f"sim on cpu {server}; run 1 cold (empty cache), then warm{'; ' + ' '.join(extra) if extra else ''}")
+          f"sim on cpu {server}; run 1 cold (empty cache), then warm{'; ' + ' '.join(extra) if extra else ''}"
+          f"{'; alternately with ' + str(against) if against else ''}")
     problems = []
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         tmp = Path(tmp)
         trace = tmp / "trace.jsonl"
         write_trace(trace, rows, seconds)
-        results = []
+        results: dict[Path, list[dict]] = {tree: [] for tree in trees}
         with sim_process(tokenizer, "--block-size", str(BLOCK), "--ttft-ms", "20", "--itl-ms", "2",
                          "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000", cpu=server) as sim:
             for k in range(runs + 1):
-                r = replay_once(tokenizer, sim.url, trace, tmp / "run.jsonl", tmp / "cache", client, list(extra))
-                results.append(r)
-                problems += r["problems"]
-                print(f"  run {k + 1} ({'cold' if k == 0 else 'warm'}): {r['records']} records, CPU {r['cpu_s']:.2f} s "
-                      f"({r['user_s']:.2f} user + {r['sys_s']:.2f} sys) "
-                      f"= {r['cpu_ms_per_req']:.2f} ms/request (own {r['own_ms_per_req']:.2f} + children "
-                      f"{r['children_ms_per_req']:.2f}), peak RSS {r['peak_rss_mib']:.0f} MiB "
-                      f"(the largest process; locust's own {r['own_peak_rss_mib']:.0f} MiB)  "
-                      f"loadavg {open('/proc/loadavg').read().split()[0]}", flush=True)
-    warm = results[1:]
-    print(f"median of {len(warm)} warm runs: CPU {statistics.median(r['cpu_ms_per_req'] for r in warm):.2f} ms/request "
-          f"(target <= 5; own {statistics.median(r['own_ms_per_req'] for r in warm):.2f} + children "
-          f"{statistics.median(r['children_ms_per_req'] for r in warm):.2f}), peak RSS {statistics.median(r['peak_rss_mib'] for r in warm):.0f} MiB (target <= 200 MB); "
-          f"cold run: {results[0]['cpu_ms_per_req']:.2f} ms/request, {results[0]['peak_rss_mib']:.0f} MiB "
-          f"(locust's own {results[0]['own_peak_rss_mib']:.0f} MiB; the rest is the set-up's child process)")
+                for t, tree in enumerate(trees):
+                    r = replay_once(tokenizer, sim.url, trace, tmp / f"run-{t}.jsonl", tmp / f"cache-{t}", client,
+                                    list(extra), tree)
+                    results[tree].append(r)
+                    problems += r["problems"]
+                    print(f"  run {k + 1} ({'cold' if k == 0 else 'warm'}{_named(tree, trees)}): {r['records']} records, "
+                          f"CPU {r['cpu_s']:.2f} s ({r['user_s']:.2f} user + {r['sys_s']:.2f} sys) "
+                          f"= {r['cpu_ms_per_req']:.2f} ms/request (own {r['own_ms_per_req']:.2f} + children "
+                          f"{r['children_ms_per_req']:.2f}), peak RSS {r['peak_rss_mib']:.0f} MiB "
+                          f"(the largest process; locust's own {r['own_peak_rss_mib']:.0f} MiB)  "
+                          f"loadavg {open('/proc/loadavg').read().split()[0]}", flush=True)
+    own = {}
+    for tree in trees:
+        cold, warm = results[tree][0], results[tree][1:]
+        own[tree] = statistics.median(r["own_ms_per_req"] for r in warm)
+        print(f"median of {len(warm)} warm runs{_named(tree, trees)}: CPU "
+              f"{statistics.median(r['cpu_ms_per_req'] for r in warm):.2f} ms/request (target <= 5; own {own[tree]:.2f} "
+              f"+ children {statistics.median(r['children_ms_per_req'] for r in warm):.2f}), peak RSS "
+              f"{statistics.median(r['peak_rss_mib'] for r in warm):.0f} MiB (target <= 200 MB); "
+              f"cold run: {cold['cpu_ms_per_req']:.2f} ms/request, {cold['peak_rss_mib']:.0f} MiB "
+              f"(locust's own {cold['own_peak_rss_mib']:.0f} MiB; the rest is the set-up's child process)")
+    if against is not None:
+        print(f"own CPU a request of the warm runs, this checkout / {against}: {own[REPO] / own[against]:.3f}")
     return problems
+
+
+def _named(tree: Path, trees: list[Path]) -> str:
+    """`tree` as a run's label where two trees take turns."""
+    if len(trees) == 1:
+        return ""
+    return ", this checkout" if tree == REPO else f", {tree}"
 
 
 def main() -> int:
@@ -231,15 +256,19 @@ def main() -> int:
     parser.add_argument("--replay-args", default="", help="more locust flags for the replay, e.g. "
                         "'--verify-server off --server-metrics-interval 0' to leave those parts out")
     parser.add_argument("--no-set-up", action="store_true")
+    parser.add_argument("--against", type=Path, metavar="TREE",
+                        help="another checkout whose replays alternate with this one's (the set-up part is not run for it)")
     args = parser.parse_args()
     client, server = split_cores()
     compile_bytecode()
+    if args.against is not None:
+        compile_bytecode(args.against)
     problems = []
     if not args.no_set_up:
         problems += bench_set_up(args.tokenizers.split(","), args.api, args.runs, client)
     if not args.no_replay:
         problems += bench_replay(args.replay_tokenizer, args.rows, args.seconds, args.replay_runs, client, server,
-                                 shlex.split(args.replay_args))
+                                 shlex.split(args.replay_args), args.against.resolve() if args.against else None)
     for p in problems:
         print(f"PROBLEM: {p}")
     return 1 if problems else 0

@@ -74,9 +74,8 @@ def _with_packages(name: str) -> list[str]:
 class ImportMemo:
     """The replay imports each source names (before checking which of them exist), by the
     sha256 of the module's name, whether it is a package, whether imports in functions count,
-    and its bytes. `known`: a
-    memo kept from earlier (replay.synth.setup_cache keeps one on disk); `used`: the entries
-    this process needed, what is worth keeping."""
+    and its bytes. `known`: a memo kept from earlier (replay.synth.setup_cache keeps one on
+    disk); `used`: the entries this process needed, what is worth keeping."""
 
     def __init__(self, known: Mapping[str, list[str]] | None = None):
         self.known = dict(known or {})
