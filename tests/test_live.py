@@ -1,24 +1,29 @@
 """The Replay view's model (replay.engine.live.LiveStats) in one process: a Coordinator on a
 fake clock with a fake worker (tests/engine_support.py), no Locust process, no server. What the
 view shows while the run goes (the last WINDOW_S seconds) and once it has ended (the whole
-run, the summary's own figures), and that the Replay tab's "all" row agrees with its workers'.
-The view in a real browser is tests/test_browser_webui.py's."""
+run, the summary's own figures), that the Replay tab's "all" row agrees with its workers', and
+that the rows a stopped run's end records cost the master no memory each. The view in a real
+browser is tests/test_browser_webui.py's."""
 
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import gevent
 from engine_support import FakeClock, FakeWorker, make_rows, spec_of
 
-from replay.engine.coordinator import Coordinator
+from replay.engine import live, transport
+from replay.engine.coordinator import CHUNK_ROWS, Coordinator
 from replay.engine.live import SUMMARY_FIGURES, LiveStats
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.locust.webui import tab_rows
+from replay.results.records import RUN_STOPPED
 from replay.results.summary import percentile
 from replay.rules.run_files import capacity_path, summary_path
 
 ROWS = 40
+HELD = 50  # rows the fake worker takes ahead of its answers (its records are this process's too)
 
 
 class VariedWorker(FakeWorker):
@@ -100,3 +105,42 @@ def test_a_capacity_search_shows_its_probe_under_way_and_those_judged(tmp_path):
     assert final["current"] is None and final["result"] == report["result"] == "at least HI"
     assert [(p["factor"], p["verdict"], p["rows"]) for p in final["probes"]] == \
         [(p["factor"], p["verdict"], p["rows"]) for p in report["probes"]]
+
+
+def test_a_stopped_runs_end_grows_the_master_by_no_record_a_row(tmp_path, monkeypatch):
+    """The end of a run stopped early records every row left (millions, on a big trace), in
+    batches of CHUNK_ROWS, with the views a real master has attached (the progress line's and
+    the Replay view's): what the master holds meanwhile grows by a few bytes a row left, never by
+    a record (some 700 bytes). Two sizes past what is bounded whatever the rows (the rows sent
+    ahead to a worker, transport.HOLD_ROWS; the views' history), so that only what grows with
+    them is counted."""
+    monkeypatch.setattr(live, "HISTORY", 10)
+    small = 2 * transport.HOLD_ROWS
+    large = small + 40 * CHUNK_ROWS
+    grown = _end_peak(tmp_path / "large", large) - _end_peak(tmp_path / "small", small)
+    print(f"{large - small:,} more rows left: the end's peak grew {grown:,} bytes")
+    assert grown < 100 * (large - small), f"{large - small:,} more rows left: the end's peak grew {grown:,} bytes"
+
+
+def _end_peak(folder, rows: int) -> int:
+    """The traced memory's peak over its start while a run of `rows`, stopped after 10
+    answers, ends."""
+    link, clock = LocalLink(), FakeClock()
+    coordinator = Coordinator(spec_of(make_rows(rows), folder), link, clock)
+    views = [LiveStats(coordinator, view=False), LiveStats(coordinator)]
+    FakeWorker(link, answer_first=10, hold=HELD, clock=clock).hello()
+    gevent.sleep(0.001)
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    clock.drive(lambda: coordinator.recorded >= 10)
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        ending = gevent.spawn(coordinator.end)
+        clock.drive(lambda: ending.dead)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert coordinator.recorded == rows
+    for view in views:  # the rows left are counted, and kept out of the window: they have no latency
+        assert len(view.recent) == sum(view.sent.values()) == 10 and view.errors[RUN_STOPPED] == rows - 10
+    return peak - before

@@ -133,8 +133,8 @@ class LiveStats:
     def add_records(self, records: list[dict]) -> None:
         now = time.time()
         for r in records:
-            self.recent.append((now, r))
-            if r["sent_at"] is not None:
+            if r["sent_at"] is not None:  # a row never sent has no latency or drift for the window,
+                self.recent.append((now, r))  # and a stopped run's end records them all at once
                 self.sent[r["worker"]] += 1
             if not r["ok"]:
                 self.errors[failure_reason(r)] += 1
