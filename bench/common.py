@@ -60,3 +60,16 @@ def locust_cpu(usage_file: Path) -> tuple[float, float]:
     """(the locust process's own CPU seconds, its child processes'), as LOCUST wrote them."""
     own, children = usage_file.read_text().split()
     return float(own), float(children)
+
+
+def high_water_kib(pid: int) -> int:
+    """VmHWM of a live process, its own peak RSS (wait4's covers its reaped children too); 0 once
+    it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0

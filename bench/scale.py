@@ -49,6 +49,8 @@ sys.path.insert(0, str(REPO))
 # editable install points at.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
+from common import high_water_kib  # noqa: E402
+
 from replay.results.records import read_records  # noqa: E402
 from replay.results.summary import percentile  # noqa: E402
 from replay.sim.process import SimProcess  # noqa: E402
@@ -97,7 +99,9 @@ def free_port() -> int:
 
 @dataclass
 class Proc:
-    """A child whose exit code, CPU seconds and peak RSS come from wait4 when it is reaped."""
+    """A child whose exit code, CPU seconds and peak RSS come from wait4 when it is reaped
+    (`rss_mib`: the largest of it and its reaped children), and its own peak RSS from /proc
+    while `reap` is asked (`own_rss_mib`: a peak in its last moments can be missed)."""
 
     name: str
     cwd: Path
@@ -105,6 +109,7 @@ class Proc:
     rc: int | None = None
     cpu_s: float = float("nan")
     rss_mib: float = float("nan")
+    own_rss_mib: float = 0.0
 
     def start(self, cmd: list[str], cpu: int | None) -> Proc:
         self.cwd.mkdir(parents=True, exist_ok=True)
@@ -121,8 +126,10 @@ class Proc:
         """True once the child has exited (and its figures are in)."""
         if self.rc is not None:
             return True
+        own_kib = high_water_kib(self.popen.pid)
         pid, status, usage = os.wait4(self.popen.pid, os.WNOHANG)
         if pid == 0:
+            self.own_rss_mib = max(self.own_rss_mib, own_kib / 1024.0)
             return False
         self.rc = self.popen.returncode = os.waitstatus_to_exitcode(status)
         self.cpu_s = usage.ru_utime + usage.ru_stime

@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 OUTER_PYTHONPATH = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1:]  # what the caller had
 
-from common import LOCUST, compile_bytecode, locust_cpu, split_cores  # noqa: E402
+from common import LOCUST, compile_bytecode, high_water_kib, locust_cpu, split_cores  # noqa: E402
 
 from replay.results.records import read_records  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402
@@ -157,7 +157,7 @@ def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, 
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            own_peak_kib = max(own_peak_kib, _high_water_kib(proc.pid))
+            own_peak_kib = max(own_peak_kib, high_water_kib(proc.pid))
             time.sleep(0.2)
         proc.returncode = os.waitstatus_to_exitcode(status)
         log.seek(0)
@@ -177,18 +177,6 @@ def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, 
             "children_ms_per_req": children_s * 1000.0 / max(1, len(records)),
             "peak_rss_mib": usage.ru_maxrss / 1024, "own_peak_rss_mib": own_peak_kib / 1024,
             "records": len(records), "problems": problems}
-
-
-def _high_water_kib(pid: int) -> int:
-    """VmHWM of a live process (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | None, server: int | None,
