@@ -563,6 +563,7 @@ def test_plan_waits_until_the_worker_can_hear(tmp_path, toy_tokenizer_dir, fast_
         assert "Unknown message type" not in (tmp_path / f"worker{i}.log").read_text()
 
 
+@pytest.mark.alone  # the other worker must be heard within Locust's heartbeat (3 s): docs/testing.md
 @pytest.mark.parametrize("moment", ["before the go", "mid-run"])
 def test_sigterm_to_one_worker(tmp_path, toy_tokenizer_dir, fast_sim, moment):
     """A worker stopped by a signal of its own (another terminal, an operator, an eviction) is not
