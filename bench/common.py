@@ -62,6 +62,18 @@ def locust_cpu(usage_file: Path) -> tuple[float, float]:
     return float(own), float(children)
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """This process's environment for a child that imports `tree`'s replay (a checkout that
+    `--against TREE` compares with this one): `tree` first on PYTHONPATH, this checkout off it."""
+    outer = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *outer])}
+
+
+def tree_label(tree: Path) -> str:
+    """How a benchmark that compares checkouts names `tree`."""
+    return "this checkout" if tree == REPO else str(tree)
+
+
 def high_water_kib(pid: int) -> int:
     """VmHWM of a live process, its own peak RSS (wait4's covers its reaped children too); 0 once
     it is gone."""

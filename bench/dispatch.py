@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import LOCUST, compile_bytecode, locust_cpu, split_cores  # noqa: E402
+from common import LOCUST, compile_bytecode, locust_cpu, split_cores, tree_env, tree_label  # noqa: E402
 
 from replay.results.records import read_records  # noqa: E402
 from replay.results.summary import percentile  # noqa: E402
@@ -117,7 +117,6 @@ def runqueue_wait_ms(proc: subprocess.Popen, every: float = 0.05) -> float:
 def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None, tree: Path = REPO) -> dict:
     """One replay of `trace` by `tree`'s locustfile and replay package."""
     usage = out.with_name(out.name + ".cpu")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-c", LOCUST, str(usage), "-f", str(tree / "locustfile.py"), "--headless", "--host", url,
            "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
            "--output", str(out), "--loglevel", "WARNING", "--only-summary"]
@@ -125,7 +124,7 @@ def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None, 
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     cpu_before = children_cpu()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec, env=env, cwd=tree)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec, env=tree_env(tree), cwd=tree)
         waited_ms = runqueue_wait_ms(proc)
         log.seek(0)
         if proc.returncode != 0:
@@ -181,11 +180,10 @@ def main() -> None:
         with sim_process(tokenizer, "--block-size", str(BLOCK), "--ttft-ms", "20", "--itl-ms", str(args.itl_ms),
                          "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000", cpu=sim_cpu) as sim:
             rates = [float(r) for r in args.rates.split(",")]
-            first_rate = rates[0]
             for rate in rates:
                 trace = tmp / f"trace-{rate:g}.jsonl"
                 write_trace(trace, rate, args.seconds, args.output_tokens)
-                if rate == first_rate:  # each tree's set-up cache filled before any run is timed
+                if rate == rates[0]:  # each tree's set-up cache filled before any run is timed
                     for t, tree in enumerate(trees):
                         one_run(tokenizer, sim.url, trace, tmp / f"warm-up-{t}.jsonl", client_cpu, tree)
                 runs: dict[Path, list[dict]] = {tree: [] for tree in trees}
@@ -197,7 +195,7 @@ def main() -> None:
                 for tree in trees:
                     med = {k: statistics.median(r[k] for r in runs[tree]) for k in runs[tree][0]}
                     own[tree] = med["own_cpu_ms"]
-                    name = "" if len(trees) == 1 else f"  {'this checkout' if tree == REPO else tree}"
+                    name = "" if len(trees) == 1 else f"  {tree_label(tree)}"
                     print(f"{rate:9.0f} {med['rate']:10.1f} {med['ok']:6.1%} {med['p50']:10.3f} {med['p99']:8.3f} "
                           f"{med['max']:8.3f} {med['ttft_p50']:9.1f} {med['noise_p99']:15.3f} {med['cpu_ms']:8.3f} "
                           f"{med['runqueue_ms']:9.0f} {med['own_cpu_ms']:7.3f} {med['children_cpu_ms']:8.3f}  "

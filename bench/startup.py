@@ -48,9 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-OUTER_PYTHONPATH = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1:]  # what the caller had
 
-from common import LOCUST, compile_bytecode, high_water_kib, locust_cpu, split_cores  # noqa: E402
+from common import LOCUST, compile_bytecode, high_water_kib, locust_cpu, split_cores, tree_env, tree_label  # noqa: E402
 
 from replay.results.records import read_records  # noqa: E402
 from replay.sim.process import sim_process  # noqa: E402
@@ -149,7 +148,7 @@ def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, 
            "--api", "openai-completions", "--output", str(out), "--overwrite", "--loglevel", "WARNING",
            "--only-summary", *extra]
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
-    env = {**os.environ, CACHE_ENV: str(cache), "PYTHONPATH": os.pathsep.join([str(tree), *OUTER_PYTHONPATH])}
+    env = {**tree_env(tree), CACHE_ENV: str(cache)}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec, env=env, cwd=tree)
         own_peak_kib = 0  # the locust process's own high-water mark (wait4's is its children's too)
@@ -226,9 +225,7 @@ def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | 
 
 def _named(tree: Path, trees: list[Path]) -> str:
     """`tree` as a run's label where two trees take turns."""
-    if len(trees) == 1:
-        return ""
-    return ", this checkout" if tree == REPO else f", {tree}"
+    return "" if len(trees) == 1 else f", {tree_label(tree)}"
 
 
 def main() -> int:
