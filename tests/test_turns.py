@@ -155,14 +155,16 @@ def test_after_answer_keeps_the_trace_gaps(tmp_path, slow_sim, toy_tokenizer_dir
     records, exit_codes = replay(tmp_path, slow_sim.url, workers, tokenizer=toy_tokenizer_dir,
                                  turn_timing="after-answer")
     assert all(r["ok"] for r in records) and exit_codes == []
-    errors = []
-    for before, after in turn_pairs(records):
-        trace_gap_ms = (after["scheduled_at"] - before["scheduled_at"]) * 1000.0
-        assert after["due_at"] == pytest.approx(before["finished_at"] + trace_gap_ms / 1000.0, abs=1e-6)
-        errors.append(abs((after["sent_at"] - before["finished_at"]) * 1000.0 - trace_gap_ms))
+    for before, after in turn_pairs(records):  # the gap kept, to the microsecond, in the time each turn is due
+        trace_gap_s = after["scheduled_at"] - before["scheduled_at"]
+        assert after["due_at"] == pytest.approx(before["finished_at"] + trace_gap_s, abs=1e-6)
         assert after["waited_ms"] > 0
-    errors.sort()
-    assert errors[int(0.99 * (len(errors) - 1))] <= 2.0, errors  # p99 of |gap after the answer - trace gap|
+    # And sent then, within what a loaded machine adds: a gap counted from the send (not the
+    # answer) is off by ANSWER_MS, a dropped gap by 80-120 ms; the sends themselves, beside
+    # `make test`'s parallel pass on two cores, were 2.7 ms late at the second largest of 18 once.
+    # How precisely a send goes out at its due time is measured by bench/dispatch.py.
+    errors = gaps_after_answers(records)
+    assert errors[int(0.99 * (len(errors) - 1))] <= 10.0, errors
 
 
 @pytest.mark.parametrize("on_failure", ["continue", "stop-session"])
@@ -218,10 +220,7 @@ def test_after_answer_with_a_master_and_two_worker_processes(tmp_path, slow_sim,
     assert sorted(r["request_id"] for r in records) == list(range(SESSIONS * TURNS)) and all(r["ok"] for r in records)
     assert {r["worker"] for r in records} == {0, 1}
     assert all(len({r["worker"] for r in turns}) == 1 for turns in by_session(records))
-    # Kept there, not timed: a gap counted from the send (not the answer) is off by ANSWER_MS, a
-    # gap dropped by 80-120 ms, while three processes on two cores beside `make test`'s parallel
-    # pass see a few ms of scheduling (2.35 ms once at the second largest of 18). How precisely a
-    # turn goes out is asserted in one process above, and measured by bench/dispatch.py.
+    # Kept there, within what a loaded machine adds (as in one process above; 2.35 ms once here).
     errors = gaps_after_answers(records)
     assert errors[int(0.99 * (len(errors) - 1))] <= 10.0, errors
 
