@@ -4,8 +4,8 @@ reported by `replay report`.
 The slice is the first 150 rows of ../shared/traces/mooncake_synthetic_trace.jsonl, rescaled
 to 32-token blocks (vLLM's block size here), compressed to about 5 s of sends, outputs capped
 at 32 tokens (the decode steps are most of vLLM's work on CPU; an exact output count proves as
-much at 32 tokens as at 700). vLLM on CPU spends about 1.4 cores for as long as any request is
-in flight (its worker polls), so a shorter slice costs the suite less; vLLM queues the rest, and
+much at 32 tokens as at 700). vLLM on CPU spends about a core for as long as any request is
+in flight, so a shorter slice costs the suite less; vLLM queues the rest, and
 its prefix cache registers a prompt's blocks as it schedules them, so the hits follow the
 send order at any concurrency. The tiny model serves the Qwen2 tokenizer and chat template.
 
