@@ -196,9 +196,8 @@ def vllm_server(
         # The model runs in the engine core process, as vLLM runs a one-GPU model: on CPU it
         # would otherwise start a worker process of its own (the mp executor, for OpenMP thread
         # binding, which a 2-layer model does not need), a third process importing torch and
-        # vLLM (about 9 s of CPU a server start, of about 34). On one OpenMP thread, as that
-        # worker was: a second one spins on the other core between steps (about half of the
-        # server's CPU while it serves), beside tests that time their sends.
+        # vLLM. On one OpenMP thread, as that worker was: a second one spins on the other core
+        # between steps, beside tests that time their sends.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "OMP_NUM_THREADS": "1",
         # Nothing leaves the machine: no hub look-ups, no usage reports.
