@@ -28,3 +28,17 @@ class RunnerLink(Link):
 
     def to_master(self, msg_type: str, data: Any) -> None:
         self.runner.send_message(msg_type, data)
+
+
+FLUSH_S = 1.0  # the most a worker's exit waits for its last messages to leave (a master that is gone)
+
+
+def flush_on_exit(runner, timeout_s: float = FLUSH_S) -> None:
+    """Let what a worker queued for its master leave before the process ends. pyzmq does not end
+    a context at interpreter exit, so the last messages (a signal's STOPPED, Locust's quit) die
+    with the process where its I/O thread has not written them yet: the master then labels the
+    worker's rows "worker lost", not "worker stopped". Closing the socket with a linger and ending
+    its context waits as long as the writing takes, and no longer than `timeout_s`."""
+    socket = runner.client.socket
+    socket.close(linger=int(timeout_s * 1000))
+    socket.context.term()

@@ -28,7 +28,7 @@ from replay.engine.dispatcher import Dispatcher
 from replay.engine.progress import ProgressLine
 from replay.errors import OptionError
 from replay.locust import webauth, webui
-from replay.locust.link import RunnerLink
+from replay.locust.link import RunnerLink, flush_on_exit
 from replay.protocol.urls import shown
 from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
 from replay.run import preflight
@@ -196,6 +196,7 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
         part = Dispatcher(link, on_request=_request_stats(environment))
         environment.replay = Replay(part=part)
         _stop_worker_on_signals(environment, link, part)
+        environment.events.quit.add_listener(lambda **kwargs: flush_on_exit(runner))  # the last messages leave
         link.to_master(messages.HELLO, messages.Hello())
         gevent.spawn(_watch_master, environment, runner, part)
         gevent.spawn(live.report_loop, part)  # the master's live view: one small message a second
