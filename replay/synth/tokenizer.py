@@ -162,12 +162,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     the safe vocabulary); two loads held together were a third of a cold run's peak RSS. A
     Tokenizer is only read (encode/decode), and safe to share between threads."""
     global _loaded
-    file = tokenizer_json(path).resolve()
+    named = tokenizer_json(path)
+    file = named.resolve()
     stat = file.stat()
     identity = (str(file), stat.st_size, stat.st_mtime_ns)
     if _loaded is not None and _loaded[0] == identity:
         return _loaded[1]
-    tokenizer = Tokenizer.from_file(str(file))
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise ValueError(f"{named}: not a tokenizer.json the tokenizers library reads: {reason}") from None
     _loaded = (identity, tokenizer)
     return tokenizer
 
