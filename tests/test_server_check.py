@@ -172,18 +172,22 @@ def test_the_sample_stays_under_its_cap_and_the_servers_context(toy_tokenizer_di
     assert max(len(s.ids) for s in small) < 512 and under not in {len(s.ids) for s in small}
 
 
-def test_a_run_whose_every_row_is_over_the_prompt_limit_is_refused(toy_tokenizer_dir, trace, tmp_path):
+@pytest.mark.parametrize("limit_from", ["option", "server"])
+def test_a_run_whose_every_row_is_over_the_prompt_limit_is_refused(toy_tokenizer_dir, trace, tmp_path, limit_from):
     """Nothing would be sent: refused before the server check (which, its sample capped at one
-    token, asked /tokenize once per word of the vocabulary: 41,547 requests for qwen2's)."""
+    token, asked /tokenize once per word of the vocabulary: 41,547 requests for qwen2's). The
+    limit is --max-prompt-tokens, or the served model's context (max_model_len)."""
     output = tmp_path / "run.jsonl"
-    with sim_with(toy_tokenizer_dir) as sim:
-        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--max-prompt-tokens", "1"),
-                          tmp_path, exit_code=2)
+    option, server = (["--max-prompt-tokens", "1"], []) if limit_from == "option" else ([], ["--max-model-len", "1"])
+    with sim_with(toy_tokenizer_dir, *server) as sim:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, *option), tmp_path, exit_code=2)
         assert generation_requests(sim.url) == 0
     lines = [line for line in proc.stderr.splitlines() if "replay: " in line]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     shortest = min(json.loads(line)["input_length"] for line in trace.read_text().splitlines())
-    assert lines[0].endswith(f"replay: --max-prompt-tokens 1: every one of the {ROWS} rows in the window has a "
+    where = ("--max-prompt-tokens 1" if option else
+             "the served model's prompt limit, 1 (its max_model_len; --max-prompt-tokens sets another)")
+    assert lines[0].endswith(f"replay: {where}: every one of the {ROWS} rows in the window has a "
                              f"longer prompt (the shortest: {shortest} tokens); nothing would be sent"), lines[0]
     assert not output.exists() and "--verify-server" not in proc.stderr
 

@@ -32,7 +32,7 @@ from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.errors import OptionError
 from replay.protocol.headers import parse_headers
-from replay.protocol.models import ask_served, only_model, prompt_limit, refusal
+from replay.protocol.models import Served, ask_served, only_model, prompt_limit, refusal
 from replay.protocol.server_cache import CacheNotReset, reset_prefix_caches, server_caches
 from replay.protocol.table import sends_token_ids
 from replay.results.metadata import file_sha256, versions
@@ -108,7 +108,7 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
                              f"--duration {options.duration}, --max-requests {options.max_requests}; "
                              f"the trace has {schedule.trace_rows} rows)")
         if not len(schedule):  # every row over the prompt limit: the run would send nothing
-            raise _nothing_under_the_limit(options, schedule, max_prompt_tokens)
+            raise _nothing_under_the_limit(options, schedule, max_prompt_tokens, served)
         check_replay_length(schedule.window_s, options.scale, options.start)
         if options.capacity_search and schedule.latest - schedule.origin < options.probe_duration:
             raise OptionError(f"--probe-duration {options.probe_duration:g}: longer than the window (the trace has "
@@ -127,12 +127,17 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
     return spec
 
 
-def _nothing_under_the_limit(options: ReplayOptions, schedule: Schedule, limit: int | None) -> ValueError:
+def _nothing_under_the_limit(options: ReplayOptions, schedule: Schedule, limit: int | None,
+                             served: tuple[Served, ...]) -> ValueError:
     """The refusal of a window whose every row is over the prompt limit, naming where the limit
     came from and the shortest row, the limit that would let one through."""
     shortest = min(row.input_length for row in schedule.oversized_rows())
-    where = (f"--max-prompt-tokens {options.max_prompt_tokens}" if options.max_prompt_tokens
-             else f"the prompt limit {limit} (the served model's, or the default; --max-prompt-tokens sets one)")
+    if options.max_prompt_tokens:
+        where = f"--max-prompt-tokens {options.max_prompt_tokens}"
+    elif prompt_limit(served, options.model) == limit:
+        where = f"the served model's prompt limit, {limit} (its max_model_len; --max-prompt-tokens sets another)"
+    else:
+        where = f"the default prompt limit, {limit} (--max-prompt-tokens sets another)"
     return OptionError(f"{where}: every one of the {len(schedule.oversized)} rows in the window has a longer prompt "
                        f"(the shortest: {shortest} tokens); nothing would be sent")
 
