@@ -72,7 +72,7 @@ def test_worker_check(toy_tokenizer_dir, other_tokenizer_dir):
 
 
 @pytest.mark.parametrize("case", ["missing", "not json", "no tokenizer.json", "bad template", "no chat template",
-                                  "config not json", "template raises"])
+                                  "config not json", "template raises", "template drops the content"])
 @pytest.mark.parametrize("verify", ["auto", "off"])
 def test_unloadable_tokenizer_is_refused_on_the_master(tmp_path, toy_tokenizer_dir, case, verify):
     """One line naming the option, exit 2, nothing written, whatever --verify-server says:
@@ -101,6 +101,10 @@ def test_unloadable_tokenizer_is_refused_on_the_master(tmp_path, toy_tokenizer_d
         copy_of(toy_tokenizer_dir, tok)
         (tok / "tokenizer_config.json").write_text('{"chat_template": ')
         message = f"--tokenizer tok: cannot load the chat template: {Path('tok') / 'tokenizer_config.json'}: not JSON: "
+    elif case == "template drops the content":  # every prompt the template's length, whatever the row's
+        copy_of(toy_tokenizer_dir, tok)
+        (tok / "chat_template.jinja").write_text("{{ bos_token }}hello")
+        message = "--tokenizer tok: the chat template renders none of the messages' content (tok (openai-chat, "
     elif case == "template raises":
         copy_of(toy_tokenizer_dir, tok)
         (tmp_path / "raises.jinja").write_text("{{ raise_exception('no system role') }}")

@@ -16,7 +16,7 @@ from pathlib import Path
 from replay.errors import OptionError
 from replay.protocol.table import APIS
 from replay.synth import setup_cache
-from replay.synth.prompts import set_up
+from replay.synth.prompts import PromptError, set_up
 from replay.synth.tokenizer import (
     ChatTemplate,
     ChatTemplateError,
@@ -70,6 +70,10 @@ def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: st
     return fingerprint
 
 
+def _is_chat(api: str) -> bool:
+    return getattr(APIS.get(api), "chat", False)
+
+
 def _template_option(tokenizer: str, chat_template: str | None) -> str:
     """The option the chat template comes from, as its messages name it."""
     return f"--chat-template {chat_template}" if chat_template else f"--tokenizer {tokenizer}"
@@ -78,7 +82,7 @@ def _template_option(tokenizer: str, chat_template: str | None) -> str:
 def _refuse_template_for(tokenizer: str, template: ChatTemplate | None, api: str) -> None:
     """A chat api needs a template; without one every worker would fail each of its rows (and a
     server check would only catch it when it is on), so the preflight refuses it itself."""
-    if template is None and getattr(APIS.get(api), "chat", False):
+    if template is None and _is_chat(api):
         raise OptionError(f"--tokenizer {tokenizer}: has no chat template, which --api {api} needs; "
                           f"pass --chat-template")
 
@@ -89,16 +93,20 @@ def _prove_loadable(tokenizer: str, chat_template: str | None, api: str | None) 
     this process never holds the tokenizer, and this host's workers then read the set-up from
     the cache. A set-up that fails for another reason than the load is reported where the
     set-up is made again (the server check, the workers), so then only the load is tried here;
-    but a template that raises on the set-up's messages is refused here, as the workers would
-    fail on it whatever the server check says."""
+    but a template that raises on the set-up's messages, or cannot frame a prompt, is refused
+    here, as the workers would fail on it whatever the server check says."""
     if api is not None:
         try:
-            set_up(ServerTokenizer.load(tokenizer, chat_template, lazy=True), api)
-            return
+            loaded = ServerTokenizer.load(tokenizer, chat_template, lazy=True)
+            if loaded.chat_template is not None or not _is_chat(api):  # else: master_fingerprint refuses it
+                set_up(loaded, api)
+                return
         except ChatTemplateError as e:
             at = f" (template line {e.line})" if e.line is not None else ""
             raise OptionError(f"{_template_option(tokenizer, chat_template)}: cannot render the chat template"
                               f"{at}: {_first_line(ValueError(e.reason))}") from None
+        except PromptError as e:  # the template cannot frame a prompt (one that drops the content)
+            raise OptionError(f"{_template_option(tokenizer, chat_template)}: {_first_line(e)}") from None
         except Exception:
             pass
     try:
