@@ -96,14 +96,16 @@ def test_bad_tokenizer_is_a_clear_error(tmp_path):
     assert "tokenizer not found" in proc.stderr
 
 
-@pytest.mark.parametrize("case", ["tokenizer.json cut short", "the cached one cut short", "config not json"])
+@pytest.mark.parametrize("case", ["tokenizer.json cut short", "the cached one cut short", "config not json",
+                                  "config a list"])
 def test_a_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path, toy_tokenizer_dir, case):
-    """Before: a traceback ending in tokenizers' bare `Exception: EOF while parsing...`, or
-    json's message naming no file."""
+    """Before: a traceback ending in tokenizers' bare `Exception: EOF while parsing...` (or, for
+    a tokenizer_config.json holding a list, in an AttributeError), or json's message naming no
+    file."""
     tok = tmp_path / "tok"
     shutil.copytree(toy_tokenizer_dir, tok)
-    bad = "tokenizer_config.json" if case == "config not json" else "tokenizer.json"
-    (tok / bad).write_bytes((tok / bad).read_bytes()[:500])
+    bad = "tokenizer_config.json" if case.startswith("config") else "tokenizer.json"
+    (tok / bad).write_bytes(b"[1, 2]" if case == "config a list" else (tok / bad).read_bytes()[:500])
     env, name, shown = dict(os.environ), str(tok), tok / bad
     if case == "the cached one cut short":  # a Hugging Face id, read from the hub cache's snapshot
         snapshot = cache_revision(tmp_path / "hub", "org/toy", tok, "a" * 40, refs=("main",))
