@@ -296,16 +296,29 @@ def test_a_server_that_cannot_reset_its_cache_is_refused(tmp_path, toy_tokenizer
     assert f"--reset-server-cache: {sim.url}: it has no POST /reset_prefix_cache" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_the_preflight_reads_the_servers_cache_and_options_override_it(sim):
+def test_the_preflight_reads_the_servers_cache_and_options_override_it(sim, caplog):
     """replay sim says its block size and pool size in vllm:cache_config_info as vLLM does; the
-    options win; a server that says nothing leaves them to the options."""
+    options win, with a warning naming both values where the server said otherwise (and the
+    server's figures kept in the meta as `server_said`); a server that says nothing leaves them
+    to the options."""
     from replay.protocol.server_cache import server_caches as ask
 
     (said,) = ask([sim.url], block_size=None, cache_blocks=None).values()
     assert said == {"block_size": SIM_BLOCK, "num_gpu_blocks": 100_000, "source": "server"}
+    (agreed,) = ask([sim.url], block_size=SIM_BLOCK, cache_blocks=100_000).values()
+    assert agreed == {"block_size": SIM_BLOCK, "num_gpu_blocks": 100_000, "source": "options"}
+    assert not caplog.records
     (mixed,) = ask([sim.url], block_size=32, cache_blocks=None).values()
-    assert mixed == {"block_size": 32, "num_gpu_blocks": 100_000, "source": "options+server"}
+    assert mixed == {"block_size": 32, "num_gpu_blocks": 100_000, "source": "options+server",
+                     "server_said": {"block_size": SIM_BLOCK}}
     (given,) = ask([sim.url], block_size=32, cache_blocks=64).values()
-    assert given == {"block_size": 32, "num_gpu_blocks": 64, "source": "options"}
+    assert given == {"block_size": 32, "num_gpu_blocks": 64, "source": "options",
+                     "server_said": {"block_size": SIM_BLOCK, "num_gpu_blocks": 100_000}}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings[-2:] == [
+        f"--server-block-size 32: {sim.url} says its block size is {SIM_BLOCK} (GET /metrics, "
+        f"vllm:cache_config_info); the cache model uses 32",
+        f"--server-cache-blocks 64: {sim.url} says its pool is 100000 blocks (GET /metrics, "
+        f"vllm:cache_config_info); the cache model uses 64"], warnings
     (silent,) = ask(["http://127.0.0.1:9"], block_size=None, cache_blocks=None).values()
     assert silent == {"block_size": None, "num_gpu_blocks": None, "source": None}

@@ -1,5 +1,6 @@
-"""deploy/k8s without a cluster: every manifest and each kustomization's output validate against
-the Kubernetes JSON schemas of a current release (kubernetes-validate ships them); the master's,
+"""deploy/k8s without a cluster: every manifest and each kustomization's output, as `kubectl
+kustomize` builds it (what `kubectl apply -k` applies), validate against the Kubernetes JSON
+schemas of a current release (kubernetes-validate ships them); the master's,
 the Job's and the workers' commands, ports, names and config agree with each other, with
 docker-compose.yml and with docs/deployment.md; and the sim overlay runs to completion as
 processes on this machine, with the commands and config its manifests give, master and workers
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import yaml
 
 from replay.run.config import load_config
 from replay.sim.process import SimProcess
+from support.browser import need
 from support.deploy import COMPOSE, REPO, locust_command, parse_locust
 from support.kustomize import build, containers, documents, pod_spec
 from support.ports import free_port
@@ -25,7 +28,8 @@ from support.processes import finish, spawn_locust
 from support.records import check_records
 
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = (K8S, K8S / "headless", K8S / "sim")
+BASE = K8S / "base"  # the shared resources, and the web UI's setup
+OVERLAYS = tuple(sorted(p.parent for p in K8S.rglob("kustomization.yaml")))  # base, headless, sim
 IMAGE = "tracereplay:latest"  # docker-compose.yml's image, built from the Dockerfile
 
 
@@ -51,8 +55,10 @@ def manifest_files() -> list[Path]:
 
 
 def test_manifests_and_kustomizations_validate():
-    kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the `test` extra) "
-                             "for the Kubernetes JSON schemas")
+    try:
+        import kubernetes_validate as kv
+    except ImportError:
+        need("kubernetes-validate", "pip install 'tracereplay[test]'; it has the Kubernetes JSON schemas")
     version = kv.latest_version()
     rendered = [(f"{folder.relative_to(REPO)} (kustomize build)", r) for folder in OVERLAYS for r in build(folder)]
     files = [(str(p.relative_to(REPO)), d) for p in manifest_files() for d in documents(p)]
@@ -63,7 +69,7 @@ def test_manifests_and_kustomizations_validate():
             pytest.fail(f"{where}: {resource['kind']}/{resource['metadata']['name']}: {e.message}")
 
 
-@pytest.mark.parametrize("folder", OVERLAYS, ids=lambda p: str(p.relative_to(K8S)) or "base")
+@pytest.mark.parametrize("folder", OVERLAYS, ids=lambda p: str(p.relative_to(K8S)))
 def test_conventions(folder):
     for r in build(folder):
         labels = r["metadata"].get("labels", {})
@@ -85,7 +91,7 @@ def test_conventions(folder):
 
 
 def test_master_workers_and_job_agree(tmp_path):
-    base, headless = build(K8S), build(K8S / "headless")
+    base, headless = build(BASE), build(K8S / "headless")
     service = by_kind(base, "Service", "tracereplay-master")
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     deployment = by_kind(base, "Deployment", "tracereplay-master")
@@ -133,7 +139,8 @@ def test_master_workers_and_job_agree(tmp_path):
 
 
 def test_docs_name_what_the_manifests_define():
-    docs = (REPO / "docs" / "deployment.md").read_text() + (REPO / "README.md").read_text()
+    comments = "".join(p.read_text() for p in K8S.rglob("*.yaml"))
+    docs = (REPO / "docs" / "deployment.md").read_text() + (REPO / "README.md").read_text() + comments
     assert "kubectl apply -k deploy/k8s/sim" in docs
     names = {f"{r['kind'].lower()}/{r['metadata']['name']}" for folder in OVERLAYS for r in build(folder)}
     for kind, name in re.findall(r"\b(job|deployment|statefulset|pod|svc)/(tracereplay[\w-]*)", docs):
@@ -141,6 +148,24 @@ def test_docs_name_what_the_manifests_define():
         assert f"{kind}/{name}" in names or (kind == "pod" and name == "tracereplay-data"), f"{kind}/{name}"
     for path in re.findall(r"\b(deploy/k8s[\w/.-]*)", docs):
         assert (REPO / path.rstrip(".")).exists(), path
+    for path in re.findall(r"kubectl (?:apply|delete) -k (deploy/k8s[\w/.-]*)", docs):  # a folder kubectl can build
+        assert (REPO / path.rstrip(".")).resolve() in OVERLAYS, path
+
+
+@pytest.mark.parametrize("overlay", ["headless", "sim"])
+def test_an_image_set_in_an_overlay_covers_its_bases(tmp_path, overlay):
+    """What the kustomizations' comment promises: `kustomize edit set image` in the folder
+    applied renames the image of every container, the base's included (an entry whose name
+    matched no container would leave them pulling `tracereplay:latest`, without a word)."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    kustomization = copy / overlay / "kustomization.yaml"
+    spec = yaml.safe_load(kustomization.read_text())
+    assert spec["images"] == [{"name": "tracereplay", "newTag": "latest"}]
+    spec["images"] = [{"name": "tracereplay", "newName": "registry.example.com/tracereplay", "newTag": "1.0"}]
+    kustomization.write_text(yaml.safe_dump(spec))
+    images = {c["image"] for r in build(copy / overlay) for c in containers(r)}
+    assert images == {"registry.example.com/tracereplay:1.0"}
 
 
 def test_sim_overlay_runs_to_completion(tmp_path, toy_tokenizer_dir):

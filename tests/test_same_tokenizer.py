@@ -71,12 +71,16 @@ def test_worker_check(toy_tokenizer_dir, other_tokenizer_dir):
                             f"{short(tokenizer_fingerprint(other_tokenizer_dir))} but the master's is {short(expected)}")
 
 
-@pytest.mark.parametrize("case", ["missing", "not json", "no tokenizer.json", "bad template"])
-def test_unloadable_tokenizer_is_refused_on_the_master(tmp_path, toy_tokenizer_dir, case):
-    """One line naming the option, exit 2, nothing written: before, the master ran and each
-    worker failed in turn."""
+@pytest.mark.parametrize("case", ["missing", "not json", "no tokenizer.json", "bad template", "no chat template",
+                                  "config not json", "template raises", "template drops the content"])
+@pytest.mark.parametrize("verify", ["auto", "off"])
+def test_unloadable_tokenizer_is_refused_on_the_master(tmp_path, toy_tokenizer_dir, case, verify):
+    """One line naming the option, exit 2, nothing written, whatever --verify-server says:
+    before, the master ran and each worker failed in turn (a tokenizer without a chat template,
+    or one whose template raises, for a chat api: refused only by the server check, and with
+    `--verify-server off` every row `worker failed` after a traceback)."""
     tok = tmp_path / "tok"
-    flags = []
+    flags = ["--verify-server", verify]
     if case == "not json":
         tok.mkdir()
         (tok / "tokenizer.json").write_text("{not json")
@@ -87,8 +91,25 @@ def test_unloadable_tokenizer_is_refused_on_the_master(tmp_path, toy_tokenizer_d
     elif case == "bad template":
         copy_of(toy_tokenizer_dir, tok)
         (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m['content'] }")
-        flags = ["--chat-template", "bad.jinja"]
+        flags += ["--chat-template", "bad.jinja"]
         message = "--chat-template bad.jinja: cannot load the chat template: "
+    elif case == "no chat template":
+        tok.mkdir()
+        shutil.copy(toy_tokenizer_dir / "tokenizer.json", tok)
+        message = "--tokenizer tok: has no chat template, which --api openai-chat needs; pass --chat-template"
+    elif case == "config not json":
+        copy_of(toy_tokenizer_dir, tok)
+        (tok / "tokenizer_config.json").write_text('{"chat_template": ')
+        message = f"--tokenizer tok: cannot load the chat template: {Path('tok') / 'tokenizer_config.json'}: not JSON: "
+    elif case == "template drops the content":  # every prompt the template's length, whatever the row's
+        copy_of(toy_tokenizer_dir, tok)
+        (tok / "chat_template.jinja").write_text("{{ bos_token }}hello")
+        message = "--tokenizer tok: the chat template renders none of the messages' content (tok (openai-chat, "
+    elif case == "template raises":
+        copy_of(toy_tokenizer_dir, tok)
+        (tmp_path / "raises.jinja").write_text("{{ raise_exception('no system role') }}")
+        flags += ["--chat-template", "raises.jinja"]
+        message = "--chat-template raises.jinja: cannot render the chat template (template line 1): no system role"
     else:
         message = "--tokenizer tok: cannot load: tokenizer not found: tok"
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)

@@ -172,6 +172,42 @@ def test_the_sample_stays_under_its_cap_and_the_servers_context(toy_tokenizer_di
     assert max(len(s.ids) for s in small) < 512 and under not in {len(s.ids) for s in small}
 
 
+@pytest.mark.parametrize("limit_from", ["option", "server"])
+def test_a_run_whose_every_row_is_over_the_prompt_limit_is_refused(toy_tokenizer_dir, trace, tmp_path, limit_from):
+    """Nothing would be sent: refused before the server check (which, its sample capped at one
+    token, asked /tokenize once per word of the vocabulary: 41,547 requests for qwen2's). The
+    limit is --max-prompt-tokens, or the served model's context (max_model_len)."""
+    output = tmp_path / "run.jsonl"
+    option, server = (["--max-prompt-tokens", "1"], []) if limit_from == "option" else ([], ["--max-model-len", "1"])
+    with sim_with(toy_tokenizer_dir, *server) as sim:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, *option), tmp_path, exit_code=2)
+        assert generation_requests(sim.url) == 0
+    lines = [line for line in proc.stderr.splitlines() if "replay: " in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    shortest = min(json.loads(line)["input_length"] for line in trace.read_text().splitlines())
+    where = ("--max-prompt-tokens 1" if option else
+             "the served model's prompt limit, 1 (its max_model_len; --max-prompt-tokens sets another)")
+    assert lines[0].endswith(f"replay: {where}: every one of the {ROWS} rows in the window has a "
+                             f"longer prompt (the shortest: {shortest} tokens); nothing would be sent"), lines[0]
+    assert not output.exists() and "--verify-server" not in proc.stderr
+
+
+def test_the_sample_is_sized_by_the_servers_context_not_the_prompt_limit(toy_tokenizer_dir, trace, tmp_path):
+    """--max-prompt-tokens filters the run's rows; the check's vocabulary prompts are no rows of
+    the run, and are as long as the server takes (its stated context): a limit of a few tokens
+    made them one word each, a request per word of the vocabulary."""
+    output = tmp_path / "run.jsonl"
+    lengths = sorted(json.loads(line)["input_length"] for line in trace.read_text().splitlines())
+    limit = lengths[len(lengths) // 2]
+    with sim_with(toy_tokenizer_dir) as sim:
+        run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--max-prompt-tokens", str(limit)),
+                   tmp_path, exit_code=1)  # the rows over the limit are recorded as failed
+    (endpoint,) = server_check(output)["endpoints"]
+    synth = PromptSynthesizer(ServerTokenizer.load(toy_tokenizer_dir), "openai-chat", block_size=16)
+    sent = [n for n in lengths if n <= limit]
+    assert endpoint["ok"] and endpoint["prompts"] == len(build_samples(synth, (sent[0], sent[-1]), max_len=32768))
+
+
 @pytest.mark.parametrize("answer, ids", [
     ({"tokens": [5, 0, 7], "token_strs": ["a", "b", "c"]}, [5, 0, 7]),
     ({"tokens": []}, []),

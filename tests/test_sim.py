@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import requests
 
 from replay.sim.process import sim_process
 from replay.synth.tokenizer import ServerTokenizer
+from support.hf_cache import cache_revision
 from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -91,6 +94,27 @@ def test_bad_tokenizer_is_a_clear_error(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert "tokenizer not found" in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["tokenizer.json cut short", "the cached one cut short", "config not json",
+                                  "config a list"])
+def test_a_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path, toy_tokenizer_dir, case):
+    """Before: a traceback ending in tokenizers' bare `Exception: EOF while parsing...` (or, for
+    a tokenizer_config.json holding a list, in an AttributeError), or json's message naming no
+    file."""
+    tok = tmp_path / "tok"
+    shutil.copytree(toy_tokenizer_dir, tok)
+    bad = "tokenizer_config.json" if case.startswith("config") else "tokenizer.json"
+    (tok / bad).write_bytes(b"[1, 2]" if case == "config a list" else (tok / bad).read_bytes()[:500])
+    env, name, shown = dict(os.environ), str(tok), tok / bad
+    if case == "the cached one cut short":  # a Hugging Face id, read from the hub cache's snapshot
+        snapshot = cache_revision(tmp_path / "hub", "org/toy", tok, "a" * 40, refs=("main",))
+        env["HF_HUB_CACHE"], name, shown = str(tmp_path / "hub"), "org/toy", snapshot / bad
+    proc = subprocess.run([sys.executable, "-m", "replay", "sim", "--tokenizer", name, "--port", "0"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"replay sim: {shown}: "), line
 
 
 # -- OpenAI endpoints --------------------------------------------------------------------

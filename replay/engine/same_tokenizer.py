@@ -14,9 +14,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from replay.errors import OptionError
+from replay.protocol.table import APIS
 from replay.synth import setup_cache
-from replay.synth.prompts import set_up
-from replay.synth.tokenizer import ServerTokenizer, fingerprint_with_template, load_tokenizer, tokenizer_fingerprint
+from replay.synth.prompts import PromptError, set_up
+from replay.synth.tokenizer import (
+    ChatTemplate,
+    ChatTemplateError,
+    ServerTokenizer,
+    fingerprint_with_template,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 from replay.synth.tokenizer_source import parse_hub_id, resolve_tokenizer
 
 SHORT = 12  # hex digits of a fingerprint shown in messages
@@ -42,20 +50,41 @@ def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: st
     The load is proved by making the set-up a worker will need (_prove_loadable), which this
     host's workers and the server check then read from the cache; it is skipped when this
     host's set-up cache holds an entry for these exact bytes, this `tokenizers` version and
-    `api`: it loaded here before. Raises OptionError naming the option.
+    `api`: it loaded here before. Raises OptionError naming the option, also for a chat `api`
+    with no template or with one that raises on the set-up's messages: the workers would fail
+    every row on them, whatever --verify-server says.
     """
     try:
         fingerprint, template = fingerprint_with_template(tokenizer, chat_template)
         failure = None
     except Exception as e:  # reported below, after a load error (which says more) if there is one
-        fingerprint, failure = None, e
+        fingerprint, template, failure = None, None, e
     if failure is not None or api is None or not setup_cache.loaded_before(
             fingerprint, template.special_tokens if template else {}, api):
         _prove_loadable(tokenizer, chat_template, None if failure is not None else api)
+    if failure is None and api is not None:
+        _refuse_template_for(tokenizer, template, api)
     if failure is not None:  # the template: unreadable, bad JSON, a jinja syntax error
-        option = f"--chat-template {chat_template}" if chat_template else f"--tokenizer {tokenizer}"
-        raise OptionError(f"{option}: cannot load the chat template: {_first_line(failure)}") from None
+        raise OptionError(f"{_template_option(tokenizer, chat_template)}: cannot load the chat template: "
+                          f"{_first_line(failure)}") from None
     return fingerprint
+
+
+def _is_chat(api: str) -> bool:
+    return getattr(APIS.get(api), "chat", False)
+
+
+def _template_option(tokenizer: str, chat_template: str | None) -> str:
+    """The option the chat template comes from, as its messages name it."""
+    return f"--chat-template {chat_template}" if chat_template else f"--tokenizer {tokenizer}"
+
+
+def _refuse_template_for(tokenizer: str, template: ChatTemplate | None, api: str) -> None:
+    """A chat api needs a template; without one every worker would fail each of its rows (and a
+    server check would only catch it when it is on), so the preflight refuses it itself."""
+    if template is None and _is_chat(api):
+        raise OptionError(f"--tokenizer {tokenizer}: has no chat template, which --api {api} needs; "
+                          f"pass --chat-template")
 
 
 def _prove_loadable(tokenizer: str, chat_template: str | None, api: str | None) -> None:
@@ -63,11 +92,21 @@ def _prove_loadable(tokenizer: str, chat_template: str | None, api: str | None) 
     workers will need: in a child process for a real tokenizer (replay/synth/setup_child.py), so
     this process never holds the tokenizer, and this host's workers then read the set-up from
     the cache. A set-up that fails for another reason than the load is reported where the
-    set-up is made again (the server check, the workers), so then only the load is tried here."""
+    set-up is made again (the server check, the workers), so then only the load is tried here;
+    but a template that raises on the set-up's messages, or cannot frame a prompt, is refused
+    here, as the workers would fail on it whatever the server check says."""
     if api is not None:
         try:
-            set_up(ServerTokenizer.load(tokenizer, chat_template, lazy=True), api)
-            return
+            loaded = ServerTokenizer.load(tokenizer, chat_template, lazy=True)
+            if loaded.chat_template is not None or not _is_chat(api):  # else: master_fingerprint refuses it
+                set_up(loaded, api)
+                return
+        except ChatTemplateError as e:
+            at = f" (template line {e.line})" if e.line is not None else ""
+            raise OptionError(f"{_template_option(tokenizer, chat_template)}: cannot render the chat template"
+                              f"{at}: {_first_line(ValueError(e.reason))}") from None
+        except PromptError as e:  # the template cannot frame a prompt (one that drops the content)
+            raise OptionError(f"{_template_option(tokenizer, chat_template)}: {_first_line(e)}") from None
         except Exception:
             pass
     try:

@@ -6,7 +6,10 @@ server's prefix cache the run's end checks the cached tokens with
 --server-block-size and --server-cache-blocks override what a server says, or supply what it
 does not (a server without /metrics, or not vLLM). The answer goes into the run's metadata as
 `server_cache`: {endpoint: {"block_size", "num_gpu_blocks", "source"}}, null values where
-neither the server nor an option said.
+neither the server nor an option said. An option that contradicts the server is warned of,
+naming both values, and the server's figures are kept beside it (`server_said`), but it is not
+refused: the options exist to override (a server's figure may be the one that is wrong, e.g. a
+router's /metrics), and they change only the end-of-run cache analysis, never what is sent.
 
 --reset-server-cache empties each endpoint's prefix cache before the first send
 (`reset_prefix_caches`: vLLM's `POST /reset_prefix_cache`, served with VLLM_SERVER_DEV_MODE=1,
@@ -17,6 +20,8 @@ hit beyond the run's own "warm-at-start" there.
 
 from __future__ import annotations
 
+import logging
+
 import orjson
 
 from replay.protocol.ask import Unanswered, ask
@@ -24,6 +29,10 @@ from replay.protocol.urls import shown
 from replay.results.server_metrics import cache_config
 
 CACHE_TIMEOUT_S = 5.0  # /metrics answers at once, however busy the server
+OPTIONS = {"block_size": ("--server-block-size", "block size is {}"),
+           "num_gpu_blocks": ("--server-cache-blocks", "pool is {} blocks")}  # each figure's option, and how it reads
+
+logger = logging.getLogger(__name__)
 
 
 def ask_cache_config(url: str, headers: dict[str, str] | None = None,
@@ -43,18 +52,26 @@ def server_caches(urls: list[str], *, block_size: int | None, cache_blocks: int 
                   headers: dict[str, str] | None = None, ask_server: bool = True) -> dict[str, dict]:
     """{endpoint as shown: {"block_size", "num_gpu_blocks", "source"}} for every endpoint: the
     options (`block_size`: --server-block-size, `cache_blocks`: --server-cache-blocks) where
-    given, else what the server says (`ask_server`: ask it). `source` names where the values
-    came from: "options", "server", "options+server" or None (neither said anything)."""
+    given, else what the server says (`ask_server`: ask it, also when both options are given,
+    to warn of a contradiction). `source` names where the values came from: "options",
+    "server", "options+server" or None (neither said anything); `server_said`, only where an
+    option contradicts the server, the server's own figures."""
     caches = {}
     for url in urls:
-        said = (ask_cache_config(url, headers) if ask_server and (block_size is None or cache_blocks is None)
-                else None) or {}  # fmt: skip
-        values, sources = {}, set()
+        said = (ask_cache_config(url, headers) if ask_server else None) or {}
+        values, sources, contradicted = {}, set(), {}
         for key, option in (("block_size", block_size), ("num_gpu_blocks", cache_blocks)):
             values[key] = option if option is not None else said.get(key)
             if values[key] is not None:
                 sources.add("options" if option is not None else "server")
+            if option is not None and said.get(key) not in (None, option):
+                contradicted[key] = said[key]
+                flag, what = OPTIONS[key]
+                logger.warning("%s %d: %s says its %s (GET /metrics, vllm:cache_config_info); the cache model uses %d",
+                               flag, option, shown(url), what.format(said[key]), option)
         caches[shown(url)] = {**values, "source": "+".join(sorted(sources)) or None}
+        if contradicted:
+            caches[shown(url)]["server_said"] = contradicted
     return caches
 
 

@@ -101,8 +101,8 @@ def run_metadata(
     `trace_sha256` the trace's hash when already known; `incomplete` the run's files that are
     not whole, [{file, error}] (see "The output" in README.md); `tokenizer_path` the --tokenizer
     as resolved (a Hugging Face id: its snapshot folder; None: the option is a path);
-    `server_cache` each endpoint's KV cache, {endpoint: {"block_size", "num_gpu_blocks", "source"}}
-    (replay.protocol.server_cache)."""
+    `server_cache` each endpoint's KV cache, {endpoint: {"block_size", "num_gpu_blocks", "source"}},
+    with "server_said" where an option contradicts the server (replay.protocol.server_cache)."""
     tokenizer = tokenizer_path or options.get("tokenizer")
     opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials, and so may URLs
     if opts.get("endpoints"):

@@ -7,8 +7,8 @@
    the model when --model is not given, and the prompt limit,
    replay.run.options.prompt_token_limit) and their KV caches (replay.protocol.server_cache:
    block size and pool size, for the cache model), the trace read, validated and spooled into the
-   Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows or
-   one longer than any replay refused.
+   Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows,
+   with none under the prompt limit, or longer than any replay refused.
 2. `check_servers(spec)`: every endpoint answered and serves the model, or ServersRefused;
    then the verdict of --verify-server (replay.synth.server_check), which the caller hands to
    the Coordinator for the meta file.
@@ -32,7 +32,7 @@ from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.errors import OptionError
 from replay.protocol.headers import parse_headers
-from replay.protocol.models import ask_served, only_model, refusal
+from replay.protocol.models import Served, ask_served, only_model, prompt_limit, refusal
 from replay.protocol.server_cache import CacheNotReset, reset_prefix_caches, server_caches
 from replay.protocol.table import sends_token_ids
 from replay.results.metadata import file_sha256, versions
@@ -107,6 +107,8 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
             raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
                              f"--duration {options.duration}, --max-requests {options.max_requests}; "
                              f"the trace has {schedule.trace_rows} rows)")
+        if not len(schedule):  # every row over the prompt limit: the run would send nothing
+            raise _nothing_under_the_limit(options, schedule, max_prompt_tokens, served)
         check_replay_length(schedule.window_s, options.scale, options.start)
         if options.capacity_search and schedule.latest - schedule.origin < options.probe_duration:
             raise OptionError(f"--probe-duration {options.probe_duration:g}: longer than the window (the trace has "
@@ -123,6 +125,21 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         logger.warning("%d rows have prompts over --max-prompt-tokens %d: recorded as %r, never sent",
                        len(schedule.oversized), max_prompt_tokens, OVERSIZED)
     return spec
+
+
+def _nothing_under_the_limit(options: ReplayOptions, schedule: Schedule, limit: int | None,
+                             served: tuple[Served, ...]) -> ValueError:
+    """The refusal of a window whose every row is over the prompt limit, naming where the limit
+    came from and the shortest row, the limit that would let one through."""
+    shortest = min(row.input_length for row in schedule.oversized_rows())
+    if options.max_prompt_tokens:
+        where = f"--max-prompt-tokens {options.max_prompt_tokens}"
+    elif prompt_limit(served, options.model) == limit:
+        where = f"the served model's prompt limit, {limit} (its max_model_len; --max-prompt-tokens sets another)"
+    else:
+        where = f"the default prompt limit, {limit} (--max-prompt-tokens sets another)"
+    return OptionError(f"{where}: every one of the {len(schedule.oversized)} rows in the window has a longer prompt "
+                       f"(the shortest: {shortest} tokens); nothing would be sent")
 
 
 class ServersRefused(ValueError):
@@ -151,4 +168,4 @@ def check_servers(spec: RunSpec) -> dict:
     synth = build_off_loop(options, spec.trace.block_size, tokenizer_path=spec.tokenizer_path).synth
     return verify_servers(urls, synth, spec.tokenizer_path or options.tokenizer, mode=options.verify_server, model=options.model,
                           headers=parse_headers(options.header), lengths=spec.schedule.input_lengths,
-                          max_len=spec.max_prompt_tokens).to_dict()
+                          max_len=prompt_limit(spec.served, options.model) or spec.max_prompt_tokens).to_dict()

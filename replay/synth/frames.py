@@ -88,10 +88,7 @@ def measure_frame(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab, layout
     """Locate the content inside a server-encoded probe, then prove the frame on other lengths."""
     encode = server_encoder(tokenizer, api, layout)
     rng = random.Random(PROBE_SEED)
-    what = f"{tokenizer.name} ({api}"
-    if get_api(api).chat:
-        what += f", template {tokenizer.chat_template.sha256[:12]}, messages {'+'.join(layout)}"
-    what += ")"
+    what = _what(tokenizer, api, layout)
     text, ids = probe(vocab, rng, PROBE_LENGTHS[0])
     encoded = encode(text)
     start = _find(encoded, ids)
@@ -105,12 +102,25 @@ def measure_frame(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab, layout
     return frame
 
 
+def _what(tokenizer: ServerTokenizer, api: str, layout: tuple[str, ...]) -> str:
+    """The tokenizer, api and template a frame is measured for, as messages name them."""
+    what = f"{tokenizer.name} ({api}"
+    if get_api(api).chat:
+        what += f", template {tokenizer.chat_template.sha256[:12]}, messages {'+'.join(layout)}"
+    return what + ")"
+
+
 def _estimated_frame(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab) -> Frame:
-    """A frame of the right size with unknown tokens, for templates that touch the content."""
+    """A frame of the right size with unknown tokens, for templates that touch the content.
+    A template that renders none of the content is refused (PromptError): no fix-up can give a
+    prompt its row's length, and the replay would send every one of them the template's."""
     encode = server_encoder(tokenizer, api, USER_ONLY)
     text, ids = probe(vocab, random.Random(PROBE_SEED), PROBE_LENGTHS[0])
-    overhead = max(0, len(encode(text)) - len(ids))
-    return Frame((), (0,) * overhead, len(encode("")))
+    framed, empty = len(encode(text)), len(encode(""))
+    if framed == empty:
+        raise PromptError(f"the chat template renders none of the messages' content "
+                          f"({_what(tokenizer, api, USER_ONLY)}); no prompt can be given its row's length")
+    return Frame((), (0,) * max(0, framed - len(ids)), empty)
 
 
 def _short_frame(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab, frame: Frame) -> Frame | None:

@@ -90,6 +90,17 @@ def _folder_templates(folder: Path) -> tuple[str | dict[str, str], str] | None:
     return templates, str(folder)
 
 
+def _read_config(path: Path) -> dict:
+    """A tokenizer_config.json, or ValueError naming the file: json's own message names none."""
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return config
+
+
 def _explicit_template(p: Path, special: dict) -> ChatTemplate:
     """--chat-template: a .jinja file (as vLLM's --chat-template), or a tokenizer_config.json,
     whose set special tokens win over the tokenizer folder's."""
@@ -97,7 +108,7 @@ def _explicit_template(p: Path, special: dict) -> ChatTemplate:
         raise FileNotFoundError(f"chat template not found: {p}")
     if p.suffix != ".json":
         return ChatTemplate(p.read_text(), special, origin=str(p))
-    config = json.loads(p.read_text())
+    config = _read_config(p)
     source = _template_from_config(config, p)
     if source is None:
         raise ValueError(f"{p}: no 'chat_template' field")
@@ -114,7 +125,7 @@ def load_chat_template(
     config: dict = {}
     cfg = _config_path(Path(tokenizer_path)) if tokenizer_path is not None else None
     if cfg is not None:
-        config = json.loads(cfg.read_text())
+        config = _read_config(cfg)
     special = _special_tokens(config)
     if chat_template_path is not None:
         return _explicit_template(Path(chat_template_path), special)
@@ -151,12 +162,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     the safe vocabulary); two loads held together were a third of a cold run's peak RSS. A
     Tokenizer is only read (encode/decode), and safe to share between threads."""
     global _loaded
-    file = tokenizer_json(path).resolve()
+    named = tokenizer_json(path)
+    file = named.resolve()
     stat = file.stat()
     identity = (str(file), stat.st_size, stat.st_mtime_ns)
     if _loaded is not None and _loaded[0] == identity:
         return _loaded[1]
-    tokenizer = Tokenizer.from_file(str(file))
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise ValueError(f"{named}: not a tokenizer.json the tokenizers library reads: {reason}") from None
     _loaded = (identity, tokenizer)
     return tokenizer
 

@@ -9,7 +9,7 @@
 - waiting: polling with a deadline (`wait_for`), never sleeping and hoping
 - deploy: the Dockerfile, paths in the image, Locust's parser for the deployments' commands
 - dcgm: a fake NVIDIA dcgm-exporter serving a page in its format (data/dcgm-exporter.txt)
-- kustomize: `kustomize build` for what deploy/k8s uses (no binary needed)
+- kustomize: `kubectl kustomize`, the build `kubectl apply -k` applies (skips without kubectl)
 - browser: Chromium's flags, and `need` for optional tools (fails in CI, skips elsewhere)
 - vllm: real vLLM on CPU: a tiny model folder around a real tokenizer, and its server process
 - hf_cache: a Hugging Face hub cache laid out by hand (blobs, symlinked snapshots, refs)

@@ -1,18 +1,22 @@
-"""`kustomize build` for the few features deploy/k8s uses, for machines without the binary
-(kubectl's `-k` is kustomize): `resources` (files of YAML documents, and directories with a
-kustomization.yaml of their own), `patches` (strategic merge, inline or from a file, including
-`$patch: delete`), `images` and `replicas`. Any other key fails, so that a manifest using a
-feature the loader lacks is not rendered wrong in silence.
+"""`kubectl kustomize`, the build `kubectl apply -k` applies, and the YAML it prints. The real
+build, never a stand-in: a layout the real kustomize refuses (a cycle between a base and an
+overlay inside it) must fail here as it fails on a cluster.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import yaml
 
-SUPPORTED = {"apiVersion", "kind", "resources", "patches", "images", "replicas"}
+from support.browser import need
+
+MIN_KUSTOMIZE = 5  # the major version deploy/k8s is built with; Debian's kubectl 1.20 (kustomize 2) lacks `patches`
+KUBECTL_HINT = f"kubectl 1.27 or later, whose `kubectl kustomize` is kustomize {MIN_KUSTOMIZE} or later"
 
 
 def documents(path: Path) -> list[dict]:
@@ -20,62 +24,34 @@ def documents(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def key(resource: dict) -> tuple[str, str]:
-    return resource["kind"], resource["metadata"]["name"]
+def kubectl() -> str:
+    """The kubectl to build with; skips (fails in CI) without one new enough."""
+    path = shutil.which("kubectl")
+    if path is None:
+        need("kubectl", KUBECTL_HINT)
+    if (major := _kustomize_major(path)) is None or major < MIN_KUSTOMIZE:
+        need(f"kubectl with kustomize {MIN_KUSTOMIZE}+ (this one's: {major or 'unknown'})", KUBECTL_HINT)
+    return path
 
 
-def merge(base, patch):
-    """A strategic merge patch as kubectl applies it to what deploy/k8s patches: maps merge,
-    lists of maps with a `name` merge by name, other lists and scalars are replaced."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            out[k] = merge(base[k], v) if k in base else copy.deepcopy(v)
-        return out
-    if (isinstance(base, list) and isinstance(patch, list) and patch
-            and all(isinstance(x, dict) and "name" in x for x in base + patch)):
-        out = [dict(x) for x in base]
-        names = [x["name"] for x in out]
-        for item in patch:
-            if item["name"] in names:
-                i = names.index(item["name"])
-                out[i] = merge(out[i], item)
-            else:
-                out.append(copy.deepcopy(item))
-        return out
-    return copy.deepcopy(patch)
+@functools.cache
+def _kustomize_major(kubectl_path: str) -> int | None:
+    out = subprocess.run([kubectl_path, "version", "--client"], capture_output=True, text=True, timeout=60).stdout
+    found = re.search(r"Kustomize Version: v(\d+)", out)
+    return int(found.group(1)) if found else None
+
+
+@functools.cache
+def _build_text(folder: Path) -> str:
+    done = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise AssertionError(f"kubectl kustomize {folder}: exit {done.returncode}: {done.stderr.strip()}")
+    return done.stdout
 
 
 def build(folder: str | Path) -> list[dict]:
-    """The resources `kustomize build folder` prints, in order."""
-    folder = Path(folder)
-    spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    unknown = set(spec) - SUPPORTED
-    assert not unknown, f"{folder}/kustomization.yaml: {sorted(unknown)}: not supported by this loader"
-    resources: list[dict] = []
-    for entry in spec.get("resources", []):
-        path = (folder / entry).resolve()
-        resources.extend(build(path) if path.is_dir() else documents(path))
-    keys = [key(r) for r in resources]
-    assert len(set(keys)) == len(keys), f"{folder}: a resource is listed twice: {keys}"
-    for entry in spec.get("patches", []):
-        assert set(entry) <= {"patch", "path"}, f"{folder}: patch {entry}: only inline or file patches"
-        patch = yaml.safe_load(entry["patch"]) if "patch" in entry else yaml.safe_load((folder / entry["path"]).read_text())
-        (i,) = [i for i, r in enumerate(resources) if key(r) == key(patch)] or [None]
-        assert i is not None, f"{folder}: a patch for {key(patch)}, which is not among the resources"
-        if patch.get("$patch") == "delete":
-            del resources[i]
-        else:
-            resources[i] = merge(resources[i], patch)
-    for image in spec.get("images", []):
-        for r in resources:
-            for c in containers(r):
-                if c["image"].split(":")[0] == image["name"]:
-                    c["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
-    for entry in spec.get("replicas", []):
-        (r,) = [r for r in resources if r["metadata"]["name"] == entry["name"] and "replicas" in r.get("spec", {})]
-        r["spec"]["replicas"] = entry["count"]
-    return resources
+    """The resources `kubectl kustomize folder` prints (a fresh copy each call)."""
+    return [d for d in yaml.safe_load_all(_build_text(Path(folder).resolve())) if d]
 
 
 def pod_spec(resource: dict) -> dict | None:
