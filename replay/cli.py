@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.metadata
 import sys
+from collections.abc import Iterator
 
 # Each command's module has register(subparsers): it adds that one subcommand with
 # set_defaults(func=...), and func(args) returns the process exit code. A command imports only
@@ -37,6 +38,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if command in (None, name):
             importlib.import_module(module).register(subparsers)
     return parser
+
+
+def commands(parser: argparse.ArgumentParser, words: str = "replay") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every command `parser` runs, by its words ('replay trace convert'), with its own parser:
+    what the docs list the options of, and the tests feed every option of."""
+    subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subcommands:
+        yield words, parser
+    for action in subcommands:
+        for name, sub in action.choices.items():
+            yield from commands(sub, f"{words} {name}")
 
 
 def main(argv: list[str] | None = None) -> int:
