@@ -9,6 +9,7 @@ Authorization header (the userinfo went into the Host header instead).
 
 from __future__ import annotations
 
+import argparse
 import base64
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from replay.protocol.ask import Unanswered, ask, check_url
 from replay.protocol.urls import shown
 from replay.results.metadata import read_run_metadata
 from replay.rules.run_files import summary_path
+from replay.run.options import add_arguments
 from replay.sim.process import sim_process
 from support.ports import free_port
 from support.processes import (
@@ -176,3 +178,41 @@ def test_the_web_ui_never_shows_the_credentials(tmp_path, toy_tokenizer_dir, loc
         finish(procs, timeout=30)
     check_records(output, trace)
     assert leaks(results, (tmp_path / "master.log").read_text(), *pages) == []
+
+
+TOKEN = "tk-Zr7Wq2Lm"  # an exporter's ?token=: a credential too
+
+
+def url_options() -> list[str]:
+    """Every option of `replay run` that takes URLs (a URL metavar), besides Locust's --host."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return [a.option_strings[0] for a in parser._actions if a.metavar and "URL" in str(a.metavar)]
+
+
+def test_credentials_in_every_url_option_are_never_shown(tmp_path, toy_tokenizer_dir, locked_sims):
+    """--host, --endpoints and --metrics-endpoint (found from the parser), each with a password
+    and the exporter with a ?token= too: every file the run writes, `replay report`'s and what
+    it printed hold neither. Before, OUTPUT.meta.json had --metrics-endpoint's URL in clear."""
+    assert set(url_options()) >= {"--endpoints", "--metrics-endpoint"}
+    sim = locked_sims[0]
+    results = tmp_path / "results"
+    results.mkdir()
+    trace = mooncake_trace(results / "trace.jsonl", rows=10, gap_ms=20)
+    output = results / "run.jsonl"
+    url = with_credentials(sim.url)
+    values = {"--endpoints": url, "--metrics-endpoint": f"{url}/metrics?token={TOKEN}&x=1"}
+    extra = [part for flag in url_options() for part in (flag, values[flag])]
+    proc = run_locust(replay_args(trace, toy_tokenizer_dir, url, output, "--server-metrics-interval", "0.2",
+                                  *extra), tmp_path)
+    check_records(output, trace)
+    exporter = f"{shown(url)}/metrics?token=***&x=1"
+    assert {s["endpoint"] for s in server_samples(output) if s.get("exporter")} == {exporter}
+    assert read_run_metadata(output)["options"]["metrics_endpoint"] == [exporter]
+    report = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--html",
+                             str(results / "report-again.html")], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    texts = (proc.stdout, proc.stderr, report.stdout, report.stderr)
+    assert leaks(results, *texts) == []
+    found = [str(p) for p in results.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
+    assert found == [] and not any(TOKEN in text for text in texts)

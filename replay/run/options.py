@@ -109,7 +109,7 @@ class ReplayOptions:
     output: str | None = _option(help="merged per-request JSONL (default results/replay-<time>.jsonl)")
     overwrite: bool = _option(False, "replace an earlier run's --output (and its .meta.json, .worker-N.jsonl); "
                                      "default: refuse")
-    endpoints: str | None = _option(help="comma-separated server URLs (a fleet); default --host")
+    endpoints: str | None = _option(help="comma-separated server URLs (a fleet); default --host", metavar="URL,...")
     routing: str = _option("round-robin", "how a worker picks the endpoint of each request among --endpoints", choices=ROUTINGS)
     max_prompt_tokens: int | None = _option(help="rows with longer prompts are recorded, never sent (default: the "
                                                  "served model's limit: max_model_len from GET /v1/models, TGI's "
