@@ -18,6 +18,7 @@ import pytest
 
 from replay.bounds import Bound
 from replay.cli import build_parser, commands
+from replay.engine.capacity import MIN_PROBE_ROWS
 from replay.errors import OptionError
 from replay.run.config import ConfigError, load_config
 from replay.run.options import ReplayOptions, add_arguments
@@ -149,3 +150,15 @@ def test_replay_run_refuses_a_number_out_of_range(tmp_path, toy_tokenizer_dir, f
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run.jsonl").exists()
+
+
+def test_a_probe_too_short_to_judge_is_refused(tmp_path, toy_tokenizer_dir, sim):
+    """--probe-duration 0.001 took one row of the trace per probe and answered "at least 64x"
+    with no warning: a probe of fewer than MIN_PROBE_ROWS rows is refused before the search."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=10)
+    args = replay_args(trace, toy_tokenizer_dir, sim.url, tmp_path / "run.jsonl", "--capacity-search", "--slo",
+                       "ttft_ms=1000", "--verify-server", "off", "--probe-duration", "0.001")
+    proc = run_replay(args, tmp_path, 60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"--probe-duration 0.001: a probe would replay 1 rows of the trace; judging its goodput takes at least "
+            f"{MIN_PROBE_ROWS}") in proc.stderr, proc.stderr[-2000:]

@@ -21,6 +21,7 @@ SEARCH_BY = ("amplify", "scale")
 GROWTH = 2.0  # while probes pass, the next factor is this many times the last
 CLIENT_DRIFT_P99_MS = 10.0  # a probe whose sends were later than this at p99 measured the client, not the server
 CLIENT_CPU_PERCENT = 90.0  # nor one during which a worker reported this much CPU use (Locust's own warning's)
+MIN_PROBE_ROWS = 10  # a probe of fewer rows judges goodput by a handful: its verdict says nothing of the load
 MAX_COOLDOWN_S = 60.0  # the default cooldown waits for idle servers at most this long
 NO_METRICS_COOLDOWN_S = 5.0  # and this long when the servers' /metrics are not scraped
 
