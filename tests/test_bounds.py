@@ -139,7 +139,7 @@ def test_the_sim_api_is_held_to_the_flag_ranges(toy_tokenizer_dir):
     (["--search-precision", "1e-300"], "argument --search-precision: must be 0.001 to 1 (a bracket narrower"),
     (["--probe-duration", "1e-300"], "argument --probe-duration: must be 0.001 to 604800 trace seconds"),
     (["--scale", "1e-300"], "argument --scale: must be 0.001 to 10000, got 1e-300"),
-    (["--max-error-rate", "2"], "argument --max-error-rate: must be 0 to 1, got 2"),
+    (["--max-error-rate", "2"], "argument --max-error-rate: must be 0 to 1 (1: never stop), got 2"),
 ])  # fmt: skip
 def test_replay_run_refuses_a_number_out_of_range(tmp_path, toy_tokenizer_dir, flags, message):
     """Through Locust's own parser: exit 2, the option and its range, nothing written."""

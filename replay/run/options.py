@@ -23,7 +23,6 @@ from replay.bounds import (
     PROMPT_TOKENS,
     SCALE,
     SEED,
-    SHARE,
     START,
     WEEK_S,
     Bound,
@@ -50,6 +49,7 @@ VERIFY_SERVER = ("auto", "require", "off")
 
 # The ranges of the run's own numbers (replay.bounds has those other commands share).
 DRAIN_TIMEOUT = Bound(0.0, WEEK_S, unit="seconds")
+MAX_ERROR_RATE = Bound(0.0, 1.0, why="1: never stop")
 SCRAPE_INTERVAL = Bound(MIN_SCRAPE_INTERVAL_S, HOUR_S, unit="seconds", off=0)
 GOODPUT_TARGET = Bound(0.01, 1.0)  # a probe judged by under 1% of its rows says nothing
 SEARCH_PRECISION = Bound(0.001, 1.0, why="a bracket narrower than 0.1% is noise between probes")
@@ -127,7 +127,7 @@ class ReplayOptions:
     max_error_rate: float = _option(DEFAULT_MAX_ERROR_RATE, "stop the run (exit 1) when more than this share of the "
                                     f"servers' answers fail, over the last {ERROR_WINDOW_S:g} s and at least the last "
                                     f"{MIN_ANSWERS} answers (default {DEFAULT_MAX_ERROR_RATE:g}; 1: never)",
-                                    metavar="R", bound=SHARE)
+                                    metavar="R", bound=MAX_ERROR_RATE)
     no_ignore_eos: bool = _option(False, "let the model stop early (default: exact output length)")
     on_bad_line: str = _option("fail", "a trace row that cannot be read: fail the run (exit 2), or skip it and count it",
                                choices=("fail", "skip"))
