@@ -17,7 +17,7 @@ import math
 import pytest
 
 from replay.bounds import Bound
-from replay.cli import build_parser, commands
+from replay.cli import Parser, build_parser, commands
 from replay.engine.capacity import MIN_PROBE_ROWS
 from replay.errors import OptionError
 from replay.run.config import ConfigError, load_config
@@ -31,7 +31,8 @@ NEVER = {"nan", "inf", "-inf", "1e300"}  # no option has a use for these
 
 
 def run_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="replay run")
+    """`replay run`'s options on a parser that errs in one line, as Locust's does (the last test)."""
+    parser = Parser(prog="replay run")
     add_arguments(parser)
     return parser
 
@@ -71,7 +72,8 @@ def parse_one(parser: argparse.ArgumentParser, flag: str, text: str, capsys) -> 
         parser.parse_args([f"{flag}={text}"])
     except SystemExit as stop:
         assert stop.code == 2
-        error = capsys.readouterr().err.strip().splitlines()[-1]
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1, error  # one line, not the usage first
         return error if f"argument {flag}" in error else None
     return None
 
