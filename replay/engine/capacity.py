@@ -12,6 +12,7 @@ import math
 from array import array
 from dataclasses import dataclass, field
 
+from replay.bounds import LOAD_FACTOR
 from replay.errors import OptionError
 from replay.results.report import meets_slo
 from replay.results.summary import percentile
@@ -20,6 +21,7 @@ SEARCH_BY = ("amplify", "scale")
 GROWTH = 2.0  # while probes pass, the next factor is this many times the last
 CLIENT_DRIFT_P99_MS = 10.0  # a probe whose sends were later than this at p99 measured the client, not the server
 CLIENT_CPU_PERCENT = 90.0  # nor one during which a worker reported this much CPU use (Locust's own warning's)
+MIN_PROBE_ROWS = 10  # a probe of fewer rows judges goodput by a handful: its verdict says nothing of the load
 MAX_COOLDOWN_S = 60.0  # the default cooldown waits for idle servers at most this long
 NO_METRICS_COOLDOWN_S = 5.0  # and this long when the servers' /metrics are not scraped
 
@@ -32,7 +34,7 @@ NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED)  # results whose r
 
 
 def parse_range(text: str) -> tuple[float, float]:
-    """--search-range LO:HI, two finite numbers 0 < LO < HI, or OptionError naming it."""
+    """--search-range LO:HI, two load factors (replay.bounds.LOAD_FACTOR) LO < HI, or OptionError naming it."""
     lo_text, sep, hi_text = str(text).partition(":")
     try:
         lo, hi = float(lo_text), float(hi_text)
@@ -40,8 +42,9 @@ def parse_range(text: str) -> tuple[float, float]:
         lo = hi = math.nan
     if not sep or not (math.isfinite(lo) and math.isfinite(hi)):
         raise OptionError(f"--search-range {text!r}: expected LO:HI, two finite numbers (e.g. 0.25:64)")
-    if lo <= 0:
-        raise OptionError(f"--search-range {text}: LO must be > 0")
+    for end, value in (("LO", lo), ("HI", hi)):
+        if problem := LOAD_FACTOR.problem(value):  # a probe amplifies by its factor as `trace amplify` does
+            raise OptionError(f"--search-range {text}: {end} {problem}")
     if lo >= hi:
         raise OptionError(f"--search-range {text}: LO must be below HI")
     return lo, hi
@@ -49,24 +52,17 @@ def parse_range(text: str) -> tuple[float, float]:
 
 def check_search(options) -> None:
     """A --capacity-search's options (replay.run.options.ReplayOptions), refused with one line
-    naming the option before anything is sent; the probe's length against the window is the
-    preflight's (it needs the trace)."""
+    naming the option before anything is sent; each number's own range is its bound's
+    (ReplayOptions.check), the probe's length against the window the preflight's (it needs
+    the trace)."""
     if not options.slo:
         raise OptionError("--capacity-search needs --slo: the limits a probe's rows must meet")
     if options.search_by not in SEARCH_BY:
         raise OptionError(f"--search-by {options.search_by}: expected one of {', '.join(SEARCH_BY)}")
     parse_range(options.search_range)
-    if not (math.isfinite(options.search_precision) and options.search_precision > 0):
-        raise OptionError(f"--search-precision {options.search_precision}: must be a finite number > 0")
-    if not (math.isfinite(options.goodput_target) and 0 < options.goodput_target <= 1):
-        raise OptionError(f"--goodput-target {options.goodput_target}: must be a number above 0, at most 1")
-    if not (math.isfinite(options.probe_duration) and options.probe_duration > 0):
-        raise OptionError(f"--probe-duration {options.probe_duration}: must be a finite number of seconds > 0")
     if options.duration is not None and options.probe_duration > options.duration:
         raise OptionError(f"--probe-duration {options.probe_duration:g}: longer than the window "
                           f"(--duration {options.duration:g})")
-    if options.cooldown is not None and not (math.isfinite(options.cooldown) and options.cooldown >= 0):
-        raise OptionError(f"--cooldown {options.cooldown}: must be a finite number of seconds >= 0")
     if options.max_requests is not None:
         raise OptionError("--max-requests: not with --capacity-search (a probe replays --probe-duration of the trace)")
     if options.scale != 1.0:

@@ -10,6 +10,7 @@ import sys
 
 import orjson
 
+from replay.bounds import CACHE_BLOCKS, HOUR_S, SEED, Bound
 from replay.protocol.table import PROMPT_FORMATS
 from replay.results.cache_section import cache_job, cache_section
 from replay.results.certificate import CertificateBuilder
@@ -38,7 +39,7 @@ def register(subparsers) -> None:
     p.add_argument("--server-block-size", type=block_size_arg, default=None,
                    help="the server's KV block size (vLLM --block-size; default: what it said before the run, "
                    "in the run metadata)")
-    p.add_argument("--server-cache-blocks", type=int, default=None,
+    p.add_argument("--server-cache-blocks", type=CACHE_BLOCKS, default=None,
                    help="the server's KV cache size in blocks, vLLM's num_gpu_blocks (default: the run metadata): "
                    "the cache model that gives every miss a cause")
     p.add_argument("--tokenizer", help=f"the run's tokenizer (default: metadata): {TOKENIZER_HELP}")
@@ -46,9 +47,9 @@ def register(subparsers) -> None:
     p.add_argument("--api", default=None, help="api the run used (default: metadata, else the records' api)")
     p.add_argument("--prompt-format", choices=tuple(PROMPT_FORMATS), default=None,
                    help="prompt format the run used (default: metadata, else text)")
-    p.add_argument("--seed", type=int, default=None, help="synthesis seed the run used (default: metadata, else 0)")
+    p.add_argument("--seed", type=SEED, default=None, help="synthesis seed the run used (default: metadata, else 0)")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the run's)")
-    p.add_argument("--reorder-window-ms", type=float, default=0.0,
+    p.add_argument("--reorder-window-ms", type=Bound(0.0, HOUR_S * 1000, unit="ms"), default=0.0,
                    help="also accept cached_tokens that requests sent this close together explain (default 0)")
     p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here")
     p.add_argument("--html", dest="html_out", default=None, help="write a self-contained HTML report here")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from replay.protocol.urls import shown
+from replay.protocol.urls import redacted, shown
 from replay.results.files import OutputError, overwrite_in_place, write_atomically
 from replay.rules.run_files import capacity_path, fidelity_path, meta_path, summary_path
 
@@ -104,9 +104,7 @@ def run_metadata(
     `server_cache` each endpoint's KV cache, {endpoint: {"block_size", "num_gpu_blocks", "source"}},
     with "server_said" where an option contradicts the server (replay.protocol.server_cache)."""
     tokenizer = tokenizer_path or options.get("tokenizer")
-    opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials, and so may URLs
-    if opts.get("endpoints"):
-        opts["endpoints"] = ",".join(shown(url) for url in opts["endpoints"].split(","))
+    opts = redacted({k: v for k, v in options.items() if k != "header"})  # headers may carry credentials, and URLs
     opts["header_names"] = [h.split(":", 1)[0].strip() for h in options.get("header") or ()]
     return {
         "meta_version": META_VERSION,

@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 
+from replay.engine.capacity import MIN_PROBE_ROWS
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
@@ -113,6 +114,9 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         if options.capacity_search and schedule.latest - schedule.origin < options.probe_duration:
             raise OptionError(f"--probe-duration {options.probe_duration:g}: longer than the window (the trace has "
                               f"{max(schedule.latest - schedule.origin, 0.0):g} s from the window's start)")
+        if options.capacity_search and spec.total < MIN_PROBE_ROWS:
+            raise OptionError(f"--probe-duration {options.probe_duration:g}: a probe would replay {spec.total} rows of "
+                              f"the trace; judging its goodput takes at least {MIN_PROBE_ROWS}")
     except BaseException:
         schedule.close()
         raise

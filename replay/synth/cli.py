@@ -7,6 +7,7 @@ import sys
 
 import orjson
 
+from replay.bounds import MAX_INT, SEED, Bound
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served, prompt_limit
@@ -48,8 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--chat-template", help="tokenizer_config.json or .jinja file (overrides the folder's)")
     check.add_argument("--api", choices=API_NAMES, default="openai-chat")
     check.add_argument("--token-ids", action="store_true", help=f"{' or '.join(TOKEN_ID_APIS)} prompts as token ids")
-    check.add_argument("--limit", type=int, help="check only the first N rows")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--limit", type=Bound(1, MAX_INT, integer=True, unit="rows"), help="check only the first N rows")
+    check.add_argument("--seed", type=SEED, default=0)
     check.add_argument("--server", action="append", default=[], metavar="URL",
                        help="also ask this server (repeatable) to count a sample of prompts, as a replay's "
                             "--verify-server does; exit 1 when it counts otherwise, 2 when it cannot be asked")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import orjson
 
+from replay.bounds import LOAD_FACTOR
 from replay.results.files import OutputError
 from replay.rules.run_files import tmp_path
 from replay.trace.convert import to_record
@@ -44,21 +45,15 @@ from replay.trace.sessions_on_disk import ReadFailed, SessionFiles, input_rows, 
 from replay.trace.sorted_spool import DEFAULT_CHUNK_ROWS, SortedSpool
 from replay.trace.source import open_output
 
-MAX_FACTOR = 10_000.0
-"""Largest --factor: ten thousand times a trace is a typo, not a load test (the output would be
-ten thousand times the file)."""
-
 _HIGHEST_ID = (1 << 64) - 1  # what a JSON hash id may be (replay.trace.pairs)
 _LOWEST_ID = -(1 << 63)
 _M64 = (1 << 64) - 1
 
 
 def factor_problem(value: float) -> str | None:
-    """Why `value` cannot be a --factor (None when it can)."""
-    if not math.isfinite(value) or value <= 0:
-        return f"must be a finite number > 0, got {value!r}"
-    if value > MAX_FACTOR:
-        return f"must be at most {MAX_FACTOR:g}, got {value!r}"
+    """Why `value` cannot be a --factor (None when it can): replay.bounds.LOAD_FACTOR's rule."""
+    if problem := LOAD_FACTOR.problem(value):
+        return f"{problem}, got {value!r}"
     return None
 
 
