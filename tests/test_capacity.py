@@ -251,7 +251,8 @@ def test_a_search_with_two_workers_gives_the_same_answer(tmp_path, search_by):
 
 
 @pytest.mark.parametrize(("capacity", "late_from"), [(3.0, 4.0), (1.5, 2.0)])
-def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_path, capsys, capacity, late_from):
+def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_path, capsys, caplog, capacity,
+                                                                             late_from):
     """Probes from `late_from` on are sent 50 ms late (drift p99 over 10 ms): whether the server
     would have passed it (3x) or failed it (1.5x), the probe is client-limited, not a server
     failure, and the search ends there with exit code 1 and a line saying to add workers."""
@@ -265,6 +266,9 @@ def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_
     assert report["result"] == CLIENT_LIMITED and report["bracket"] == [late_from / 2, None]
     assert run.exit_codes == [1]
     assert "add workers" in capsys.readouterr().out
+    # the message names the limit that held, the drift, and no CPU figure that did not
+    said = [r.getMessage() for r in caplog.records if "limited by the client" in r.getMessage()]
+    assert len(said) == 1 and "dispatch drift p99" in said[0] and "CPU" not in said[0], said
 
 
 def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, monkeypatch, capsys):
@@ -373,6 +377,18 @@ def test_a_few_unanswered_rows_among_the_loads_failures_are_still_a_fail():
     for _ in range(7):
         probe.add(refused)  # after it could no longer pass: they decide nothing
     assert probe.verdict == "fail"
+
+
+def test_a_quick_answer_without_a_token_is_a_server_error_not_a_good_row():
+    """A server answering 200 with no event stream at all (garbage) is quick: under an e2e limit
+    it would pass every probe, a capacity of "at least HI" for a server that serves nothing."""
+    probe = Probe(0, 1.0, rows=4, slo={"e2e_ms": 1000.0}, target=0.5)
+    garbage = {"ok": True, "status": 200, "e2e_ms": 1.0, "ttft_ms": None, "drift_ms": 0.1, "sent_at": 1.0,
+               "output_length": 10, "output_tokens": 0, "received_tokens": 0}
+    for _ in range(3):
+        probe.add(garbage)
+    assert probe.good == 0 and probe.failed_by == {"error": 3}
+    assert probe.verdict == SERVER_ERRORS and probe.top_reasons() == {"answered ok without an output token": 3}
 
 
 # -- --search-by amplify: a probe's rows are `replay trace amplify`'s ----------------------------------

@@ -13,6 +13,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from replay.errors import OptionError
+from replay.results.records import output_tokens_of
 from replay.results.report import meets_slo
 from replay.results.summary import failure_reason, percentile
 
@@ -39,6 +40,7 @@ LOAD = "load"  # answered, but over an --slo limit; or HTTP 429, the server's ow
 UNANSWERED = "unanswered"  # sent, and no HTTP answer came: the connection refused or reset, or no answer in time
 ERROR = "error"  # answered with an error: an HTTP error status (429 aside), or a reply broken or not readable
 LOAD_STATUSES = (429,)
+NO_TOKEN = "answered ok without an output token"  # an ERROR's reason: the reply was no event stream
 MAX_REASONS = 20  # a probe keeps this many distinct reasons of its not-load failures
 
 
@@ -137,14 +139,18 @@ def _p(values: array, p: float) -> float | None:
 
 def failure_kind(record: dict, slo: dict[str, float]) -> str | None:
     """Why a record of a probe failed it (LOAD, UNANSWERED, ERROR); None: it met the SLO, or its
-    row was never sent (a label: the probe cut short, a stop), which says nothing of the server."""
-    if meets_slo(record, slo) or record.get("sent_at") is None:
+    row was never sent (a label: the probe cut short, a stop), which says nothing of the server.
+    An answer "ok" without a single output token (a reply that is no event stream) is an
+    ERROR whatever its latency: quick garbage would otherwise meet an e2e limit at any load."""
+    if record.get("sent_at") is None:
         return None
     if not record.get("status"):
         return UNANSWERED
-    if not record["ok"] and record["status"] not in LOAD_STATUSES:
+    if not record["ok"]:
+        return LOAD if record["status"] in LOAD_STATUSES else ERROR
+    if record.get("output_length") and not output_tokens_of(record):
         return ERROR
-    return LOAD
+    return None if meets_slo(record, slo) else LOAD
 
 
 @dataclass
@@ -177,12 +183,13 @@ class Probe:
     def add(self, record: dict) -> None:
         self.recorded += 1
         self.ok += bool(record["ok"])
-        self.good += meets_slo(record, self.slo)
-        self.sent += record.get("sent_at") is not None
         kind = failure_kind(record, self.slo)
+        self.good += kind is None and meets_slo(record, self.slo)
+        self.sent += record.get("sent_at") is not None
         if kind is not None:
             self.failures[kind] = self.failures.get(kind, 0) + 1
-            if kind != LOAD and ((reason := failure_reason(record)) in self.reasons or len(self.reasons) < MAX_REASONS):
+            reason = failure_reason(record) if not record["ok"] else NO_TOKEN
+            if kind != LOAD and (reason in self.reasons or len(self.reasons) < MAX_REASONS):
                 self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if self.failed_by is None and self.hopeless:
             self.failed_by = dict(self.failures)
