@@ -5,15 +5,18 @@ the probe once the server answers again (--on-outage retry); overload, the SLO f
 load grows, is tests/test_capacity_sim.py's.
 
 The sim is a real process, killed (SIGKILL), stopped (SIGSTOP) or restarted on its port while
-the search runs. A first probe that ends client-limited on a host too busy to send on time
+the search runs, or a server of a few lines here that answers 200 with no event stream. A first probe that ends client-limited on a host too busy to send on time
 skips the test (fails in CI), as in test_capacity_sim.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import orjson
@@ -149,3 +152,51 @@ def test_a_sim_erroring_whatever_the_load_is_server_errors_not_a_capacity(tmp_pa
     assert report["result"] == "server errors" and report["capacity"] is None
     assert f"HTTP {status}" in report["probes"][0]["not_load_reasons"]
     assert "the servers answered errors that are not the load's during the probe at 1x" in said
+
+
+class GarbageHandler(BaseHTTPRequestHandler):
+    """Serves model "sim" as /v1/models says it, and answers every generation 200 with bytes
+    that are no event stream, at once."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _answer(self, body: bytes, content_type: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._answer(json.dumps({"object": "list", "data": [{"id": "sim", "object": "model"}]}).encode(),
+                     "application/json")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(b"\x00garbage\xff not an event stream", "text/event-stream")
+
+
+class QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # the replay closes its connections with a reset at the end
+
+
+def test_a_server_answering_garbage_at_once_is_server_errors_not_at_least_hi(tmp_path, toy_tokenizer_dir):
+    """Quick 200s without a token met an e2e limit at every load: "at least 2x", exit 0."""
+    server = QuietServer(("127.0.0.1", 0), GarbageHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc, output, log = start_search(tmp_path, toy_tokenizer_dir, f"http://127.0.0.1:{server.server_port}")
+        report, said = ended(proc, output, log)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 1, said[-3000:]
+    assert [(p["factor"], p["verdict"]) for p in report["probes"]] == [(1.0, "server errors")]
+    assert report["probes"][0]["not_load_reasons"].keys() == {"answered ok without an output token"}
+    assert report["result"] == "server errors" and report["capacity"] is None
