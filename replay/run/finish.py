@@ -50,8 +50,9 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
 
     A capacity search's (`capacity`: replay.engine.capacity.capacity_report) goes to
     OUTPUT.capacity.json and the summary's last line; its exit code is the search's (1: no
-    capacity found: below LO, client-limited, workers lost, stopped), not its rows' (a failing probe's
-    rows fail by design). With --require-faithful, an unfaithful certificate makes it 1 too."""
+    capacity found: below LO, client-limited, workers lost, outage, server errors, stopped), not
+    its rows' (a failing probe's rows fail by design). With --require-faithful, an unfaithful
+    certificate makes it 1 too."""
     builder = ReportBuilder(parse_slo(spec.options.slo))
     fidelity = CertificateBuilder(ignore_eos=not spec.options.no_ignore_eos)
     failed = 0
