@@ -15,6 +15,7 @@ quiet machine, and skips elsewhere, saying so.
 from __future__ import annotations
 
 import html
+import importlib.util
 import re
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from replay.rules.run_files import capacity_path, summary_path
 from replay.sim.process import sim_process
 from replay.trace.amplify import amplify_trace
 from replay.trace.reader import TraceStream
-from support.browser import IN_CI
+from support.browser import IN_CI, need
 from support.processes import finish, master_and_workers, replay_args, run_locust
 from support.traces import BLOCK, mooncake_trace
 
@@ -137,6 +138,8 @@ def test_replay_report_reads_what_a_real_search_wrote(folder, search_run, tmp_pa
     """`replay report` and its HTML on the search's own files, whatever its result: the summary
     as the run printed it (its cache section not computed, saying why, at the run's end too),
     the capacity plot and line first. The run logged no error but its result's, if any."""
+    if importlib.util.find_spec("matplotlib") is None:
+        need("matplotlib", "pip install 'tracereplay[report]'")
     (search, said), output = search_run, folder / "search.jsonl"
     errors = [line for line in said.splitlines() if "/ERROR/" in line and "capacity search" not in line]
     assert not errors and "Traceback" not in said, said[-3000:]
