@@ -143,18 +143,22 @@ def ok_record(row: TraceRow, worker: int, scheduled: float, sent_at: float) -> d
     return record
 
 
+REFUSED_TEXT = "ConnectionRefusedError: [Errno 111] Connection refused"
+
+
 def failed_record(row: TraceRow, worker: int, scheduled: float, sent_at: float, status: int) -> dict:
-    """What a worker records for a request the server answered with an HTTP error."""
-    record = unsent_record(row, worker=worker, api="openai-chat", scheduled_at=scheduled, reason=f"HTTP {status}",
-                           endpoint=URL, sent_at=sent_at)
-    record.update(status=status, finished_at=sent_at + 0.01, e2e_ms=10.0)
+    """What a worker records for a request the server answered with an HTTP error; status 0: one
+    it never answered (its connection refused, as by a server that is gone)."""
+    record = unsent_record(row, worker=worker, api="openai-chat", scheduled_at=scheduled,
+                           reason=f"HTTP {status}" if status else REFUSED_TEXT, endpoint=URL, sent_at=sent_at)
+    record.update(status=status, finished_at=sent_at + 0.01, e2e_ms=10.0 if status else None)
     return record
 
 
 class FakeWorker:
     """The worker side of the protocol, as replay.engine.dispatcher.Dispatcher speaks it, with
     every row answered at once on the GO by a fake endpoint: `answer(row)` is its HTTP status
-    (200: ok; else a failed record "HTTP <status>").
+    (200: ok; 0: no answer, the connection refused; else a failed record "HTTP <status>").
 
     Knobs: `ready` False never says READY; `error` refuses the part (READY with an error);
     `answer_first` answers only that many rows and holds the rest (`release` answers more); `hears_abort` False ignores a

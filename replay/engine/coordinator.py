@@ -552,7 +552,8 @@ class Coordinator:
             self._maybe_go()
             if self.probes is None and self.store.count >= self.total:
                 self._end_by_itself("complete")
-            if self.last_due is not None and self.clock.now() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S:
+            if (self.last_due is not None and self.clock.now() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S
+                    and not (self.probes is not None and self.probes.between)):  # a search waiting to open its next probe
                 logger.warning("drain timeout: ending the run with %d rows unanswered", self.total - self.store.count)
                 self._end_by_itself(DRAIN_TIMEOUT)
 
@@ -655,7 +656,7 @@ class Coordinator:
         code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners,
                       self.summary_listeners, least_code=REFUSED_EXIT_CODE if self.refused else 0, capacity=capacity,
                       cache_stream=self.cache_stream)
-        if code:
+        if code or capacity is not None:  # a search's 0 too: its failing probes' rows are no run's failure
             self.on_exit_code(code)
 
     def facts(self) -> RunFacts:

@@ -317,7 +317,7 @@ class Dispatcher:
             self.skip_to, self.skip_reason = data["skip_to"], data["skip_reason"]
             if self.turns is not None:
                 self.turns.cut(self.skip_to)
-        self.alarm.ring()
+        gevent.get_hub().loop.run_callback(self.alarm.ring)  # a message's greenlet: the hub wakes the sender
         self._to_flush.set()  # asks for the new rows
 
     def on_records_ack(self, data: messages.RecordsAck, sender: str) -> None:
@@ -447,6 +447,8 @@ class Dispatcher:
                         continue
                     if not self.more:
                         break
+                    if self.in_flight and time.time() >= self.last_send + self.options.drain_timeout:
+                        self._cancel_in_flight(DRAIN_TIMEOUT)  # a search's probe is judged once each row has a record
                     collector.idle(0.0)
                     gevent.sleep(0.005)  # a search's next round is not decided yet
                     continue

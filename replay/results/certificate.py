@@ -152,9 +152,10 @@ class CertificateBuilder:
         else:  # fewer: the believed count is never over the max_tokens asked
             self.outputs["server cut" if self.ignore_eos else "early stop allowed"] += 1
 
-    def certificate(self, lag: dict | None, cache: dict | None) -> dict:
+    def certificate(self, lag: dict | None, cache: dict | None, cache_skipped: str | None = None) -> dict:
         """The certificate (docs/fidelity.md): `lag` is the summary's drift_ms (p50, p99, max
-        over the same sends), `cache` the run's cache section or None. Called once."""
+        over the same sends), `cache` the run's cache section or None (`cache_skipped`: why, when
+        it is not for want of the server's block size). Called once."""
         lag = lag or {}
         schedule = {
             "rows": self.rows,
@@ -186,16 +187,17 @@ class CertificateBuilder:
             "exact_share": _share(self.outputs["exact"], answered),
             "others": {reason: n for reason, n in self.outputs.items() if reason != "exact"},
         }
-        cert = {"schedule": schedule, "prompts": prompts, "outputs": outputs, "cache": cache_lines(cache)}
+        cert = {"schedule": schedule, "prompts": prompts, "outputs": outputs, "cache": cache_lines(cache, cache_skipped)}
         cert["verdict"], cert["failing"], cert["unchecked"] = verdict(cert)
         return cert
 
 
-def cache_lines(cache: dict | None) -> dict:
+def cache_lines(cache: dict | None, skipped: str | None = None) -> dict:
     """The certificate's cache section: the infinite-cache comparison as the run computed it,
-    and the finite-cache model's miss causes where the hook gives them."""
+    and the finite-cache model's miss causes where the hook gives them; `skipped`: why there is
+    no comparison, when not for want of the server's block size."""
     if not cache:
-        return {"infinite": None, "misses": None}
+        return {"infinite": None, "misses": None, **({"skipped": skipped} if skipped else {})}
     infinite = {key: value for key, value in cache.items() if key != "misses"}
     return {"infinite": infinite, "misses": miss_attribution(cache)}
 
@@ -275,5 +277,5 @@ def format_certificate(cert: dict, width: int) -> list[str]:
                 out.append(f"  cache {cause}: {count['requests']} requests, {count.get('tokens', 0)} tokens")
         out.extend(f"  {note}" for note in misses.get("notes") or ())
     elif c["infinite"] is None:
-        out.append("  cache: not computed (the server said no block size: pass --server-block-size N)")
+        out.append(f"  cache: not computed ({c.get('skipped') or 'the server said no block size: pass --server-block-size N'})")
     return out

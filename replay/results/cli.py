@@ -12,7 +12,7 @@ import orjson
 
 from replay.bounds import CACHE_BLOCKS, HOUR_S, SEED, Bound
 from replay.protocol.table import PROMPT_FORMATS
-from replay.results.cache_section import cache_job, cache_section
+from replay.results.cache_section import cache_job, cache_section, cache_skipped
 from replay.results.certificate import CertificateBuilder
 from replay.results.metadata import read_run_metadata
 from replay.results.outputs import write_outputs
@@ -96,7 +96,7 @@ def run(args) -> int:
     report = builder.report(cache)
     extra = ((meta or {}).get("options") or {}).get("server_metric") or ()
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
-    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"])
+    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"], cache_skipped(meta))
     print(format_report(report))
 
     def draw(path: str) -> None:

@@ -155,7 +155,8 @@ def gpu_figures(Figure, samples: list[dict], t0: float, scale: float) -> dict:
 def capacity_figure(Figure, capacity: dict):
     """A capacity search's probes (OUTPUT.capacity.json): goodput, and TTFT and E2E p99,
     against the load factor, with the target and the bracket [largest pass, smallest fail]
-    marked; a probe that says nothing of the server (client-limited, invalid) is drawn hollow."""
+    marked; a probe that says nothing of the server's capacity (client-limited, invalid, outage,
+    server errors, stopped) is drawn hollow."""
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     a, b = fig.subplots(1, 2)
     judged = [p for p in capacity["probes"] if p["verdict"] in ("pass", "fail", "fail early")]

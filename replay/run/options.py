@@ -27,7 +27,7 @@ from replay.bounds import (
     WEEK_S,
     Bound,
 )
-from replay.engine.capacity import MAX_COOLDOWN_S, SEARCH_BY, check_search
+from replay.engine.capacity import MAX_COOLDOWN_S, ON_OUTAGE, SEARCH_BY, check_search
 from replay.engine.error_rate import DEFAULT_MAX_ERROR_RATE, MIN_ANSWERS
 from replay.engine.error_rate import WINDOW_S as ERROR_WINDOW_S
 from replay.engine.plan import PARTITIONS
@@ -175,6 +175,9 @@ class ReplayOptions:
     cooldown: float | None = _option(help="seconds between a search's probes (default: until the servers' /metrics "
                                           f"show nothing running nor waiting, at most {MAX_COOLDOWN_S:g} s)",
                                      metavar="S", bound=COOLDOWN)
+    on_outage: str = _option("stop", "when a search's probe fails because the servers stopped answering or answered "
+                                     "errors, not because of the load: stop the search (exit 1), or retry the probe "
+                                     "once they answer again (docs/capacity.md)", choices=ON_OUTAGE)
 
     @classmethod
     def from_parsed(cls, parsed) -> ReplayOptions:
