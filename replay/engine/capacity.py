@@ -28,7 +28,8 @@ INVALID = "invalid"  # a worker was lost during the probe: it says nothing, and 
 FOUND, BELOW_LO, AT_LEAST_HI = "found", "below LO", "at least HI"
 WORKERS_LOST = "workers lost"  # a probe and its repeat were both invalid: the search ended there
 STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer
-NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED)  # results whose run's exit code is 1
+WORKER_SIGNALLED = "worker stopped"  # a worker got a stop signal of its own (not the user's stop): the search ended there
+NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED, WORKER_SIGNALLED)  # results whose run's exit code is 1
 
 
 def parse_range(text: str) -> tuple[float, float]:
@@ -220,6 +221,9 @@ def quotable_line(report: dict) -> str:
                 "the search again")
     if result == WORKERS_LOST:
         return (f"Capacity: not measured: workers were lost during a probe and again during its repeat "
+                f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
+    if result == WORKER_SIGNALLED:
+        return (f"Capacity: not measured: a worker was stopped by a signal of its own during the search "
                 f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
     if best is None or worst is None:
         return f"Capacity: not known (the search was {result}) {at}"
