@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import orjson
@@ -25,6 +26,7 @@ import requests
 
 from replay.engine.coordinator import CHUNK_ROWS
 from replay.engine.transport import HOLD_ROWS
+from replay.locust.plugin import MASTER_LOST_S
 from replay.results.metadata import read_run_metadata
 from replay.results.records import (
     MASTER_LOST,
@@ -702,4 +704,32 @@ def test_stop_signal_to_the_process_group_is_the_users_stop(tmp_path, toy_tokeni
     assert proc.returncode == 0, log[-3000:]
     assert "Traceback" not in log
     assert_user_stop(finalized(output, trace, tmp_path / "master.log"))
+    assert_worker_files_one_record_per_row(output)
+
+
+def test_a_worker_frozen_past_the_heartbeat_is_lost_not_its_master(tmp_path, toy_tokenizer_dir, fast_sim):
+    """SIGSTOP to one worker for longer than the master waits for its heartbeat, then SIGCONT: the
+    master counted it lost; the worker, running again, took the silence for its master's and
+    recorded its rows "master lost" (or sent them all at once, late). Now they are "worker
+    lost" in every file, and the master exits 1."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
+    output = tmp_path / "run.jsonl"
+    proc = spawn_processes(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    try:
+        wait_for_text(tmp_path / "master.log", "replay starts at", proc)
+        time.sleep(2.0)  # the scenario: 2 s into the run
+        frozen = worker_pids(proc)[0]
+        os.kill(frozen, signal.SIGSTOP)
+        wait_for_text(tmp_path / "master.log", "lost:", proc, timeout=30)
+        time.sleep(MASTER_LOST_S - 3.0)  # frozen for longer than the worker's own watch on its master
+        os.kill(frozen, signal.SIGCONT)
+        finish([proc], timeout=60)
+    finally:
+        end_group(proc)
+    log = (tmp_path / "master.log").read_text()
+    assert proc.returncode == 1, log[-3000:]
+    assert "did not run for" in log and "Traceback" not in log
+    records = finalized(output, trace, tmp_path / "master.log")
+    failed = [r for r in records if not r["ok"]]
+    assert failed and all(r["error"] == WORKER_LOST for r in failed), Counter(r["error"] for r in failed)
     assert_worker_files_one_record_per_row(output)

@@ -30,7 +30,7 @@ from replay.errors import OptionError
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink, flush_on_exit
 from replay.protocol.urls import shown
-from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
+from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_LOST, WORKER_STOPPED, output_tokens_of
 from replay.run import preflight
 from replay.run.config import replay_options
 from replay.run.options import add_arguments
@@ -351,9 +351,20 @@ def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher)
 def _watch_master(environment, runner: WorkerRunner, part: Dispatcher) -> None:
     """Stop sending within seconds of losing the master (Locust's own check waits 60 s, and
     the worker would replay its whole part to nobody): record what is left as "master lost"
-    and quit with exit code 1."""
+    and quit with exit code 1. A silence that was this worker's own (it did not run for
+    MASTER_LOST_S: SIGSTOP, a paused host) is not the master's: the master counted it lost by
+    then, so what is left is recorded as "worker lost", not sent late in a burst."""
+    turn = time.monotonic()
     while True:
         gevent.sleep(1.0)
+        stalled, turn = time.monotonic() - turn, time.monotonic()
+        if stalled >= MASTER_LOST_S and part.options is not None and not part.finished.is_set():
+            logger.error("this worker did not run for %.0f s (stopped, or its host paused): the master counts it "
+                         "lost; its unanswered rows are recorded as %r", stalled, WORKER_LOST)
+            environment.process_exit_code = 1
+            part.abort(WORKER_LOST)
+            runner.quit()
+            return
         last = runner.last_heartbeat_timestamp
         if last is None or time.time() - last < MASTER_LOST_S:
             continue
