@@ -685,24 +685,32 @@ def test_sigterm_to_one_worker_of_processes(tmp_path, toy_tokenizer_dir, fast_si
     assert_worker_files_one_record_per_row(output)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
-def test_stop_signal_to_the_process_group_is_the_users_stop(tmp_path, toy_tokenizer_dir, fast_sim, signum):
+@pytest.mark.parametrize("signals", [[signal.SIGINT], [signal.SIGTERM], [signal.SIGHUP], [signal.SIGINT, signal.SIGINT]],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP", "SIGINT twice"])
+def test_stop_signal_to_the_process_group_is_the_users_stop(tmp_path, toy_tokenizer_dir, fast_sim, signals):
     """A signal to the whole process group (a terminal's Ctrl-C or hang-up, `kill -TERM -PGID`)
     reaches the master and its --processes workers at once: the master got it, so it is the
-    user's stop: every row answered or "run stopped", exit 0, one record per row in every file."""
+    user's stop: every row answered or "run stopped", exit 0, one record per row in every file.
+    The child that computes the cache section as the run goes is not the group's: the signal
+    ended it, and a second Ctrl-C as the records are written (which the run ignores) took the
+    section away."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
     output = tmp_path / "run.jsonl"
     proc = spawn_processes(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
     try:
         wait_for_text(tmp_path / "master.log", "replay starts at", proc)
         time.sleep(2.0)  # the scenario: 2 s into the run
-        os.killpg(proc.pid, signum)
+        os.killpg(proc.pid, signals[0])
+        for signum in signals[1:]:
+            wait_for_text(tmp_path / "master.log", "the run ends", proc)
+            os.killpg(proc.pid, signum)
         finish([proc], timeout=60)
     finally:
         end_group(proc)
     log = (tmp_path / "master.log").read_text()
     assert proc.returncode == 0, log[-3000:]
     assert "Traceback" not in log
+    assert "cache fidelity computed while the run replayed" in log, log[-3000:]
     assert_user_stop(finalized(output, trace, tmp_path / "master.log"))
     assert_worker_files_one_record_per_row(output)
 
