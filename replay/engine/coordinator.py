@@ -413,11 +413,11 @@ class Coordinator:
         if self.signalled_at is not None or self._ending is not None or state.stopped:
             return  # the user's stop (or the run is over): its abort labels the worker's rows
         self.link.to_worker(state.client_id, messages.ABORT, messages.Abort(reason=WORKER_STOPPED))
-        self._worker_stopped(state)
+        self._worker_stopped(state, " (the master got none)")
 
-    def _worker_stopped(self, state: WorkerState) -> None:
-        logger.error("worker %d was stopped by a signal of its own (the master got none): its unanswered rows "
-                     "fail as %r", state.index, WORKER_STOPPED)
+    def _worker_stopped(self, state: WorkerState, why: str = "") -> None:
+        logger.error("worker %d was stopped by a signal of its own%s: its unanswered rows fail as %r",
+                     state.index, why, WORKER_STOPPED)
         state.stopped = True
         if self.probes is not None:
             self.probes.worker_stopped(state.index)
