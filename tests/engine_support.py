@@ -306,6 +306,7 @@ class FakeWorker:
         """Its own records file cannot be written (a full disk)."""
         self.link.to_master(messages.FAULT, messages.Fault(worker=self.index, file=file, reason=reason))
 
-    def stopped(self) -> None:
-        """It got a signal of its own."""
-        self.link.to_master(messages.STOPPED, messages.Stopped())
+    def stopped(self, shared: bool = False) -> None:
+        """It got a signal of its own; `shared`: in the master's process group, one the master
+        may have got too (the master's abort says which)."""
+        self.link.to_master(messages.STOPPED, messages.Stopped(shared=True) if shared else messages.Stopped())

@@ -26,6 +26,7 @@ from replay.engine.capacity import (
     PASS,
     SERVER_ERRORS,
     STOPPED,
+    WORKER_SIGNALLED,
     WORKERS_LOST,
     Probe,
     Search,
@@ -38,7 +39,7 @@ from replay.engine.probes import max_probes
 from replay.engine.rounds import Part, Round
 from replay.engine.transport import LocalLink
 from replay.errors import OptionError
-from replay.results.records import PROBE_CUT, PROBE_INVALID
+from replay.results.records import PROBE_CUT, PROBE_INVALID, WORKER_STOPPED
 from replay.rules.run_files import capacity_path
 from replay.run.options import ReplayOptions
 from replay.trace.amplify import Clones, amplify_trace
@@ -490,6 +491,26 @@ def test_a_worker_lost_during_a_probe_makes_it_invalid_and_it_is_repeated_once(t
         assert len(mine) == p["rows"] and {r["worker"] for r in mine} == {0}
     lost = Counter(r["error"] for r in records.values() if r["probe"] == 1 and not r["ok"])
     assert lost and all(label.startswith("worker lost") or label == PROBE_INVALID for label in lost), lost
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own session", "master's process group"])
+def test_a_worker_stopped_by_a_signal_of_its_own_ends_the_search_without_an_answer(tmp_path, capsys, shared):
+    """Not a capacity answer (its rows failing would read as the fleet's), nor a lost worker's
+    probe repeated with the workers left: the search ends there, "worker stopped", exit 1."""
+    run, fakes = search_run(tmp_path, capacity=3.0, workers=2, answer_first={1: 20})
+    run.until(lambda: len(run.coordinator.probes.probes) > 1)
+    fakes[1].stopped(shared=shared)
+    run.until(lambda: run.coordinator.finished.is_set())
+    run.hub.cut.add("w1")
+    run.gone.add("w1")
+    records = run.end()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert report["result"] == WORKER_SIGNALLED and len(report["probes"]) == 2
+    assert run.exit_codes == [1]
+    assert "Capacity: not measured: a worker was stopped by a signal of its own" in capsys.readouterr().out
+    failed = Counter(r["error"] for r in records.values() if not r["ok"])
+    assert set(failed) <= {WORKER_STOPPED, PROBE_INVALID} and failed[WORKER_STOPPED], failed
+    assert all(r["probe"] == 1 for r in records.values() if not r["ok"])
 
 
 def test_a_worker_lost_during_the_repeat_too_ends_the_search_with_exit_code_1(tmp_path, capsys):

@@ -35,7 +35,8 @@ SERVER_ERRORS = "server errors"  # error answers (HTTP errors but 429, broken or
 FOUND, BELOW_LO, AT_LEAST_HI = "found", "below LO", "at least HI"
 WORKERS_LOST = "workers lost"  # a probe and its repeat were both invalid: the search ended there
 STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer; also the probe's verdict
-NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED, OUTAGE, SERVER_ERRORS)  # results whose exit code is 1
+WORKER_SIGNALLED = "worker stopped"  # a worker got a stop signal of its own (not the user's stop): the search ended there
+NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED, WORKER_SIGNALLED, OUTAGE, SERVER_ERRORS)  # results whose exit code is 1
 
 # Why a row of a probe failed it (`failure_kind`): only LOAD failures say the load was too much.
 LOAD = "load"  # answered, but over an --slo limit; or HTTP 429, the server's own "too many requests"
@@ -308,6 +309,9 @@ def quotable_line(report: dict) -> str:
         return (f"Capacity: not measured: {what} during the probe at {probe['factor']:.3g}x ({reasons}; the bracket "
                 f"so far: {_side(best)} passes, {_side(worst)} fails); search again once they serve, or with "
                 "--on-outage retry")
+    if result == WORKER_SIGNALLED:
+        return (f"Capacity: not measured: a worker was stopped by a signal of its own during the search "
+                f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
     if best is None or worst is None:
         return f"Capacity: not known (the search was {result}) {at}"
     return f"Capacity: {best:.3g}x this trace's load ({best:.3g}x passes, {worst:.3g}x fails) {at}"

@@ -73,6 +73,9 @@ ABORT_WAIT_S = 5.0  # at a stop, how long workers get to send what they still ho
 PLAN_RESEND_S = 2.0  # a plan not acked by then is sent again
 GO_RESEND_S = GO_LEAD_S / 2  # a go not acked by then is sent again, most often before the first send is due
 ABORT_RESEND_S = 1.0  # at a stop, the abort is sent again this often while the workers' records are awaited
+# A worker in the master's process group that got a stop signal: how long the master waits for
+# its own (a process group's signal reaches both at once, and either may be handled first)
+SHARED_SIGNAL_GRACE_S = 2.0
 TICK_S = 0.25
 REFUSED_EXIT_CODE = 2  # a run refused before the first send (`refuse`), as any refusal of its input
 # The meta written as the run begins keeps this much room (spaces) for the end's, plus some per
@@ -183,6 +186,7 @@ class Coordinator:
         self.fault_label: str | None = None
         self.error_rate = ErrorRate(self.options.max_error_rate, clock)
         self.refused = False  # the servers could not take the run (`refuse`): nothing was sent
+        self.signalled_at: float | None = None  # when this process got a stop signal (`stop_signal_received`)
         self.incomplete: dict[str, str] = {}  # file -> why it is not whole (a write that failed)
         self.workers: dict[str, WorkerState] = {}
         # Workers that said HELLO: they can hear replay messages. The local part hears from the start.
@@ -384,13 +388,39 @@ class Coordinator:
         if state is not None:
             state.go_window.ack(data["seq"])
 
+    def stop_signal_received(self) -> None:
+        """This process got a stop signal (SIGTERM, SIGINT, SIGHUP): the user's stop. A worker in
+        its process group that reports the same signal (`on_stopped`, shared) is stopped by it."""
+        if self.signalled_at is None:
+            self.signalled_at = self.clock.now()
+
     def on_stopped(self, data: messages.Stopped, sender: str) -> None:
-        """The worker got a signal of its own; what it does not record is labelled for that."""
+        """The worker got a stop signal. Its own: what it does not record is labelled for that.
+        Shared with this process's group: the user's stop if this process got one too, within
+        SHARED_SIGNAL_GRACE_S (its abort labels the rows), else the worker's own, and the worker
+        is told so by an abort that labels them."""
         state = self.workers.get(sender)
-        if state is not None:
-            logger.error("worker %d was stopped by a signal of its own: its unanswered rows fail as %r",
-                         state.index, WORKER_STOPPED)
-            state.stopped = True
+        if state is None or state.stopped:
+            return
+        if data.get("shared"):
+            gevent.spawn(self._judge_shared_signal, state)
+        else:
+            self._worker_stopped(state)
+
+    def _judge_shared_signal(self, state: WorkerState) -> None:
+        if self.signalled_at is None:
+            self.clock.sleep(SHARED_SIGNAL_GRACE_S)
+        if self.signalled_at is not None or self._ending is not None or state.stopped:
+            return  # the user's stop (or the run is over): its abort labels the worker's rows
+        self.link.to_worker(state.client_id, messages.ABORT, messages.Abort(reason=WORKER_STOPPED))
+        self._worker_stopped(state, " (the master got none)")
+
+    def _worker_stopped(self, state: WorkerState, why: str = "") -> None:
+        logger.error("worker %d was stopped by a signal of its own%s: its unanswered rows fail as %r",
+                     state.index, why, WORKER_STOPPED)
+        state.stopped = True
+        if self.probes is not None:
+            self.probes.worker_stopped(state.index)
 
     def on_hello(self, data: messages.Hello, sender: str) -> None:
         """The worker can hear replay messages now (Locust acks its connection before it has
@@ -644,7 +674,7 @@ class Coordinator:
             self._collect_held_records(RUN_STOPPED if user_stopped else self.fault_label or DRAIN_TIMEOUT)
         for state in self.workers.values():
             everything = range(len(state.part))
-            if state.lost:
+            if state.lost or state.stopped:
                 self._fill(state.part, everything, state.index, state.unrecorded_label())
                 continue
             self._fill(state.part, (i for i in everything if state.holds(i)), state.index, NO_RECORD)

@@ -26,6 +26,7 @@ from replay.engine.capacity import (
     OUTAGE,
     PASS,
     SERVER_ERRORS,
+    WORKER_SIGNALLED,
     WORKERS_LOST,
     Probe,
     Search,
@@ -258,6 +259,18 @@ class Probes:
             logger.warning("capacity search: worker %d lost during probe %d (%gx): the probe is invalid; its unsent "
                            "rows are recorded as %r", index, current.number, current.factor, PROBE_INVALID)
             self.c.cut_round(PROBE_INVALID)
+
+    def worker_stopped(self, index: int) -> None:
+        """A worker got a stop signal of its own, not the user's stop: the search ends here, with
+        no answer (the probe under way lost the worker's sends, and a fleet's capacity is never a
+        worker's stop); the run stops, the probe's rows left recorded as PROBE_INVALID."""
+        if self.over:
+            return
+        self.over = True
+        self.ended = WORKER_SIGNALLED
+        logger.error("capacity search: worker %d was stopped by a signal of its own: the search ends without an "
+                     "answer", index)
+        self.c._stop_for(PROBE_INVALID)
 
     def _cool_down(self) -> None:
         """--cooldown S, or until the servers report nothing running nor waiting (at most

@@ -210,7 +210,7 @@ class CacheStream:
             (folder / "job.json").write_bytes(orjson.dumps(fields))
             self.pid = start_module(CHILD_MODULE, ["--follow", *(str(folder / name) for name in
                                                                  ("job.json", "result.json", "end"))],
-                                    folder / "stderr")
+                                    folder / "stderr", own_group=True)  # a Ctrl-C is the run's to handle
             self.job = job
         except OSError as e:
             log.debug("the cache section is not computed while the run replays (%s)", e)

@@ -111,6 +111,7 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         if not len(schedule):  # every row over the prompt limit: the run would send nothing
             raise _nothing_under_the_limit(options, schedule, max_prompt_tokens, served)
         check_replay_length(schedule.window_s, options.scale, options.start)
+        check_turn_timing(options, schedule, trace)
         if options.capacity_search and schedule.latest - schedule.origin < options.probe_duration:
             raise OptionError(f"--probe-duration {options.probe_duration:g}: longer than the window (the trace has "
                               f"{max(schedule.latest - schedule.origin, 0.0):g} s from the window's start)")
@@ -144,6 +145,24 @@ def _nothing_under_the_limit(options: ReplayOptions, schedule: Schedule, limit: 
         where = f"the default prompt limit, {limit} (--max-prompt-tokens sets another)"
     return OptionError(f"{where}: every one of the {len(schedule.oversized)} rows in the window has a longer prompt "
                        f"(the shortest: {shortest} tokens); nothing would be sent")
+
+
+def check_turn_timing(options: ReplayOptions, schedule: Schedule, trace: TraceStream) -> None:
+    """A closed-loop --turn-timing on a window with no session of two turns or more would send
+    every row at its trace time, as `trace` does, while the run's options (its meta file, and a
+    `replay compare` of it) said its turns waited for their answers: refused, naming the remedy.
+    A search's amplified probes have sessions of their own, inferred from the hash ids."""
+    if options.turn_timing == "trace" or schedule.has_turns():
+        return
+    if options.capacity_search and options.search_by == "amplify":
+        return
+    n = schedule.sessions
+    why = (f"each of its sessions has one turn in the window ({n} session{'s' if n > 1 else ''})" if n
+           else f"its rows ({trace.format}) carry no session")
+    raise OptionError(f"--turn-timing {options.turn_timing}: {trace.path}: {why}, so every row would be sent at its "
+                      f"trace time, as with --turn-timing trace; to give its conversations sessions: replay trace "
+                      f"amplify {trace.path} OUT.jsonl --factor 1 (sessions inferred from shared hash ids), then "
+                      f"--trace OUT.jsonl; or leave out --turn-timing")
 
 
 class ServersRefused(ValueError):
