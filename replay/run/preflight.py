@@ -31,6 +31,7 @@ from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.errors import OptionError
+from replay.output_claim import declared_inputs
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served, only_model, refusal
 from replay.protocol.server_cache import CacheNotReset, reset_prefix_caches, server_caches
@@ -61,7 +62,7 @@ def load(options: ReplayOptions, host: str | None) -> RunSpec:
     # The output is decided and locked here (held until this process exits), before anything
     # could write it; an earlier run's files go now, only with --overwrite.
     claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
-                         default=options.output is None)
+                         default=options.output is None, inputs=declared_inputs(options))
     try:
         options.output = claim.output
         return _load(options, host, urls, claim)

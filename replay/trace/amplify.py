@@ -34,7 +34,7 @@ from pathlib import Path
 
 import orjson
 
-from replay.results.files import OutputError
+from replay.errors import OutputError
 from replay.rules.run_files import tmp_path
 from replay.trace.convert import to_record
 from replay.trace.file_array import TRIM_EVERY

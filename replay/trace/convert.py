@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from replay.results.files import OutputError
+from replay.errors import OutputError
 from replay.trace.fields import MAX_TRACE_SPAN_S
 from replay.trace.formats import FORMATS
 from replay.trace.reader import read_trace
