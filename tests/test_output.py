@@ -348,3 +348,24 @@ def test_overwrite_never_replaces_a_device(tmp_path, toy_tokenizer_dir):
             f"regular files are replaced: remove it, or choose another --output")
     assert stat.S_ISCHR(os.lstat(output).st_mode)
     assert not lock_path(output).exists() and not meta_path(output).exists()
+
+
+@pytest.mark.parametrize("how", ["the trace itself", "a hard link to it", "its metadata a link to the trace"])
+def test_no_file_of_the_run_is_one_it_reads(tmp_path, toy_tokenizer_dir, how):
+    """`--output TRACE --overwrite` removed the trace as an earlier run's results, then failed to
+    read it; any file of the run on an input (the records, a file beside them, by inode) is
+    refused, with or without --overwrite (replay.output_claim, on the options typed Input)."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
+    output = {"the trace itself": trace, "a hard link to it": tmp_path / "run.jsonl",
+              "its metadata a link to the trace": tmp_path / "linked.jsonl"}[how]
+    if how == "a hard link to it":
+        os.link(trace, output)
+    elif how == "its metadata a link to the trace":
+        meta_path(output).symlink_to(trace)
+    kept = trace.read_bytes()
+    written = "" if how != "its metadata a link to the trace" else f"writes {meta_path(output)}, which is "
+    same = "the same file as " if how == "a hard link to it" else ""
+    refused(replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", output, "--overwrite"), tmp_path,
+            f"--output {output}: {written or 'is '}{same}--trace {trace}, which this command reads: choose another "
+            f"--output")
+    assert trace.read_bytes() == kept and not lock_path(output).exists()
