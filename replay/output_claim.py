@@ -129,20 +129,24 @@ def claim(written: list[Written], read: list[Read], hint: str = "") -> None:
 def claim_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Claim the outputs of the command `args` was parsed for: every option of its parser
     (and of the parsers above it) whose type is a PathRole."""
-    written, read = [], []
-    for action in _actions(parser, args):
-        value = getattr(args, action.dest, None)
-        if not isinstance(action.type, PathRole) or value is None:
-            continue
-        label = option_label(action)
-        for text in value if isinstance(value, list) else [value]:
-            if isinstance(action.type, Input):
-                read += action.type.expand(text, label)
-            elif isinstance(action.type, OutputFolder):
-                written.append(Written(label, text, (Path(text),), action.type.entries))
-            elif isinstance(action.type, Output):
-                written.append(Written(label, text, tuple(action.type.files(Path(text)))))
-    claim(written, read)
+    given = [(action, text) for action in _actions(parser, args) if isinstance(action.type, PathRole)
+             for text in _values(getattr(args, action.dest, None))]
+    written = []
+    for action, text in given:
+        if isinstance(action.type, OutputFolder):
+            written.append(Written(option_label(action), text, (Path(text),), action.type.entries))
+        elif isinstance(action.type, Output):
+            written.append(Written(option_label(action), text, tuple(action.type.files(Path(text)))))
+    if written:  # else nothing to claim, and no input to look at (a run's metadata read)
+        claim(written, [r for action, text in given if isinstance(action.type, Input)
+                        for r in action.type.expand(text, option_label(action))])
+
+
+def _values(value: object) -> list[str]:
+    """An option's value as a list of texts: none, one, or a repeated option's (append, nargs)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [str(value)]
 
 
 def command_prog(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:

@@ -151,12 +151,14 @@ def refused(args: list[str], prog: str, option: str, capsys, root: Path) -> str:
 
 
 @pytest.mark.parametrize("prog, option", CASES)
-@pytest.mark.parametrize("how", ["same name", "hard link", "symbolic link"])
+@pytest.mark.parametrize("how", ["same name", "another spelling", "hard link", "symbolic link"])
 def test_an_output_on_an_input_is_refused(prog, option, how, files, tmp_path, capsys):
     for victim in VICTIMS[prog]:
         target = files[victim]
         if how == "same name":
             value = target
+        elif how == "another spelling":
+            value = tmp_path / "work" / ".." / "in" / "." / target.name
         else:
             value = tmp_path / "work" / f"{victim}-{how.replace(' ', '-')}"
             (os.link if how == "hard link" else os.symlink)(target, value)
