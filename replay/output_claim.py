@@ -249,13 +249,16 @@ def _claim_folder(out: Written, read: list[Read], identities: dict, hint: str) -
 
 
 def _refuse_the_same(earlier: Written, out: Written) -> None:
-    """Two outputs of one command on one file (or one in the other's folder, among the files
-    it writes there): the second would replace the first."""
-    path, other = out.paths[0], earlier.paths[0]
-    same = os.path.realpath(path) == os.path.realpath(other) or (
-        _identity(path) is not None and _identity(path) == _identity(other))
-    if same or _written_in(path, earlier) or _written_in(other, out):
-        raise OptionError(f"{out.option} {out.value}: {earlier.option} {earlier.value} writes it too: "
+    """Two outputs of one command on one file (any file either writes, or one in the other's
+    folder among the files it writes there): the second would replace the first."""
+    theirs = {os.path.realpath(p) for p in earlier.paths} | {i for p in earlier.paths if (i := _identity(p))}
+    for path in out.paths:
+        if os.path.realpath(path) in theirs or _identity(path) in theirs or _written_in(path, earlier):
+            what = "" if path == Path(out.value) else f" ({path})"
+            raise OptionError(f"{out.option} {out.value}: {earlier.option} {earlier.value} writes it too{what}: "
+                              f"choose another {out.option}")
+    if any(_written_in(p, out) for p in earlier.paths):
+        raise OptionError(f"{out.option} {out.value}: {earlier.option} {earlier.value} is one of the files it writes: "
                           f"choose another {out.option}")
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from replay.cli import build_parser, main
-from replay.output_claim import Input, Output, OutputFolder, option_label
+from replay.locust import outputs as locust_outputs_module
+from replay.output_claim import Output, OutputFolder, PathRole, option_label
 from replay.results.files import OutputError, write_atomically
 from replay.rules.run_files import meta_path, summary_path, tmp_path
 from replay.run.options import add_arguments
@@ -49,8 +50,8 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 PARSERS = [*commands(build_parser()), run_parser()]
-PATH_WORDS = re.compile(r"\b(write|writes|written|save|saves|store|stores|dump|dumps)\b", re.IGNORECASE)
-PATH_NAMES = re.compile(r"(^|_)(out|output|dir|folder|png|html|csv)($|_)", re.IGNORECASE)
+WRITES = re.compile(r"\b(write|writes|written|save|saves|store|stores|dump|dumps|log file|to file)\b", re.IGNORECASE)
+PATH_NAMES = re.compile(r"(^|_)(out|output|dir|folder|file|path|png|html|csv|log|logfile)($|_)", re.IGNORECASE)
 
 
 def takes_text(action: argparse.Action) -> bool:
@@ -59,25 +60,44 @@ def takes_text(action: argparse.Action) -> bool:
 
 
 def looks_like_an_output(action: argparse.Action) -> bool:
+    return takes_text(action) and bool(WRITES.search(action.help or ""))
+
+
+def looks_like_a_path(action: argparse.Action) -> bool:
     names = [action.dest, *(action.metavar if isinstance(action.metavar, tuple) else [action.metavar or ""])]
-    return takes_text(action) and (any(PATH_NAMES.search(n) for n in names) or bool(PATH_WORDS.search(action.help or "")))
+    return looks_like_an_output(action) or (takes_text(action) and any(PATH_NAMES.search(n) for n in names))
 
 
 def declared_outputs() -> list[tuple[str, str]]:
     return [(p.prog, option_label(a)) for p in PARSERS for a in p._actions if isinstance(a.type, (Output, OutputFolder))]
 
 
-def test_every_option_that_looks_like_an_output_is_declared_as_one():
-    """A new command or output option cannot skip the claim: an option whose name or help says
-    it writes must be typed Output or OutputFolder (replay.output_claim)."""
+def test_every_option_that_looks_like_a_path_is_declared_through_the_claim():
+    """A new command or output option cannot skip the claim: an option whose name says it is a
+    path must be typed with a role (replay.output_claim), and one whose help says it writes,
+    an Output or an OutputFolder."""
     undeclared = [f"{p.prog} {option_label(a)}" for p in PARSERS for a in p._actions
-                  if looks_like_an_output(a) and not isinstance(a.type, (Output, OutputFolder))]
+                  if looks_like_a_path(a) and not isinstance(a.type, PathRole)]
     assert undeclared == []
-    # the check sees them: every output this file attacks, and only outputs and inputs are typed
+    inputs_that_write = [f"{p.prog} {option_label(a)}" for p in PARSERS for a in p._actions
+                         if looks_like_an_output(a) and not isinstance(a.type, (Output, OutputFolder))]
+    assert inputs_that_write == []
+    # every output this file attacks below, and no other
     assert set(declared_outputs()) == {(prog, option) for prog, recipe in RECIPES.items() for option in recipe[1]} | {
         ("replay run", "--output")}
-    assert all(isinstance(a.type, Input) or looks_like_an_output(a) for p in PARSERS for a in p._actions
-               if isinstance(a.type, (Input, Output, OutputFolder)))
+
+
+def test_every_file_option_of_locust_is_claimed_with_the_run_or_said_not_to_be():
+    """`replay run` is Locust's command line: its own file options (--html ...) are claimed with
+    --output (replay.locust.outputs) or listed as opened before the package's code runs."""
+    from locust.argument_parser import get_parser
+
+    import replay.locust.plugin  # noqa: F401 (adds the replay options, as `replay run` does)
+
+    parser = get_parser(default_config_files=[])
+    replays = {a.dest for a in run_parser()._actions}
+    locusts = {a.dest for a in parser._actions if looks_like_an_output(a) and a.dest not in replays}
+    assert locusts == set(locust_outputs_module.CLAIMED) | set(locust_outputs_module.NOT_CLAIMED)
 
 
 # -- every declared output, attacked ------------------------------------------------------------

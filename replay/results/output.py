@@ -55,13 +55,15 @@ def _scratch_files(output: Path) -> list[Path]:
     return [lock_path(output), *(tmp_path(p) for p in renamed)]
 
 
-def _refuse_all_but_regular_files(output: str, paths: list[Path], hint: str, inputs: Sequence[Read] = ()) -> None:
+def _refuse_all_but_regular_files(output: str, paths: list[Path], hint: str, inputs: Sequence[Read] = (),
+                                  others: Sequence[Written] = ()) -> None:
     """A run replaces or writes through only regular files, and none its inputs: --overwrite
     once unlinked whatever was there (as root, `--output /dev/full` deleted the device), and a
     link was written through to its target. Anything else is left as it is, with or without
-    --overwrite (the rule of every command's outputs, replay.output_claim)."""
+    --overwrite (the rule of every command's outputs, replay.output_claim); `others`: the
+    run's other outputs (Locust's reports), under the same rule and never on the run's files."""
     claim([Written("--output", output, tuple(paths), replaced="an earlier run's regular files are",
-                   makes_folder=True)], list(inputs), hint)
+                   makes_folder=True), *others], list(inputs), hint)
 
 
 def fresh_fd(output: str, path: Path) -> int:
@@ -118,7 +120,7 @@ class OutputClaim:
 
 
 def claim_output(output: str, *, overwrite: bool = False, default: bool = False,
-                 inputs: Sequence[Read] = ()) -> OutputClaim:
+                 inputs: Sequence[Read] = (), others: Sequence[Written] = ()) -> OutputClaim:
     """Make `output`'s folder, lock `output` for this process, and refuse an earlier run's
     results unless `overwrite` (then they are removed now, stale per-worker files included).
 
@@ -127,29 +129,30 @@ def claim_output(output: str, *, overwrite: bool = False, default: bool = False,
     two such runs would have written two files (or, in the same second, one).
 
     `inputs`: what the run reads (replay.output_claim.declared_inputs): none of its files may
-    be one of them, with or without `overwrite`.
+    be one of them, with or without `overwrite`; nor may `others`, the files the run writes
+    that are not its own (Locust's --html: replay.locust.outputs), be one of them or the run's.
 
     Raises OptionError (OutputTaken when another run holds it or results exist), one line
     naming `--output` and the path.
     """
     if not default:
-        return _claim(output, overwrite, "", inputs)
+        return _claim(output, overwrite, "", inputs, others)
     base = Path(output)
     for n in range(1, MAX_DEFAULT_TRIES + 1):
         name = output if n == 1 else str(base.with_name(f"{base.stem}-{n}{base.suffix}"))
         try:
-            return _claim(name, False, " (the default output; pass --output PATH)", inputs)
+            return _claim(name, False, " (the default output; pass --output PATH)", inputs, others)
         except OutputTaken:
             continue
     raise OptionError(f"--output {output}: it and {MAX_DEFAULT_TRIES - 1} numbered variants are all taken; "
                       f"pass --output PATH")
 
 
-def _claim(output: str, overwrite: bool, hint: str, inputs: Sequence[Read]) -> OutputClaim:
+def _claim(output: str, overwrite: bool, hint: str, inputs: Sequence[Read], others: Sequence[Written]) -> OutputClaim:
     out = Path(output)
     if out.is_dir():
         raise OptionError(f"--output {output}: is a folder; name a file (e.g. {out / 'run.jsonl'}){hint}")
-    _refuse_all_but_regular_files(output, [*run_files(out), *_scratch_files(out)], hint, inputs)
+    _refuse_all_but_regular_files(output, [*run_files(out), *_scratch_files(out)], hint, inputs, others)
     _make_folder(output, out.parent, hint)
     fd = _lock(output, hint)
     claim = OutputClaim(output, fd)
