@@ -215,6 +215,11 @@ def test_an_output_on_a_folder_or_on_its_temporary_file_is_refused(prog, option,
     os.mkfifo(tmp_path_of(out))
     err = refused(argv(prog, option, out, files), prog, option, capsys, tmp_path)
     assert f"{tmp_path_of(out)} is a FIFO" in err
+    os.unlink(tmp_path_of(out))  # a link to someone else's file: it was written through, FILE made a link to it
+    (tmp_path / "someone-elses.txt").write_text("theirs\n")
+    tmp_path_of(out).symlink_to(tmp_path / "someone-elses.txt")
+    err = refused(argv(prog, option, out, files), prog, option, capsys, tmp_path)
+    assert f"{tmp_path_of(out)} is a symbolic link" in err
 
 
 def tmp_path_of(path: Path) -> Path:
