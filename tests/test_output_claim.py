@@ -87,6 +87,17 @@ def test_every_option_that_looks_like_a_path_is_declared_through_the_claim():
         ("replay run", "--output")}
 
 
+def test_the_check_finds_an_output_option_declared_without_a_role():
+    parser = argparse.ArgumentParser()
+    found = [parser.add_argument("--rows-csv", help="the rows as CSV"), parser.add_argument("--plot", help="save it here"),
+             parser.add_argument("dump_dir")]
+    passed = [parser.add_argument("--slo", help="ttft_ms=.."), parser.add_argument("--overwrite", action="store_true",
+                                                                               help="write over it"),
+              parser.add_argument("--seed", type=int, help="the output tokens' seed")]
+    assert all(map(looks_like_a_path, found)) and looks_like_an_output(found[1])
+    assert not any(map(looks_like_a_path, passed))
+
+
 def test_every_file_option_of_locust_is_claimed_with_the_run_or_said_not_to_be():
     """`replay run` is Locust's command line: its own file options (--html ...) are claimed with
     --output (replay.locust.outputs) or listed as opened before the package's code runs."""
