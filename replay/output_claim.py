@@ -105,6 +105,24 @@ def kind_of(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a file")
 
 
+def open_regular(path: str | Path, flags: int) -> int:
+    """`path` opened with `flags` (as os.open; created 0o666 less the umask), only if what is
+    there is a regular file or nothing: no link followed, no FIFO waited on, no device written.
+    The writers' own check against a node swapped in after the claim; OSError otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError:  # a link (ELOOP), a FIFO without a reader (ENXIO): say what it is
+        mode = os.lstat(path).st_mode if os.path.lexists(path) else stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise OSError(f"{path} is {kind_of(mode)}, not a regular file") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise OSError(f"{path} is {kind_of(mode)}, not a regular file")
+    return fd
+
+
 def claim(written: list[Written], read: list[Read], hint: str = "") -> None:
     """Refuse (OptionError, one line naming the option and the path) any output that is an
     input, a node other than a regular file, in a folder that does not exist, or another

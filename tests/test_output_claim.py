@@ -309,3 +309,23 @@ def test_write_atomically_replaces_only_a_regular_file_and_makes_no_folder(tmp_p
     with pytest.raises(OutputError):
         write_atomically(tmp_path / "missing" / "x.json", b"{}")
     assert not (tmp_path / "missing").exists()
+
+
+def test_the_trace_writers_leave_a_node_swapped_in_after_the_claim(tmp_path):
+    """convert_trace and amplify_trace (OUT.tmp) refuse a node they are handed, and leave it:
+    their clean-up after a failed write removed whatever was at the path."""
+    from replay.trace.amplify import amplify_trace
+    from replay.trace.convert import convert_trace
+    from replay.trace.reader import TraceStream, read_trace
+
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=10)
+    fifo = tmp_path / "out.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputError, match="is a FIFO, not a regular file"):
+        convert_trace(read_trace(trace, block_size=BLOCK), fifo)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    out = tmp_path / "amplified.jsonl"
+    os.mkfifo(tmp_path_of(out))
+    with pytest.raises(OutputError, match="is a FIFO, not a regular file"):
+        amplify_trace(lambda: TraceStream(trace, None, BLOCK), out, 2.0)
+    assert stat.S_ISFIFO(os.lstat(tmp_path_of(out)).st_mode) and not out.exists()

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 from replay.errors import OutputError
-from replay.output_claim import kind_of
+from replay.output_claim import kind_of, open_regular
 from replay.rules.run_files import tmp_path
 
 
@@ -81,12 +81,7 @@ def write_atomically(path: str | Path, data: bytes) -> Path:
     tmp = tmp_path(path)
     try:
         _only_a_regular_file(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-        try:
-            _only_a_regular_file(tmp, os.fstat(fd).st_mode)  # a device there: left as it is
-        except OSError:
-            os.close(fd)
-            raise
+        fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # a node there: left as it is
     except OSError as e:
         raise OutputError(path, e) from None
     try:
@@ -100,13 +95,12 @@ def write_atomically(path: str | Path, data: bytes) -> Path:
     return path
 
 
-def _only_a_regular_file(path: Path, mode: int | None = None) -> None:
-    """OSError unless `path` is absent or a regular file (`mode`: its mode, known already)."""
-    if mode is None:
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            return
+def _only_a_regular_file(path: Path) -> None:
+    """OSError unless `path` is absent or a regular file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
     if not stat.S_ISREG(mode):
         raise OSError(f"{path} is {kind_of(mode)}, not a regular file")
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from replay.output_claim import kind_of
+from replay.output_claim import open_regular
 from replay.trace.record import BadLine, TraceError
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -70,19 +70,20 @@ def open_output(path: str | Path, gz: bool | None = None) -> IO[bytes]:
     file, FILE.gz.tmp, names the file it becomes). Only a regular file (or nothing) is
     replaced: a link is not followed, a FIFO not waited on, a device not written (the
     command's output claim, replay.output_claim, refused them; this, one swapped in since)."""
-    raw = open(path, "wb", opener=_regular_file)
+    raw = open(path, "wb", opener=open_regular)
     if str(path).endswith(".gz") if gz is None else gz:
         return _GzipOutput(raw)
     return raw
 
 
-def _regular_file(path: str, flags: int) -> int:
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise OSError(f"{path} is {kind_of(mode)}, not a regular file")
-    return fd
+def remove_written(path: str | Path) -> None:
+    """Remove what a failed write left at `path`: a regular file only (a node swapped in there,
+    which open_output refused, stays)."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class _GzipOutput(gzip.GzipFile):
