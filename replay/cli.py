@@ -9,6 +9,9 @@ import sys
 from collections.abc import Iterator
 from typing import NoReturn
 
+from replay.errors import OptionError
+from replay.output_claim import claim_command, command_prog
+
 # Each command's module has register(subparsers): it adds that one subcommand with
 # set_defaults(func=...), and func(args) returns the process exit code. A command imports only
 # its own module (`replay sim` does not import the HTTP client or the report), so each process
@@ -71,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help()
+        return 2
+    try:  # every file the command writes, before it reads or writes anything (replay.output_claim)
+        claim_command(parser, args)
+    except OptionError as e:
+        print(f"{command_prog(parser, args)}: {e}", file=sys.stderr)
         return 2
     return int(args.func(args) or 0)
 

@@ -53,7 +53,9 @@ class MemoryTrace:
 
 def spec_of(rows: list[TraceRow], folder: Path, *, max_prompt_tokens: int | None = None,
             **options: Any) -> RunSpec:
-    """A run of `rows` into folder/run.jsonl, as the preflight would make it (no scraping unless asked)."""
+    """A run of `rows` into folder/run.jsonl, as the preflight would make it (no scraping unless asked;
+    the folder made, as the output's claim makes it)."""
+    folder.mkdir(parents=True, exist_ok=True)
     options = {"trace": "(in memory)", "tokenizer": "(none)", "model": "fake", "endpoints": URL,
                "output": str(folder / "run.jsonl"), "server_metrics_interval": 0, **options}
     opts = ReplayOptions(**options)

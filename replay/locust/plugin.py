@@ -29,6 +29,7 @@ from replay.engine.progress import ProgressLine
 from replay.errors import OptionError
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink, flush_on_exit
+from replay.locust.outputs import config_input, locust_outputs
 from replay.protocol.urls import shown
 from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_LOST, WORKER_STOPPED, output_tokens_of
 from replay.run import preflight
@@ -74,7 +75,8 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
         web_user = getattr(environment.parsed_options, "web_user", None)
         if web_user:  # refused as the web UI refuses it, with or without one (--headless)
             webauth.parse_web_user(web_user)
-        spec = preflight.load(options, _hide_host_credentials(environment))
+        spec = preflight.load(options, _hide_host_credentials(environment),  # Locust's files with the run's
+                              locust_outputs(environment.parsed_options), config_input(environment.parsed_options))
         _show_endpoints(environment, spec)
         runner = environment.runner
         coordinator = Coordinator(spec, link, local_part=part, heard=heard,

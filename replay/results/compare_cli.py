@@ -9,8 +9,10 @@ from __future__ import annotations
 import sys
 
 from replay.bounds import MAX_INT, SEED, Bound
+from replay.output_claim import OUTPUT
 from replay.results.compare import NOT_TESTED, SAME, CompareError, compare, differences, load_run, slo_of
 from replay.results.gates import evaluate, parse_gate
+from replay.results.metadata import RUN
 from replay.results.outputs import write_outputs
 from replay.results.report import ReportError, parse_slo
 
@@ -26,9 +28,9 @@ def register(subparsers) -> None:
         "its 95%% interval from a paired bootstrap over the rows, and a verdict. Several runs a side: "
         "--base A1 --base A2 --new B1.",
     )
-    p.add_argument("runs", nargs="*", metavar="RUN", help="BASE NEW: two runs' merged JSONL (their --output)")
-    p.add_argument("--base", action="append", default=[], help="a BASE run (repeatable)")
-    p.add_argument("--new", action="append", default=[], help="a NEW run (repeatable)")
+    p.add_argument("runs", nargs="*", type=RUN, metavar="RUN", help="BASE NEW: two runs' merged JSONL (their --output)")
+    p.add_argument("--base", action="append", type=RUN, default=[], help="a BASE run (repeatable)")
+    p.add_argument("--new", action="append", type=RUN, default=[], help="a NEW run (repeatable)")
     p.add_argument("--allow-different", action="store_true",
                    help="compare runs whose trace, window, seed, api, prompt format, scale or stream differ")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the runs')")
@@ -39,8 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=SEED, default=0, help="the bootstrap's seed (default 0)")
     p.add_argument("--block-rows", type=Bound(1, MAX_INT, integer=True, unit="rows"), default=None,
                    help="rows per resampled block (default: the cube root of the rows; 1: the plain paired bootstrap)")
-    p.add_argument("--json", dest="json_out", default=None, help="write the comparison as JSON here")
-    p.add_argument("--html", dest="html_out", default=None, help="write a self-contained HTML comparison here")
+    p.add_argument("--json", dest="json_out", type=OUTPUT, default=None, help="write the comparison as JSON here")
+    p.add_argument("--html", dest="html_out", type=OUTPUT, default=None, help="write a self-contained HTML comparison here")
     p.set_defaults(func=run)
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from replay.engine.capacity import quotable_line
-from replay.results.files import write_atomically
+from replay.results.files import OutputError, write_atomically
 from replay.results.gpu_metrics import DCGM, gpus
 from replay.results.report import format_report
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
@@ -324,7 +324,10 @@ def figure_svg(fig) -> str:
 
 def save_pngs(figures: dict, directory: str | Path, dpi: int = 110) -> list[Path]:
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # the folder itself when missing, as --png-dir documents, never its parents
+        out.mkdir(exist_ok=True)
+    except OSError as e:
+        raise OutputError(out, e) from None
     paths = []
     for name, fig in figures.items():
         path = out / f"{name}.png"

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import orjson
 
+from replay.output_claim import Input, Read
 from replay.protocol.urls import redacted, shown
 from replay.results.files import OutputError, overwrite_in_place, write_atomically
-from replay.rules.run_files import capacity_path, fidelity_path, meta_path, summary_path
+from replay.rules.run_files import capacity_path, fidelity_path, meta_path, run_files, summary_path
 
 META_VERSION = 1
 MAX_SKIPPED_LISTED = 100
@@ -187,3 +188,23 @@ def read_run_metadata(results: str | Path) -> dict | None:
         return orjson.loads(path.read_bytes())
     except orjson.JSONDecodeError as e:
         raise ValueError(f"{path}: not a JSON document: {e}") from None
+
+
+def run_inputs(results: str, label: str) -> list[Read]:
+    """What a command reading a run's records reads, for the output claim (replay.output_claim):
+    the records, every file beside them, and the trace, tokenizer and chat template its
+    metadata names (`replay report` reads them when no flag names others)."""
+    read = [Read(Path(results), f"{label} {results}")]
+    read += [Read(p, f"{p} (beside {label} {results})") for p in run_files(results)[1:]]
+    try:
+        meta = read_run_metadata(results) or {}
+    except (ValueError, OSError):  # the command says so itself, naming the file
+        meta = {}
+    named = {"trace": (meta.get("trace") or {}).get("path"), "tokenizer": meta.get("tokenizer"),
+             "chat template": meta.get("chat_template")}
+    read += [Read(Path(path), f"the {what} {path} ({label} {results}'s metadata names it)")
+             for what, path in named.items() if isinstance(path, str) and path]
+    return read
+
+
+RUN = Input("run", expand=run_inputs)  # a run's merged records, as --output named them

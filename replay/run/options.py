@@ -34,10 +34,12 @@ from replay.engine.plan import PARTITIONS
 from replay.engine.routing import ROUTINGS
 from replay.engine.scraper import MIN_INTERVAL_S as MIN_SCRAPE_INTERVAL_S
 from replay.errors import OptionError
+from replay.output_claim import INPUT
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import Served, prompt_limit
 from replay.protocol.table import API_NAMES, PROMPT_FORMATS, TOKEN_ID_APIS, prompt_format_problem
+from replay.results.output import RUN_OUTPUT
 from replay.results.report import parse_slo
 from replay.rules.send_time import TURN_FAILURES, TURN_TIMINGS
 from replay.synth.tokenizer_source import TOKENIZER_HELP
@@ -87,11 +89,11 @@ class ReplayOptions:
     """The replay's options, in `--help` order: each field is a flag, a key of --replay-config
     and a name of the plan the master ships to its workers (`OPTION_NAMES`)."""
 
-    trace: str | None = _option(help="trace file to replay")
+    trace: str | None = _option(help="trace file to replay", type=INPUT)
     trace_format: str | None = _option(help="mooncake, bailian, jsonl, azure, burstgpt (auto-detected)")
     block_size: int | None = _option(help="tokens per hash id block (format default)", bound=BLOCK_SIZE)
-    tokenizer: str | None = _option(help=TOKENIZER_HELP)
-    chat_template: str | None = _option(help="tokenizer_config.json or .jinja; overrides the tokenizer's")
+    tokenizer: str | None = _option(help=TOKENIZER_HELP, type=INPUT)
+    chat_template: str | None = _option(help="tokenizer_config.json or .jinja; overrides the tokenizer's", type=INPUT)
     api: str = _option("openai-chat", "the protocol the servers speak: its request paths, bodies and replies", choices=API_NAMES)
     prompt_format: str = _option("text", "send the prompt as text or as a list of token ids (token-ids: --api "
                                          f"{' or '.join(TOKEN_ID_APIS)} only)", choices=tuple(PROMPT_FORMATS))
@@ -106,7 +108,7 @@ class ReplayOptions:
     duration: float | None = _option(help="length of the trace window, trace seconds", bound=DURATION)
     max_requests: int | None = _option(help="replay at most N rows of the window", bound=COUNT)
     seed: int = _option(0, "prompt synthesis seed", bound=SEED)
-    output: str | None = _option(help="merged per-request JSONL (default results/replay-<time>.jsonl)")
+    output: str | None = _option(help="merged per-request JSONL (default results/replay-<time>.jsonl)", type=RUN_OUTPUT)
     overwrite: bool = _option(False, "replace an earlier run's --output (and its .meta.json, .worker-N.jsonl); "
                                      "default: refuse")
     endpoints: str | None = _option(help="comma-separated server URLs (a fleet); default --host", metavar="URL,...")

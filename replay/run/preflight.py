@@ -26,12 +26,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 from replay.engine.capacity import MIN_PROBE_ROWS
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.errors import OptionError
+from replay.output_claim import Read, Written, declared_inputs
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import Served, ask_served, only_model, prompt_limit, refusal
 from replay.protocol.server_cache import CacheNotReset, reset_prefix_caches, server_caches
@@ -53,16 +55,20 @@ def default_output() -> str:
     return time.strftime("results/replay-%Y%m%d-%H%M%S.jsonl", time.gmtime())
 
 
-def load(options: ReplayOptions, host: str | None) -> RunSpec:
+def load(options: ReplayOptions, host: str | None, others: Sequence[Written] = (),
+         reads: Sequence[Read] = ()) -> RunSpec:
     """Check and load everything a run needs before a worker gets anything (see the module's
     docstring); `host` is the runner's target host (--host; --endpoints wins). The output stays claimed (locked) for this process's life; on a refusal
-    here it is released. Sets `options.output` to the output claimed."""
+    here it is released. Sets `options.output` to the output claimed. `others` and `reads`: the
+    files the run writes and reads that are not its options' (replay.locust.outputs: Locust's
+    reports, --replay-config), claimed with --output."""
     options.check()
     urls = options.endpoint_urls(host)
     # The output is decided and locked here (held until this process exits), before anything
     # could write it; an earlier run's files go now, only with --overwrite.
     claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
-                         default=options.output is None)
+                         default=options.output is None, inputs=[*declared_inputs(options), *reads],
+                         others=others)
     try:
         options.output = claim.output
         return _load(options, host, urls, claim)

@@ -35,7 +35,7 @@ from pathlib import Path
 import orjson
 
 from replay.bounds import LOAD_FACTOR
-from replay.results.files import OutputError
+from replay.errors import OutputError
 from replay.rules.run_files import tmp_path
 from replay.trace.convert import to_record
 from replay.trace.file_array import TRIM_EVERY
@@ -43,7 +43,7 @@ from replay.trace.reader import TraceStream
 from replay.trace.sessions import DEFAULT_GLOBAL_MIN_ROWS, Sessions
 from replay.trace.sessions_on_disk import ReadFailed, SessionFiles, input_rows, open_input
 from replay.trace.sorted_spool import DEFAULT_CHUNK_ROWS, SortedSpool
-from replay.trace.source import open_output
+from replay.trace.source import open_output, remove_written
 
 _HIGHEST_ID = (1 << 64) - 1  # what a JSON hash id may be (replay.trace.pairs)
 _LOWEST_ID = -(1 << 63)
@@ -221,13 +221,13 @@ def amplify_trace(
             os.replace(temporary, out_path)
             done = Amplified(rows_in, len(sessions), spool.rows, total, sessions.inferred, len(sessions.global_ids))
     except ReadFailed as e:
-        temporary.unlink(missing_ok=True)
+        remove_written(temporary)
         raise e.error from None
     except OSError as e:  # a full disk: no half trace is left to be replayed by mistake
-        temporary.unlink(missing_ok=True)
+        remove_written(temporary)
         raise OutputError(out_path, e) from None
     except BaseException:  # a bad row, ^C: the same
-        temporary.unlink(missing_ok=True)
+        remove_written(temporary)
         raise
     return done
 

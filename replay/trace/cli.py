@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import orjson
 
 from replay.bounds import BLOCK_SIZE, COUNT, DURATION, LOAD_FACTOR, MAX_INT, PROMPT_TOKENS, SCALE, SEED, START, Bound
-from replay.results.files import OutputError
+from replay.errors import OutputError
+from replay.output_claim import INPUT, OUTPUT
 from replay.trace.amplify import amplify_trace
 from replay.trace.convert import convert_trace
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZE
@@ -28,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     commands = trace.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
 
     stats = commands.add_parser("stats", help="load, lengths and ideal prefix-cache reuse of a trace (or two, side by side)")
-    stats.add_argument("file")
-    stats.add_argument("other", nargs="?", metavar="OTHER",
+    stats.add_argument("file", type=INPUT, metavar="FILE")
+    stats.add_argument("other", nargs="?", type=INPUT, metavar="OTHER",
                        help="a second trace (e.g. amplify's OUT): both side by side, sessions inferred where a "
                             "trace has none")
     _format_options(stats, "--format")
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats.set_defaults(func=run_stats)
 
     validate = commands.add_parser("validate", help="check every row; exit 1 and list line-numbered errors")
-    validate.add_argument("file")
+    validate.add_argument("file", type=INPUT, metavar="FILE")
     _format_options(validate, "--format")
     validate.add_argument(
         "--max-prompt-tokens",
@@ -51,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     validate.set_defaults(func=run_validate)
 
     convert = commands.add_parser("convert", help="write (a window of) a trace as jsonl")
-    convert.add_argument("input")
-    convert.add_argument("output", help="jsonl file; gzipped when it ends in .gz")
+    convert.add_argument("input", type=INPUT, metavar="IN")
+    convert.add_argument("output", type=OUTPUT, metavar="OUT", help="jsonl file; gzipped when it ends in .gz")
     _format_options(convert, "--from")
     convert.add_argument("--start", type=START, help="window start, trace seconds")
     convert.add_argument("--duration", type=DURATION, help="window length, trace seconds")
@@ -64,8 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.set_defaults(func=run_convert)
 
     amplify = commands.add_parser("amplify", help="K times a trace's sessions over the same time span, as jsonl")
-    amplify.add_argument("input")
-    amplify.add_argument("output", help="jsonl file; gzipped when it ends in .gz")
+    amplify.add_argument("input", type=INPUT, metavar="IN")
+    amplify.add_argument("output", type=OUTPUT, metavar="OUT", help="jsonl file; gzipped when it ends in .gz")
     _format_options(amplify)
     amplify.add_argument("--factor", type=LOAD_FACTOR, required=True, metavar="K",
                          help="sessions out per session in (1.5: all once, half of them twice; 0.5: half of them)")
@@ -148,10 +148,7 @@ def _run_comparison(args: argparse.Namespace) -> int:
 
 
 def run_amplify(args: argparse.Namespace) -> int:
-    source, out = Path(args.input), Path(args.output)
-    if out.resolve() == source.resolve() or (out.exists() and source.exists() and os.path.samefile(source, out)):
-        print(f"error: OUT {args.output} is IN: amplify writes a new file", file=sys.stderr)
-        return 2
+    source, out = Path(args.input), Path(args.output)  # OUT is not IN: claimed (replay.output_claim)
     streams: list[TraceStream] = []
 
     def stream_of() -> TraceStream:
