@@ -20,6 +20,7 @@ from replay.bounds import Bound
 from replay.cli import Parser, build_parser, commands
 from replay.engine.capacity import MIN_PROBE_ROWS
 from replay.errors import OptionError
+from replay.output_claim import PathRole
 from replay.run.config import ConfigError, load_config
 from replay.run.options import ReplayOptions, add_arguments
 from replay.sim.options import SimOptions, validate
@@ -43,9 +44,10 @@ def every_command() -> list[tuple[str, argparse.ArgumentParser]]:
 
 
 def typed_actions() -> list[tuple[str, argparse.ArgumentParser, argparse.Action]]:
-    """Every option with a type (a number's is its Bound), of every command."""
+    """Every option with a type (a number's is its Bound), of every command; a path's type is its
+    role in the output claim (replay/output_claim.py), not a number's."""
     return [(words, parser, action) for words, parser in every_command() for action in parser._actions
-            if action.type not in (None, str) and action.option_strings]
+            if action.type not in (None, str) and not isinstance(action.type, PathRole) and action.option_strings]
 
 
 NUMBERS = [(words, parser, action) for words, parser, action in typed_actions() if isinstance(action.type, Bound)]

@@ -274,9 +274,9 @@ def test_the_shared_mooncake_trace_with_after_answer(tmp_path, toy_tokenizer_dir
 
 def test_a_search_by_amplify_holds_the_sessions_it_infers(tmp_path, toy_tokenizer_dir):
     """A capacity search's amplified probes carry the sessions inferred from hash ids: not refused."""
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=12, gap_ms=100)
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=24, gap_ms=100)
     options = preflight_options(tmp_path, trace, toy_tokenizer_dir, turn_timing="after-answer", capacity_search=True,
-                                slo="ttft_ms=5000", probe_duration=0.5)
+                                slo="ttft_ms=5000", probe_duration=1.5)
     spec = preflight.load(options, "http://127.0.0.1:9")
     spec.schedule.close()
     spec.claim.release()
