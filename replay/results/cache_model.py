@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from replay.results.fidelity import CacheCheck, scheduled, send_order_checks
+from replay.results.fidelity import CacheCheck, answered_at, scheduled, send_order_checks
 from replay.results.records import Record
 from replay.results.server_metrics import read_samples
 from replay.rules.block_pool import BlockPool
@@ -89,6 +89,7 @@ class ModelPrompt(NamedTuple):
     output_tokens: int  # tokens it generated: blocks it held while it ran
     ideal: int | None = None  # the trace's own expectation (trace blocks), when the caller has one
     started_at: float | None = None  # when the server scheduled it, as estimated (`scheduled_at`); None: sent_at
+    answered_at: float | None = None  # its first token came back: scheduled by then (replay.results.fidelity)
 
 
 @dataclass(slots=True)
@@ -183,10 +184,10 @@ class CacheModel:
         reported = prompt.reported_prompt_tokens
         if reported is not None and reported != prompt.prompt_tokens:
             return PROMPT_DIFFERS
-        if check.low <= observed <= check.high and check.low < check.expected:
-            return IN_FLIGHT
         if observed >= check.expected:  # every whole block the infinite cache has: the ideal's rest is in a block
             return PARTIAL_BLOCK
+        if check.low <= observed <= check.high:
+            return IN_FLIGHT
         if observed % size or here is None:
             return UNEXPLAINED
         missing = prompt.hashes[observed // size]
@@ -260,8 +261,10 @@ class CauseTally:
 
     def __init__(self) -> None:
         self.endpoints: dict[str, _EndpointTally] = {}
+        self.predicted_all = 0  # every request's prediction, with a count or not: against the server's counters
 
     def add(self, v: CacheVerdict) -> None:
+        self.predicted_all += v.predicted
         if v.observed is None:
             return
         t = self.endpoints.setdefault(v.endpoint, _EndpointTally())
@@ -286,7 +289,7 @@ class CauseTally:
                 pool = model.endpoints[name].pool
                 endpoints[name].update(num_gpu_blocks=pool.num_gpu_blocks, evictions=pool.evictions,
                                        overflow_blocks=pool.overflow)
-        return {**_figures(fleet), "endpoints": endpoints}
+        return {**_figures(fleet), "predicted_cached_tokens_all": self.predicted_all, "endpoints": endpoints}
 
 
 def attribution(model: CacheModel, notes: Sequence[str] = ()) -> dict:
@@ -303,6 +306,7 @@ def attribution(model: CacheModel, notes: Sequence[str] = ()) -> dict:
         "predicted_exact_share": section["exact_share"],
         "block_size": model.block_size,
         "capacity_blocks": sizes.pop() if len(sizes) == 1 else None,  # None: the endpoints' differ (see model)
+        "served_before": sorted(name for name, server in model.servers.items() if server.served_before),
         "notes": [*notes, *_notes(section)],
         "model": section,
     }
@@ -383,7 +387,7 @@ def model_prompts(records: Iterable[Record], server_ids, block_size: int) -> lis
         out.append(ModelPrompt(
             r["request_id"], r["sent_at"], r.get("prompt_tokens"), r.get("cached_tokens"), block_hashes(ids, block_size),
             len(ids), endpoint, r.get("finished_at"), output if output is not None else r.get("output_length") or 0,
-            None, starts.started_at(endpoint, r["sent_at"], r.get("ttft_ms")),
+            None, starts.started_at(endpoint, r["sent_at"], r.get("ttft_ms")), answered_at(r),
         ))  # fmt: skip
     return out
 

@@ -95,7 +95,8 @@ def run(args) -> int:
     report = builder.report(cache)
     extra = ((meta or {}).get("options") or {}).get("server_metric") or ()
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
-    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"])
+    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"], report["server"],
+                                              (meta or {}).get("host_load"))
     print(format_report(report))
 
     def draw(path: str) -> None:

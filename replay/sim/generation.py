@@ -55,7 +55,7 @@ def respond(engine: Engine, req: GenRequest, frames: Frames) -> Response | Strea
     plan = None
     completed = False
     try:
-        plan = engine.schedule(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens)
+        plan = engine.schedule_in_turn(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens)
         _sleep_until(plan.finished_at)
         completed = True
     finally:
@@ -71,7 +71,7 @@ def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
     emitted = 0
     completed = False
     try:
-        plan = engine.schedule(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens, stream=True)
+        plan = engine.schedule_in_turn(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens, stream=True)
         n = plan.completion_tokens
         drop_at = plan.drop_at
         itl = plan.itl_s

@@ -35,6 +35,7 @@ class SimOptions:
     metrics: bool = True
     require_authorization: str | None = None
     false_usage: str | None = None
+    reorder_ms: float = 0.0
 
 
 HELP = {
@@ -66,6 +67,9 @@ HELP = {
     "false_usage": "a lying server: a JSON object whose keys replace the OpenAI APIs' usage figures "
                    "(prompt_tokens, completion_tokens, cached_tokens; any JSON value), "
                    "e.g. '{\"completion_tokens\": 99999}'",
+    "reorder_ms": "schedule the requests that arrive within this many ms of the first of them together, at its "
+                  "end, the last to arrive first (a scheduler that takes concurrent requests in another order than "
+                  "they came); 0: in arrival order",
 }
 
 
@@ -103,7 +107,7 @@ def validate(options: SimOptions) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1], got {value}")
     if not 0.0 <= options.jitter < 1.0:
         raise ValueError(f"--jitter must be within [0, 1), got {options.jitter}")
-    for name in ("ttft_ms", "prefill_ms_per_1k", "itl_ms", "stall_ms"):
+    for name in ("ttft_ms", "prefill_ms_per_1k", "itl_ms", "stall_ms", "reorder_ms"):
         if getattr(options, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if options.false_usage is not None:
