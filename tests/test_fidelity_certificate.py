@@ -342,6 +342,11 @@ def test_a_server_whose_usage_its_counters_contradict_is_judged_by_its_counters(
     honest = certify(sends([0.1] * 3, cached_tokens=0), cache, server=server_section(sent, sent, 0, 0))
     assert honest["usage"]["cached_tokens"]["status"] == "agrees"
     assert honest["failing"] == ["cache: 3 requests prompt-differs (needs 0)"]
+    # a server whose usage has no cached_tokens (vLLM without --enable-prompt-tokens-details): by the counter too
+    silent = certify(sends([0.1] * 3), cache_section(96, 128), server=server_section(sent, sent, 112, 0))
+    assert silent["usage"]["cached_tokens"]["status"] == "absent" and silent["cache"]["judged_from"] == "counters"
+    assert silent["verdict"] == FAITHFUL and silent["cache"]["counters"] == {"prefix_cache_hits": 112, "low": 96,
+                                                                             "high": 128}
     # other traffic on the server (it counted prompts the run did not send): nothing can be said of the usage
     busy = certify(records, cache, server=server_section(sent + 500, sent, 112, 0))
     assert busy["usage"]["cached_tokens"]["status"] == "unknown"

@@ -62,6 +62,7 @@ UNEXPLAINED = "unexplained"
 MISS_CAUSES = (EVICTED, ROUTED_ELSEWHERE, PARTIAL_BLOCK, PROMPT_DIFFERS, IN_FLIGHT, UNEXPLAINED)
 BEYOND_CAUSES = (IN_FLIGHT, WARM_AT_START, UNEXPLAINED)
 EXAMPLES = 10  # request ids kept per cause and endpoint
+DIFFERS_NOTE = "prompts do not share what the trace says they share: a replay bug"  # the note of prompt-differs
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class _Endpoint:
         self.pool = BlockPool(block_size, server.num_gpu_blocks)
         self.running: list[tuple[float, int, list[int]]] = []  # a heap of (finished_at, serial, blocks)
         self.last_start = float("-inf")  # the server schedules first come, first served
+        self.peak_usage = 0.0  # the most of the pool running requests held (vLLM's kv_cache_usage_perc)
+        self.held_differs = 0  # prompt-differs by a block the pool must hold (not by the server's prompt count)
 
     def end_until(self, t: float) -> None:
         running = self.running
@@ -172,6 +175,9 @@ class CacheModel:
                      else self._beyond(check, here))  # fmt: skip
         if here is not None:
             _, held = here.pool.allocate(hashes, length, max(prompt.output_tokens, 0), hit)
+            here.peak_usage = max(here.peak_usage, here.pool.usage())
+            if cause == PROMPT_DIFFERS and prompt.reported_prompt_tokens in (None, length):
+                here.held_differs += 1
             end = prompt.finished_at if prompt.finished_at is not None else start
             self._serial += 1
             heapq.heappush(here.running, (max(end, start), self._serial, held))
@@ -288,7 +294,8 @@ class CauseTally:
             if model is not None and name in model.endpoints:
                 pool = model.endpoints[name].pool
                 endpoints[name].update(num_gpu_blocks=pool.num_gpu_blocks, evictions=pool.evictions,
-                                       overflow_blocks=pool.overflow)
+                                       overflow_blocks=pool.overflow, peak_usage=model.endpoints[name].peak_usage,
+                                       prompt_differs_held=model.endpoints[name].held_differs)
         return {**_figures(fleet), "predicted_cached_tokens_all": self.predicted_all, "endpoints": endpoints}
 
 
@@ -336,8 +343,7 @@ def _notes(section: dict) -> list[str]:
                      "keeps a session's turns on one")
     differs = section["miss_causes"].get(PROMPT_DIFFERS)
     if differs:
-        notes.append(f"{differs['requests']} prompts do not share what the trace says they share: a replay bug "
-                     f"(requests {', '.join(map(str, differs['examples'][:5]))})")
+        notes.append(f"{differs['requests']} {DIFFERS_NOTE} (requests {', '.join(map(str, differs['examples'][:5]))})")
     return notes
 
 

@@ -26,6 +26,7 @@ import math
 from typing import TypedDict
 
 from replay.results.arrivals import ArrivalComparison
+from replay.results.cache_model import DIFFERS_NOTE
 from replay.results.fidelity import scheduled
 from replay.results.host_load import busy_host, client_limited, describe
 from replay.results.records import Record
@@ -217,6 +218,8 @@ class CertificateBuilder:
         }
         cert = {"schedule": schedule, "prompts": prompts, "outputs": outputs,
                 "usage": usage_check(server, self.sent_tokens, self.cached_counted > 0), "cache": cache_lines(cache)}
+        if smaller := smaller_than_declared(server, cert["cache"]["misses"]):
+            cert["cache"]["smaller_than_declared"] = smaller
         cert["verdict"], cert["failing"], cert["unchecked"], cert["remedies"] = verdict(cert)
         return cert
 
@@ -263,6 +266,28 @@ def usage_check(server: dict | None, sent_tokens: dict[str, int], cached_present
         "cached_tokens": {"usage": usage_hits, "counters": hits,
                           "status": status(hits, usage_hits, cached_present)},
     }
+
+
+SMALLER_FACTOR, SMALLER_MARGIN = 2.0, 0.05  # a server's KV usage above the model's peak by this much
+
+
+def smaller_than_declared(server: dict | None, misses: dict | None) -> list[dict]:
+    """The endpoints whose KV-cache usage (vllm:kv_cache_usage_perc, its peak over the run's
+    scrapes) went well above the most the model of their declared pool ever held: their cache is
+    smaller than the pool size the model was given, so a block it "must hold" proves nothing
+    (their must-hold prompt-differs are not judged). An honest server's sampled peak is at most
+    the model's (which takes a request's output blocks at its start)."""
+    endpoints = (server or {}).get("endpoints") or {}
+    out = []
+    for name, figures in ((misses or {}).get("model") or {}).get("endpoints", {}).items():
+        said = (endpoints.get(name) or {}).get("peak_kv_cache_usage")
+        modelled = figures.get("peak_usage")
+        if said is None or modelled is None or said <= SMALLER_FACTOR * modelled + SMALLER_MARGIN:
+            continue
+        out.append({"endpoint": name, "server_peak_usage": said, "model_peak_usage": modelled,
+                    "num_gpu_blocks": figures.get("num_gpu_blocks"),
+                    "prompt_differs_held": figures.get("prompt_differs_held") or 0})
+    return out
 
 
 def _untrusted(usage: dict | None) -> list[str]:
@@ -338,8 +363,19 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
         unchecked.append("cache: no miss attribution (no finite-cache model of the server)")
     else:
         cert["cache"]["judged_from"] = "usage"
+        unjudged = 0
+        for smaller in cert["cache"].get("smaller_than_declared") or ():
+            unjudged += smaller["prompt_differs_held"]
+            unchecked.append(
+                f"cache: {smaller['endpoint']}'s KV-cache usage peaked at {100 * smaller['server_peak_usage']:.1f}% where "
+                f"its declared {smaller['num_gpu_blocks']} blocks would have held at most "
+                f"{100 * smaller['model_peak_usage']:.2f}%: its cache is smaller than that, so its "
+                f"{smaller['prompt_differs_held']} misses of blocks such a cache must hold are not judged (pass "
+                "--server-cache-blocks with its real size)")
         for cause in FAILING_CAUSES:
             n = (misses["causes"].get(cause) or {}).get("requests") or 0
+            if cause == "prompt-differs":
+                n = max(n - unjudged, 0)
             if n:
                 failing.append((UNFAITHFUL, f"cache: {n} requests {cause} (needs 0)"))
         warm = (misses["causes"].get("warm-at-start") or {}).get("requests") or 0
@@ -430,7 +466,8 @@ def format_certificate(cert: dict, width: int) -> list[str]:
             count = misses["causes"].get(cause) or {}
             if count.get("requests"):
                 out.append(f"  cache {cause}: {count['requests']} requests, {count.get('tokens', 0)} tokens")
-        out.extend(f"  {note}" for note in misses.get("notes") or ())
+        unjudged = bool(c.get("smaller_than_declared"))  # its must-hold misses prove nothing: no "replay bug"
+        out.extend(f"  {note}" for note in misses.get("notes") or () if not (unjudged and DIFFERS_NOTE in note))
     elif c["infinite"] is None:
         out.append("  cache: not computed (the server said no block size: pass --server-block-size N)")
     return out
