@@ -21,6 +21,7 @@ from replay.results.certificate import (
     BUSY_HOST,
     FAITHFUL,
     REMEDIES,
+    SHARED_SERVER,
     UNFAITHFUL,
     WARM_CACHE,
     CertificateBuilder,
@@ -447,3 +448,19 @@ def test_a_burst_sent_one_after_another_is_explained_where_the_ks_is_printed():
     text = "\n".join(format_certificate(cert, 50))
     assert "Inter-arrival KS (achieved vs due):      1.0000 (not judged: each send's lag is)" in text
     assert "0.0000 with gaps under 1 ms as 0: rows due at one instant leave one after another" in text
+
+
+def test_hits_from_other_clients_of_the_server_are_a_shared_server():
+    """Two replays of one trace at once against one server (seen: 22 of 40 requests hit more than
+    their run's prompts give, 'unexplained'): the prompt counter counted tokens this run did not
+    send, so the hits beyond are other clients', not the replay's fault."""
+    records = sends([0.1] * 3, cached_tokens=32)
+    sent = sum(r["input_length"] for r in records)
+    cache = cache_section(0, 64, {"unexplained": 2})
+    cache["misses"]["model"]["beyond_causes"] = {"unexplained": {"requests": 2, "tokens": 32, "examples": [1, 2]}}
+    shared = certify(records, cache, server=server_section(sent + 300, sent, 96, 96))
+    assert shared["verdict"] == SHARED_SERVER and shared["remedies"] == [REMEDIES[SHARED_SERVER]]
+    assert shared["failing"] == ["cache: 2 requests hit more than this run's prompts give while the server served "
+                                 "other traffic (300 prompt tokens the run did not send)"]
+    alone = certify(records, cache, server=server_section(sent, sent, 96, 96))  # no other traffic: unexplained
+    assert alone["verdict"] == UNFAITHFUL and alone["failing"] == ["cache: 2 requests unexplained (needs 0)"]

@@ -15,8 +15,9 @@ of the server, through one hook: `miss_attribution` (see there). The server's us
 against its own /metrics counters (the run's `server` section): where they disagree, its
 usage is not evidence, and the prompts and cache lines are judged from the counters. The
 verdict names whose doing a failure is (VERDICTS), each with its remedy: the replay's
-(`unfaithful`), the server's cache warm from before the run (`warm-cache`), or a host busy
-with other work while the sends were late (`busy-host`, replay.results.host_load).
+(`unfaithful`), the server's cache warm from before the run (`warm-cache`), other clients of
+the server during the run (`shared-server`), or a host busy with other work while the sends
+were late (`busy-host`, replay.results.host_load).
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ LATE_MS = 10.0  # a send later than this is listed
 PROMPTS_EXACT_MIN = 1.0  # the verdict: every prompt the server counted has the trace's length
 FAITHFUL, UNFAITHFUL = "faithful", "unfaithful"
 WARM_CACHE = "warm-cache"  # hits came from prompts the server's cache held before the run
+SHARED_SERVER = "shared-server"  # hits came from other clients' prompts the server served during the run
 BUSY_HOST = "busy-host"  # sends were late while other work had the host's CPUs
-VERDICTS = (FAITHFUL, UNFAITHFUL, WARM_CACHE, BUSY_HOST)  # a failure's kind: the first of these found wins
+VERDICTS = (FAITHFUL, UNFAITHFUL, WARM_CACHE, SHARED_SERVER, BUSY_HOST)  # a failure's kind: the first found wins
 REMEDIES = {
     WARM_CACHE: "the server's cache held prompts from before this run, so its hits are not the trace's: replay with "
                 "--reset-server-cache (vLLM with VLLM_SERVER_DEV_MODE=1, replay sim) or against a freshly started "
                 "server",
+    SHARED_SERVER: "the server served other clients during the run, and its cache held their prompts too: replay "
+                   "against a server no one else uses",
     BUSY_HOST: "the sends were late while the host was busy with other work: rerun on a quiet host (or give the "
                "replay cores of its own); the replay itself kept up",
 }
@@ -372,10 +376,18 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
                 f"{100 * smaller['model_peak_usage']:.2f}%: its cache is smaller than that, so its "
                 f"{smaller['prompt_differs_held']} misses of blocks such a cache must hold are not judged (pass "
                 "--server-cache-blocks with its real size)")
+        prompts = (usage or {}).get("prompt_tokens") or {}
+        others = (prompts.get("counters") or 0) - (prompts.get("sent") or 0) if prompts.get("counters") is not None else 0
+        beyond = ((misses.get("model") or {}).get("beyond_causes") or {}).get("unexplained", {}).get("requests", 0)
+        if others > 0 and beyond:  # more hits than this run's prompts give, while others' prompts were served
+            failing.append((SHARED_SERVER, f"cache: {beyond} requests hit more than this run's prompts give while the "
+                                           f"server served other traffic ({others} prompt tokens the run did not send)"))
         for cause in FAILING_CAUSES:
             n = (misses["causes"].get(cause) or {}).get("requests") or 0
             if cause == "prompt-differs":
                 n = max(n - unjudged, 0)
+            elif cause == "unexplained" and others > 0:
+                n = max(n - beyond, 0)
             if n:
                 failing.append((UNFAITHFUL, f"cache: {n} requests {cause} (needs 0)"))
         warm = (misses["causes"].get("warm-at-start") or {}).get("requests") or 0
