@@ -31,7 +31,7 @@ from replay.results.certificate import (
 from replay.results.host_load import busy_host, figures, sample
 from replay.results.records import unsent_record
 from replay.results.report import build_report, format_report
-from replay.rules.run_files import fidelity_path, summary_path
+from replay.rules.run_files import fidelity_path, meta_path, summary_path
 from replay.sim.process import sim_process
 from replay.trace.record import TraceRow
 from support.processes import replay_args, run_locust
@@ -220,6 +220,13 @@ def test_a_run_writes_its_certificate(tmp_path, toy_tokenizer_dir, sim):
     assert cert["outputs"]["exact_share"] == 1.0
     assert "Fidelity Certificate" in proc.stdout and "Prompts exact (server-counted):          100.00% of 20" \
         in proc.stdout
+    # the host while it sent, read from /proc by the process that sent (one process: senders_here), kept in
+    # the meta for `replay report`; whether it counts as busy is the rule's (tested on recorded figures above)
+    host = cert["schedule"]["host"]
+    assert host["senders_here"] is True and host["wall_s"] > 0.5 and 0 <= host["others_share"] <= 1
+    assert json.loads(meta_path(output).read_text())["host_load"] == host
+    assert cert["schedule"]["busy_host"] == busy_host(host) and "Host while sending:" in proc.stdout
+    assert cert["usage"]["prompt_tokens"]["status"] == "agrees"  # the sim's usage is its counters'
     # `replay report` says the same (its --json too); the schedule's lines are the run's own
     out = tmp_path / "report.json"
     report = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--json", str(out)],
