@@ -355,6 +355,7 @@ def test_a_server_whose_usage_says_no_hits_is_judged_by_its_counters(tmp_path, t
     assert "judged from /metrics" in proc.stdout
 
 
+@pytest.mark.alone  # which misses are in flight together comes from the run's timing
 def test_a_cache_smaller_than_declared_is_not_a_replay_bug(tmp_path, toy_tokenizer_dir):
     """A 30-block sim taken for a 100,000-block one (--server-cache-blocks 100000, as a server
     that says more than it has): the model never evicts, so every block the sim evicted looks

@@ -49,7 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="synthesis seed the run used (default: metadata, else 0)")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the run's)")
     p.add_argument("--reorder-window-ms", type=float, default=0.0,
-                   help="also accept cached_tokens that requests sent this close together explain (default 0)")
+                   help="also accept cached_tokens that requests sent this close together explain (default 0: "
+                        "requests in flight together, until their first token, are accepted anyway)")
     p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here")
     p.add_argument("--html", dest="html_out", default=None, help="write a self-contained HTML report here")
     p.add_argument("--png-dir", default=None, help="with --html, also save each plot as a PNG in this folder")
