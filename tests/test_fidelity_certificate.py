@@ -417,6 +417,15 @@ def test_late_sends_on_a_busy_host_are_the_hosts_doing():
     assert certify(late)["verdict"] == UNFAITHFUL  # no figures (no /proc)
     assert certify(sends([0.2] * 100), host=BUSY)["verdict"] == FAITHFUL  # a busy host that did not make them late
     assert busy_host({**QUIET, "steal_share": 0.08}) == "the hypervisor took 8% (steal)"
+    # rows due together, sent 50 us apart: the late ones left after others (they queued): the replay's pace
+    burst = sends([0.0] * 100, gap_s=0.0)
+    for i, r in enumerate(burst):
+        r["sent_at"], r["drift_ms"] = T0 + i * 5e-5, i * 0.05
+    queued = certify(burst, host=BUSY)
+    assert queued["verdict"] == UNFAITHFUL and queued["schedule"]["busy_host"] is None
+    assert queued["failing"][0].endswith("; 79 of the 79 sends over 1 ms late waited for other sends to leave: the "
+                                         "replay could not send this fast (more workers: --processes N, "
+                                         "docs/distributed.md)")
 
 
 def test_host_figures_from_proc(tmp_path):

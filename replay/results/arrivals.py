@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import operator
 from array import array
+from bisect import bisect_left, bisect_right
 from itertools import islice
 
 from replay.results.summary import sorted_array
@@ -111,12 +112,19 @@ class ArrivalComparison:
 
     def __init__(self, resolution_s: float = 1e-3) -> None:
         self.resolution_s = resolution_s
+        self.late_due = array("d")  # the late sends' due and sent times (`add_late`)
+        self.late_sent = array("d")
         self.due = array("d")
         self.sent = array("d")
 
     def add(self, due: float, sent: float) -> None:
         self.due.append(due)
         self.sent.append(sent)
+
+    def add_late(self, due: float, sent: float) -> None:
+        """A send also added with `add` that left late: `result` counts those that queued."""
+        self.late_due.append(due)
+        self.late_sent.append(sent)
 
     def result(self) -> dict:
         """The arrival lines (docs/fidelity.md#schedule); the arrays are freed."""
@@ -139,6 +147,11 @@ class ArrivalComparison:
         if n:
             gap, at = _count_gap(due, sent)
             out["count_gap_requests"], out["count_gap_at_s"] = gap, at - due[0]
+        # a late send queued when another send left between its due time and its own: the client was sending
+        out["late_queued"] = sum(bisect_left(sent, s) > bisect_right(sent, d) for d, s in zip(self.late_due,
+                                                                                              self.late_sent))
+        out["late_checked"] = len(self.late_due)
+        self.late_due = self.late_sent = array("d")
         return out
 
 

@@ -38,6 +38,7 @@ ON_TIME_MS = 1.0  # a send within this of its due time (either way) is on time
 ON_TIME_SHARE_MIN = 0.99  # the verdict: at least this share of the sends on time
 LATE_MS = 10.0  # a send later than this is listed
 PROMPTS_EXACT_MIN = 1.0  # the verdict: every prompt the server counted has the trace's length
+QUEUED_SHARE = 0.5  # late sends this share of which waited for other sends: the replay's pace, not the host
 FAITHFUL, UNFAITHFUL = "faithful", "unfaithful"
 WARM_CACHE = "warm-cache"  # hits came from prompts the server's cache held before the run
 SHARED_SERVER = "shared-server"  # hits came from other clients' prompts the server served during the run
@@ -146,6 +147,8 @@ class CertificateBuilder:
         lag = record.get("drift_ms")
         lag = lag if _finite(lag) else (sent - due) * 1000.0
         self.on_time += abs(lag) <= ON_TIME_MS
+        if lag > ON_TIME_MS:
+            self.arrivals.add_late(due, sent)
         if lag > LATE_MS:
             self.late += 1
             _push(self._late, (lag, -record["request_id"]),
@@ -200,8 +203,11 @@ class CertificateBuilder:
             "late_worst": _worst(self._late),
             **self.arrivals.result(),
             "host": host,
-            "busy_host": busy_host(host),
         }
+        # late sends that mostly waited for other sends to leave are the replay's own pace, on any host
+        schedule["queued"] = bool(schedule["late_queued"]) and \
+            schedule["late_queued"] >= QUEUED_SHARE * schedule["late_checked"]
+        schedule["busy_host"] = None if schedule["queued"] else busy_host(host)
         counted = self.prompt_exact + self.prompt_mismatch
         prompts = {
             "ok_rows": self.ok,
@@ -339,7 +345,11 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
         text = (f"schedule: {100 * s['on_time_share']:.2f}% of sends within {ON_TIME_MS:g} ms of their time "
                 f"(needs >= {100 * ON_TIME_SHARE_MIN:g}%); {s['late']} late by > {LATE_MS:g} ms")
         busy = s.get("busy_host")
-        if busy:
+        if s.get("queued"):
+            failing.append((UNFAITHFUL, f"{text}; {s['late_queued']} of the {s['late_checked']} sends over "
+                                        f"{ON_TIME_MS:g} ms late waited for other sends to leave: the replay could not "
+                                        "send this fast (more workers: --processes N, docs/distributed.md)"))
+        elif busy:
             failing.append((BUSY_HOST, f"{text}; the host was busy: {busy}"))
         else:
             limited = client_limited(s.get("host"))
