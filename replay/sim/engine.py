@@ -53,6 +53,7 @@ class _Turn:
     """A request waiting for its --reorder-ms batch to be scheduled."""
 
     args: tuple
+    order: int  # the batch is scheduled from the highest down
     plan: Plan | None = None
     cancelled: bool = False
     done: Event = field(default_factory=Event)
@@ -172,15 +173,16 @@ class Engine:
         return Plan(prompt_len, cached, token_ids, finish, time.monotonic(), ttft_s, itl_s, drop_at, seed, blocks)
 
     def schedule_in_turn(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool, min_tokens: int = 0,
-                         stream: bool = False) -> Plan:
+                         stream: bool = False, order: int | None = None) -> Plan:
         """`schedule`; with --reorder-ms, once the batch this request arrived in closes (the
-        option's time after its first request), the batch's requests scheduled the last to
-        arrive first: who caches a shared prefix first is then the reverse of the sending order,
-        as a server's scheduler may take requests in flight together."""
+        option's time after its first request), the batch's requests scheduled the last sent
+        first (`order`: the number its X-Request-Id ends with; without one, the last to arrive
+        first): who caches a shared prefix first is then the reverse of the sending order, as a
+        server's scheduler may take requests in flight together."""
         args = (prompt_ids, max_tokens, ignore_eos, min_tokens, stream)
         if self.options.reorder_ms <= 0:
             return self.schedule(*args)
-        turn = _Turn(args)
+        turn = _Turn(args, order if order is not None else len(self._batch or ()))
         if self._batch is None:
             self._batch = []
             gevent.spawn_later(self.options.reorder_ms / 1000.0, self._schedule_batch)
@@ -197,7 +199,7 @@ class Engine:
 
     def _schedule_batch(self) -> None:
         batch, self._batch = self._batch or [], None
-        for turn in reversed(batch):
+        for turn in sorted(batch, key=lambda turn: turn.order, reverse=True):
             if not turn.cancelled:
                 turn.plan = self.schedule(*turn.args)
             turn.done.set()

@@ -68,8 +68,9 @@ HELP = {
                    "(prompt_tokens, completion_tokens, cached_tokens; any JSON value), "
                    "e.g. '{\"completion_tokens\": 99999}'",
     "reorder_ms": "schedule the requests that arrive within this many ms of the first of them together, at its "
-                  "end, the last to arrive first (a scheduler that takes concurrent requests in another order than "
-                  "they came); 0: in arrival order",
+                  "end, the last sent first (by the number ending their X-Request-Id; without one, the last to "
+                  "arrive first): a scheduler that takes concurrent requests in another order than they were sent; "
+                  "0: in arrival order",
 }
 
 
