@@ -359,6 +359,10 @@ def test_a_server_whose_usage_its_counters_contradict_is_judged_by_its_counters(
     busy = certify(records, cache, server=server_section(sent + 500, sent, 112, 0))
     assert busy["usage"]["cached_tokens"]["status"] == "unknown"
     assert busy["failing"] == ["cache: 3 requests prompt-differs (needs 0)"]
+    # ... nor can the counter judge a usage without cached_tokens: others' hits are in it
+    shared = certify(sends([0.1] * 3), cache, server=server_section(sent + 500, sent, 500, 0))
+    assert shared["usage"]["cached_tokens"]["status"] == "absent" and shared["verdict"] == FAITHFUL
+    assert shared["unchecked"][-1].startswith("cache: the server's usage cannot be taken and its counters cannot judge")
 
 
 def test_a_server_lying_about_prompt_tokens_is_judged_by_its_prompt_counter():

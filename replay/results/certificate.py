@@ -310,12 +310,13 @@ def _counter_judgement(cert: dict) -> tuple[str, str] | None:
     be (false, or no cached_tokens): (kind, failing text), ("", "") when it passes, None when
     nothing can judge it. The counter must lie in the range the run's own prompts allow: the
     infinite cache's low and high over every request (the server's order of requests in flight
-    together), the low end lowered to the finite-cache model's prediction (evictions)."""
+    together), the low end lowered to the finite-cache model's prediction (evictions). Nothing
+    judges where the server counted prompts the run did not send (others' hits are counted too)."""
     usage, c = cert["usage"], cert["cache"]
     if usage is None or c["infinite"] is None or "all_requests" not in c["infinite"]:
         return None
-    hits = usage["cached_tokens"]["counters"]
-    if hits is None:
+    hits, prompts = usage["cached_tokens"]["counters"], usage["prompt_tokens"]
+    if hits is None or prompts["counters"] is None or prompts["counters"] > prompts["sent"]:
         return None
     every = c["infinite"]["all_requests"]
     low, high = every["low"], every["high"]
@@ -335,7 +336,8 @@ def _counter_judgement(cert: dict) -> tuple[str, str] | None:
 def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
     """(the verdict, the failing lines, the lines nothing could check, the remedies). A line with
     nothing to judge is unchecked and fails nothing, but a run that sent nothing fails. Each
-    failing line has a kind (VERDICTS); the verdict is the first kind found, in that order."""
+    failing line has a kind (VERDICTS); the verdict is the first kind found, in that order. The
+    cache section gets `judged_from` (and, judged from the counters, `counters`)."""
     failing: list[tuple[str, str]] = []
     unchecked: list[str] = []
     s = cert["schedule"]
@@ -370,7 +372,8 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
         judged = _counter_judgement(cert)
         cert["cache"]["judged_from"] = "counters" if judged is not None else None
         if judged is None:
-            unchecked.append("cache: the server's usage cannot be taken and its counters cannot judge")
+            unchecked.append("cache: the server's usage cannot be taken and its counters cannot judge (none, or they "
+                             "count other traffic too)")
         elif judged[0]:
             failing.append(judged)
     elif misses is None:
