@@ -41,6 +41,7 @@ from replay.engine.clock import SYSTEM_CLOCK, Clock, answer_ping
 from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
 from replay.engine.rounds import Part, Round
 from replay.engine.scraper import Scraper
+from replay.results import host_load
 from replay.results.cache_section import CacheStream
 from replay.results.files import OutputError
 from replay.results.metadata import write_run_metadata
@@ -194,6 +195,7 @@ class Coordinator:
         self.store: RecordStore | None = None  # every record, on disk; made at the start
         self.epoch: float | None = None
         self.cache_stream: CacheStream | None = None  # the cache section, computed while the run replays
+        self.host_at_go: host_load.HostSample | None = None  # the host at the go (the certificate's schedule line)
         self.last_due: float | None = None
         self.started_at: float | None = None
         self.finished = Event()
@@ -469,6 +471,7 @@ class Coordinator:
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
+        self.host_at_go = host_load.sample()
         if self.probes is None:  # a search's probes are rows of their own, which no trace holds
             self.cache_stream = start_cache_stream(self.spec, self.facts(), self.store.first)
 
@@ -700,7 +703,10 @@ class Coordinator:
             "rows_assigned": len(state.positions),
             "lost": state.lost,
         } for state in sorted(self.workers.values(), key=lambda w: w.index)]  # fmt: skip
-        return RunFacts(workers=workers, epoch=self.epoch, started_at=self.started_at, server_check=self.server_check)
+        host = host_load.figures(self.host_at_go, host_load.sample() if self.host_at_go else None,
+                                 senders_here=self.local_part is not None)
+        return RunFacts(workers=workers, epoch=self.epoch, started_at=self.started_at, server_check=self.server_check,
+                        host_load=host)
 
     def metadata(self, incomplete: dict[str, str] | None = None) -> dict:
         """The run's metadata (OUTPUT.meta.json); `incomplete`: {file: why} of the files not whole."""

@@ -51,7 +51,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=SEED, default=None, help="synthesis seed the run used (default: metadata, else 0)")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the run's)")
     p.add_argument("--reorder-window-ms", type=Bound(0.0, HOUR_S * 1000, unit="ms"), default=0.0,
-                   help="also accept cached_tokens that requests sent this close together explain (default 0)")
+                   help="also accept cached_tokens that requests sent this close together explain (default 0: "
+                        "requests in flight together, until their first token, are accepted anyway)")
     p.add_argument("--json", dest="json_out", type=OUTPUT, default=None, help="write the summary as JSON here")
     p.add_argument("--html", dest="html_out", type=OUTPUT, default=None, help="write a self-contained HTML report here")
     p.add_argument("--png-dir", type=OutputFolder("*.png"), default=None,
@@ -98,7 +99,8 @@ def run(args) -> int:
     report = builder.report(cache)
     extra = ((meta or {}).get("options") or {}).get("server_metric") or ()
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
-    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"], cache_skipped(meta))
+    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"], report["server"],
+                                              (meta or {}).get("host_load"), cache_skipped(meta))
     print(format_report(report))
 
     def draw(path: str) -> None:

@@ -95,6 +95,7 @@ def run_metadata(
     incomplete: list[dict] | None = None,
     tokenizer_path: str | None = None,
     server_cache: dict | None = None,
+    host_load: dict | None = None,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
@@ -103,7 +104,8 @@ def run_metadata(
     not whole, [{file, error}] (see "The output" in README.md); `tokenizer_path` the --tokenizer
     as resolved (a Hugging Face id: its snapshot folder; None: the option is a path);
     `server_cache` each endpoint's KV cache, {endpoint: {"block_size", "num_gpu_blocks", "source"}},
-    with "server_said" where an option contradicts the server (replay.protocol.server_cache)."""
+    with "server_said" where an option contradicts the server (replay.protocol.server_cache);
+    `host_load` the host while the run sent (replay.results.host_load)."""
     tokenizer = tokenizer_path or options.get("tokenizer")
     opts = redacted({k: v for k, v in options.items() if k != "header"})  # headers may carry credentials, and URLs
     opts["header_names"] = [h.split(":", 1)[0].strip() for h in options.get("header") or ()]
@@ -144,6 +146,7 @@ def run_metadata(
         "epoch": epoch,
         "started_at": started_at,
         "workers": workers,
+        "host_load": host_load,  # how busy this host was while the run sent: the certificate's schedule line
         "options": opts,
         "versions": versions(),
     }

@@ -154,7 +154,8 @@ class ReplayOptions:
                                                  "vllm:cache_config_info says): the end-of-run summary adds the "
                                                  "cache fidelity section", metavar="N", bound=BLOCK_SIZE)
     require_faithful: bool = _option(False, "exit 1 when the run's fidelity certificate (OUTPUT.fidelity.json, "
-                                            "docs/fidelity.md) says unfaithful")
+                                            "docs/fidelity.md) says other than faithful (unfaithful, warm-cache, "
+                                            "busy-host)")
     server_cache_blocks: int | None = _option(help="the server's KV-cache size in blocks, as vLLM's num_gpu_blocks "
                                                    "(default: what its /metrics vllm:cache_config_info says): the "
                                                    "size of the cache model that explains cache misses",

@@ -36,6 +36,7 @@ class SimOptions:
     metrics: bool = True
     require_authorization: str | None = None
     false_usage: str | None = None
+    reorder_ms: float = 0.0
 
 
 HELP = {
@@ -67,6 +68,10 @@ HELP = {
     "false_usage": "a lying server: a JSON object whose keys replace the OpenAI APIs' usage figures "
                    "(prompt_tokens, completion_tokens, cached_tokens; any JSON value), "
                    "e.g. '{\"completion_tokens\": 99999}'",
+    "reorder_ms": "schedule the requests that arrive within this many ms of the first of them together, at its "
+                  "end, the last sent first (by the number ending their X-Request-Id; without one, the last to "
+                  "arrive first): a scheduler that takes concurrent requests in another order than they were sent; "
+                  "0: in arrival order",
 }
 
 
@@ -86,6 +91,7 @@ BOUNDS = {
     "error_rate": SHARE,
     "error_status": Bound(100, 599, integer=True, why="an HTTP status"),
     "stall_ms": DELAY_MS,
+    "reorder_ms": DELAY_MS,
     "drop_rate": SHARE,
     "eos_prob": SHARE,
     "seed": SEED,
