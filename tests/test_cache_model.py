@@ -347,6 +347,8 @@ def test_rows_sent_together_that_the_server_schedules_in_another_order_are_in_fl
     assert causes(together).get("in-flight", 0) >= 4 and set(causes(together)) <= {"in-flight", "partial-block"}, \
         together["cache"]["misses"]
     assert together["cache"]["infinite"]["observed_cached_tokens"] > 0  # the server did hit, in its own order
+    # the prompts as sent are the trace's: their fingerprints say so, whatever order the server took them in
+    assert together["cache"]["infinite"]["fingerprints"] == {"checked": 8, "differ": 0, "without": 0, "examples": []}
     assert not any(line.startswith("cache") for line in together["failing"]) and "a replay bug" not in stdout
     apart, _ = certs[300]
     assert set(causes(apart)) <= {"partial-block"}, apart["cache"]["misses"]
