@@ -211,3 +211,36 @@ def test_a_server_that_evicts_what_it_said_it_would_hold_is_not_a_replay_bug(tmp
     assert cert["cache"]["infinite"]["fingerprints"]["differ"] == 0
     assert causes(cert).get("server-missed", 0) > 0 and "prompt-differs" not in causes(cert), cert["cache"]["misses"]
     assert not any(line.startswith(("prompts", "cache")) for line in cert["failing"]), cert["failing"]
+
+
+def test_a_report_with_another_spec_compares_no_fingerprint(tmp_path, slow_sim, toy_tokenizer_dir):
+    """`replay report --seed 5` of a run made with seed 0 re-synthesizes other words: every
+    fingerprint would differ and blame an honest run. Prompts that are not provably the run's
+    prove nothing: the fingerprints are not compared, the section says why, no line fails."""
+    trace = shared_block_trace(tmp_path / "trace.jsonl")
+    output = tmp_path / "run.jsonl"
+    run_in_process(trace, output, slow_sim.url, toy_tokenizer_dir)
+    assert json.loads(fidelity_path(output).read_text())["cache"]["infinite"]["fingerprints"]["checked"] == 12
+    records = output.read_bytes()
+    output.write_bytes(records.replace(b'"prompt_fingerprint":[[', b'"prompt_fingerprint":[["x",', 1))
+    refused = subprocess.run([sys.executable, "-m", "replay", "report", str(output)], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "prompt_fingerprint" in refused.stderr and "request_id" in refused.stderr, \
+        (refused.returncode, refused.stderr)
+    output.write_bytes(records)
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--seed", "5", "--json", str(report)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cert = json.loads(report.read_text())["fidelity"]
+    fingerprints = cert["cache"]["infinite"]["fingerprints"]
+    assert fingerprints["checked"] == 0 and fingerprints["without"] == 12, fingerprints
+    assert fingerprints["unchecked"] == "--seed 5 is not the run's (0)"
+    assert not any(line.startswith("prompts") for line in cert["failing"]), cert["failing"]
+
+
+def test_a_fingerprint_of_another_shape_is_refused_not_taken_for_a_difference():
+    spec = [[20, 1], [36, 2]]
+    for bad in ("abc", [[20, 1], [36]], [[20, 1.5]], [["20", 1]], {"20": 1}):
+        with pytest.raises(ValueError, match=r"expected \[\[tokens, crc32\], \.\.\.\]"):
+            agreed_tokens(bad, spec)

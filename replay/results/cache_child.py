@@ -152,7 +152,12 @@ def _agreed(record: dict, synth, row) -> float | None:
     """Up to where the prompt `record` says was sent is the one the run's spec makes of `row`
     (replay.rules.prompt_fingerprint.agreed_tokens); None: the record has no fingerprint."""
     sent = record.get("prompt_fingerprint")
-    return None if sent is None else agreed_tokens(sent, synth.prompt(row).fingerprint)
+    if sent is None:
+        return None
+    try:
+        return agreed_tokens(sent, synth.prompt(row).fingerprint)
+    except ValueError as e:
+        raise ValueError(f"request_id {record['request_id']}: {e}") from None
 
 
 def _settings(job: dict, api: str) -> tuple[bool, int]:
@@ -226,7 +231,7 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
     offset, blocks, length = array("q", [0]) * n, array("q", [0]) * n, array("q", [NONE]) * n
     ideal_tokens = array("q", [NONE]) * n if model_on else None  # the trace's own expectation
     agreed = array("d", [math.nan]) * n  # the tokens each fingerprint proves the trace's (nan: none)
-    fingerprints = FingerprintTally()
+    fingerprints = FingerprintTally(job.get("fingerprints_unchecked"))
     stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
     trace = TraceCursor(stream)
     synth = None
@@ -243,7 +248,7 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
             if ideal_tokens is not None and row_ideal is not None:
                 ideal_tokens[k] = row_ideal
             ids = synth.server_ids(row)
-            if sent.fingerprinted[k]:
+            if sent.fingerprinted[k] and fingerprints.compared:
                 record = orjson.loads(os.pread(records.fileno(), sent.length[k], sent.offset[k]))
                 agreed[k] = _agreed(record, synth, row)
             fingerprints.add(row.request_id, None if math.isnan(agreed[k]) else agreed[k])
@@ -448,7 +453,7 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
     cursor = TraceCursor(stream, job.get("first_request_id", 0))
     tail = RecordTail(job["results"], end_marker, horizon_s, poll_s, on_unscheduled=cursor.drop, parent=parent)
     starts = StartEstimates() if job.get("servers") is not None else None
-    fingerprints = FingerprintTally()
+    fingerprints = FingerprintTally(job.get("fingerprints_unchecked"))
 
     def prompts():
         nonlocal synth
@@ -457,7 +462,7 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
             if synth is None:
                 synth = _synthesizer(_tokenizer(job), job, api, token_ids, stream.block_size)
             ids = synth.server_ids(row)
-            agreed = _agreed(record, synth, row)
+            agreed = _agreed(record, synth, row) if fingerprints.compared else None
             fingerprints.add(record["request_id"], agreed)
             yield _sent_prompt(record, block_hashes(ids, server_block), len(ids), ideal, starts, agreed)
 

@@ -368,8 +368,8 @@ def _notes(section: dict) -> list[str]:
                      f"{', '.join(map(str, missed['examples'][:5]))})")
     unproven = section["miss_causes"].get(NO_FINGERPRINT)
     if unproven:
-        notes.append(f"{unproven['requests']} misses the model cannot explain are nobody's: their records have no "
-                     "prompt_fingerprint (a run from before it), so whether the prompt differed is not known")
+        notes.append(f"{unproven['requests']} misses the model cannot explain are nobody's: no prompt fingerprint "
+                     "proves whether the prompt sent differed (none in their records, or not compared)")
     return notes
 
 

@@ -416,9 +416,11 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
                 failing.append((UNFAITHFUL, f"cache: {n} requests {cause} (needs 0)"))
         unproven = (misses["causes"].get("no-fingerprint") or {}).get("requests") or 0
         if unproven:
-            unchecked.append(f"cache: {unproven} misses the model finds no cause for are not blamed: their records have "
-                             "no prompt_fingerprint (a run from before it), so whether the prompt sent differed from "
-                             "the trace's is not known")
+            why = ((cert["cache"]["infinite"] or {}).get("fingerprints") or {}).get("unchecked")
+            why = (f"the records' prompt fingerprints were not compared: {why}" if why else
+                   "their records have no prompt_fingerprint (a run from before it)")
+            unchecked.append(f"cache: {unproven} misses the model finds no cause for are not blamed: {why}, so whether "
+                             "the prompt sent differed from the trace's is not known")
         warm = (misses["causes"].get("warm-at-start") or {}).get("requests") or 0
         if warm:
             failing.append((WARM_CACHE, f"cache: {warm} requests hit prompts cached before this run (warm-at-start)"))

@@ -76,9 +76,13 @@ def agreed_tokens(sent: Sequence[Sequence[int]] | None, spec: Sequence[Sequence[
     """Up to how many server tokens from its start the prompt `sent` (a record's fingerprint) is
     proven to be the trace's (`spec`, the re-synthesis's): math.inf when every checkpoint agrees,
     else the position of the last agreeing checkpoint (0: not even the first). None: the record
-    has no fingerprint (a run from before it), so nothing is proven either way."""
+    has no fingerprint (a run from before it), so nothing is proven either way. Raises ValueError
+    for a fingerprint of another shape (a record edited by hand): no proof either way, said."""
     if sent is None:
         return None
+    if not isinstance(sent, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair) for pair in sent):
+        raise ValueError(f"prompt_fingerprint {str(sent)[:60]}: expected [[tokens, crc32], ...], whole numbers")
     agreed = 0
     for mine, theirs in zip(sent, spec):
         if list(mine) != list(theirs):
