@@ -148,6 +148,18 @@ def test_only_a_fingerprint_that_differs_blames_the_prompt():
     assert evicted[2].cause == "prompt-differs"  # direct evidence comes before the pool's word
 
 
+def test_a_miss_of_a_block_cached_by_a_prompt_that_differed_is_prompt_differs():
+    """The request that cached the prefix sent other words in its second block (its fingerprint
+    agrees through 2 tokens only); a later request whose own prompt is the trace's misses that
+    block: the replay's doing (the first's prompt), not the server's. Once a request with the
+    trace's words has cached it again, a miss of it is the server's again."""
+    a = blocks(1, 2)
+    v = verdicts([prompt(0, 0.0, a, 0, agreed=2), prompt(1, 1.0, a, 2)])
+    assert v[1].expected == 4 and v[1].cause == "prompt-differs"
+    healed = verdicts([prompt(0, 0.0, a, 0, agreed=2), prompt(1, 1.0, a, 2), prompt(2, 2.0, a, 2)])
+    assert healed[2].cause == "server-missed"  # request 1 sent the trace's words: the server held them
+
+
 def test_a_request_sent_within_the_reorder_window_is_in_flight():
     a = blocks(1, 2)
     v = verdicts([prompt(0, 0.0, a, 0, end=1.0), prompt(1, 0.002, a, 0)], window_ms=5)

@@ -16,8 +16,9 @@ it is larger), decided by the first server block the server did not give (`obser
 
 below the expectation (a miss):
 - `prompt-differs`: the record's fingerprint of the prompt as sent (replay.rules.prompt_fingerprint)
-  differs from the trace's before the end of the expected hits: our prompt does not share what
-  the trace says it shares. Only this evidence blames the replay;
+  differs from the trace's before the end of the expected hits, or the missing block was last
+  cached by a request whose fingerprint differs there: our prompts do not share what the trace
+  says they share. Only this evidence blames the replay;
 - `server-missed`: the fingerprint proves the prompt the trace's through the expected hits, yet
   the server counted another length of it, or did not give a block its pool must hold (cached
   there and held by a running request, or the pool never had to evict): the server's doing;
@@ -45,6 +46,7 @@ state is the pools (bounded by their sizes), the running requests and the reorde
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +162,8 @@ class CacheModel:
         self.endpoints: dict[str, _Endpoint] = {}
         self._serial = 0
         self.tally = CauseTally()
+        # blocks whose latest sender's fingerprint differs there: the server cached other words
+        self.tainted: set[int] = set()
 
     def _endpoint(self, name: str) -> _Endpoint | None:
         if name not in self.endpoints:
@@ -194,6 +198,8 @@ class CacheModel:
             end = prompt.finished_at if prompt.finished_at is not None else start
             self._serial += 1
             heapq.heappush(here.running, (max(end, start), self._serial, held))
+        if prompt.agreed is not None and (self.tainted or prompt.agreed != math.inf):
+            self._taint(hashes, prompt.agreed)
         verdict = CacheVerdict(prompt.request_id, prompt.endpoint, expected, predicted, observed, cause, check)
         self.tally.add(verdict)
         return verdict
@@ -214,11 +220,24 @@ class CacheModel:
         if observed % size or here is None:
             return UNEXPLAINED
         missing = prompt.hashes[observed // size]
+        if missing in self.tainted:  # the request that cached it sent other words there (its fingerprint)
+            return PROMPT_DIFFERS
         if missing in here.pool:
             return EVICTED if here.pressed and not here.pool.holds(missing) else differs
         if any(missing in other.pool for name, other in self.endpoints.items() if other is not here):
             return ROUTED_ELSEWHERE
         return EVICTED
+
+    def _taint(self, hashes: Sequence[int], agreed: float) -> None:
+        """A request whose fingerprint proves its first `agreed` tokens the trace's cached `hashes`:
+        its blocks past them hold other words than the trace's (chain hashes: every later one too),
+        those before are the trace's again."""
+        first = len(hashes) if agreed == math.inf else int(agreed) // self.block_size
+        for k, h in enumerate(hashes):
+            if k < first:
+                self.tainted.discard(h)
+            else:
+                self.tainted.add(h)
 
     @staticmethod
     def _beyond(check: CacheCheck, here: _Endpoint | None) -> str:
