@@ -76,13 +76,13 @@ def test_the_fingerprint_is_the_crc_of_the_content_sent(toy_tokenizer_dir, api, 
 
 
 def shared_block_trace(path, rows: int = 12):
-    """Rows 10 ms apart; rows 4 and 9 share a 4-block prefix whose third block (hash id 33) no
+    """Rows 50 ms apart; rows 4 and 9 share a 4-block prefix whose third block (hash id 33) no
     other row has, and every other row is its own: breaking block 33 breaks those two rows only,
     and row 9 then misses the two blocks the trace says it shares with row 4."""
     with open(path, "w") as f:
         for i in range(rows):
             hashes = [31, 32, 33, 34] if i in (4, 9) else [1000 + 10 * i + k for k in range(3)]
-            row = {"timestamp": i * 10.0, "input_length": len(hashes) * BLOCK + (BLOCK if i == 9 else 0),
+            row = {"timestamp": i * 50.0, "input_length": len(hashes) * BLOCK + (BLOCK if i == 9 else 0),
                    "output_length": 4, "hash_ids": hashes + ([35] if i == 9 else [])}
             f.write(json.dumps(row) + "\n")
     return path
@@ -112,7 +112,10 @@ def slow_sim(toy_tokenizer_dir):
 
 
 def causes(cert: dict) -> dict[str, int]:
-    return {cause: c["requests"] for cause, c in cert["cache"]["misses"]["causes"].items() if c["requests"]}
+    """The causes the certificate names but the server's order of requests in flight together
+    (a busy host's sends may overlap: the template's first block is every row's)."""
+    return {cause: c["requests"] for cause, c in cert["cache"]["misses"]["causes"].items()
+            if c["requests"] and cause != "in-flight"}
 
 
 @pytest.mark.parametrize("prompt_format", ["text", "token-ids"])
@@ -176,6 +179,7 @@ def test_a_prompt_sent_otherwise_is_prompt_differs_by_its_fingerprint(tmp_path, 
     assert not any(line.startswith(("prompts", "cache")) for line in unproven["failing"]), unproven["failing"]
     assert any("no prompt_fingerprint" in line for line in unproven["unchecked"]), unproven["unchecked"]
     assert "a replay bug" not in proc.stdout
+    assert "Prompts as sent (fingerprints):          0 of 0 the trace's, 12 without" in proc.stdout, proc.stdout
 
 
 def test_a_prompt_that_differs_where_no_row_shares_it_still_fails(tmp_path, slow_sim, toy_tokenizer_dir,
@@ -244,3 +248,23 @@ def test_a_fingerprint_of_another_shape_is_refused_not_taken_for_a_difference():
     for bad in ("abc", [[20, 1], [36]], [[20, 1.5]], [["20", 1]], {"20": 1}):
         with pytest.raises(ValueError, match=r"expected \[\[tokens, crc32\], \.\.\.\]"):
             agreed_tokens(bad, spec)
+
+
+def test_a_server_whose_usage_says_no_hits_and_other_lengths_blames_no_prompt(tmp_path, toy_tokenizer_dir):
+    """A server whose usage says every prompt had 1 token and none was cached, and whose /metrics
+    are not scraped (--server-metrics-interval 0: no counter to contradict it): its word alone made
+    every expected hit a `prompt-differs` by "another prompt length". The fingerprints prove every
+    prompt the trace's: the misses are the server's (server-missed), no cache line fails and
+    nothing is called a replay bug (the prompts line still says what the server counted)."""
+    from replay.sim.process import sim_process
+
+    trace = shared_block_trace(tmp_path / "trace.jsonl")
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "0",
+                     "--eos-prob", "0", "--false-usage", json.dumps({"prompt_tokens": 1, "cached_tokens": 0})) as sim:
+        run_in_process(trace, output, sim.url, toy_tokenizer_dir, server_metrics_interval=0)
+    cert = json.loads(fidelity_path(output).read_text())
+    assert cert["cache"]["infinite"]["fingerprints"]["differ"] == 0
+    assert causes(cert) == {"server-missed": 1}, cert["cache"]["misses"]
+    assert not any(line.startswith("cache") for line in cert["failing"]), cert["failing"]
+    assert not any("a replay bug" in note for note in cert["cache"]["misses"]["notes"])
