@@ -14,6 +14,9 @@ threshold below. The cache lines that judge (the miss causes) come from the fini
 of the server, through one hook: `miss_attribution` (see there). The server's usage is set
 against its own /metrics counters (the run's `server` section): where they disagree, its
 usage is not evidence, and the prompts and cache lines are judged from the counters. The
+prompts as sent are judged from the records' fingerprints against the cache section's
+re-synthesis (its `fingerprints`, replay.rules.prompt_fingerprint): the only evidence that
+blames the replay's prompts. The
 verdict names whose doing a failure is (VERDICTS), each with its remedy: the replay's
 (`unfaithful`), the server's cache warm from before the run (`warm-cache`), other clients of
 the server during the run (`shared-server`), or a host busy with other work while the sends
