@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.run.options import CONFIG_FLAG, LOCAL_OPTION_NAMES, OPTION_NAMES
+from replay.engine.options import CONFIG_FLAG, LOCAL_OPTION_NAMES, OPTION_NAMES
 from replay.run.options_doc import REGENERATE, render
 
 REPO = Path(__file__).resolve().parent.parent

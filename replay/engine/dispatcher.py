@@ -27,6 +27,7 @@ from gevent.pool import Group
 
 from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
+from replay.engine.options import ReplayOptions
 from replay.engine.plan import decode_row
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer
@@ -49,7 +50,6 @@ from replay.results.records import (
 )
 from replay.rules.run_files import worker_path
 from replay.rules.send_time import send_offset_s, send_time
-from replay.run.options import ReplayOptions
 from replay.synth.chat_template import ChatTemplateError
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow

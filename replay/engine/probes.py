@@ -19,15 +19,10 @@ from typing import TYPE_CHECKING
 import gevent
 
 from replay.engine.capacity import (
-    CLIENT_LIMITED,
     INVALID,
     MAX_COOLDOWN_S,
     NO_METRICS_COOLDOWN_S,
-    OUTAGE,
     PASS,
-    SERVER_ERRORS,
-    WORKER_SIGNALLED,
-    WORKERS_LOST,
     Probe,
     Search,
     capacity_report,
@@ -36,9 +31,16 @@ from replay.engine.capacity import (
 from replay.engine.rounds import Round
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served
-from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID
+from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID, Record
 from replay.results.report import parse_slo
 from replay.results.server_metrics import GAUGES
+from replay.rules.capacity_result import (
+    CLIENT_LIMITED,
+    OUTAGE,
+    SERVER_ERRORS,
+    WORKER_SIGNALLED,
+    WORKERS_LOST,
+)
 from replay.trace.amplify import Clones
 from replay.trace.sessions import Sessions, find_sessions
 
@@ -112,7 +114,9 @@ class Probes:
 
     def first_round(self) -> Round:
         self.started_at = self.c.clock.now()
-        round_ = self._open(self.search.next_factor(), 0.0)
+        factor = self.search.next_factor()
+        assert factor is not None  # a search with no probe yet has a first factor
+        round_ = self._open(factor, 0.0)
         return round_
 
     def _open(self, factor: float, offset_s: float, repeat_of: int | None = None) -> Round:
@@ -133,22 +137,24 @@ class Probes:
         logger.info("capacity search: probe %d at %gx this trace's load (%d rows)", probe.number, factor, probe.rows)
         return round_
 
-    def label(self, records: list[dict]) -> None:
+    def label(self, records: list[Record]) -> None:
         """Each record's probe and factor, read off its request id."""
         for record in records:
-            if record.get("error") and record["error"].startswith(OVERSIZED):
+            error = record.get("error")
+            if error and error.startswith(OVERSIZED):
                 continue
             number = self.probe_of(record["request_id"])
             if 0 <= number < len(self.probes):
                 record["probe"], record["factor"] = number, self.probes[number].factor
 
-    def tally(self, records: list[dict]) -> None:
+    def tally(self, records: list[Record]) -> None:
         if self.over or not self.probes:
             return
         current = self.probes[-1]
         for record in records:
-            if record.get("probe") is not None and record["probe"] < len(self.probes):
-                self.probes[record["probe"]].add(record)
+            probe = record.get("probe")
+            if probe is not None and probe < len(self.probes):
+                self.probes[probe].add(record)
         if current.ended_at is not None:
             return
         if not current.cut and not current.invalid and not current.complete and current.hopeless:
@@ -166,7 +172,9 @@ class Probes:
         c = self.c
         if self.over or not self.probes or self.probes[-1].ended_at is not None or c.epoch is None:
             return
-        if c.clock.now() < c.epoch + c.rounds[-1].offset_s + CPU_LAG_S:
+        last = c.rounds[-1]
+        assert last is not None  # a search's rounds are its probes'
+        if c.clock.now() < c.epoch + last.offset_s + CPU_LAG_S:
             return
         probe = self.probes[-1]
         for w in c.live_workers():
@@ -227,6 +235,7 @@ class Probes:
 
     def _after_cooldown(self, factor: float, repeat_of: int | None = None) -> None:
         self._cool_down()
+        assert self.c.epoch is not None  # a probe judged: the run went
         offset_s = self.c.clock.now() - self.c.epoch + ROUND_LEAD_S
         self.c.new_round(self._open(factor, offset_s, repeat_of))
 

@@ -44,6 +44,7 @@ def ask(url: str, body: dict | None = None, headers: dict[str, str] | None = Non
     """GET `url` (POST `body` as JSON when given); (status, the answer's bytes). Raises
     Unanswered when no HTTP answer came. `url`'s credentials are sent, and never shown."""
     parts = urlsplit(url)
+    assert parts.hostname is not None, url  # every URL asked was checked (check_url: a host, a scheme)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
