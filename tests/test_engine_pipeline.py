@@ -84,6 +84,24 @@ def test_a_coordinator_is_built_without_a_trace_a_tokenizer_or_a_server(tmp_path
     assert c.scraper is None and c.total == 10 and c.store is None
 
 
+def test_the_engine_hands_its_outcome_to_its_driver_and_writes_no_end_of_its_own(tmp_path):
+    """The engine ends a run by handing its Outcome to the `on_end` it was given (the driver's:
+    replay.run.driver), and sets the exit code that returns; alone, it writes the records and
+    the first meta, never the run's end (the summary)."""
+    spec = spec_of(make_rows(6), tmp_path)
+    outcomes, codes = [], []
+    c = coordinator_module.Coordinator(spec, LocalLink(), FakeClock(), on_exit_code=codes.append,
+                                       on_end=lambda outcome: outcomes.append(outcome) or 7)
+    c.cancel()  # every row recorded as never sent
+    [outcome] = outcomes
+    assert c.end() is outcome and outcome.store.count == 6 and outcome.spec is spec
+    assert outcome.least_code == 0 and outcome.capacity is None and outcome.incomplete == {}
+    assert codes == [7] and not summary_path(spec.output).exists()
+    driven = driver.start(spec_of(make_rows(6), tmp_path / "driven"), LocalLink(), FakeClock())
+    driven.cancel()
+    assert summary_path(driven.spec.output).exists()  # the driver's end: finish
+
+
 def test_every_row_ok_exit_code_0(tmp_path):
     rows = 2 * CHUNK_ROWS + 234  # three ROWS chunks
     spec = spec_of(make_rows(rows), tmp_path)

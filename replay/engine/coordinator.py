@@ -382,6 +382,22 @@ class Coordinator:
             w.round_window.put(messages.Round(rows=len(w.part), more=True, skip_to=len(w.part),  # type: ignore[typeddict-item]
                                               skip_reason=reason))
 
+    def owe(self, total: int, last_request_id: int) -> None:
+        """A search's probe opened: the run now owes `total` records, of request ids up to
+        `last_request_id` (the store makes room for them)."""
+        self.total = total
+        if self.store is not None:
+            self.store.grow(last_request_id)
+
+    def stop_search(self, label: str) -> None:
+        """The search ends without an answer: the rows left get `label`."""
+        self._stop_for(label)
+
+    def search_over(self) -> None:
+        """The search has its answer: no more rounds, and the run ends by itself."""
+        self.end_rounds()
+        self._end_by_itself("complete")
+
     def end_rounds(self) -> None:
         """The search is over: no more rounds; each worker ends once its rows are done."""
         for w in self.live_workers():

@@ -4,8 +4,10 @@ short once it can no longer meet the target, judges it once every row has a reco
 cooldown, and opens the next probe the search asks for (replay.engine.capacity), until the
 search is over and the run ends.
 
-It is the Coordinator's (replay.engine.coordinator), on its clock: it ships nothing itself, but
-asks the Coordinator to (`new_round`, `cut_round`, `end_rounds`).
+It drives the run through `SearchRun`, which the Coordinator (replay.engine.coordinator)
+implements, on its clock: it ships nothing itself, but asks the run to (`new_round`,
+`cut_round`), tells it how many records it now owes (`owe`), and ends it (`stop_search`,
+`search_over`); it touches none of the Coordinator's own state.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import logging
 import math
 from array import array
 from bisect import bisect_right
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import gevent
 
@@ -45,7 +48,10 @@ from replay.trace.amplify import Clones
 from replay.trace.sessions import Sessions, find_sessions
 
 if TYPE_CHECKING:
-    from replay.engine.coordinator import Coordinator
+    from replay.engine.clock import Clock
+    from replay.engine.coordinator import WorkerState
+    from replay.engine.options import ReplayOptions
+    from replay.engine.plan import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,36 @@ ROUND_LEAD_S = 2.0  # from a probe's decision to its first send: its rows reach 
 CPU_LAG_S = 5.0  # a worker's CPU use is Locust's average over this long (CPU_MONITOR_INTERVAL): read once the probe has sent as long
 OUTAGE_WAIT_S = 300.0  # --on-outage retry: how long the search waits for the servers to answer again
 OUTAGE_POLL_S = 1.0  # and how often it asks them
+
+
+class SearchRun(Protocol):
+    """What a capacity search needs of the run it drives (the Coordinator is one)."""
+
+    clock: Clock
+    options: ReplayOptions
+    schedule: Schedule
+    origin: float
+    epoch: float | None  # the run's go (master clock); None before
+    rounds: list[Round | None]
+    worker_cpu: Callable[[str], float | None]
+    scrape_listeners: list  # called with each round of the servers' /metrics
+
+    @property
+    def scrapes(self) -> bool: ...
+
+    def endpoint_urls(self) -> list[str]: ...
+
+    def live_workers(self) -> list[WorkerState]: ...
+
+    def new_round(self, round_: Round) -> None: ...
+
+    def cut_round(self, reason: str) -> None: ...
+
+    def owe(self, total: int, last_request_id: int) -> None: ...
+
+    def stop_search(self, label: str) -> None: ...
+
+    def search_over(self) -> None: ...
 
 
 def servers_answer(urls: list[str], api: str, headers: dict[str, str]) -> bool:
@@ -70,15 +106,15 @@ def max_probes(search: Search) -> int:
 
 
 class Probes:
-    def __init__(self, coordinator: Coordinator):
-        self.c = coordinator
-        options = coordinator.options
+    def __init__(self, run: SearchRun):
+        self.c = run
+        options = run.options
         lo, hi = parse_range(options.search_range)
         self.search = Search(lo, hi, options.search_precision)
         self.slo = parse_slo(options.slo)
         self.target = options.goodput_target
         self.cooldown_s = options.cooldown
-        first, last = coordinator.schedule.request_id_range()
+        first, last = run.schedule.request_id_range()
         self.first_id = first
         self.stride = max(last - first + 1, 1)  # a probe's request ids: the trace's + slot * stride (rounds.Round)
         self.max_probes = max_probes(self.search)
@@ -95,8 +131,8 @@ class Probes:
         self._next: gevent.Greenlet | None = None
         self.on_outage = options.on_outage
         headers = parse_headers(options.header)
-        self.servers_answer = lambda: servers_answer(coordinator.endpoint_urls(), options.api, headers)
-        coordinator.scrape_listeners.append(self.on_scrape)
+        self.servers_answer = lambda: servers_answer(run.endpoint_urls(), options.api, headers)
+        run.scrape_listeners.append(self.on_scrape)
 
     def clones(self, factor: float) -> Clones | None:
         """The window's copies at `factor` (--search-by amplify), chosen by --seed; None: scale."""
@@ -131,9 +167,8 @@ class Probes:
         probe = Probe(len(self.probes), factor, rows, self.slo, self.target, started_at=self.c.clock.now(),
                       repeat_of=repeat_of)
         self.probes.append(probe)
-        self.c.total = len(self.c.schedule.oversized) + sum(p.rows for p in self.probes)
-        if self.c.store is not None:  # room for its request ids
-            self.c.store.grow(self.first_id + (slot + round_.slots) * self.stride - 1)
+        self.c.owe(len(self.c.schedule.oversized) + sum(p.rows for p in self.probes),
+                   self.first_id + (slot + round_.slots) * self.stride - 1)
         logger.info("capacity search: probe %d at %gx this trace's load (%d rows)", probe.number, factor, probe.rows)
         return round_
 
@@ -279,7 +314,7 @@ class Probes:
         self.ended = WORKER_SIGNALLED
         logger.error("capacity search: worker %d was stopped by a signal of its own: the search ends without an "
                      "answer", index)
-        self.c._stop_for(PROBE_INVALID)
+        self.c.stop_search(PROBE_INVALID)
 
     def _cool_down(self) -> None:
         """--cooldown S, or until the servers report nothing running nor waiting (at most
@@ -307,8 +342,7 @@ class Probes:
 
     def _finish(self) -> None:
         self.over = True
-        self.c.end_rounds()
-        self.c._end_by_itself("complete")
+        self.c.search_over()
 
     def stop(self) -> None:
         """The run ends (by itself or stopped): no further probe; one under way is stopped, not judged."""

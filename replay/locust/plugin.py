@@ -33,7 +33,15 @@ from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink, flush_on_exit
 from replay.locust.outputs import config_input, locust_outputs
 from replay.protocol.urls import shown
-from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_LOST, WORKER_STOPPED, output_tokens_of
+from replay.results.records import (
+    MASTER_LOST,
+    REFUSED,
+    RUN_STOPPED,
+    WORKER_LOST,
+    WORKER_STOPPED,
+    Record,
+    output_tokens_of,
+)
 from replay.run import driver, preflight
 from replay.run.config import replay_options
 from replay.trace.record import TraceError
@@ -167,11 +175,11 @@ def _worker_host(runner, client_id: str) -> str | None:
     return getattr(clients.get(client_id), "hostname", None) if clients is not None else None
 
 
-def _request_stats(environment) -> Callable[[dict], None]:
+def _request_stats(environment) -> Callable[[Record], None]:
     """Each answered request into Locust's own statistics (its UI's table, --csv)."""
     fire = environment.events.request.fire
 
-    def on_request(record: dict) -> None:
+    def on_request(record: Record) -> None:
         fire(
             request_type=record["api"],
             name=record["endpoint"],

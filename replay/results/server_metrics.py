@@ -74,7 +74,8 @@ def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
     TGI's `tgi_queue_size`), and of those only the wanted ones: vLLM's page is mostly histogram
     buckets, and on a single process (the local runner) parsing shares the dispatcher's core.
     The labels are skipped whole (quoted values may hold spaces, braces and escaped quotes).
-    prometheus_client's parser did this at ~26 ms of imports per process and more per scrape."""
+    prometheus_client's parser cost more, in its imports per process and per scrape
+    (docs/bench/2026-11-28-figures.md)."""
     wanted = set(wanted)
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)

@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from replay.engine.dispatcher import off_loop
 from replay.engine.spec import RunFacts, RunSpec
+from replay.engine.threads import off_loop
 from replay.results.cache_section import CacheJob, CacheStream, cache_job, cache_section, cache_skipped
 from replay.results.certificate import FAITHFUL, CertificateBuilder
 from replay.results.files import OutputError

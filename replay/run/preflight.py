@@ -29,11 +29,12 @@ import uuid
 from collections.abc import Sequence
 
 from replay.engine.capacity import MIN_PROBE_ROWS
-from replay.engine.dispatcher import build_off_loop, off_loop
+from replay.engine.dispatcher import build_off_loop
 from replay.engine.options import ReplayOptions, prompt_token_limit
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.engine.spec import RunSpec, TraceFacts
+from replay.engine.threads import off_loop
 from replay.errors import OptionError
 from replay.output_claim import Read, Written, declared_inputs
 from replay.protocol.headers import parse_headers

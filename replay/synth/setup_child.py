@@ -1,11 +1,10 @@
 """A cold set-up built in a short child process, so the replay's own process never loads the
 tokenizer.
 
-Building the safe vocabulary and the frames needs the tokenizer itself in memory: 107-123 MiB
-for qwen2 and 184 MiB for llama3, plus ~35 MiB while the vocabulary is built. A worker or master
-already holds Locust, gevent and flask (~50 MiB), so a cold start built in-process peaked at
-~230 MiB for qwen2. Built here, that memory lives in a process that has imported only what the
-set-up needs and exits when done (qwen2: ~170 MiB), and the replay process reads the result as
+Building the safe vocabulary and the frames needs the tokenizer itself in memory, and more
+while the vocabulary is built, on top of what a worker or master already holds (Locust, gevent,
+flask): docs/bench/2026-11-28-figures.md. Built here, that memory lives in a process that has
+imported only what the set-up needs and exits when done, and the replay process reads the result as
 it reads a set-up cache entry: same bytes, same checks (setup_cache's miss path, against the key
 and tokenizer.json bytes it holds already).
 

@@ -32,7 +32,7 @@ def _collector_paused(read: _F) -> _F:
     """Run `read` with Python's cycle collector off (and back on after, if it was on).
 
     Reading a trace allocates a few objects per row that never form cycles, and the
-    collector kept walking them as the row list grew: 13% of read_trace's time on Mooncake.
+    collector kept walking them as the row list grew (docs/bench/2026-11-28-figures.md).
     """
 
     @functools.wraps(read)
