@@ -17,7 +17,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from replay.results.files import AppendFile, OutputError
+from replay.errors import OutputError
+from replay.results.files import AppendFile
 from replay.results.metadata import read_run_metadata
 from replay.results.records import OUTPUT_ERROR, RECORD_FIELDS, read_records
 from replay.results.store import RecordStore

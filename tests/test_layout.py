@@ -1,6 +1,7 @@
 """The package's floor plan, checked from the sources (replay/source_graph.py reads the imports
-from the syntax trees, importing nothing): no import cycles among replay modules, the command
-line imported only by the command line, and no import-time side effects."""
+from the syntax trees, importing nothing, and sees the imports inside functions too): the layers
+declared once below (LAYERS), no import of a higher layer, no import circle, the command line
+imported only by the command line, and no import-time side effects."""
 
 import subprocess
 import sys

@@ -14,7 +14,7 @@ so it can always write a complete merged file with labels that tell why a row ha
 kept from ever being sent are "run stopped" only when the user stopped the run; rows a live
 worker held but never reported are "no record from worker".
 
-A file of the run that cannot be written (a full disk, replay.results.files.OutputError: the
+A file of the run that cannot be written (a full disk, replay.errors.OutputError: the
 master's own files, or a worker's, told by FAULT) stops the run as a fault: one line in the log,
 the rows left recorded as "output error", exit code 1, and the file named in the meta's
 `incomplete`. Servers that fail more than --max-error-rate of their answers
@@ -43,8 +43,8 @@ from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
 from replay.engine.rounds import Part, Round
 from replay.engine.scraper import Scraper
 from replay.engine.spec import Outcome, RunFacts, RunSpec
+from replay.errors import OutputError
 from replay.results import host_load
-from replay.results.files import OutputError
 from replay.results.metadata import write_run_metadata
 from replay.results.records import (
     DRAIN_TIMEOUT,

@@ -33,11 +33,10 @@ from replay.engine.same_tokenizer import check_worker_tokenizer
 from replay.engine.threads import off_loop
 from replay.engine.timing import Alarm, QuietCollector
 from replay.engine.turns import Turns
-from replay.errors import OptionError
+from replay.errors import OptionError, OutputError
 from replay.protocol.client import Endpoint, Sent, read, send, write
 from replay.protocol.headers import parse_headers
 from replay.protocol.table import get_api, sends_token_ids
-from replay.results.files import OutputError
 from replay.results.records import (
     DRAIN_TIMEOUT,
     RUN_STOPPED,

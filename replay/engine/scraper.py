@@ -33,11 +33,12 @@ import gevent
 from gevent.event import Event
 from geventhttpclient import HTTPClient
 
+from replay.errors import OutputError
 from replay.protocol.client import close_with_reset
 from replay.protocol.gevent_pool import PoolInternals
 from replay.protocol.prometheus import parse_series
 from replay.protocol.urls import shown, with_credentials
-from replay.results.files import AppendFile, OutputError
+from replay.results.files import AppendFile
 from replay.results.server_metrics import KNOWN, parse, sample_line
 from replay.rules.run_files import metrics_path
 

@@ -12,7 +12,8 @@ import io
 import time
 from pathlib import Path
 
-from replay.results.files import OutputError, write_atomically
+from replay.errors import OutputError
+from replay.results.files import write_atomically
 from replay.results.gpu_metrics import DCGM, gpus
 from replay.results.report import format_report
 from replay.results.server_metrics import COUNTERS, GAUGES, pick

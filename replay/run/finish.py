@@ -22,9 +22,9 @@ from pathlib import Path
 
 from replay.engine.spec import RunFacts, RunSpec
 from replay.engine.threads import off_loop
+from replay.errors import OutputError
 from replay.results.cache_section import CacheJob, CacheStream, cache_job, cache_section, cache_skipped
 from replay.results.certificate import FAITHFUL, CertificateBuilder
-from replay.results.files import OutputError
 from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
 from replay.results.records import Record, is_failure
 from replay.results.report import ReportBuilder, format_report, parse_slo
