@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("replay.cli", "replay.demo"),  # the command line
     ("replay.locust",),  # the adapter: Locust's runner around the run
     ("replay.run",),  # preflight -> engine -> finish (run/driver.py)
-    ("replay.engine",),  # the replay: master and workers, no Locust
+    ("replay.engine", "replay.record"),  # the replay (master and workers, no Locust); the recording proxy
     ("replay.results", "replay.sim"),  # a run's files and figures; the reference server
     ("replay.synth",),  # exact prompts
     ("replay.protocol", "replay.trace"),  # talking to a server; reading traces
