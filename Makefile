@@ -25,8 +25,8 @@ bytecode: $(STAMP)
 # pinned), the types (mypy, pinned: replay/run, engine, protocol and rules clean, the rest held
 # to tests/mypy-baseline.txt, which only shrinks), and the tests that run in one process (the
 # floor plan's layers, the engine on a fake clock, the docs against the code).
-CHECK_TESTS ?= tests/test_layout.py tests/test_engine_pipeline.py tests/test_live.py tests/test_progress.py \
-	tests/test_bounds.py tests/test_server_metrics.py tests/test_docs.py tests/test_mypy_baseline.py
+CHECK_TESTS ?= tests/test_layout.py tests/test_engine_pipeline.py tests/test_live.py tests/test_docs.py \
+	tests/test_mypy_baseline.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
