@@ -22,8 +22,8 @@ import sys
 from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
-from itertools import accumulate
-from operator import itemgetter
+from itertools import accumulate, chain, islice, repeat
+from operator import mul, sub
 
 from replay.results.summary import percentile
 
@@ -67,65 +67,70 @@ def draw(rng: random.Random, rows: int, block: int) -> Draw:
     return Draw(starts, counts)
 
 
-def block_sums(per_row: list[float], block: int) -> list[float]:
+def block_sums(per_row: Sequence[float], block: int) -> array:
     """For each row s, the sum of `per_row` over the block that starts there (wrapping around):
     a resample's total is then the sum over its blocks, one term a block."""
     n = len(per_row)
-    prefix = [0.0, *accumulate(per_row + per_row[: block - 1])]
     if block > n:  # a block longer than the rows wraps more than once
-        return [sum(per_row[(s + j) % n] for j in range(block)) for s in range(n)]
-    return [prefix[s + block] - prefix[s] for s in range(n)]
+        return array("d", [sum(per_row[(s + j) % n] for j in range(block)) for s in range(n)])
+    prefix = array("d", [0.0])
+    prefix.extend(accumulate(chain(per_row, islice(per_row, block - 1))))
+    return array("d", map(sub, islice(prefix, block, None), islice(prefix, 0, n)))
 
 
 class Total:
     """A per-row figure summed over a resample (by its blocks: a sum of one term a block)."""
 
-    def __init__(self, per_row: list[float], block: int) -> None:
-        self.per_row = per_row
+    def __init__(self, per_row: Sequence[float], block: int) -> None:
+        self.total = math.fsum(per_row)
         self.blocks = block_sums(per_row, block)
 
     def of(self, d: Draw) -> float:
         if d.starts is None:
-            return sum(self.per_row)
-        blocks = self.blocks
-        return sum([blocks[s] for s in d.starts])
+            return self.total
+        return sum(map(self.blocks.__getitem__, d.starts))
 
 
 class Weighted:
     """One figure's values on one side, sorted once, each with the row it belongs to (a row
-    may own several: several runs of a side, or a request's inter-token gaps), over `rows`
-    rows resampled in blocks of `block`."""
+    may own several: several runs of a side, or a request's inter-token gaps) and optionally a
+    weight (how many values it stands for: a request's thinned gaps), over `rows` rows
+    resampled in blocks of `block`."""
 
-    def __init__(self, pairs: list[tuple[float, int]], rows: int, block: int) -> None:
-        pairs.sort()
-        self.values = [v for v, _ in pairs]
-        owners = [r for _, r in pairs]
-        self._take = itemgetter(*owners) if len(owners) > 1 else (lambda counts: tuple(counts[r] for r in owners))
-        sums, numbers = [0.0] * rows, [0.0] * rows
-        for v, r in pairs:
-            sums[r] += v
-            numbers[r] += 1
+    def __init__(self, values: array, owners: array, rows: int, block: int, weights: array | None = None) -> None:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        self.values = array("d", map(values.__getitem__, order))
+        self.owners = array("q", map(owners.__getitem__, order))
+        self.weights = array("d", map(weights.__getitem__, order)) if weights is not None else None
+        del order
+        sums, numbers = array("d", bytes(8 * rows)), array("d", bytes(8 * rows))
+        for v, r, w in zip(values, owners, weights if weights is not None else repeat(1.0)):
+            sums[r] += v * w
+            numbers[r] += w
+        self.rows_with = rows - numbers.count(0.0)  # rows that have a value
         self._sum, self._number = Total(sums, block), Total(numbers, block)
 
     def __len__(self) -> int:
         return len(self.values)
 
     def quantiles(self, d: Draw, ps: Sequence[float]) -> list[float | None]:
-        """The percentiles `ps` of the values each repeated its row's count times, by linear
-        interpolation between closest ranks (replay.results.summary.percentile's rule: with every
-        count 1 they are exactly the report's figures)."""
+        """The percentiles `ps` of the values each repeated its row's count (times its weight)
+        times, by linear interpolation between closest ranks (replay.results.summary.percentile's
+        rule: with every count and weight 1 they are exactly the report's figures)."""
         if not self.values:
             return [None] * len(ps)
-        cum = list(accumulate(self._take(d.counts)))
+        taken = map(d.counts.__getitem__, self.owners)
+        cum = list(accumulate(map(mul, taken, self.weights) if self.weights is not None else taken))
         total = cum[-1]
         if total == 0:
             return [None] * len(ps)
         out: list[float | None] = []
+        last = len(self.values) - 1
         for p in ps:
-            k = (total - 1) * p / 100.0
+            k = (total - 1) * p / 100.0 if total >= 1 else 0.0
             lo = math.floor(k)
-            low = self.values[bisect_right(cum, lo)]
-            high = self.values[bisect_right(cum, lo + 1)] if lo + 1 < total else low
+            low = self.values[min(bisect_right(cum, lo), last)]
+            high = self.values[min(bisect_right(cum, lo + 1), last)] if lo + 1 < total else low
             out.append(low + (high - low) * (k - lo))
         return out
 
@@ -137,7 +142,7 @@ class Weighted:
 class Share:
     """A ratio of per-row sums (failed / requests, cached / prompt tokens) over a resample."""
 
-    def __init__(self, numerator: list[float], denominator: list[float], block: int) -> None:
+    def __init__(self, numerator: Sequence[float], denominator: Sequence[float], block: int) -> None:
         self.numerator, self.denominator = Total(numerator, block), Total(denominator, block)
 
     def value(self, d: Draw) -> float | None:
