@@ -11,24 +11,30 @@ import json
 import random
 import subprocess
 import sys
+from array import array
+from collections import Counter
 from pathlib import Path
 
 import gevent
 import pytest
 
 from replay.cli import main
-from replay.results.bootstrap import block_sums, draw
+from replay.results import bootstrap
+from replay.results.bootstrap import Weighted, block_sums, draw
 from replay.results.compare import SAME, CompareError, compare
 from replay.results.compare_runs import RunRows, run_of_records
 from replay.results.gates import parse_gate
-from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT
+from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.results.report import build_report
+from replay.results.summary import percentile
 from replay.sim.process import sim_process
 from support.browser import need
+from support.ports import free_port
 from support.records import ok_record
 from support.traces import BLOCK, mooncake_trace
 
 ROWS = 80
+LONG_ROWS = 100
 
 
 def synthetic(seed: int, rows: int = 250, shift: float = 0.0) -> RunRows:
@@ -56,6 +62,56 @@ def test_block_sums_and_draws_count_every_row_as_drawn():
     d = draw(random.Random(1), 10, 3)
     assert len(d.starts) == 4 and sum(d.counts) == 12
     assert d.counts == [sum(1 for s in d.starts for j in range(3) if (s + j) % 10 == row) for row in range(10)]
+
+
+def test_a_resamples_figures_are_those_of_the_resample_gathered_by_brute_force():
+    """Quantiles read off cumulative counts (and weights: a thinned request's gaps) and means
+    from block sums are the figures of the resample built value by value."""
+    rng = random.Random(5)
+    rows, block = 60, 4
+    owners = array("q", [rng.randrange(rows) for _ in range(300)])
+    values = array("d", [round(rng.uniform(0, 100), 1) for _ in owners])  # ties too
+    weights = array("d", [rng.choice((1.0, 2.0, 3.0)) for _ in owners])
+    weighted, plain = Weighted(values, owners, rows, block, weights), Weighted(values, owners, rows, block)
+    for _ in range(50):
+        d = draw(rng, rows, block)
+        gathered = sorted(v for v, r, w in zip(values, owners, weights) for _ in range(d.counts[r] * int(w)))
+        assert weighted.quantiles(d, (50, 90, 99)) == pytest.approx([percentile(gathered, p) for p in (50, 90, 99)])
+        assert weighted.mean(d) == pytest.approx(sum(gathered) / len(gathered))
+        gathered = sorted(v for v, r in zip(values, owners) for _ in range(d.counts[r]))
+        assert plain.quantiles(d, (50, 90, 99)) == pytest.approx([percentile(gathered, p) for p in (50, 90, 99)])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_quantiles_read_off_windows_are_those_read_off_every_value(monkeypatch, weighted):
+    """Rows whose values trend over the trace (blocks alike within, unlike across: the widest
+    spread a window must hold), ties, and weights: the windows' quantiles are the full ones."""
+    monkeypatch.setattr(bootstrap, "WINDOW_MIN_VALUES", 1000)
+    rng = random.Random(3)
+    rows, block = 3000, 14
+    owners = array("q", [rng.randrange(rows) for _ in range(8000)])
+    values = array("d", [round(rng.gauss(100 + r / 100, 10), 1) for r in owners])
+    weights = array("d", [rng.choice((1.0, 2.0, 3.5)) for _ in owners]) if weighted else None
+    windowed = Weighted(values, owners, rows, block, weights, ps=(50, 90, 99))
+    full = Weighted(values, owners, rows, block, weights)
+    assert set(windowed.windows) == {50, 90, 99} and not full.windows
+    assert windowed.windows[50].end - windowed.windows[50].start < len(values) / 2
+    for _ in range(200):
+        d = draw(rng, rows, block)
+        assert windowed.quantiles(d, (50, 90, 99)) == pytest.approx(full.quantiles(d, (50, 90, 99)), abs=1e-9)
+    assert windowed.misses == 0
+
+
+def test_equal_servers_are_judged_different_about_one_time_in_twenty():
+    """A/A by brute force: pairs of runs whose every row is drawn afresh from one distribution.
+    A 95% interval says `worse` or `better` of about 5% of the (pair, metric) verdicts."""
+    verdicts = Counter()
+    for pair in range(20):
+        result = compare([synthetic(100 + 2 * pair, 300)], [synthetic(101 + 2 * pair, 300)], resamples=200,
+                         seed=pair, block=1)  # fmt: skip
+        verdicts.update(e["verdict"] for e in result["metrics"] if e["ci"] is not None and not e["note"])
+    judged = sum(verdicts.values())
+    assert judged >= 20 * 10 and (verdicts["worse"] + verdicts["better"]) / judged <= 0.10, verdicts
 
 
 def test_figures_are_the_reports_and_identical_runs_show_no_difference():
@@ -187,6 +243,7 @@ def test_good_gates_parse():
 
 
 def replay(tmp: Path, tokenizer: Path, trace: Path, name: str, sim_seed: int, *extra: str, sim_args=()) -> str:
+    """A real run of `trace` against its own `replay sim` (exit 0: a stop by --run-time is the user's own)."""
     with sim_process(tokenizer, "--block-size", str(BLOCK), "--jitter", "0.3", "--seed", str(sim_seed),
                      "--ttft-ms", "20", "--itl-ms", "2", *sim_args) as sim:
         out = tmp / name
@@ -201,15 +258,24 @@ def replay(tmp: Path, tokenizer: Path, trace: Path, name: str, sim_seed: int, *e
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, toy_tokenizer_dir) -> dict[str, str]:
     """Real runs of one trace: two on equal sims (A/A), one on a sim stalling every first token
-    by 20 ms (TTFT about doubled), one with another synthesis seed, one of another trace."""
+    by 20 ms (TTFT about doubled), one with another synthesis seed, one of another trace; and of
+    a longer trace (5 s at --scale 20): a whole run, one stopped midway by --run-time, one
+    by two workers."""
     tmp = tmp_path_factory.mktemp("compare")
     trace = mooncake_trace(tmp / "trace.jsonl", ROWS, 200.0, output_length=(4, 8))
     other = mooncake_trace(tmp / "other.jsonl", ROWS, 200.0, output_length=(4, 8), seed=1)
+    longer = mooncake_trace(tmp / "longer.jsonl", LONG_ROWS, 1000.0, output_length=(4, 8))
+    port = str(free_port())
     judged = {
         "a1": replay(tmp, toy_tokenizer_dir, trace, "a1.jsonl", 1),
         "a2": replay(tmp, toy_tokenizer_dir, trace, "a2.jsonl", 2),
         "b": replay(tmp, toy_tokenizer_dir, trace, "b.jsonl", 3, sim_args=("--stall-ms", "20")),
-    }
+        "whole": replay(tmp, toy_tokenizer_dir, longer, "whole.jsonl", 6),
+        "stopped": replay(tmp, toy_tokenizer_dir, longer, "stopped.jsonl", 7, "--run-time", "3s"),
+        "workers": replay(tmp, toy_tokenizer_dir, longer, "workers.jsonl", 8, "--processes", "2",
+                          "--master-bind-host", "127.0.0.1", "--master-host", "127.0.0.1",
+                          "--master-bind-port", port, "--master-port", port),
+    }  # fmt: skip
     # The refused runs' latencies are never judged, so they run side by side (greenlets: the
     # module runs under gevent's monkey-patching, tests/conftest.py), after the judged ones.
     refused = {"seed": gevent.spawn(replay, tmp, toy_tokenizer_dir, trace, "seed.jsonl", 4, "--seed", "7"),
@@ -250,6 +316,35 @@ def test_html_has_the_verdicts_and_both_plots(runs, tmp_path, capsys):
     text = page.read_text()
     assert 'id="verdicts"' in text and 'id="plot-compare-cdf"' in text and 'id="plot-compare-rows"' in text
     assert '<td class="worse">worse</td>' in text and "<script" not in text
+
+
+@pytest.mark.alone  # real runs whose latencies the verdicts judge: another test's load shifts one run
+def test_a_run_stopped_midway_is_refused_or_compared_on_the_rows_both_answered(runs, tmp_path, capsys):
+    records = list(read_records(runs["stopped"]))
+    first_stop = min(r["request_id"] for r in records if r["error"] in (RUN_STOPPED, STOPPED_IN_FLIGHT))
+    answered = {r["request_id"] for r in records if r["ok"] and r["request_id"] < first_stop}
+    assert 10 < len(answered) < 0.8 * LONG_ROWS, len(answered)  # stopped midway
+    assert main(["compare", runs["whole"], runs["stopped"]]) == 2
+    err = capsys.readouterr().err
+    assert f"NEW {runs['stopped']}" in err and repr(RUN_STOPPED) in err and "--allow-incomplete" in err
+    assert main(["compare", runs["whole"], runs["stopped"], "--allow-incomplete",
+                 "--json", str(tmp_path / "c.json")]) == 0  # fmt: skip
+    assert f"INCOMPLETE (--allow-incomplete): NEW {runs['stopped']}" in capsys.readouterr().out
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert result["rows_matched"] == len(answered) and result["stop"]["request_id"] == first_stop
+    failure = entry(result, "failure_rate")
+    assert failure["change"] == 0 and failure["verdict"] == SAME  # the stop is no failure of the server
+    assert entry(result, "e2e_p50")["verdict"] == SAME and entry(result, "ttft_p50")["verdict"] == SAME
+
+
+@pytest.mark.alone  # real runs whose latencies the verdicts judge: another test's load shifts one run
+def test_a_run_of_two_workers_compares_whole(runs, tmp_path, capsys):
+    assert {r["worker"] for r in read_records(runs["workers"])} == {0, 1}
+    assert main(["compare", runs["whole"], runs["workers"], "--json", str(tmp_path / "c.json")]) == 0
+    assert "INCOMPLETE" not in capsys.readouterr().out
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert result["rows_matched"] == LONG_ROWS and result["rows_unmatched"] == 0
+    assert all(not r["incomplete"] and not r["unanswered"] for r in result["runs"])
 
 
 def test_the_command_is_wired(capsys):

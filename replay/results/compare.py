@@ -202,10 +202,11 @@ class Side:
                     gap_rows.append(rows[i])
                     gap_weights.append(w)
         self.gaps_kept = len(gaps)
-        self.weighted = {lat: Weighted(v, o, n, block) for lat, (v, o) in values.items()}
+        self.weighted = {lat: Weighted(v, o, n, block, ps=QUANTILES) for lat, (v, o) in values.items()}
         # ITL: quantiles over the kept gaps, each weighing as the gaps it stands for; the mean
         # over every gap (each row's sum and count): the point and the resamples alike.
-        self.weighted["itl"] = Weighted(gaps, gap_rows, n, block, gap_weights)
+        thinned = gap_weights.count(1.0) < len(gap_weights)
+        self.weighted["itl"] = Weighted(gaps, gap_rows, n, block, gap_weights if thinned else None, QUANTILES)
         self.itl_sum, self.itl_count = Total(itl_sum, block), Total(itl_count, block)
         self.rows_with = {lat: w.rows_with for lat, w in self.weighted.items()}
         self.shares = {"failure_rate": Share(failed, requests, block), "cached_share": Share(cached, prompt, block)}
