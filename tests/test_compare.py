@@ -24,7 +24,7 @@ from replay.results.bootstrap import Weighted, block_sums, draw
 from replay.results.compare import SAME, CompareError, compare
 from replay.results.compare_runs import RunRows, run_of_records
 from replay.results.gates import parse_gate
-from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
+from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, read_records
 from replay.results.report import build_report
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
@@ -185,6 +185,45 @@ def test_a_stopped_run_is_refused_and_compared_on_the_rows_both_answered(tmp_pat
     for e in result["metrics"]:  # the rows both answered are the same rows, answered the same
         if e["ci"] is not None:
             assert e["change"] == 0 and e["verdict"] == SAME, e
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("short", "180 records for the 200 rows its meta names (20 missing)"),
+    ("not whole", "its files are not whole (run.jsonl: No space left on device)"),
+    ("worker lost", f"50 of 200 rows unanswered: 50 {WORKER_LOST!r}"),
+])  # fmt: skip
+def test_a_run_not_whole_is_refused_saying_why(tmp_path, capsys, damage, named):
+    records = synthetic_records(1, 200)
+    base = write_run(tmp_path / "base.jsonl", records)
+    if damage == "short":
+        new = write_run(tmp_path / "new.jsonl", records[:180], rows=200)
+    else:
+        lost = [dict(r, ok=False, status=0, error=WORKER_LOST, finished_at=None, ttft_ms=None, e2e_ms=None, itl_ms=None)
+                if damage == "worker lost" and r["request_id"] % 4 == 1 else r for r in records]  # fmt: skip
+        new = write_run(tmp_path / "new.jsonl", lost)
+        if damage == "not whole":
+            meta = json.loads(Path(f"{new}.meta.json").read_text())
+            meta.update(complete=False, incomplete=[{"file": "run.jsonl", "error": "No space left on device"}])
+            Path(f"{new}.meta.json").write_text(json.dumps(meta))
+    assert main(["compare", base, new]) == 2
+    assert f"NEW {new}: {named}" in capsys.readouterr().err
+    assert main(["compare", base, new, "--allow-incomplete", "--resamples", "100"]) == 0
+    rows = 150 if damage == "worker lost" else 180 if damage == "short" else 200
+    assert f"{rows} rows matched by request id, answered in every run" in capsys.readouterr().out
+
+
+def test_a_run_whose_every_request_failed_says_so(tmp_path, capsys):
+    records = synthetic_records(1, 100)
+    failed = [dict(r, ok=False, status=500, error="HTTP 500", ttft_ms=None, tpot_ms=None, e2e_ms=None, itl_ms=None)
+              for r in records]  # fmt: skip
+    paths = [write_run(tmp_path / "base.jsonl", records), write_run(tmp_path / "new.jsonl", failed)]
+    assert main(["compare", *paths, "--resamples", "100", "--json", str(tmp_path / "c.json")]) == 0
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert entry(result, "failure_rate")["verdict"] == "worse"
+    assert entry(result, "e2e_p50")["note"] == "no value on NEW: no ok answer has it"
+    capsys.readouterr()
+    assert main(["compare", *paths, "--resamples", "100", "--fail-on", "e2e_p50>+5%"]) == 2
+    assert "no value on NEW: no ok answer has it" in capsys.readouterr().err
 
 
 def test_itl_point_and_interval_are_of_the_same_gaps(tmp_path, capsys):

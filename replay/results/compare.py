@@ -243,6 +243,12 @@ def _tail_problem(metric: Metric, rows: int) -> str | None:
             f"{math.ceil(MIN_TAIL_ROWS / share)} rows needed")  # fmt: skip
 
 
+def _missing(base: float | None, new: float | None) -> str | None:
+    """Which side has no value of a figure (no answered ok request has it), else None."""
+    sides = [name for name, value in (("BASE", base), ("NEW", new)) if value is None]
+    return f"no value on {' and '.join(sides)}: no ok answer has it" if sides else None
+
+
 def _point_problem(change: float | None, ci: tuple[float, float] | None) -> str | None:
     """Why an interval cannot judge its own point: the point change lies outside it (a
     bootstrap distribution of few distinct values, or one skewed by ties), else None."""
@@ -315,7 +321,7 @@ def compare(base: list[RunRows], new: list[RunRows], *, slo: dict[str, float] | 
         rows = min(s.rows_with[lat] for s in sides) if m.quantile is not None else n
         ci = interval(diffs[m.name], CONFIDENCE) if m.tested else None
         ci_rel = interval(rels[m.name], CONFIDENCE) if m.tested else None
-        problem = _tail_problem(m, rows) or (_point_problem(change, ci) if m.tested else None)
+        problem = (_missing(bv, nv) or _tail_problem(m, rows) or _point_problem(change, ci)) if m.tested else None
         entries.append({
             "metric": m.name, "label": m.label, "unit": m.unit, "lower_is_better": m.lower_is_better,
             "base": bv, "new": nv,
