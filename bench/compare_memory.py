@@ -105,6 +105,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = args.dir or Path(tmp)
         d.mkdir(parents=True, exist_ok=True)
+        for old in d.glob("template-*"):  # an earlier invocation's, in a --dir kept
+            old.unlink()
         tokenizer = build_toy_tokenizer(d / "tok")
         trace = write_template_trace(d / "trace.jsonl", args.template_rows)
         templates = [replay(tokenizer, trace, d / f"template-{side}.jsonl", 10.0, seed, "--itl-ms", "5")
@@ -113,9 +115,12 @@ def main() -> None:
             base = tile(templates[0], d / f"base-{rows}.jsonl", rows, 1)
             new = tile(templates[1], d / f"new-{rows}.jsonl", rows, 2)
             size = (base.stat().st_size + new.stat().st_size) / 2**20
-            results = [measure(args.repo, base, new, d / "out.json") for _ in range(args.runs)]
-            for r in results:
-                assert r["rows_matched"] == rows, r
+            results = []
+            for i in range(args.runs):
+                results.append(measure(args.repo, base, new, d / "out.json"))
+                assert results[-1]["rows_matched"] == rows, results[-1]
+                print(f"  {rows:,} rows, run {i + 1}: {results[-1]['rss_mib']:.0f} MiB {results[-1]['wall_s']:.1f} s",
+                      flush=True)
             print(f"{rows:,} rows ({size:,.0f} MiB of records in all), {args.repo}: "
                   f"peak RSS {statistics.median(r['rss_mib'] for r in results):,.0f} MiB, "
                   f"wall {statistics.median(r['wall_s'] for r in results):.1f} s (median of {args.runs}: "

@@ -8,6 +8,7 @@ import html
 import time
 from pathlib import Path
 
+from replay.results.compare import Matched, match
 from replay.results.compare_cli import format_compare, table_rows
 from replay.results.compare_runs import RunRows
 from replay.results.files import write_atomically
@@ -16,7 +17,7 @@ from replay.results.html import _cdf, _matplotlib, figure_svg
 CDF_POINTS = 20_000  # values a side's CDF is drawn from (its evenly spaced order statistics)
 ROW_POINTS = 5_000  # about the rows the change-over-time plot draws (every k-th request id)
 PLOTS = (
-    ("compare-cdf", "TTFT and end-to-end latency, cumulative distribution: BASE and NEW"),
+    ("compare-cdf", "TTFT and end-to-end latency of the rows compared, cumulative distribution: BASE and NEW"),
     ("compare-rows", "Each row's change (NEW - BASE, mean over a side's runs) over trace time"),
 )
 
@@ -29,18 +30,22 @@ def _thinned(values: list[float], most: int) -> list[float]:
     return [v[int((i + 0.5) * len(v) / most)] for i in range(most)]
 
 
-def _ok_values(runs: list[RunRows], key: str) -> list[float]:
-    return _thinned([v for run in runs for v in getattr(run, key) if v == v], CDF_POINTS)
+def _ok_values(runs: list[RunRows], key: str, matched: Matched) -> list[float]:
+    """The ok values of the rows compared (the table's rows: not those only some run answered)."""
+    row_of, low = matched.row_of, matched.low
+    return _thinned([v for run in runs for rid, v in zip(run.ids, getattr(run, key))
+                     if v == v and row_of[rid - low] >= 0], CDF_POINTS)  # fmt: skip
 
 
-def _row_means(runs: list[RunRows], key: str, stride: int) -> dict[int, tuple[float, float]]:
+def _row_means(runs: list[RunRows], key: str, stride: int, matched: Matched) -> dict[int, tuple[float, float]]:
     """request id -> (its mean over the runs that answered it, its scheduled offset in s), of
-    every `stride`-th request id (a drawable page)."""
+    every `stride`-th request id compared (a drawable page)."""
     sums: dict[int, list[float]] = {}
+    row_of, low = matched.row_of, matched.low
     for run in runs:
         t0 = min((t for t in run.scheduled if t == t), default=0.0)
         for rid, value, at in zip(run.ids, getattr(run, key), run.scheduled):
-            if value == value and at == at and rid % stride == 0:
+            if value == value and at == at and rid % stride == 0 and row_of[rid - low] >= 0:
                 s = sums.setdefault(rid, [0.0, 0.0, 0])
                 s[0] += value
                 s[1] += at - t0
@@ -50,12 +55,13 @@ def _row_means(runs: list[RunRows], key: str, stride: int) -> dict[int, tuple[fl
 
 def render_figures(base: list[RunRows], new: list[RunRows]) -> dict:
     Figure = _matplotlib()
+    matched = match([*base, *new])
     figures = {}
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, key, title in ((axes[0], "ttft", "TTFT"), (axes[1], "e2e", "End-to-end")):
-        _cdf(ax, _ok_values(base, key), "BASE")
-        _cdf(ax, _ok_values(new, key), "NEW")
+        _cdf(ax, _ok_values(base, key, matched), "BASE")
+        _cdf(ax, _ok_values(new, key, matched), "NEW")
         ax.set(xlabel=f"{title} (ms)", title=title)
         ax.legend(loc="lower right")
         ax.grid(alpha=0.3)
@@ -67,7 +73,7 @@ def render_figures(base: list[RunRows], new: list[RunRows]) -> dict:
     ax = fig.subplots()
     for key, label in (("ttft", "TTFT"), ("e2e", "E2E")):
         stride = max(1, max(len(r) for r in (*base, *new)) // ROW_POINTS)
-        b, n = _row_means(base, key, stride), _row_means(new, key, stride)
+        b, n = _row_means(base, key, stride, matched), _row_means(new, key, stride, matched)
         ids = sorted(b.keys() & n.keys())
         ax.scatter([b[i][1] * scale for i in ids], [n[i][0] - b[i][0] for i in ids], s=7, alpha=0.6, label=label)
     ax.axhline(0.0, color="grey", lw=1)
