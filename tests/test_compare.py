@@ -261,9 +261,13 @@ def test_a_row_recorded_twice_is_refused_naming_the_lines(tmp_path, capsys):
 def test_block_rows_out_of_range_is_one_line(tmp_path, capsys, rows):
     records = synthetic_records(1, 20)
     paths = [write_run(tmp_path / "base.jsonl", records), write_run(tmp_path / "new.jsonl", records)]
-    assert main(["compare", *paths, "--block-rows", rows]) == 2
+    try:
+        code = main(["compare", *paths, "--block-rows", rows])
+    except SystemExit as parser_refused:  # under 1: the option's range (replay/bounds.py), from the parser
+        code = parser_refused.code
+    assert code == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith(f"replay compare: --block-rows {rows}: "), err
+    assert "\n" not in err and "--block-rows" in err and rows in err, err
 
 
 @pytest.mark.parametrize("text", ["ttft_p99>5", "ttft_p99=+5%", "nope>+5%", "goodput>+5ms", "ttft_p50<-1pt",
