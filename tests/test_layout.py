@@ -25,6 +25,8 @@ def command_line(module: str) -> bool:
 LAYERS: list[tuple[str, ...]] = [
     ("replay.__main__", "replay.run.options_doc"),  # `python -m replay`; options_doc renders every command's options
     ("replay.cli", "replay.demo"),  # the command line
+    ("replay.results.cli", "replay.synth.cli", "replay.sim.cli", "replay.record.cli"),  # each area's commands
+    ("replay.trace.cli",),  # the trace's commands (the others share its --block-size)
     ("replay.locust",),  # the adapter: Locust's runner around the run
     ("replay.run",),  # preflight -> engine -> finish (run/driver.py)
     ("replay.engine", "replay.record"),  # the replay (master and workers, no Locust); the recording proxy
