@@ -1,0 +1,57 @@
+"""`replay record --upstream URL --output TRACE`: the recording proxy (docs/record.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_BLOCK_SIZE = 16  # when neither --block-size nor the upstream's /metrics says
+ON_WRITE_ERROR = ("continue", "stop")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "record",
+        help="a proxy in front of an OpenAI-compatible server that records its traffic as a hash-id trace",
+        description="Forward every request to --upstream unchanged and write a salted hash-id trace of the "
+        "chat/completions requests that passed (docs/record.md). No prompt or answer text is written "
+        "unless --keep-text.",
+    )
+    parser.add_argument("--upstream", required=True, help="the server (or router) to forward to: http://HOST:PORT")
+    parser.add_argument("--output", required=True, help="the trace to write (JSONL); OUTPUT.meta.json beside it")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free one; default 8080)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per hash id (default: the upstream's KV block size from its /metrics, else 16)")
+    parser.add_argument("--salt-file", default=None,
+                        help="key the hash ids with this file's bytes (16-64), so that two recordings share ids; "
+                        "default: a random salt, never written")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the served model's tokenizer, for an upstream without POST /tokenize")
+    parser.add_argument("--chat-template", default=None, help="the served chat template, with --tokenizer")
+    parser.add_argument("--session-header", default=None, metavar="NAME",
+                        help="a request header naming its session (it wins over message continuation)")
+    parser.add_argument("--session-user", action="store_true",
+                        help="the body's OpenAI `user` field names the session (it wins over message continuation)")
+    parser.add_argument("--keep-text", action="store_true",
+                        help="write each prompt (messages or text) into its row: for internal replays only")
+    parser.add_argument("--on-write-error", choices=ON_WRITE_ERROR, default="continue",
+                        help="when the trace cannot be written (a full disk): go on forwarding unrecorded "
+                        "(default), or stop the proxy")
+    parser.add_argument("--upstream-timeout", type=float, default=3600.0,
+                        help="seconds without a byte from the upstream before the request fails (default 3600)")
+    parser.add_argument("--max-record-bytes", type=int, default=64 << 20,
+                        help="a request or answer longer than this is forwarded but not read (its row marked)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds to let requests in flight finish (default 30)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from replay.record.serve import RecordError, serve
+
+    try:
+        return serve(args)
+    except RecordError as exc:
+        print(f"replay record: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,195 @@
+"""The forwarding half of `replay record`: a gevent WSGI server that passes every request to the
+upstream and every answer back, chunk by chunk as it arrives, and hands each finished
+generation request to the recorder process (replay/record/recorder.py).
+
+Nothing is computed about a request before it is forwarded: the proxy reads the request,
+sends it on, relays the answer, and only then queues the bytes it saw; a greenlet of its own
+writes them down the recorder's pipe. Requests to other paths (`/v1/models`, `/tokenize`,
+`/metrics`, ...) are forwarded and not recorded. The Authorization header goes to the upstream
+and nowhere else: the recorder never sees a header but the session header it is told to take.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit
+
+import gevent
+import orjson
+from gevent.queue import Queue
+from geventhttpclient import HTTPClient
+
+from replay.protocol.gevent_pool import PoolInternals
+from replay.protocol.urls import authorization, shown
+from replay.record.rows import api_of
+
+READ_SIZE = 65536
+# RFC 9110 7.6.1: connection-specific fields, never forwarded; Host is the upstream's own.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                        "transfer-encoding", "upgrade", "host", "content-length"})
+RECORDER_STOPPED = object()
+
+
+def _bad_gateway(message: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": "BadGateway", "code": 502}})
+
+
+class Forwarder:
+    """The WSGI application. `exchanges` gets (header, request bytes, response bytes) per
+    finished generation request, for the recorder."""
+
+    def __init__(self, upstream: str, *, session_header: str | None, session_user: bool,
+                 timeout_s: float, max_record_bytes: int):
+        parts = urlsplit(upstream)
+        self.upstream = upstream
+        self.base_path = parts.path.rstrip("/")
+        self.credentials = authorization(upstream)
+        self.client = HTTPClient(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80),
+                                 ssl=parts.scheme == "https", concurrency=100_000, connection_timeout=30.0,
+                                 network_timeout=timeout_s, block_size=READ_SIZE)
+        self.session_header = session_header
+        self.session_user = session_user
+        self.max_record_bytes = max_record_bytes
+        self.exchanges: Queue = Queue()
+        self.seq = 0
+        self.origin: float | None = None
+        self.in_flight = 0
+
+    def __call__(self, environ, start_response):
+        arrival = time.time()
+        method = environ["REQUEST_METHOD"]
+        path = environ.get("PATH_INFO") or "/"
+        query = environ.get("QUERY_STRING")
+        uri = self.base_path + path + (f"?{query}" if query else "")
+        body = environ["wsgi.input"].read()
+        headers = [(k[5:].replace("_", "-").title(), v) for k, v in environ.items() if k.startswith("HTTP_")]
+        headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+        if environ.get("CONTENT_TYPE"):
+            headers.append(("Content-Type", environ["CONTENT_TYPE"]))
+        if self.credentials and not any(k.lower() == "authorization" for k, _ in headers):
+            headers.append(("Authorization", self.credentials))
+        recorded = method == "POST" and api_of(path) is not None
+        if recorded:
+            seq = self.seq
+            self.seq += 1
+            if self.origin is None:
+                self.origin = arrival
+            self.in_flight += 1
+            session_name = self._session_name(environ, body)
+        try:
+            response = self.client.request(method, uri, body=body, headers=headers)
+        except Exception as e:
+            why = _reason(e)
+            message = f"replay record: the upstream {shown(self.upstream)} did not answer: {why}"
+            start_response("502 Bad Gateway", [("Content-Type", "application/json")])
+            answer = _bad_gateway(message)
+            if recorded:
+                self._hand_over(seq, path, arrival, 502, f"upstream unreachable: {why}", session_name, body, answer)
+            return [answer]
+        status = f"{response.status_code} {_reason_phrase(response)}"
+        out_headers = [(k, v) for k, v in response.items() if k.lower() not in HOP_BY_HOP - {"content-length"}]
+        start_response(status, out_headers)
+        relay = self._relay(response)
+        if not recorded:
+            return relay
+        return self._recorded(relay, seq, path, arrival, response.status_code, session_name, body)
+
+    def _session_name(self, environ, body: bytes) -> str | None:
+        """The client's own name for the session, where the recording takes it (a header's value,
+        or the body's `user`: read only when asked for, and then with a plain search first)."""
+        if self.session_header:
+            value = environ.get("HTTP_" + self.session_header.upper().replace("-", "_"))
+            if value:
+                return value
+        if self.session_user and b'"user"' in body:
+            try:
+                user = orjson.loads(body).get("user")
+            except (orjson.JSONDecodeError, AttributeError):
+                return None
+            return user if isinstance(user, str) and user else None
+        return None
+
+    def _relay(self, response):
+        """The answer's body as it arrives: each read from the upstream is one chunk to the client."""
+        buf = PoolInternals.body(response)
+        finished = False
+        try:
+            while True:
+                if buf:
+                    chunk = bytes(buf)
+                    del buf[:]
+                    yield chunk
+                sock = PoolInternals.socket(response)
+                if response.message_complete or sock is None:
+                    finished = True
+                    return
+                data = sock.recv(READ_SIZE)
+                if not data:
+                    raise ConnectionError("the upstream closed the connection before the end of the answer")
+                response.feed(data)
+        finally:
+            if not finished and PoolInternals.socket(response) is not None:  # cut short: the connection is spoilt
+                pool, sock = PoolInternals.detach(response)
+                pool.release_socket(sock)
+
+    def _recorded(self, relay, seq: int, path: str, arrival: float, status: int, session_name: str | None, body: bytes):
+        kept = bytearray()
+        error = "client disconnected before the end of the answer"
+        try:
+            for chunk in relay:
+                if len(kept) < self.max_record_bytes:
+                    kept += chunk
+                yield chunk
+            error = None
+        except GeneratorExit:
+            raise
+        except Exception as e:
+            error = f"the upstream broke off the answer: {_reason(e)}"
+            raise
+        finally:
+            relay.close()
+            if error is None and len(kept) >= self.max_record_bytes:
+                error = f"answer over {self.max_record_bytes} bytes: not read for its usage"
+            self._hand_over(seq, path, arrival, status, error, session_name, body, bytes(kept))
+
+    def _hand_over(self, seq: int, path: str, arrival: float, status: int, error: str | None,
+                   session_name: str | None, request: bytes, response: bytes) -> None:
+        self.in_flight -= 1
+        if len(request) > self.max_record_bytes:
+            request, error = b"", error or f"request over {self.max_record_bytes} bytes: forwarded, not counted"
+        head = {"seq": seq, "path": path, "arrival": arrival, "origin": self.origin, "end": time.time(),
+                "status": status, "error": error, "session_name": session_name,
+                "request": len(request), "response": len(response)}
+        self.exchanges.put((orjson.dumps(head) + b"\n", request, response))
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, TimeoutError | gevent.Timeout):
+        return "timed out"
+    return str(e) or type(e).__name__
+
+
+def _reason_phrase(response) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(response.status_code).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def pump(exchanges: Queue, pipe) -> None:
+    """Write each queued exchange down the recorder's pipe (a greenlet: the forwarding never waits
+    for the pipe). Ends at RECORDER_STOPPED, or when the recorder is gone."""
+    while True:
+        item = exchanges.get()
+        if item is RECORDER_STOPPED:
+            return
+        try:
+            for part in item:
+                pipe.write(part)
+            pipe.flush()
+        except OSError:
+            return

@@ -1,0 +1,131 @@
+"""The recorder: a child process of `replay record` that turns exchanges into trace rows.
+
+The proxy hands each finished exchange down a pipe and goes on forwarding; counting tokens
+(the server's POST /tokenize, or the tokenizer), hashing and finding sessions happen here, in
+another process, so no request waits for them. Rows are written in arrival order (a row waits
+for the requests that arrived before it to end), each a whole line (replay/results/files.py:
+a full disk cuts the trace at a whole line).
+
+The pipe carries: one line, the recording's settings (JSON, the salt in hex); then per
+exchange one JSON line (Exchange's fields, `request` and `response` as byte counts) followed
+by those bytes. End of input: the proxy is done; the rows still held are written, the meta
+says the trace is complete, and the process exits (1 if the trace was cut).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+import orjson
+
+from replay.record.hashing import BlockHasher
+from replay.record.rows import Exchange, PromptTokens, RowMaker
+from replay.results.files import AppendFile, OutputError, write_atomically
+from replay.rules.run_files import meta_path
+
+CUT_EXIT = 3  # the trace was cut (a write failed) and the settings say forwarding stops
+
+
+def _tokenizer(settings: dict):
+    if not settings.get("tokenizer"):
+        return None
+    from replay.synth.tokenizer import ServerTokenizer
+
+    return ServerTokenizer.load(settings["tokenizer"], settings.get("chat_template"))
+
+
+def _fingerprint(settings: dict, method: str | None) -> str | None:
+    if method == "tokenizer" and settings.get("tokenizer"):
+        from replay.synth.tokenizer import tokenizer_fingerprint
+
+        return tokenizer_fingerprint(settings["tokenizer"], settings.get("chat_template"))
+    return None
+
+
+class Recorder:
+    def __init__(self, settings: dict):
+        self.settings = settings
+        self.path = Path(settings["output"])
+        self.meta = dict(settings["meta"])
+        self.hasher = BlockHasher(bytes.fromhex(settings["salt"]), settings["block_size"])
+        self.tokens = PromptTokens(settings["upstream"], _tokenizer(settings), ask_server=settings["ask_server"])
+        self.rows = RowMaker(self.tokens, self.hasher, settings.get("session_from"), settings["keep_text"])
+        self.file = AppendFile(self.path, fd=settings.get("fd"))
+        self.held: dict[int, bytes] = {}
+        self.next_seq = 0
+        self.written = 0
+        self.failed = 0
+        self.cut: str | None = None
+        self.write_meta(complete=False)
+
+    def add(self, exchange: Exchange) -> None:
+        row = self.rows.row(exchange)
+        if "error" in row:
+            self.failed += 1
+        self.held[exchange.seq] = orjson.dumps(row) + b"\n"
+        while self.next_seq in self.held:
+            self._write(self.held.pop(self.next_seq))
+            self.next_seq += 1
+
+    def _write(self, line: bytes) -> None:
+        if self.cut is not None:
+            return
+        try:
+            self.file.append(line)
+            self.written += 1
+        except OutputError as e:
+            self.cut = str(e)
+            print(f"replay record: the trace is cut after line {self.written}: {e}; "
+                  f"{'forwarding stops' if self.settings['on_write_error'] == 'stop' else 'forwarding goes on, unrecorded'}",
+                  file=sys.stderr, flush=True)
+            if self.settings["on_write_error"] == "stop":
+                self.close()
+                sys.exit(CUT_EXIT)
+
+    def close(self) -> None:
+        for seq in sorted(self.held):  # exchanges the proxy never finished (none, unless it was killed)
+            self._write(self.held.pop(seq))
+        self.file.close()
+        self.write_meta(complete=self.cut is None)
+
+    def write_meta(self, complete: bool) -> None:
+        self.meta.update(rows=self.written, rows_marked_failed=self.failed, complete=complete, cut=self.cut,
+                         tokens=self.tokens.method, tokenizer_fingerprint=_fingerprint(self.settings, self.tokens.method),
+                         written_at=time.time())
+        try:
+            write_atomically(meta_path(self.path), orjson.dumps(self.meta, option=orjson.OPT_INDENT_2) + b"\n")
+        except OutputError as e:
+            print(f"replay record: {e}", file=sys.stderr, flush=True)
+
+
+def read_exchanges(pipe: BinaryIO):
+    while True:
+        head = pipe.readline()
+        if not head:
+            return
+        fields = orjson.loads(head)
+        request = pipe.read(fields.pop("request"))
+        response = pipe.read(fields.pop("response"))
+        yield Exchange(**fields, request=request, response=response)
+
+
+def main() -> int:
+    # The proxy ends this process by closing the pipe, after the last exchange; a Ctrl-C or a
+    # SIGTERM sent to the whole process group must not cut the trace before that.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    pipe = sys.stdin.buffer
+    settings = orjson.loads(pipe.readline())
+    recorder = Recorder(settings)
+    for exchange in read_exchanges(pipe):
+        recorder.add(exchange)
+    recorder.close()
+    return 1 if recorder.cut else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

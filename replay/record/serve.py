@@ -1,0 +1,119 @@
+"""`replay record`'s process: checks the options, starts the recorder child and the proxy, and
+stops both in order on SIGTERM/SIGINT (no new requests; those in flight finish, up to
+--drain-timeout; the recorder writes what it holds and closes the trace and its meta)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import signal
+import sys
+import time
+
+import gevent
+import orjson
+from gevent import subprocess
+from gevent.event import Event
+from gevent.pywsgi import WSGIServer
+
+from replay.errors import OptionError
+from replay.protocol.ask import check_url
+from replay.protocol.server_cache import ask_cache_config
+from replay.protocol.urls import shown
+from replay.record.cli import DEFAULT_BLOCK_SIZE
+from replay.record.hashing import read_salt
+from replay.record.proxy import RECORDER_STOPPED, Forwarder, pump
+from replay.record.recorder import CUT_EXIT
+from replay.trace.fields import block_size_problem
+
+READY_PREFIX = "replay record listening on "
+
+
+class RecordError(ValueError):
+    """Options or inputs refused before anything is forwarded (exit 2)."""
+
+
+def _block_size(args: argparse.Namespace) -> tuple[int, str]:
+    if args.block_size is not None:
+        if problem := block_size_problem(args.block_size):
+            raise RecordError(f"--block-size {args.block_size}: {problem}")
+        return args.block_size, "--block-size"
+    said = ask_cache_config(args.upstream) or {}
+    if said.get("block_size"):
+        return said["block_size"], "the upstream's /metrics"
+    return DEFAULT_BLOCK_SIZE, "default (the upstream's /metrics did not say)"
+
+
+def settings_of(args: argparse.Namespace) -> dict:
+    try:
+        check_url("--upstream", args.upstream)
+        salt = read_salt(args.salt_file)
+    except (OptionError, ValueError) as e:
+        raise RecordError(str(e)) from None
+    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
+        raise RecordError(f"--tokenizer {args.tokenizer}: not found")
+    if os.path.isdir(args.output):
+        raise RecordError(f"--output {args.output}: is a folder")
+    block_size, block_source = _block_size(args)
+    kept = ["arrival times", "input and output lengths", "salted hash ids", "sessions and turns", "model",
+            "max_tokens", "ignore_eos", "status"]
+    if args.keep_text:
+        kept.append("prompt text (--keep-text)")
+    meta = {"recorded_by": "replay record", "version": _version(), "upstream": shown(args.upstream),
+            "started_at": time.time(), "format": "jsonl", "block_size": block_size, "block_size_source": block_source,
+            "hash_ids": "salted (blake2b keyed), renumbered in order of first use",
+            "salt": "from --salt-file" if args.salt_file else "random, never written", "kept": kept,
+            "sessions": (f"header {args.session_header}, " if args.session_header else "")
+            + ("the body's user field, " if args.session_user else "") + "message continuation"}
+    return {"output": args.output, "upstream": args.upstream, "salt": salt.hex(), "block_size": block_size,
+            "tokenizer": args.tokenizer, "chat_template": args.chat_template, "ask_server": True,
+            "session_from": "name" if (args.session_header or args.session_user) else None,
+            "keep_text": args.keep_text, "on_write_error": args.on_write_error, "meta": meta}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tracereplay")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    recorder = subprocess.Popen([sys.executable, "-m", "replay.record.recorder"], stdin=subprocess.PIPE)
+    recorder.stdin.write(orjson.dumps(settings) + b"\n")
+    recorder.stdin.flush()
+    forwarder = Forwarder(args.upstream, session_header=args.session_header, session_user=args.session_user,
+                          timeout_s=args.upstream_timeout, max_record_bytes=args.max_record_bytes)
+    try:
+        server = WSGIServer((args.host, args.port), forwarder, log=None)
+        server.start()
+    except OSError as e:
+        recorder.stdin.close()
+        recorder.wait()
+        raise RecordError(f"--host {args.host} --port {args.port}: {e.strerror or e}") from None
+    stop = Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        gevent.signal_handler(sig, stop.set)
+    pumping = gevent.spawn(pump, forwarder.exchanges, recorder.stdin)
+    recorder_ended = gevent.spawn(recorder.wait)
+    recorder_ended.link(lambda _: stop.set())
+    host, port = server.address[:2]
+    print(f"{READY_PREFIX}http://{host}:{port} (forwarding to {shown(args.upstream)}, trace to {args.output})",
+          flush=True)
+    stop.wait()
+    server.stop(timeout=args.drain_timeout)
+    forwarder.exchanges.put(RECORDER_STOPPED)
+    pumping.join()
+    try:
+        recorder.stdin.close()
+    except OSError:
+        pass
+    code = recorder.wait()
+    if code == CUT_EXIT:
+        print("replay record: stopped: the trace could not be written (--on-write-error stop)", file=sys.stderr)
+    elif code != 0 and not recorder_ended.ready():
+        pass
+    print(f"replay record: stopped; {forwarder.seq} requests recorded to {args.output}", file=sys.stderr, flush=True)
+    return 0 if code == 0 else 1
