@@ -53,9 +53,27 @@ class Forwarder:
         self.exchanges: Queue = Queue()
         self.seq = 0
         self.origin: float | None = None
-        self.in_flight = 0
+        self.active = 0  # requests between their arrival and their answer's last byte
 
     def __call__(self, environ, start_response):
+        self.active += 1
+        try:
+            answer = self._forward(environ, start_response)
+        except BaseException:
+            self.active -= 1
+            raise
+        return self._counted(answer)
+
+    def _counted(self, answer):
+        try:
+            yield from answer
+        finally:
+            close = getattr(answer, "close", None)
+            if close is not None:
+                close()
+            self.active -= 1
+
+    def _forward(self, environ, start_response):
         arrival = time.time()
         method = environ["REQUEST_METHOD"]
         path = environ.get("PATH_INFO") or "/"
@@ -74,7 +92,6 @@ class Forwarder:
             self.seq += 1
             if self.origin is None:
                 self.origin = arrival
-            self.in_flight += 1
             session_name = self._session_name(environ, body)
         try:
             response = self.client.request(method, uri, body=body, headers=headers)
@@ -154,7 +171,6 @@ class Forwarder:
 
     def _hand_over(self, seq: int, path: str, arrival: float, status: int, error: str | None,
                    session_name: str | None, request: bytes, response: bytes) -> None:
-        self.in_flight -= 1
         if len(request) > self.max_record_bytes:
             request, error = b"", error or f"request over {self.max_record_bytes} bytes: forwarded, not counted"
         head = {"seq": seq, "path": path, "arrival": arrival, "origin": self.origin, "end": time.time(),

@@ -15,6 +15,7 @@ import gevent
 import orjson
 from gevent import subprocess
 from gevent.event import Event
+from gevent.pool import Pool
 from gevent.pywsgi import WSGIServer
 
 from replay.errors import OptionError
@@ -87,7 +88,7 @@ def serve(args: argparse.Namespace) -> int:
     forwarder = Forwarder(args.upstream, session_header=args.session_header, session_user=args.session_user,
                           timeout_s=args.upstream_timeout, max_record_bytes=args.max_record_bytes)
     try:
-        server = WSGIServer((args.host, args.port), forwarder, log=None)
+        server = WSGIServer((args.host, args.port), forwarder, log=None, spawn=Pool())  # a pool: stop() waits for it
         server.start()
     except OSError as e:
         recorder.stdin.close()
@@ -103,7 +104,11 @@ def serve(args: argparse.Namespace) -> int:
     print(f"{READY_PREFIX}http://{host}:{port} (forwarding to {shown(args.upstream)}, trace to {args.output})",
           flush=True)
     stop.wait()
-    server.stop(timeout=args.drain_timeout)
+    server.close()  # no new connections; the requests in flight go on to their answers' end
+    deadline = time.monotonic() + args.drain_timeout
+    while forwarder.active and time.monotonic() < deadline:
+        gevent.sleep(0.02)
+    server.stop(timeout=0)  # idle keep-alive connections, and what is left past --drain-timeout
     forwarder.exchanges.put(RECORDER_STOPPED)
     pumping.join()
     try:

@@ -1,0 +1,235 @@
+"""`replay record` over real sockets: a real proxy process in front of a real `replay sim`, real
+HTTP clients and real replays through it (docs/record.md)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from replay.sim.process import sim_process
+from replay.synth.prompts import set_up
+from replay.synth.tokenizer import ServerTokenizer
+from replay.trace.reader import read_trace
+from support.processes import replay_args, run_locust
+from support.record import RecordProcess
+from support.traces import BLOCK, bailian_trace, mooncake_trace
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+SECRET = "Bearer sk-do-not-write-me"
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def chat(url: str, messages: list, **extra) -> requests.Response:
+    return requests.post(url + CHAT, json={"model": "sim", "messages": messages, "max_tokens": 6, **extra},
+                         headers={"Authorization": SECRET}, timeout=30)
+
+
+def without_ids(answer: dict) -> dict:
+    return {k: v for k, v in answer.items() if k not in ("id", "created")}
+
+
+def test_answers_pass_unchanged_and_the_trace_holds_counts_not_text(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    words = "unmistakable marmalade sentence"
+    with RecordProcess(sim.url, out) as proxy:
+        direct = chat(sim.url, [{"role": "user", "content": words}], ignore_eos=True)
+        proxied = chat(proxy.url, [{"role": "user", "content": words}], ignore_eos=True)
+        assert proxied.status_code == direct.status_code == 200
+        assert without_ids(proxied.json())["usage"]["prompt_tokens"] == direct.json()["usage"]["prompt_tokens"]
+        assert without_ids(proxied.json())["choices"][0]["message"].keys() == direct.json()["choices"][0]["message"].keys()
+        streamed = requests.post(proxy.url + CHAT, json={"model": "sim", "messages": [{"role": "user", "content": words}],
+                                 "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
+                                 "ignore_eos": True}, stream=True, timeout=30)
+        events = [line for line in streamed.iter_lines() if line.startswith(b"data:")]
+        assert events[-1] == b"data: [DONE]" and len(events) == 1 + 5 + 1 + 1  # role, 5 tokens, usage, DONE
+        missing = requests.post(proxy.url + CHAT, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+                                timeout=30)
+        assert missing.status_code == 404  # the server's status, as it sent it
+        completion = requests.post(proxy.url + COMPLETIONS, json={"model": "sim", "prompt": words, "max_tokens": 3},
+                                   timeout=30)
+        assert completion.status_code == 200
+        assert requests.get(proxy.url + "/v1/models", timeout=30).json()["data"][0]["id"] == "sim"  # not recorded
+    trace = rows(out)
+    assert [r["status"] for r in trace] == [200, 200, 404, 200]
+    first = trace[0]
+    assert first["input_length"] == direct.json()["usage"]["prompt_tokens"]
+    assert first["output_length"] == 6 and first["max_tokens"] == 6 and first["ignore_eos"] is True
+    assert len(first["hash_ids"]) == -(-first["input_length"] // BLOCK) and first["block_size"] == BLOCK
+    assert trace[1]["hash_ids"] == first["hash_ids"]  # the same prompt: the same ids
+    assert trace[1]["stream"] is True and trace[1]["output_length"] == 5
+    assert trace[3]["api"] == "openai-completions" and trace[3]["output_length"] == 3
+    assert "error" in trace[2]
+    written = out.read_text() + Path(f"{out}.meta.json").read_text() + proxy.errors()
+    for secret in ("marmalade", "sk-do-not-write-me", "kogivu"):
+        assert secret not in written
+    meta = json.loads(Path(f"{out}.meta.json").read_text())
+    assert meta["complete"] is True and meta["rows"] == 4 and meta["block_size"] == BLOCK
+    assert meta["tokens"] == "server /tokenize" and meta["salt"] == "random, never written"
+    check = subprocess.run([sys.executable, "-m", "replay", "trace", "validate", str(out)], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_chat_that_sends_its_answer_back_is_the_next_turn(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(sim.url, out) as proxy:
+        first = [{"role": "user", "content": "tell me about blocks"}]
+        answer = chat(proxy.url, first).json()["choices"][0]["message"]
+        other = chat(proxy.url, [{"role": "user", "content": "something else"}])
+        assert other.status_code == 200
+        time.sleep(0.05)
+        second = [*first, {"role": "assistant", "content": answer["content"]}, {"role": "user", "content": "more"}]
+        chat(proxy.url, second)
+        chat(proxy.url, [*first, {"role": "assistant", "content": "not what it said"}, {"role": "user", "content": "x"}])
+    trace = rows(out)
+    assert [(r["session_id"], r["turn"]) for r in trace] == [(0, 0), (1, 0), (0, 1), (2, 0)]
+    assert trace[2]["gap_ms"] >= 50
+    assert trace[2]["hash_ids"][0] == trace[0]["hash_ids"][0]
+
+
+def test_a_salt_file_gives_two_recordings_the_same_ids(sim, tmp_path):
+    salt = tmp_path / "salt"
+    salt.write_bytes(b"0123456789abcdef0123456789abcdef")
+    traces = []
+    for name, args in (("a", ["--salt-file", str(salt)]), ("b", ["--salt-file", str(salt)]), ("c", [])):
+        out = tmp_path / f"{name}.jsonl"
+        with RecordProcess(sim.url, out, *args) as proxy:
+            chat(proxy.url, [{"role": "user", "content": "hello"}])
+            chat(proxy.url, [{"role": "user", "content": "hello again"}])
+        traces.append([r["hash_ids"] for r in rows(out)])
+    assert traces[0] == traces[1]
+    assert traces[0] == traces[2]  # renumbered in order of first use: the same shape, salt or not
+    assert traces[0][0][0] == 0
+
+
+# -- faults -------------------------------------------------------------------------------------
+
+
+def test_an_upstream_that_is_down_gets_a_502_and_a_marked_row(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(dead, out, "--block-size", "16") as proxy:
+        answer = chat(proxy.url, [{"role": "user", "content": "anyone?"}])
+        assert answer.status_code == 502
+        assert "connection refused" in answer.json()["error"]["message"]
+    (row,) = rows(out)
+    assert row["status"] == 502 and "upstream unreachable: connection refused" in row["error"]
+
+
+def test_malformed_json_is_forwarded_and_marked(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(sim.url, out) as proxy:
+        answer = requests.post(proxy.url + CHAT, data=b'{"model": "sim", "messages": [', timeout=30,
+                               headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400  # the server's own refusal, passed back
+        assert "not valid JSON" in answer.json()["error"]["message"]
+    (row,) = rows(out)
+    assert row["status"] == 400 and row["error"].startswith("malformed JSON request")
+
+
+def test_a_client_that_leaves_mid_stream_is_a_marked_row(toy_tokenizer_dir, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", "16", "--ttft-ms", "5", "--itl-ms", "50") as slow, \
+            RecordProcess(slow.url, out) as proxy:
+        answer = requests.post(proxy.url + CHAT, json={"model": "sim", "messages": [{"role": "user", "content": "go"}],
+                               "max_tokens": 200, "ignore_eos": True, "stream": True}, stream=True, timeout=30)
+        lines = answer.iter_lines()
+        next(line for line in lines if b"content" in line)
+        answer.raw._fp.fp.raw._sock.shutdown(socket.SHUT_RDWR)  # the client is gone mid-answer
+        answer.close()
+        assert requests.get(slow.url + "/metrics", timeout=10).ok
+        time.sleep(0.5)  # the proxy notices at its next write (one token: 50 ms)
+        answered = chat(proxy.url, [{"role": "user", "content": "still there?"}])
+        assert answered.status_code == 200  # forwarding goes on
+    first, second = rows(out)
+    assert first["error"] == "client disconnected before the end of the answer"
+    assert first["output_length"] < 200
+    assert "error" not in second
+
+
+def test_sigterm_lets_requests_in_flight_finish_and_closes_the_trace(toy_tokenizer_dir, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", "16", "--ttft-ms", "5", "--itl-ms", "20") as slow:
+        proxy = RecordProcess(slow.url, out)
+        answer = requests.post(proxy.url + CHAT, json={"model": "sim", "messages": [{"role": "user", "content": "go"}],
+                               "max_tokens": 40, "ignore_eos": True, "stream": True}, stream=True, timeout=30)
+        lines = answer.iter_lines()
+        next(line for line in lines if b"content" in line)
+        proxy.proc.send_signal(15)
+        rest = [line for line in lines if line]
+        assert rest[-1] == b"data: [DONE]"  # the answer in flight went on to its end
+        assert proxy.stop() == 0
+    (row,) = rows(out)
+    assert row["output_length"] == 40 and "error" not in row
+    assert json.loads(Path(f"{out}.meta.json").read_text())["complete"] is True
+
+
+# -- the round trip -----------------------------------------------------------------------------
+
+
+def leading_shared(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def expected_shared(ti, tj, before: int, overhead: int) -> int:
+    """The rule when the template frame moves block boundaries: the server's prompts are `before`
+    frame tokens, the rows' contents (their blocks of the trace, cut to input_length - overhead)
+    and the frame's end; they agree on `before` + the shared content, and share the whole blocks
+    of that (all of their ids when the prompts are the same)."""
+    if list(ti.hash_ids) == list(tj.hash_ids) and ti.input_length == tj.input_length:
+        return -(-ti.input_length // BLOCK)
+    content = min(leading_shared(ti.hash_ids, tj.hash_ids) * BLOCK, ti.input_length - overhead,
+                  tj.input_length - overhead)
+    return (before + content) // BLOCK
+
+
+@pytest.mark.parametrize("kind", ["bailian", "mooncake"])
+def test_a_trace_replayed_through_the_proxy_is_recorded_as_itself(kind, sim, toy_tokenizer_dir, tmp_path):
+    if kind == "bailian":
+        trace = bailian_trace(tmp_path / "t.jsonl", sessions=4, turns=3, gap_s=0.1)
+    else:
+        trace = mooncake_trace(tmp_path / "t.jsonl", rows=16, gap_ms=60)
+    out = tmp_path / "recorded.jsonl"
+    with RecordProcess(sim.url, out, "--session-header", "X-Session-Id") as proxy:
+        run_locust(replay_args(trace, toy_tokenizer_dir, proxy.url, tmp_path / "run.jsonl",
+                               "--session-header", "X-Session-Id"), tmp_path)
+    original = read_trace(trace, block_size=BLOCK).rows
+    recorded = read_trace(out).rows  # no option: its format, block size and sessions are its own
+    assert len(recorded) == len(original)
+    assert [r.input_length for r in recorded] == [r.input_length for r in original]
+    assert [r.output_length for r in recorded] == [r.output_length for r in original]
+    start = (original[0].timestamp_s, recorded[0].timestamp_s)
+    for o, r in zip(original, recorded):
+        assert abs((r.timestamp_s - start[1]) - (o.timestamp_s - start[0])) < 0.05  # the replay's own drift
+    if kind == "bailian":
+        sessions = {(o.session_id, r.session_id) for o, r in zip(original, recorded)}
+        assert len(sessions) == len({o.session_id for o in original}) == len({r.session_id for r in recorded})
+        turns = [json.loads(line)["turn"] for line in out.read_text().splitlines()]
+        assert turns == [o.turn - 1 for o in original]
+    measured, _ = set_up(ServerTokenizer.load(toy_tokenizer_dir), "openai-chat")
+    before, overhead = len(measured.frame.before), measured.frame.overhead
+    for i, ti in enumerate(original):
+        for j, tj in enumerate(original[:i]):
+            assert leading_shared(recorded[i].hash_ids, recorded[j].hash_ids) == \
+                expected_shared(ti, tj, before, overhead), (i, j)
+    stats = subprocess.run([sys.executable, "-m", "replay", "trace", "stats", str(out)], capture_output=True,
+                           text=True, timeout=60)
+    assert stats.returncode == 0, stats.stderr
