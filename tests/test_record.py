@@ -4,6 +4,8 @@ HTTP clients and real replays through it (docs/record.md)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from test_disk_full import PAGE, fill, small_disk  # noqa: F401 (small_disk: its fixture, a real full disk)
 
 from replay.sim.process import sim_process
 from replay.synth.prompts import set_up
@@ -20,6 +23,7 @@ from replay.trace.reader import read_trace
 from support.processes import replay_args, run_locust
 from support.record import RecordProcess
 from support.traces import BLOCK, bailian_trace, mooncake_trace
+from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -126,7 +130,7 @@ def test_an_upstream_that_is_down_gets_a_502_and_a_marked_row(tmp_path):
         assert answer.status_code == 502
         assert "connection refused" in answer.json()["error"]["message"]
     (row,) = rows(out)
-    assert row["status"] == 502 and "upstream unreachable: connection refused" in row["error"]
+    assert row["status"] == 502 and "the upstream did not answer: connection refused" in row["error"]
 
 
 def test_malformed_json_is_forwarded_and_marked(sim, tmp_path):
@@ -233,3 +237,77 @@ def test_a_trace_replayed_through_the_proxy_is_recorded_as_itself(kind, sim, toy
     stats = subprocess.run([sys.executable, "-m", "replay", "trace", "stats", str(out)], capture_output=True,
                            text=True, timeout=60)
     assert stats.returncode == 0, stats.stderr
+
+
+def recorder_pid(proxy: RecordProcess) -> int:
+    children = Path(f"/proc/{proxy.proc.pid}/task/{proxy.proc.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def test_forwarding_never_waits_for_the_recorder(sim, tmp_path):
+    """The recorder stopped dead (SIGSTOP) while the pipe to it fills: every request is still
+    answered, and the rows all come once it goes on."""
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(sim.url, out) as proxy:
+        recorder = recorder_pid(proxy)
+        os.kill(recorder, signal.SIGSTOP)
+        try:
+            long_words = "word " * 3000  # 15 kB a request: the pipe's 64 KiB are full after 5
+            statuses = [chat(proxy.url, [{"role": "user", "content": f"{i} {long_words}"}]).status_code
+                        for i in range(20)]
+            assert statuses == [200] * 20
+        finally:
+            os.kill(recorder, signal.SIGCONT)
+    assert len(rows(out)) == 20
+
+
+def test_a_body_over_the_limit_is_forwarded_and_its_row_marked(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(sim.url, out, "--max-record-bytes", "2000") as proxy:
+        assert chat(proxy.url, [{"role": "user", "content": "word " * 1000}]).status_code == 200
+        assert chat(proxy.url, [{"role": "user", "content": "short"}]).status_code == 200
+    big, small = rows(out)
+    assert big["error"] == "request over 2000 bytes: forwarded, not counted" and "hash_ids" not in big
+    assert "error" not in small and small["hash_ids"]
+
+
+@pytest.mark.parametrize("on_write_error", ["continue", "stop"])
+def test_a_full_disk_cuts_the_trace_at_a_whole_line(on_write_error, sim, small_disk, tmp_path):  # noqa: F811
+    disk = small_disk(64)
+    out = disk / "trace.jsonl"
+    proxy = RecordProcess(sim.url, out, "--on-write-error", on_write_error, log=tmp_path / "proxy.log")
+    try:
+        wait_for(lambda: Path(f"{out}.meta.json").exists(), "the recorder's start")
+        fill(disk, leave=PAGE)
+        statuses = []
+        for i in range(60):
+            try:
+                statuses.append(chat(proxy.url, [{"role": "user", "content": f"request {i}"}]).status_code)
+            except requests.ConnectionError:
+                break
+        wait_for(lambda: "the trace is cut after line" in proxy.errors(), "the proxy saying the trace is cut")
+        if on_write_error == "continue":
+            assert statuses == [200] * 60  # forwarding went on
+            assert "forwarding goes on, unrecorded" in proxy.errors()
+        else:
+            assert proxy.proc.wait(30) == 1
+            assert 0 < len(statuses) < 60 and set(statuses) == {200}
+            assert "forwarding stops" in proxy.errors()
+    finally:
+        code = proxy.stop()
+    assert code == 1
+    text = out.read_bytes()
+    assert text.endswith(b"\n")
+    kept = [json.loads(line) for line in text.splitlines()]  # every line whole
+    assert 0 < len(kept) < 60
+
+
+def test_an_upstream_too_slow_gets_a_504_and_a_marked_row(toy_tokenizer_dir, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", "16", "--ttft-ms", "3000") as slow, \
+            RecordProcess(slow.url, out, "--upstream-timeout", "0.5") as proxy:
+        answer = chat(proxy.url, [{"role": "user", "content": "hurry"}])
+        assert answer.status_code == 504 and "timed out" in answer.json()["error"]["message"]
+    (row,) = rows(out)
+    assert row["status"] == 504 and row["error"].startswith("the upstream did not answer: timed out")

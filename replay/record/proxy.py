@@ -30,8 +30,10 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 RECORDER_STOPPED = object()
 
 
-def _bad_gateway(message: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": "BadGateway", "code": 502}})
+def _bad_gateway(message: str, status: int) -> bytes:
+    """The proxy's own error answer, in the OpenAI error shape the clients read."""
+    kind = "GatewayTimeout" if status == 504 else "BadGateway"
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": status}})
 
 
 class Forwarder:
@@ -97,11 +99,13 @@ class Forwarder:
             response = self.client.request(method, uri, body=body, headers=headers)
         except Exception as e:
             why = _reason(e)
+            status = 504 if why == "timed out" else 502
             message = f"replay record: the upstream {shown(self.upstream)} did not answer: {why}"
-            start_response("502 Bad Gateway", [("Content-Type", "application/json")])
-            answer = _bad_gateway(message)
+            start_response("504 Gateway Timeout" if status == 504 else "502 Bad Gateway",
+                           [("Content-Type", "application/json")])
+            answer = _bad_gateway(message, status)
             if recorded:
-                self._hand_over(seq, path, arrival, 502, f"upstream unreachable: {why}", session_name, body, answer)
+                self._hand_over(seq, path, arrival, status, f"the upstream did not answer: {why}", session_name, body, answer)
             return [answer]
         status = f"{response.status_code} {_reason_phrase(response)}"
         out_headers = [(k, v) for k, v in response.items() if k.lower() not in HOP_BY_HOP - {"content-length"}]

@@ -15,9 +15,10 @@ READY = "replay record listening on "
 class RecordProcess:
     """`replay record --upstream URL --output OUTPUT --port 0 ARGS`; `url` once it listens."""
 
-    def __init__(self, upstream: str, output: Path, *args: str, timeout: float = 30.0):
+    def __init__(self, upstream: str, output: Path, *args: str, timeout: float = 30.0, log: Path | None = None):
+        """`log`: where its stderr goes (default: OUTPUT.log)."""
         self.output = Path(output)
-        self.log = self.output.with_name(self.output.name + ".log")
+        self.log = log or self.output.with_name(self.output.name + ".log")
         self.proc = subprocess.Popen([sys.executable, "-m", "replay", "record", "--upstream", upstream, "--output",
                                       str(output), "--port", "0", *args], stdout=subprocess.PIPE,
                                      stderr=open(self.log, "w"), text=True)
