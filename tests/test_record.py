@@ -154,8 +154,6 @@ def test_a_client_that_leaves_mid_stream_is_a_marked_row(toy_tokenizer_dir, tmp_
         next(line for line in lines if b"content" in line)
         answer.raw._fp.fp.raw._sock.shutdown(socket.SHUT_RDWR)  # the client is gone mid-answer
         answer.close()
-        assert requests.get(slow.url + "/metrics", timeout=10).ok
-        time.sleep(0.5)  # the proxy notices at its next write (one token: 50 ms)
         answered = chat(proxy.url, [{"role": "user", "content": "still there?"}])
         assert answered.status_code == 200  # forwarding goes on
     first, second = rows(out)
