@@ -11,6 +11,7 @@ nothing around it, so T's blocks are the server's blocks and the sharing must be
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -49,14 +50,20 @@ def test_the_round_trip_through_real_vllm(vllm_qwen2, tmp_path):
     tokenizer = shared_path("tokenizers", "qwen2")
     trace = mooncake_slice(tmp_path, ROWS, BLOCK, time_scale=9, max_output=16)
     recorded = tmp_path / "recorded.jsonl"
-    with RecordProcess(vllm_qwen2, recorded) as proxy:
+    with RecordProcess(vllm_qwen2, recorded, "--id-header", "X-Request-Id") as proxy:
         through_proxy = replay(proxy.url, trace, tokenizer, tmp_path / "run-t.jsonl")
     original, again = read_trace(trace).rows, read_trace(recorded).rows
-    assert [r.input_length for r in again] == [r.input_length for r in original]
-    assert [r.output_length for r in again] == [r.output_length for r in original]
+    # T' is in arrival order; rows T sends at the same instant may arrive either way round, so each
+    # T' row is paired with its T row by the replay's X-Request-Id (<run id>-<request id>)
+    order = [int(json.loads(line)["client_request_id"].rsplit("-", 1)[1]) for line in recorded.read_text().splitlines()]
+    assert sorted(order) == list(range(ROWS))
+    of = {t: again[k] for k, t in enumerate(order)}  # T row id -> its T' row
+    assert [of[i].input_length for i in range(ROWS)] == [r.input_length for r in original]
+    assert [of[i].output_length for i in range(ROWS)] == [r.output_length for r in original]
     drift = max(abs(r["drift_ms"]) for r in through_proxy.values()) / 1000.0
-    for o, r in zip(original, again):
-        assert abs((r.timestamp_s - again[0].timestamp_s) - (o.timestamp_s - original[0].timestamp_s)) <= drift + 0.05
+    for i, o in enumerate(original):
+        assert abs((of[i].timestamp_s - again[0].timestamp_s) - (o.timestamp_s - original[order[0]].timestamp_s)) \
+            <= drift + 0.05
     measured, _ = set_up(ServerTokenizer.load(tokenizer), "openai-completions")
     assert measured.frame.overhead == 0  # nothing around the content: T's blocks are the server's
     for i in range(ROWS):
@@ -65,13 +72,13 @@ def test_the_round_trip_through_real_vllm(vllm_qwen2, tmp_path):
             shared = leading_shared(original[i].hash_ids, original[j].hash_ids)
             if not whole:  # a partial last block is shared only by prompts that end there too
                 shared = min(shared * BLOCK, original[i].input_length, original[j].input_length) // BLOCK
-            assert leading_shared(again[i].hash_ids, again[j].hash_ids) == shared, (i, j)
+            assert leading_shared(of[i].hash_ids, of[j].hash_ids) == shared, (i, j)
     for command in (["validate"], ["stats"]):
         done = subprocess.run([sys.executable, "-m", "replay", "trace", *command, str(recorded)], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
     direct = replay(vllm_qwen2, recorded, tokenizer, tmp_path / "run-t2.jsonl")
-    cached = [(through_proxy[i]["cached_tokens"], direct[i]["cached_tokens"]) for i in range(ROWS)]
+    cached = [(through_proxy[order[k]]["cached_tokens"], direct[k]["cached_tokens"]) for k in range(ROWS)]
     assert [a for a, _ in cached] == [b for _, b in cached]
     assert sum(a for a, _ in cached) > 0
     compared = subprocess.run([sys.executable, "-m", "replay", "compare", str(tmp_path / "run-t.jsonl"),

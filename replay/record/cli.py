@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a request header naming its session (it wins over message continuation)")
     parser.add_argument("--session-user", action="store_true",
                         help="the body's OpenAI `user` field names the session (it wins over message continuation)")
+    parser.add_argument("--id-header", default=None, metavar="NAME",
+                        help="write this request header's value (a client's request id, e.g. X-Request-Id) into the "
+                        "row as client_request_id, to pair rows with the client's own records")
     parser.add_argument("--keep-text", action="store_true",
                         help="write each prompt (messages or text) into its row: for internal replays only")
     parser.add_argument("--on-write-error", choices=ON_WRITE_ERROR, default="continue",

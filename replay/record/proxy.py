@@ -41,7 +41,7 @@ class Forwarder:
     finished generation request, for the recorder."""
 
     def __init__(self, upstream: str, *, session_header: str | None, session_user: bool,
-                 timeout_s: float, max_record_bytes: int):
+                 timeout_s: float, max_record_bytes: int, id_header: str | None = None):
         parts = urlsplit(upstream)
         self.upstream = upstream
         self.base_path = parts.path.rstrip("/")
@@ -51,6 +51,7 @@ class Forwarder:
                                  network_timeout=timeout_s, block_size=READ_SIZE)
         self.session_header = session_header
         self.session_user = session_user
+        self.id_header = None if id_header is None else "HTTP_" + id_header.upper().replace("-", "_")
         self.max_record_bytes = max_record_bytes
         self.exchanges: Queue = Queue()
         self.seq = 0
@@ -95,6 +96,7 @@ class Forwarder:
             if self.origin is None:
                 self.origin = arrival
             session_name = self._session_name(environ, body)
+            client_id = environ.get(self.id_header) if self.id_header else None
         try:
             response = self.client.request(method, uri, body=body, headers=headers)
         except Exception as e:
@@ -105,7 +107,8 @@ class Forwarder:
                            [("Content-Type", "application/json")])
             answer = _bad_gateway(message, status)
             if recorded:
-                self._hand_over(seq, path, arrival, status, f"the upstream did not answer: {why}", session_name, body, answer)
+                self._hand_over(seq, path, arrival, status, f"the upstream did not answer: {why}", session_name, client_id,
+                                body, answer)
             return [answer]
         status = f"{response.status_code} {_reason_phrase(response)}"
         out_headers = [(k, v) for k, v in response.items() if k.lower() not in HOP_BY_HOP - {"content-length"}]
@@ -113,7 +116,7 @@ class Forwarder:
         relay = self._relay(response)
         if not recorded:
             return relay
-        return self._recorded(relay, seq, path, arrival, response.status_code, session_name, body)
+        return self._recorded(relay, seq, path, arrival, response.status_code, session_name, client_id, body)
 
     def _session_name(self, environ, body: bytes) -> str | None:
         """The client's own name for the session, where the recording takes it (a header's value,
@@ -153,7 +156,8 @@ class Forwarder:
                 pool, sock = PoolInternals.detach(response)
                 pool.release_socket(sock)
 
-    def _recorded(self, relay, seq: int, path: str, arrival: float, status: int, session_name: str | None, body: bytes):
+    def _recorded(self, relay, seq: int, path: str, arrival: float, status: int, session_name: str | None,
+                  client_id: str | None, body: bytes):
         kept = bytearray()
         error = "client disconnected before the end of the answer"
         try:
@@ -171,14 +175,14 @@ class Forwarder:
             relay.close()
             if error is None and len(kept) >= self.max_record_bytes:
                 error = f"answer over {self.max_record_bytes} bytes: not read for its usage"
-            self._hand_over(seq, path, arrival, status, error, session_name, body, bytes(kept))
+            self._hand_over(seq, path, arrival, status, error, session_name, client_id, body, bytes(kept))
 
     def _hand_over(self, seq: int, path: str, arrival: float, status: int, error: str | None,
-                   session_name: str | None, request: bytes, response: bytes) -> None:
+                   session_name: str | None, client_id: str | None, request: bytes, response: bytes) -> None:
         if len(request) > self.max_record_bytes:
             request, error = b"", error or f"request over {self.max_record_bytes} bytes: forwarded, not counted"
         head = {"seq": seq, "path": path, "arrival": arrival, "origin": self.origin, "end": time.time(),
-                "status": status, "error": error, "session_name": session_name,
+                "status": status, "error": error, "session_name": session_name, "client_id": client_id,
                 "request": len(request), "response": len(response)}
         self.exchanges.put((orjson.dumps(head) + b"\n", request, response))
 

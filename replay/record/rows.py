@@ -51,6 +51,7 @@ class Exchange:
     status: int  # the status the client got (502: the proxy's own, the upstream unreachable)
     error: str | None  # why the exchange did not end well (the proxy's words), or None
     session_name: str | None  # the client's session header or `user` value, when the recording takes it
+    client_id: str | None  # the client's request id header (--id-header), to pair rows with the client's logs
     request: bytes = b""
     response: bytes = b""
 
@@ -180,6 +181,8 @@ class RowMaker:
             body = None
         if not isinstance(body, dict):
             row.update(api=api, status=x.status, error=x.error or "malformed JSON request (forwarded as it came)")
+            if x.client_id is not None:
+                row["client_request_id"] = x.client_id
             return row
         streamed = body.get("stream") is True
         answer = read_answer(api, x.response, streamed)
@@ -210,6 +213,8 @@ class RowMaker:
                     if p]
         if problems:
             row["error"] = "; ".join(problems)
+        if x.client_id is not None:
+            row["client_request_id"] = x.client_id
         if self.keep_text:
             if api == CHAT:
                 row["messages"] = body.get("messages")

@@ -61,6 +61,8 @@ def settings_of(args: argparse.Namespace) -> dict:
             "max_tokens", "ignore_eos", "status"]
     if args.keep_text:
         kept.append("prompt text (--keep-text)")
+    if args.id_header:
+        kept.append(f"the {args.id_header} header (--id-header)")
     meta = {"recorded_by": "replay record", "version": _version(), "upstream": shown(args.upstream),
             "started_at": time.time(), "format": "jsonl", "block_size": block_size, "block_size_source": block_source,
             "hash_ids": "salted (blake2b keyed), renumbered in order of first use",
@@ -86,7 +88,8 @@ def serve(args: argparse.Namespace) -> int:
     recorder.stdin.write(orjson.dumps(settings) + b"\n")
     recorder.stdin.flush()
     forwarder = Forwarder(args.upstream, session_header=args.session_header, session_user=args.session_user,
-                          timeout_s=args.upstream_timeout, max_record_bytes=args.max_record_bytes)
+                          timeout_s=args.upstream_timeout, max_record_bytes=args.max_record_bytes,
+                          id_header=args.id_header)
     try:
         server = WSGIServer((args.host, args.port), forwarder, log=None, spawn=Pool())  # a pool: stop() waits for it
         server.start()
