@@ -309,3 +309,70 @@ def test_an_upstream_too_slow_gets_a_504_and_a_marked_row(toy_tokenizer_dir, tmp
         assert answer.status_code == 504 and "timed out" in answer.json()["error"]["message"]
     (row,) = rows(out)
     assert row["status"] == 504 and row["error"].startswith("the upstream did not answer: timed out")
+
+
+# -- replay trace anonymize ---------------------------------------------------------------------
+
+
+def anonymize(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay", "trace", "anonymize", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_anonymize_of_the_raw_log_gives_the_recorded_trace(sim, toy_tokenizer_dir, tmp_path):
+    """The same round trip, through the proxy's raw log: the trace anonymize makes from it, with
+    the recording's salt, is the recorded trace line for line."""
+    salt = tmp_path / "salt"
+    salt.write_bytes(b"k" * 32)
+    trace = bailian_trace(tmp_path / "t.jsonl", sessions=3, turns=3, gap_s=0.1)
+    out, raw = tmp_path / "recorded.jsonl", tmp_path / "raw.jsonl"
+    with RecordProcess(sim.url, out, "--session-header", "X-Session-Id", "--salt-file", str(salt),
+                       "--raw-log", str(raw)) as proxy:
+        run_locust(replay_args(trace, toy_tokenizer_dir, proxy.url, tmp_path / "run.jsonl",
+                               "--session-header", "X-Session-Id"), tmp_path)
+    assert oct(raw.stat().st_mode & 0o777) == "0o600"
+    again = tmp_path / "anonymized.jsonl"
+    done = anonymize(raw, again, "--tokenizer", toy_tokenizer_dir, "--salt-file", salt, "--session-names")
+    assert done.returncode == 0, done.stderr
+    assert again.read_text() == out.read_text()
+    assert json.loads(Path(f"{again}.meta.json").read_text())["tokens"] == "tokenizer"
+
+
+def test_anonymize_reads_litellm_logs_in_any_order(toy_tokenizer_dir, tmp_path):
+    tok = ServerTokenizer.load(toy_tokenizer_dir)
+    first = [{"role": "user", "content": "the first question"}]
+    answer = {"role": "assistant", "content": "an answer"}
+    second = [*first, answer, {"role": "user", "content": "and then"}]
+
+    def payload(messages, start, end, status="success"):
+        return {"id": "x", "call_type": "acompletion", "model": "m", "messages": messages, "startTime": start,
+                "endTime": end, "status": status, "prompt_tokens": tok.count_chat(messages), "completion_tokens": 2,
+                "model_parameters": {"max_tokens": 2}, "error_str": None if status == "success" else "boom",
+                "response": {"choices": [{"index": 0, "message": answer}]}}
+
+    log = tmp_path / "litellm.jsonl"
+    lines = [payload(second, 100.5, 101.0), payload(first, 100.0, 100.2), payload(first, 100.1, 100.3, "failure")]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))  # logged as they ended
+    out = tmp_path / "trace.jsonl"
+    done = anonymize(log, out, "--tokenizer", toy_tokenizer_dir)
+    assert done.returncode == 0, done.stderr
+    trace = rows(out)
+    assert [r["timestamp"] for r in trace] == [0.0, 100.0, 500.0]
+    assert [r["input_length"] for r in trace] == [tok.count_chat(first), tok.count_chat(first), tok.count_chat(second)]
+    assert [(r["session_id"], r["turn"]) for r in trace] == [(0, 0), (1, 0), (0, 1)]
+    assert trace[2]["gap_ms"] == 300.0 and trace[1]["error"] == "boom"
+    assert trace[0]["hash_ids"] == trace[1]["hash_ids"] != trace[2]["hash_ids"]
+    assert "question" not in out.read_text()
+    check = subprocess.run([sys.executable, "-m", "replay", "trace", "validate", str(out)], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stdout
+
+
+def test_anonymize_refuses_a_log_it_cannot_read_naming_the_line(toy_tokenizer_dir, tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"startTime": 1, "messages": "hi"}\n{"startTime": "soon"}\n')
+    done = anonymize(log, tmp_path / "out.jsonl", "--tokenizer", toy_tokenizer_dir)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"replay trace anonymize: {log}:2: field 'startTime': expected unix seconds, got 'soon'"
+    done = anonymize(log, tmp_path / "out.jsonl")
+    assert done.returncode == 2 and "--tokenizer or --tokenize-url" in done.stderr

@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--id-header", default=None, metavar="NAME",
                         help="write this request header's value (a client's request id, e.g. X-Request-Id) into the "
                         "row as client_request_id, to pair rows with the client's own records")
+    parser.add_argument("--raw-log", default=None, metavar="FILE",
+                        help="also write each request body and what was read of its answer (text included, mode "
+                        "0600), for `replay trace anonymize` to make traces from later")
     parser.add_argument("--keep-text", action="store_true",
                         help="write each prompt (messages or text) into its row: for internal replays only")
     parser.add_argument("--on-write-error", choices=ON_WRITE_ERROR, default="continue",

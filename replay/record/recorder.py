@@ -14,6 +14,8 @@ says the trace is complete, and the process exits (1 if the trace was cut).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import signal
 import sys
 import time
@@ -23,7 +25,7 @@ from typing import BinaryIO
 import orjson
 
 from replay.record.hashing import BlockHasher
-from replay.record.rows import Exchange, PromptTokens, RowMaker
+from replay.record.rows import CHAT, Answer, Exchange, PromptTokens, RowMaker, api_of, read_answer
 from replay.results.files import AppendFile, OutputError, write_atomically
 from replay.rules.run_files import meta_path
 
@@ -55,6 +57,7 @@ class Recorder:
         self.tokens = PromptTokens(settings["upstream"], _tokenizer(settings), ask_server=settings["ask_server"])
         self.rows = RowMaker(self.tokens, self.hasher, settings.get("session_from"), settings["keep_text"])
         self.file = AppendFile(self.path, fd=settings.get("fd"))
+        self.raw = _private_file(settings["raw_log"]) if settings.get("raw_log") else None
         self.held: dict[int, bytes] = {}
         self.next_seq = 0
         self.written = 0
@@ -63,18 +66,22 @@ class Recorder:
         self.write_meta(complete=False)
 
     def add(self, exchange: Exchange) -> None:
-        row = self.rows.row(exchange)
+        body, answer = read_exchange(exchange)
+        row = self.rows.row_of(exchange, body, answer)
         if "error" in row:
             self.failed += 1
-        self.held[exchange.seq] = orjson.dumps(row) + b"\n"
+        raw = None if self.raw is None else raw_line(exchange, body, answer)
+        self.held[exchange.seq] = (orjson.dumps(row) + b"\n", raw)
         while self.next_seq in self.held:
-            self._write(self.held.pop(self.next_seq))
+            self._write(*self.held.pop(self.next_seq))
             self.next_seq += 1
 
-    def _write(self, line: bytes) -> None:
+    def _write(self, line: bytes, raw: bytes | None) -> None:
         if self.cut is not None:
             return
         try:
+            if self.raw is not None and raw is not None:
+                self.raw.append(raw)
             self.file.append(line)
             self.written += 1
         except OutputError as e:
@@ -88,8 +95,10 @@ class Recorder:
 
     def close(self) -> None:
         for seq in sorted(self.held):  # exchanges the proxy never finished (none, unless it was killed)
-            self._write(self.held.pop(seq))
+            self._write(*self.held.pop(seq))
         self.file.close()
+        if self.raw is not None:
+            self.raw.close()
         self.write_meta(complete=self.cut is None)
 
     def write_meta(self, complete: bool) -> None:
@@ -100,6 +109,35 @@ class Recorder:
             write_atomically(meta_path(self.path), orjson.dumps(self.meta, option=orjson.OPT_INDENT_2) + b"\n")
         except OutputError as e:
             print(f"replay record: {e}", file=sys.stderr, flush=True)
+
+
+def _private_file(path: str) -> AppendFile:
+    """The raw log holds prompts and answers: readable by its owner only."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise OutputError(path, e) from None
+    return AppendFile(path, fd=fd)
+
+
+def read_exchange(x: Exchange) -> tuple[dict | None, Answer | None]:
+    """The request's body (None: not a JSON object) and its answer read."""
+    try:
+        body = orjson.loads(x.request)
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(body, dict):
+        return None, None
+    return body, read_answer(api_of(x.path) or CHAT, x.response, body.get("stream") is True)
+
+
+def raw_line(x: Exchange, body: dict | None, answer: Answer | None) -> bytes:
+    """One line of the raw log (`replay record --raw-log`, read by `replay trace anonymize`): the
+    request as it came, what was read of the answer, and when; never a header but the session's
+    and the request id's the recording was told to take."""
+    return orjson.dumps({"arrival": x.arrival, "end": x.end, "path": x.path, "status": x.status, "error": x.error,
+                         "session_name": x.session_name, "client_id": x.client_id, "request": body,
+                         "answer": None if answer is None else dataclasses.asdict(answer)}) + b"\n"
 
 
 def read_exchanges(pipe: BinaryIO):

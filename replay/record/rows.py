@@ -60,8 +60,8 @@ class PromptTokens:
     """The prompt's token ids as the server counts them: the server's own POST /tokenize while it
     has one, else the served model's tokenizer and chat template (as the replay's preflight)."""
 
-    def __init__(self, upstream: str, tokenizer: ServerTokenizer | None, ask_server: bool = True):
-        self.upstream = upstream.rstrip("/")
+    def __init__(self, upstream: str | None, tokenizer: ServerTokenizer | None, ask_server: bool = True):
+        self.upstream = (upstream or "").rstrip("/")
         self.tokenizer = tokenizer
         self.ask_server = ask_server
         self.method: str | None = None  # "server /tokenize" or "tokenizer", once known
@@ -84,7 +84,7 @@ class PromptTokens:
             for key in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
                 if key in body:
                     ask_body[key] = body[key]
-        if self.ask_server:
+        if self.ask_server and self.upstream:
             try:
                 status, answer = ask_json(self.upstream + "/tokenize", ask_body)
             except Unanswered as e:
@@ -97,7 +97,7 @@ class PromptTokens:
                 return None, f"POST /tokenize answered HTTP {status}"
             self.ask_server = False  # the server has none: the tokenizer from now on
         if self.tokenizer is None:
-            return None, "the server has no POST /tokenize and no --tokenizer was given"
+            return None, "no POST /tokenize to ask and no --tokenizer"
         self.method = "tokenizer"
         try:
             if api == COMPLETIONS:
@@ -173,19 +173,26 @@ class RowMaker:
         self.keep_text = keep_text
 
     def row(self, x: Exchange) -> dict:
-        api = api_of(x.path) or CHAT
-        row: dict = {"timestamp": round((x.arrival - x.origin) * 1000.0, 3), "input_length": 0, "output_length": 0}
+        """The row of an exchange the proxy saw (its bytes)."""
         try:
             body = orjson.loads(x.request)
         except orjson.JSONDecodeError:
             body = None
         if not isinstance(body, dict):
+            return self.row_of(x, None, None)
+        api = api_of(x.path) or CHAT
+        return self.row_of(x, body, read_answer(api, x.response, body.get("stream") is True))
+
+    def row_of(self, x: Exchange, body: dict | None, answer: Answer | None) -> dict:
+        """The row of a request `body` (None: not a JSON object) and its `answer`, read already."""
+        api = api_of(x.path) or CHAT
+        row: dict = {"timestamp": round((x.arrival - x.origin) * 1000.0, 3), "input_length": 0, "output_length": 0}
+        if body is None or answer is None:
             row.update(api=api, status=x.status, error=x.error or "malformed JSON request (forwarded as it came)")
             if x.client_id is not None:
                 row["client_request_id"] = x.client_id
             return row
         streamed = body.get("stream") is True
-        answer = read_answer(api, x.response, streamed)
         ids, why = self.tokens.ids(api, body)
         prompt_tokens = answer.prompt_tokens if isinstance(answer.prompt_tokens, int) else None
         row["input_length"] = prompt_tokens if prompt_tokens is not None else len(ids or ())

@@ -72,7 +72,7 @@ def settings_of(args: argparse.Namespace) -> dict:
     return {"output": args.output, "upstream": args.upstream, "salt": salt.hex(), "block_size": block_size,
             "tokenizer": args.tokenizer, "chat_template": args.chat_template, "ask_server": True,
             "session_from": "name" if (args.session_header or args.session_user) else None,
-            "keep_text": args.keep_text, "on_write_error": args.on_write_error, "meta": meta}
+            "keep_text": args.keep_text, "raw_log": args.raw_log, "on_write_error": args.on_write_error, "meta": meta}
 
 
 def _version() -> str:
