@@ -50,7 +50,10 @@ def test_the_round_trip_through_real_vllm(vllm_qwen2, tmp_path):
     tokenizer = shared_path("tokenizers", "qwen2")
     trace = mooncake_slice(tmp_path, ROWS, BLOCK, time_scale=9, max_output=16)
     recorded = tmp_path / "recorded.jsonl"
-    with RecordProcess(vllm_qwen2, recorded, "--id-header", "X-Request-Id") as proxy:
+    salt, raw = tmp_path / "salt", tmp_path / "raw.jsonl"
+    salt.write_bytes(b"s" * 32)
+    with RecordProcess(vllm_qwen2, recorded, "--id-header", "X-Request-Id", "--salt-file", str(salt),
+                       "--raw-log", str(raw)) as proxy:
         through_proxy = replay(proxy.url, trace, tokenizer, tmp_path / "run-t.jsonl")
     original, again = read_trace(trace).rows, read_trace(recorded).rows
     # T' is in arrival order; rows T sends at the same instant may arrive either way round, so each
@@ -73,6 +76,12 @@ def test_the_round_trip_through_real_vllm(vllm_qwen2, tmp_path):
             if not whole:  # a partial last block is shared only by prompts that end there too
                 shared = min(shared * BLOCK, original[i].input_length, original[j].input_length) // BLOCK
             assert leading_shared(of[i].hash_ids, of[j].hash_ids) == shared, (i, j)
+    anonymized = tmp_path / "anonymized.jsonl"  # the same trace from the proxy's raw log, counted by vLLM's /tokenize
+    done = subprocess.run([sys.executable, "-m", "replay", "trace", "anonymize", str(raw), str(anonymized),
+                           "--tokenize-url", vllm_qwen2, "--block-size", str(BLOCK), "--salt-file", str(salt)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert anonymized.read_text() == recorded.read_text()
     for command in (["validate"], ["stats"]):
         done = subprocess.run([sys.executable, "-m", "replay", "trace", *command, str(recorded)], capture_output=True,
                               text=True, timeout=120)
