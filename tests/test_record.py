@@ -3,6 +3,7 @@ HTTP clients and real replays through it (docs/record.md)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -376,3 +377,59 @@ def test_anonymize_refuses_a_log_it_cannot_read_naming_the_line(toy_tokenizer_di
     assert done.stderr.strip() == f"replay trace anonymize: {log}:2: field 'startTime': expected unix seconds, got 'soon'"
     done = anonymize(log, tmp_path / "out.jsonl")
     assert done.returncode == 2 and "--tokenizer or --tokenize-url" in done.stderr
+
+
+# -- refusals and the edges of forwarding -------------------------------------------------------
+
+
+def record_refused(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay", "record", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_bad_options_are_refused_in_one_line_before_listening(tmp_path):
+    short = tmp_path / "salt"
+    short.write_bytes(b"tiny")
+    for args, message in (
+        (["--upstream", "127.0.0.1:8000"], "--upstream 127.0.0.1:8000: not a server URL"),
+        (["--upstream", "http://127.0.0.1:9", "--salt-file", str(short), "--block-size", "16"],
+         f"--salt-file {short}: holds 4 bytes; give 16 to 64"),
+        (["--upstream", "http://127.0.0.1:9", "--block-size", "0"], "--block-size 0:"),
+        (["--upstream", "http://127.0.0.1:9", "--block-size", "16", "--output", str(tmp_path)],
+         f"--output {tmp_path}: is a folder"),
+    ):
+        argv = args if "--output" in args else [*args, "--output", str(tmp_path / "t.jsonl")]
+        done = record_refused(*argv)
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.startswith(f"replay record: {message}"), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = record_refused("--upstream", "http://127.0.0.1:9", "--block-size", "16", "--output",
+                              str(tmp_path / "t.jsonl"), "--port", str(taken.getsockname()[1]))
+    assert done.returncode == 2 and "Address already in use" in done.stderr
+
+
+def test_upstream_credentials_are_sent_and_never_shown(toy_tokenizer_dir, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    basic = "Basic " + base64.b64encode(b"me:hunter2").decode()
+    with sim_process(toy_tokenizer_dir, "--block-size", "16", "--require-authorization", basic) as locked:
+        upstream = locked.url.replace("http://", "http://me:hunter2@")
+        with RecordProcess(upstream, out) as proxy:
+            assert chat(proxy.url, [{"role": "user", "content": "hi"}]).status_code == 401  # the client's own, passed on
+            answer = requests.post(proxy.url + CHAT, json={"model": "sim", "messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 2}, timeout=30)
+            assert answer.status_code == 200  # the URL's credentials, for a request that has none
+    meta = Path(f"{out}.meta.json").read_text()
+    assert "hunter2" not in meta + out.read_text() + proxy.errors() and "***@" in meta
+
+
+def test_a_chunked_request_body_is_forwarded_whole(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "in pieces"}], "max_tokens": 2}).encode()
+    with RecordProcess(sim.url, out) as proxy:
+        answer = requests.post(proxy.url + CHAT, data=iter([body[:10], body[10:]]), timeout=30,
+                               headers={"Content-Type": "application/json"})  # Transfer-Encoding: chunked
+        assert answer.status_code == 200, answer.text
+    (row,) = rows(out)
+    assert row["input_length"] == answer.json()["usage"]["prompt_tokens"] and "error" not in row
