@@ -433,3 +433,17 @@ def test_a_chunked_request_body_is_forwarded_whole(sim, tmp_path):
         assert answer.status_code == 200, answer.text
     (row,) = rows(out)
     assert row["input_length"] == answer.json()["usage"]["prompt_tokens"] and "error" not in row
+
+
+def test_a_client_that_leaves_mid_request_is_a_marked_row_and_holds_up_no_other(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(sim.url, out) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as half:
+            half.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": \"sim\"")
+            time.sleep(0.2)  # the proxy has numbered it and waits for the rest of its body
+        assert chat(proxy.url, [{"role": "user", "content": "after it"}]).status_code == 200
+        wait_for(lambda: out.exists() and len(out.read_text().splitlines()) == 2, "both rows written while it runs")
+    first, second = rows(out)
+    assert first["error"].startswith("the client's request broke off") and "error" not in second

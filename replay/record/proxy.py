@@ -82,21 +82,28 @@ class Forwarder:
         path = environ.get("PATH_INFO") or "/"
         query = environ.get("QUERY_STRING")
         uri = self.base_path + path + (f"?{query}" if query else "")
-        body = environ["wsgi.input"].read()
+        recorded = method == "POST" and api_of(path) is not None
+        if recorded:  # numbered at its arrival (reading the body may yield to a later request)
+            seq = self.seq
+            self.seq += 1
+            if self.origin is None:
+                self.origin = arrival
+            client_id = environ.get(self.id_header) if self.id_header else None
+        try:
+            body = environ["wsgi.input"].read()
+        except Exception as e:
+            if recorded:
+                self._hand_over(seq, path, arrival, 400, f"the client's request broke off: {_reason(e)}", None,
+                                client_id, b"", b"")
+            raise
         headers = [(k[5:].replace("_", "-").title(), v) for k, v in environ.items() if k.startswith("HTTP_")]
         headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
         if environ.get("CONTENT_TYPE"):
             headers.append(("Content-Type", environ["CONTENT_TYPE"]))
         if self.credentials and not any(k.lower() == "authorization" for k, _ in headers):
             headers.append(("Authorization", self.credentials))
-        recorded = method == "POST" and api_of(path) is not None
         if recorded:
-            seq = self.seq
-            self.seq += 1
-            if self.origin is None:
-                self.origin = arrival
             session_name = self._session_name(environ, body)
-            client_id = environ.get(self.id_header) if self.id_header else None
         try:
             response = self.client.request(method, uri, body=body, headers=headers)
         except Exception as e:
