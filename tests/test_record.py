@@ -447,3 +447,62 @@ def test_a_client_that_leaves_mid_request_is_a_marked_row_and_holds_up_no_other(
         wait_for(lambda: out.exists() and len(out.read_text().splitlines()) == 2, "both rows written while it runs")
     first, second = rows(out)
     assert first["error"].startswith("the client's request broke off") and "error" not in second
+
+
+def test_a_completions_prompt_that_extends_an_earlier_one_and_its_answer_is_its_next_turn(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(sim.url, out) as proxy:
+        def complete(prompt: str) -> str:
+            answer = requests.post(proxy.url + COMPLETIONS, json={"model": "sim", "prompt": prompt, "max_tokens": 3},
+                                   timeout=30)
+            return answer.json()["choices"][0]["text"]
+
+        first = "once upon a time"
+        said = complete(first)
+        complete("something else entirely")
+        complete(first + said + " and then")
+        complete(first + " and then")  # extends the prompt, not the prompt and its answer
+    assert [(r["session_id"], r["turn"]) for r in rows(out)] == [(0, 0), (1, 0), (0, 1), (2, 0)]
+
+
+def test_sessions_named_by_the_client_win_over_continuation(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(sim.url, out, "--session-user") as proxy:
+        chat(proxy.url, [{"role": "user", "content": "a"}], user="alice")
+        chat(proxy.url, [{"role": "user", "content": "b"}], user="bob")
+        chat(proxy.url, [{"role": "user", "content": "c"}], user="alice")
+        chat(proxy.url, [{"role": "user", "content": "d"}])  # no name: continuation's rule
+    assert [(r["session_id"], r["turn"]) for r in rows(out)] == [(0, 0), (1, 0), (0, 1), (2, 0)]
+    assert "alice" not in out.read_text()
+
+
+def test_without_tokenize_the_tokenizer_counts_and_without_either_the_row_says_so(toy_tokenizer_dir, tmp_path):
+    messages = [{"role": "user", "content": "count me " * 20}]
+    traces = {}
+    with sim_process(toy_tokenizer_dir, "--block-size", "16") as with_endpoint, \
+            sim_process(toy_tokenizer_dir, "--block-size", "16", "--no-tokenize-endpoint") as without:
+        salt = tmp_path / "salt"
+        salt.write_bytes(b"z" * 16)
+        for name, url, extra in (("server", with_endpoint.url, []),
+                                 ("tokenizer", without.url, ["--tokenizer", str(toy_tokenizer_dir)]),
+                                 ("neither", without.url, [])):
+            out = tmp_path / f"{name}.jsonl"
+            with RecordProcess(url, out, "--salt-file", str(salt), *extra) as proxy:
+                assert chat(proxy.url, messages).status_code == 200
+            traces[name] = (rows(out)[0], json.loads(Path(f"{out}.meta.json").read_text()))
+    assert traces["tokenizer"][0]["hash_ids"] == traces["server"][0]["hash_ids"]
+    assert traces["tokenizer"][1]["tokens"] == "tokenizer" and traces["tokenizer"][1]["tokenizer_fingerprint"]
+    neither = traces["neither"][0]
+    assert "hash_ids" not in neither and neither["input_length"] == traces["server"][0]["input_length"]
+    assert neither["error"] == "no POST /tokenize to ask and no --tokenizer"
+
+
+def test_keep_text_writes_the_prompts_for_an_internal_replay(sim, toy_tokenizer_dir, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    messages = [{"role": "user", "content": "kept on purpose"}]
+    with RecordProcess(sim.url, out, "--keep-text") as proxy:
+        chat(proxy.url, messages)
+    (row,) = rows(out)
+    assert row["messages"] == messages
+    assert "prompt text (--keep-text)" in json.loads(Path(f"{out}.meta.json").read_text())["kept"]
+    run_locust(replay_args(out, toy_tokenizer_dir, sim.url, tmp_path / "run.jsonl"), tmp_path)
