@@ -506,3 +506,24 @@ def test_keep_text_writes_the_prompts_for_an_internal_replay(sim, toy_tokenizer_
     assert row["messages"] == messages
     assert "prompt text (--keep-text)" in json.loads(Path(f"{out}.meta.json").read_text())["kept"]
     run_locust(replay_args(out, toy_tokenizer_dir, sim.url, tmp_path / "run.jsonl"), tmp_path)
+
+
+def test_ids_are_numbered_in_arrival_order_whatever_order_answers_end(toy_tokenizer_dir, tmp_path):
+    """The first request's answer ends last: its blocks still get the first ids, as anonymize
+    (which reads a log in arrival order) numbers them."""
+    out, raw = tmp_path / "trace.jsonl", tmp_path / "raw.jsonl"
+    salt = tmp_path / "salt"
+    salt.write_bytes(b"q" * 16)
+    with sim_process(toy_tokenizer_dir, "--block-size", "16", "--ttft-ms", "5", "--itl-ms", "20") as slow, \
+            RecordProcess(slow.url, out, "--salt-file", str(salt), "--raw-log", str(raw)) as proxy:
+        long = requests.post(proxy.url + CHAT, json={"model": "sim", "messages": [{"role": "user", "content": "slow " * 40}],
+                             "max_tokens": 20, "ignore_eos": True, "stream": True}, stream=True, timeout=30)
+        lines = long.iter_lines()
+        next(line for line in lines if b"content" in line)
+        assert chat(proxy.url, [{"role": "user", "content": "quick " * 40}]).status_code == 200
+        assert [line for line in lines if line][-1] == b"data: [DONE]"
+    first, second = rows(out)
+    assert first["hash_ids"][0] == 0 and second["hash_ids"][0] == len(first["hash_ids"])
+    again = tmp_path / "again.jsonl"
+    assert anonymize(raw, again, "--tokenizer", toy_tokenizer_dir, "--salt-file", salt).returncode == 0
+    assert again.read_text() == out.read_text()

@@ -81,7 +81,8 @@ def test_the_round_trip_through_real_vllm(vllm_qwen2, tmp_path):
                            "--tokenize-url", vllm_qwen2, "--block-size", str(BLOCK), "--salt-file", str(salt)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert anonymized.read_text() == recorded.read_text()
+    made, seen = anonymized.read_text().splitlines(), recorded.read_text().splitlines()
+    assert len(made) == len(seen) and next(((a, b) for a, b in zip(made, seen) if a != b), None) is None
     for command in (["validate"], ["stats"]):
         done = subprocess.run([sys.executable, "-m", "replay", "trace", *command, str(recorded)], capture_output=True,
                               text=True, timeout=120)

@@ -2,8 +2,8 @@
 
 The proxy hands each finished exchange down a pipe and goes on forwarding; counting tokens
 (the server's POST /tokenize, or the tokenizer), hashing and finding sessions happen here, in
-another process, so no request waits for them. Rows are written in arrival order (a row waits
-for the requests that arrived before it to end), each a whole line (replay/results/files.py:
+another process, so no request waits for them. Rows are made and written in arrival order (a
+request waits for those that arrived before it to end), each a whole line (replay/results/files.py:
 a full disk cuts the trace at a whole line).
 
 The pipe carries: one line, the recording's settings (JSON, the salt in hex); then per
@@ -58,7 +58,7 @@ class Recorder:
         self.rows = RowMaker(self.tokens, self.hasher, settings.get("session_from"), settings["keep_text"])
         self.file = AppendFile(self.path, fd=settings.get("fd"))
         self.raw = _private_file(settings["raw_log"]) if settings.get("raw_log") else None
-        self.held: dict[int, bytes] = {}
+        self.held: dict[int, Exchange] = {}
         self.next_seq = 0
         self.written = 0
         self.failed = 0
@@ -66,15 +66,21 @@ class Recorder:
         self.write_meta(complete=False)
 
     def add(self, exchange: Exchange) -> None:
+        """Exchanges come as they end; each is made a row in arrival order, so that hash ids are
+        numbered, and sessions found, as anonymize does from a log (a continuation always arrives
+        after the turn it continues has ended, so that turn is always made first)."""
+        self.held[exchange.seq] = exchange
+        while self.next_seq in self.held:
+            self._make(self.held.pop(self.next_seq))
+            self.next_seq += 1
+
+    def _make(self, exchange: Exchange) -> None:
         body, answer = read_exchange(exchange)
         row = self.rows.row_of(exchange, body, answer)
         if "error" in row:
             self.failed += 1
         raw = None if self.raw is None else raw_line(exchange, body, answer)
-        self.held[exchange.seq] = (orjson.dumps(row) + b"\n", raw)
-        while self.next_seq in self.held:
-            self._write(*self.held.pop(self.next_seq))
-            self.next_seq += 1
+        self._write(orjson.dumps(row) + b"\n", raw)
 
     def _write(self, line: bytes, raw: bytes | None) -> None:
         if self.cut is not None:
@@ -94,8 +100,8 @@ class Recorder:
                 sys.exit(CUT_EXIT)
 
     def close(self) -> None:
-        for seq in sorted(self.held):  # exchanges the proxy never finished (none, unless it was killed)
-            self._write(*self.held.pop(seq))
+        for seq in sorted(self.held):  # after a gap: an exchange the proxy never finished (it was killed)
+            self._make(self.held.pop(seq))
         self.file.close()
         if self.raw is not None:
             self.raw.close()
