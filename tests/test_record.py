@@ -527,3 +527,10 @@ def test_ids_are_numbered_in_arrival_order_whatever_order_answers_end(toy_tokeni
     again = tmp_path / "again.jsonl"
     assert anonymize(raw, again, "--tokenizer", toy_tokenizer_dir, "--salt-file", salt).returncode == 0
     assert again.read_text() == out.read_text()
+
+
+def test_a_tokenizer_that_cannot_be_read_is_refused_before_listening(tmp_path):
+    done = record_refused("--upstream", "http://127.0.0.1:9", "--block-size", "16", "--output",
+                          str(tmp_path / "t.jsonl"), "--tokenizer", str(tmp_path / "nothing-here"))
+    assert done.returncode == 2 and done.stderr.startswith(f"replay record: --tokenizer {tmp_path / 'nothing-here'}: ")
+    assert len(done.stderr.strip().splitlines()) == 1 and "listening" not in done.stdout

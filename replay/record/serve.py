@@ -8,6 +8,7 @@ import argparse
 import importlib.metadata
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -31,6 +32,16 @@ from replay.trace.fields import block_size_problem
 READY_PREFIX = "replay record listening on "
 
 
+class _Server(WSGIServer):
+    """Each answer's chunk goes out when it is written: without TCP_NODELAY a streamed token
+    written right after another waits for the client's (delayed) acknowledgement of the first,
+    up to 40 ms on Linux, which the proxy would add to the TTFT it is there to leave alone."""
+
+    def handle(self, sock, address):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return super().handle(sock, address)
+
+
 class RecordError(ValueError):
     """Options or inputs refused before anything is forwarded (exit 2)."""
 
@@ -52,8 +63,13 @@ def settings_of(args: argparse.Namespace) -> dict:
         salt = read_salt(args.salt_file)
     except (OptionError, ValueError) as e:
         raise RecordError(str(e)) from None
-    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
-        raise RecordError(f"--tokenizer {args.tokenizer}: not found")
+    if args.tokenizer is not None:  # its files and template checked here; the recorder loads it
+        from replay.synth.tokenizer import ServerTokenizer
+
+        try:
+            ServerTokenizer.load(args.tokenizer, args.chat_template, lazy=True)
+        except (OSError, ValueError) as e:
+            raise RecordError(f"--tokenizer {args.tokenizer}: {e}") from None
     if os.path.isdir(args.output):
         raise RecordError(f"--output {args.output}: is a folder")
     block_size, block_source = _block_size(args)
@@ -91,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
                           timeout_s=args.upstream_timeout, max_record_bytes=args.max_record_bytes,
                           id_header=args.id_header)
     try:
-        server = WSGIServer((args.host, args.port), forwarder, log=None, spawn=Pool())  # a pool: stop() waits for it
+        server = _Server((args.host, args.port), forwarder, log=None, spawn=Pool())  # a pool: stop() waits for it
         server.start()
     except OSError as e:
         recorder.stdin.close()
@@ -121,7 +137,8 @@ def serve(args: argparse.Namespace) -> int:
     code = recorder.wait()
     if code == CUT_EXIT:
         print("replay record: stopped: the trace could not be written (--on-write-error stop)", file=sys.stderr)
-    elif code != 0 and not recorder_ended.ready():
-        pass
+    elif code != 0:
+        print(f"replay record: the recorder ended with exit code {code}: the trace may be incomplete "
+              f"({args.output}.meta.json says)", file=sys.stderr)
     print(f"replay record: stopped; {forwarder.seq} requests recorded to {args.output}", file=sys.stderr, flush=True)
     return 0 if code == 0 else 1
