@@ -23,7 +23,7 @@ from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.reader import read_trace
 from support.processes import replay_args, run_locust
 from support.record import RecordProcess
-from support.traces import BLOCK, bailian_trace, mooncake_trace
+from support.traces import BLOCK, bailian_trace, mooncake_slice, mooncake_trace
 from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -204,35 +204,47 @@ def expected_shared(ti, tj, before: int, overhead: int) -> int:
     return (before + content) // BLOCK
 
 
-@pytest.mark.parametrize("kind", ["bailian", "mooncake"])
+def paired(out: Path, rows_in_t: int) -> list[int]:
+    """Which T row each T' row is (`--id-header X-Request-Id`: the replay's <run id>-<request id>):
+    rows T sends at the same instant may reach the proxy either way round."""
+    order = [int(json.loads(line)["client_request_id"].rsplit("-", 1)[1]) for line in out.read_text().splitlines()]
+    assert sorted(order) == list(range(rows_in_t))
+    return order
+
+
+@pytest.mark.parametrize("kind", ["bailian", "mooncake", "shared"])
 def test_a_trace_replayed_through_the_proxy_is_recorded_as_itself(kind, sim, toy_tokenizer_dir, tmp_path):
+    """Bailian: sessions; mooncake: two families of shared prefixes; shared: the first 40 rows
+    of ../shared's Mooncake trace (rescaled to the sim's blocks, rows at the same instant)."""
     if kind == "bailian":
         trace = bailian_trace(tmp_path / "t.jsonl", sessions=4, turns=3, gap_s=0.1)
-    else:
+    elif kind == "mooncake":
         trace = mooncake_trace(tmp_path / "t.jsonl", rows=16, gap_ms=60)
+    else:  # completions: some rows are shorter than any chat prompt the template allows
+        trace = mooncake_slice(tmp_path, 40, BLOCK, time_scale=9, max_output=8)
+    api = "openai-completions" if kind == "shared" else "openai-chat"
     out = tmp_path / "recorded.jsonl"
-    with RecordProcess(sim.url, out, "--session-header", "X-Session-Id") as proxy:
+    with RecordProcess(sim.url, out, "--session-header", "X-Session-Id", "--id-header", "X-Request-Id") as proxy:
         run_locust(replay_args(trace, toy_tokenizer_dir, proxy.url, tmp_path / "run.jsonl",
-                               "--session-header", "X-Session-Id"), tmp_path)
+                               "--session-header", "X-Session-Id", "--api", api), tmp_path)
     original = read_trace(trace, block_size=BLOCK).rows
     recorded = read_trace(out).rows  # no option: its format, block size and sessions are its own
-    assert len(recorded) == len(original)
-    assert [r.input_length for r in recorded] == [r.input_length for r in original]
-    assert [r.output_length for r in recorded] == [r.output_length for r in original]
-    start = (original[0].timestamp_s, recorded[0].timestamp_s)
-    for o, r in zip(original, recorded):
-        assert abs((r.timestamp_s - start[1]) - (o.timestamp_s - start[0])) < 0.05  # the replay's own drift
+    order = paired(out, len(original))
+    of = {t: recorded[k] for k, t in enumerate(order)}  # T row -> its T' row
+    assert [of[i].input_length for i in range(len(original))] == [r.input_length for r in original]
+    assert [of[i].output_length for i in range(len(original))] == [r.output_length for r in original]
+    for i, o in enumerate(original):  # arrival gaps within the replay's own drift
+        assert abs((of[i].timestamp_s - recorded[0].timestamp_s) - (o.timestamp_s - original[order[0]].timestamp_s)) < 0.05
     if kind == "bailian":
-        sessions = {(o.session_id, r.session_id) for o, r in zip(original, recorded)}
+        sessions = {(o.session_id, of[i].session_id) for i, o in enumerate(original)}
         assert len(sessions) == len({o.session_id for o in original}) == len({r.session_id for r in recorded})
-        turns = [json.loads(line)["turn"] for line in out.read_text().splitlines()]
-        assert turns == [o.turn - 1 for o in original]
-    measured, _ = set_up(ServerTokenizer.load(toy_tokenizer_dir), "openai-chat")
+        turns = {t: json.loads(line)["turn"] for t, line in zip(order, out.read_text().splitlines())}
+        assert [turns[i] for i in range(len(original))] == [o.turn - 1 for o in original]
+    measured, _ = set_up(ServerTokenizer.load(toy_tokenizer_dir), api)
     before, overhead = len(measured.frame.before), measured.frame.overhead
     for i, ti in enumerate(original):
         for j, tj in enumerate(original[:i]):
-            assert leading_shared(recorded[i].hash_ids, recorded[j].hash_ids) == \
-                expected_shared(ti, tj, before, overhead), (i, j)
+            assert leading_shared(of[i].hash_ids, of[j].hash_ids) == expected_shared(ti, tj, before, overhead), (i, j)
     stats = subprocess.run([sys.executable, "-m", "replay", "trace", "stats", str(out)], capture_output=True,
                            text=True, timeout=60)
     assert stats.returncode == 0, stats.stderr
