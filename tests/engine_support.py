@@ -53,7 +53,9 @@ class MemoryTrace:
 
 def spec_of(rows: list[TraceRow], folder: Path, *, max_prompt_tokens: int | None = None,
             **options: Any) -> RunSpec:
-    """A run of `rows` into folder/run.jsonl, as the preflight would make it (no scraping unless asked)."""
+    """A run of `rows` into folder/run.jsonl, as the preflight would make it (no scraping unless asked;
+    the folder made, as the output's claim makes it)."""
+    folder.mkdir(parents=True, exist_ok=True)
     options = {"trace": "(in memory)", "tokenizer": "(none)", "model": "fake", "endpoints": URL,
                "output": str(folder / "run.jsonl"), "server_metrics_interval": 0, **options}
     opts = ReplayOptions(**options)
@@ -143,18 +145,22 @@ def ok_record(row: TraceRow, worker: int, scheduled: float, sent_at: float) -> d
     return record
 
 
+REFUSED_TEXT = "ConnectionRefusedError: [Errno 111] Connection refused"
+
+
 def failed_record(row: TraceRow, worker: int, scheduled: float, sent_at: float, status: int) -> dict:
-    """What a worker records for a request the server answered with an HTTP error."""
-    record = unsent_record(row, worker=worker, api="openai-chat", scheduled_at=scheduled, reason=f"HTTP {status}",
-                           endpoint=URL, sent_at=sent_at)
-    record.update(status=status, finished_at=sent_at + 0.01, e2e_ms=10.0)
+    """What a worker records for a request the server answered with an HTTP error; status 0: one
+    it never answered (its connection refused, as by a server that is gone)."""
+    record = unsent_record(row, worker=worker, api="openai-chat", scheduled_at=scheduled,
+                           reason=f"HTTP {status}" if status else REFUSED_TEXT, endpoint=URL, sent_at=sent_at)
+    record.update(status=status, finished_at=sent_at + 0.01, e2e_ms=10.0 if status else None)
     return record
 
 
 class FakeWorker:
     """The worker side of the protocol, as replay.engine.dispatcher.Dispatcher speaks it, with
     every row answered at once on the GO by a fake endpoint: `answer(row)` is its HTTP status
-    (200: ok; else a failed record "HTTP <status>").
+    (200: ok; 0: no answer, the connection refused; else a failed record "HTTP <status>").
 
     Knobs: `ready` False never says READY; `error` refuses the part (READY with an error);
     `answer_first` answers only that many rows and holds the rest (`release` answers more); `hears_abort` False ignores a
@@ -302,6 +308,7 @@ class FakeWorker:
         """Its own records file cannot be written (a full disk)."""
         self.link.to_master(messages.FAULT, messages.Fault(worker=self.index, file=file, reason=reason))
 
-    def stopped(self) -> None:
-        """It got a signal of its own."""
-        self.link.to_master(messages.STOPPED, messages.Stopped())
+    def stopped(self, shared: bool = False) -> None:
+        """It got a signal of its own; `shared`: in the master's process group, one the master
+        may have got too (the master's abort says which)."""
+        self.link.to_master(messages.STOPPED, messages.Stopped(shared=True) if shared else messages.Stopped())

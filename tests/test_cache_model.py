@@ -10,7 +10,7 @@ from replay.results.cache_model import ModelPrompt, ServerCache, model_checks, s
 from replay.results.server_metrics import cache_config
 from replay.rules.block_pool import BlockPool
 from replay.rules.prefix_cache import block_hashes
-from support.cache_model import SIM_BLOCK, reuse_trace
+from support.cache_model import SIM_BLOCK, reuse_trace, turns_trace
 
 B = 2  # block size of the hand-made sequences
 
@@ -97,9 +97,10 @@ def test_cache_config_info_is_read_from_vllms_labels():
 
 # -- the model's causes -----------------------------------------------------------------------------
 def prompt(rid: int, t: float, tokens: list[int], observed: int | None, *, end: float | None = None,
-           endpoint: str = "a", reported: int | None = None, output: int = 0, ideal: int | None = None) -> ModelPrompt:
+           endpoint: str = "a", reported: int | None = None, output: int = 0, ideal: int | None = None,
+           answered: float | None = None) -> ModelPrompt:
     return ModelPrompt(rid, t, reported, observed, block_hashes(tokens, B), len(tokens), endpoint,
-                       end if end is not None else t + 0.001, output, ideal)
+                       end if end is not None else t + 0.001, output, ideal, answered_at=answered)
 
 
 def verdicts(prompts: list[ModelPrompt], servers: dict | None = None, window_ms: float = 0.0, **default):
@@ -136,6 +137,23 @@ def test_a_request_sent_within_the_reorder_window_is_in_flight():
     assert v[1].expected == 4 and v[1].cause == "in-flight"
     v = verdicts([prompt(0, 0.0, a, 4), prompt(1, 0.002, a, 0)], window_ms=5)  # the second reached it first
     assert v[0].expected == 0 and v[0].cause == "in-flight"
+
+
+def test_requests_in_flight_together_are_the_servers_order_not_a_prompt_that_differs():
+    """Rows sent at one instant that the server scheduled in the other order: the later-sent one
+    cached the prefix first. Until a request's first token came back the server may not have
+    scheduled it, so neither count blames the prompt; once it had answered, a later send that
+    misses what it cached is evidence that the prompt differs."""
+    a = blocks(1, 2)
+    together = [prompt(0, 0.0, a, 4, answered=0.02), prompt(1, 0.0, a, 0, answered=0.02)]
+    v = verdicts(together)
+    assert (v[0].expected, v[1].expected) == (0, 4)
+    assert v[0].cause == "in-flight" and v[1].cause == "in-flight"
+    # the first answered (0.02) before the second was sent (0.03): the server held its blocks
+    answered_first = [prompt(0, 0.0, a, 0, answered=0.02), prompt(1, 0.03, a, 0, answered=0.05)]
+    assert verdicts(answered_first)[1].cause == "prompt-differs"
+    # sent before the first's answer: it may have reached the scheduler first
+    assert verdicts([answered_first[0], prompt(1, 0.01, a, 0, answered=0.05)])[1].cause == "in-flight"
 
 
 def test_a_shared_prefix_ending_inside_a_block_is_partial_block():
@@ -260,26 +278,105 @@ def test_a_fleet_routed_round_robin_scatters_sessions_session_routing_keeps_them
 
 @pytest.mark.alone  # the model's start times come from the run's timing: another test's load skews them
 def test_a_second_run_on_a_warm_sim_names_warm_at_start_until_reset(tmp_path, toy_tokenizer_dir):
-    """The same trace twice against one sim: the second run's certificate names warm-at-start and
-    its summary the remedy; --reset-server-cache makes a third faithful again."""
+    """The same trace twice against one sim: the second run's certificate names warm-at-start, its
+    verdict is warm-cache (its hits came from the first run: not the trace's cache behaviour), so
+    --require-faithful exits 1, and its summary gives the remedy; --reset-server-cache makes a
+    third faithful again."""
+    from replay.results.certificate import REMEDIES, WARM_CACHE
     from replay.sim.process import sim_process
 
     trace = reuse_trace(tmp_path / "trace.jsonl", rows=40)
     with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "1000") as sim:
         runs = {}
-        for name, extra in (("first", ()), ("second", ()), ("after-reset", ("--reset-server-cache",))):
+        for name, extra, code in (("first", (), 0), ("second", ("--require-faithful",), 1),
+                                  ("after-reset", ("--reset-server-cache",), 0)):
             output = tmp_path / f"{name}.jsonl"
-            runs[name] = replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path, *extra).stdout, certificate(output)
-    # partial-block is the trace's own (a shared prefix ending inside a server block): no failure
-    assert set(causes(runs["first"][1])) <= {"partial-block"}, runs["first"][1]["cache"]
+            runs[name] = (replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path, *extra, exit_code=code).stdout,
+                          certificate(output))
+    # partial-block is the trace's own (a shared prefix ending inside a server block), in-flight the
+    # sim's order of requests a loaded host kept in flight together: no failure
+    fine = {"partial-block", "in-flight"}
+    assert set(causes(runs["first"][1])) <= fine, runs["first"][1]["cache"]
     stdout, second = runs["second"]
-    assert "warm-at-start" in causes(second) and set(causes(second)) <= {"warm-at-start", "partial-block"}, \
+    assert "warm-at-start" in causes(second) and set(causes(second)) <= {"warm-at-start", *fine}, \
         second["cache"]["misses"]
     assert "--reset-server-cache" in stdout and "another --seed" in stdout
+    assert REMEDIES[WARM_CACHE] in second["remedies"] and "a freshly started server" in stdout
+    # the verdict is the warm cache's, unless this host made the sends late too (a schedule line first)
+    assert second["verdict"] == WARM_CACHE or second["failing"][0].startswith("schedule"), second["failing"]
     stdout, after_reset = runs["after-reset"]
-    assert set(causes(after_reset)) <= {"partial-block"}, after_reset["cache"]
+    assert set(causes(after_reset)) <= fine, after_reset["cache"]
     assert not any(line.startswith("cache") for line in after_reset["failing"])
     assert "--reset-server-cache" not in stdout
+
+
+@pytest.mark.alone  # the sends' timing is on trial: another test's load would make the run late
+def test_rows_sent_together_that_the_server_schedules_in_another_order_are_in_flight(tmp_path, toy_tokenizer_dir):
+    """8 rows due at one instant (4 conversations' two turns) against a sim that schedules the
+    requests that came together the last first (--reorder-ms): the hits the trace puts on the
+    second turns land on the first ones. That is the server's order of requests in flight
+    together, not a replay bug: `in-flight`, no cache line fails. The same rows 300 ms apart
+    hit as the trace says."""
+    from replay.sim.process import sim_process
+
+    certs = {}
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--reorder-ms", "100") as sim:
+        for gap_ms in (0, 300):
+            trace = turns_trace(tmp_path / f"turns-{gap_ms}.jsonl", gap_ms)
+            output = tmp_path / f"turns-{gap_ms}.jsonl.out"
+            proc = replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path, "--reset-server-cache")
+            certs[gap_ms] = certificate(output), proc.stdout
+    together, stdout = certs[0]
+    assert causes(together).get("in-flight", 0) >= 4 and set(causes(together)) <= {"in-flight", "partial-block"}, \
+        together["cache"]["misses"]
+    assert together["cache"]["infinite"]["observed_cached_tokens"] > 0  # the server did hit, in its own order
+    assert not any(line.startswith("cache") for line in together["failing"]) and "a replay bug" not in stdout
+    apart, _ = certs[300]
+    assert set(causes(apart)) <= {"partial-block"}, apart["cache"]["misses"]
+
+
+def test_a_server_whose_usage_says_no_hits_is_judged_by_its_counters(tmp_path, toy_tokenizer_dir):
+    """`replay sim --false-usage '{"cached_tokens": 0}'`: every answer says nothing was cached
+    while the sim's /metrics count the hits the prompts give. The usage is not evidence: no
+    request is called a replay bug, the cache line is judged from the counters, and passes."""
+    from replay.sim.process import sim_process
+
+    trace = reuse_trace(tmp_path / "trace.jsonl", rows=40)
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--false-usage", '{"cached_tokens": 0}') as sim:
+        proc = replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path, "--reset-server-cache")
+    cert = certificate(output)
+    cached = cert["usage"]["cached_tokens"]
+    assert cached["status"] == "disagrees" and cached["usage"] == 0 and cached["counters"] > 0, cert["usage"]
+    assert cert["cache"]["judged_from"] == "counters"
+    counters = cert["cache"]["counters"]
+    assert counters["low"] <= counters["prefix_cache_hits"] <= counters["high"], counters
+    assert not any(line.startswith("cache") for line in cert["failing"]) and "a replay bug" not in proc.stdout
+    assert "judged from /metrics" in proc.stdout
+
+
+@pytest.mark.alone  # which misses are in flight together comes from the run's timing
+def test_a_cache_smaller_than_declared_is_not_a_replay_bug(tmp_path, toy_tokenizer_dir):
+    """A 30-block sim taken for a 100,000-block one (--server-cache-blocks 100000, as a server
+    that says more than it has): the model never evicts, so every block the sim evicted looks
+    like one it must hold, which would blame the prompts. The sim's own KV-cache usage (scraped)
+    peaks far above what such a pool could reach: those misses are not judged, and the line
+    says to pass the real size."""
+    from replay.sim.process import sim_process
+
+    trace = reuse_trace(tmp_path / "trace.jsonl")
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim:
+        proc = replay(trace, toy_tokenizer_dir, sim.url, output, tmp_path, "--reset-server-cache",
+                      "--server-cache-blocks", "100000", "--server-metrics-interval", "0.1")
+    cert = certificate(output)
+    (smaller,) = cert["cache"]["smaller_than_declared"]
+    assert smaller["num_gpu_blocks"] == 100_000 and smaller["server_peak_usage"] > 0.1, smaller
+    assert causes(cert)["prompt-differs"] == smaller["prompt_differs_held"] > 0  # what the model would have said
+    assert not any(line.startswith("cache") for line in cert["failing"]), cert["failing"]
+    assert any("its cache is smaller than that" in line and "--server-cache-blocks" in line
+               for line in cert["unchecked"])
+    assert "a replay bug" not in proc.stdout
 
 
 def test_a_server_that_cannot_reset_its_cache_is_refused(tmp_path, toy_tokenizer_dir):

@@ -56,3 +56,11 @@ def test_the_model_predicts_real_vllms_evictions(small_cache_url, tmp_path):
     assert section["exact_share"] >= 0.95, [v for v in verdicts if not v.exact]
     assert section["misses"] > 0 and section["misses_attributed_share"] == 1.0, section["miss_causes"]
     assert section["miss_causes"]["evicted"]["requests"] > 0 and "unexplained" not in section["miss_causes"]
+    # real vLLM's usage is what its /metrics counters count: the certificate takes it as evidence
+    import json
+
+    from replay.rules.run_files import fidelity_path
+
+    usage = json.loads(fidelity_path(output).read_text())["usage"]
+    assert {name: figure["status"] for name, figure in usage.items()} == {"prompt_tokens": "agrees",
+                                                                          "cached_tokens": "agrees"}, usage

@@ -22,7 +22,11 @@ from replay.engine.capacity import (
     CLIENT_LIMITED,
     FOUND,
     INVALID,
+    OUTAGE,
     PASS,
+    SERVER_ERRORS,
+    STOPPED,
+    WORKER_SIGNALLED,
     WORKERS_LOST,
     Probe,
     Search,
@@ -35,7 +39,7 @@ from replay.engine.probes import max_probes
 from replay.engine.rounds import Part, Round
 from replay.engine.transport import LocalLink
 from replay.errors import OptionError
-from replay.results.records import PROBE_CUT, PROBE_INVALID
+from replay.results.records import PROBE_CUT, PROBE_INVALID, WORKER_STOPPED
 from replay.rules.run_files import capacity_path
 from replay.run.options import ReplayOptions
 from replay.trace.amplify import Clones, amplify_trace
@@ -100,8 +104,13 @@ BAD = [
     ({"slo": None}, "--capacity-search needs --slo"),
     ({"search_range": "4:2"}, "--search-range 4:2: LO must be below HI"),
     ({"search_range": "1:1"}, "--search-range 1:1: LO must be below HI"),
-    ({"search_range": "0:2"}, "--search-range 0:2: LO must be > 0"),
-    ({"search_range": "-1:2"}, "--search-range -1:2: LO must be > 0"),
+    ({"search_range": "0:2"}, "--search-range 0:2: LO must be 0.001 to 10000"),
+    ({"search_range": "-1:2"}, "--search-range -1:2: LO must be 0.001 to 10000"),
+    ({"search_range": "1e-300:2"}, "--search-range 1e-300:2: LO must be 0.001 to 10000"),
+    ({"search_range": "1:1e300"}, "--search-range 1:1e300: HI must be 0.001 to 10000"),
+    ({"search_precision": 1e-300}, "--search-precision 1e-300: must be 0.001 to 1"),
+    ({"cooldown": 1e300}, "--cooldown 1e+300: must be 0 to 3600 seconds"),
+    ({"probe_duration": 1e-300}, "--probe-duration 1e-300: must be 0.001 to 604800 trace seconds"),
     ({"search_range": "nan:2"}, "--search-range 'nan:2'"),
     ({"search_range": "1:inf"}, "--search-range '1:inf'"),
     ({"search_range": "2"}, "--search-range '2'"),
@@ -136,12 +145,14 @@ def test_the_range_parses():
 
 def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None,
                rows_of=lambda n: make_rows(n, gap_s=1.0 / n), late_from: float | None = None,
-               answer_first: dict[int, int] | None = None, cpu_from: float | None = None, **options):
+               answer_first: dict[int, int] | None = None, cpu_from: float | None = None,
+               fault: dict[int, int] | None = None, **options):
     """A search over `rows` rows (1 s of trace; `rows_of(rows)` makes them) against fake workers
-    whose endpoint fails every row of a probe above `capacity`, and which send every row of a
-    probe at `late_from` or above 50 ms late (a client that cannot keep up); worker i answers only
-    its first `answer_first[i]` rows (a worker to be lost holds the rest); from the probe at
-    `cpu_from` on, every worker reports 95% CPU use."""
+    whose endpoint fails every row of a probe above `capacity` with HTTP 429 (too many requests:
+    the load's failure), and which send every row of a probe at `late_from` or above 50 ms late
+    (a client that cannot keep up); worker i answers only its first `answer_first[i]` rows (a
+    worker to be lost holds the rest); from the probe at `cpu_from` on, every worker reports 95%
+    CPU use; probe n's rows all get status `fault[n]` (0: no answer, as from a server gone)."""
     options = {"capacity_search": True, "slo": "ttft_ms=100", "probe_duration": 1.0, "cooldown": 1.0,
                "search_range": "0.25:16", "search_precision": 0.1, **options}
     spec = spec_of(rows_of(rows), tmp_path, **options)
@@ -151,7 +162,9 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
     def answer(row) -> int:
         probes = holder["run"].coordinator.probes
         probe = probes.probes[probes.probe_of(row.request_id)]
-        return 200 if probe.factor <= capacity else 503
+        if fault and probe.number in fault:
+            return fault[probe.number]
+        return 200 if probe.factor <= capacity else 429
 
     def late(row) -> float:
         probes = holder["run"].coordinator.probes
@@ -198,7 +211,7 @@ def test_a_search_in_one_run_finds_the_capacity_and_writes_its_files(tmp_path, c
     first = sorted((r for r in records.values() if r["probe"] == 1), key=lambda r: r["request_id"])
     gaps = {round(b["scheduled_at"] - a["scheduled_at"], 6) for a, b in zip(first, first[1:])}
     assert gaps == {round(1.0 / 40 / probes[1]["factor"], 6)}
-    assert run.exit_codes == []
+    assert run.exit_codes == [0]
     assert quotable_line(report) in capsys.readouterr().out
     assert fake.rounds_seen[-1]["more"] is False  # told that no more rounds follow
 
@@ -211,8 +224,11 @@ def test_a_failing_probe_is_cut_short_and_its_unsent_rows_labelled(tmp_path, mon
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     first = [r for r in records.values() if r["probe"] == 0]
     labels = Counter(r["error"] for r in first)
-    assert labels["HTTP 503"] < 100 and labels[PROBE_CUT] == 100 - labels["HTTP 503"]
+    assert labels["HTTP 429"] < 100 and labels[PROBE_CUT] == 100 - labels["HTTP 429"]
     assert report["probes"][0]["verdict"] == "fail early"
+    # its goodput is over the rows it sent: those never sent say nothing of the server
+    assert report["probes"][0]["sent"] == labels["HTTP 429"] and report["probes"][0]["goodput"] == 0.0
+    assert report["probes"][1]["goodput"] == 1.0
     assert report["result"] == FOUND and report["bracket"][0] <= 0.5 < report["bracket"][1]
 
 
@@ -241,7 +257,8 @@ def test_a_search_with_two_workers_gives_the_same_answer(tmp_path, search_by):
 
 
 @pytest.mark.parametrize(("capacity", "late_from"), [(3.0, 4.0), (1.5, 2.0)])
-def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_path, capsys, capacity, late_from):
+def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_path, capsys, caplog, capacity,
+                                                                             late_from):
     """Probes from `late_from` on are sent 50 ms late (drift p99 over 10 ms): whether the server
     would have passed it (3x) or failed it (1.5x), the probe is client-limited, not a server
     failure, and the search ends there with exit code 1 and a line saying to add workers."""
@@ -255,6 +272,9 @@ def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_
     assert report["result"] == CLIENT_LIMITED and report["bracket"] == [late_from / 2, None]
     assert run.exit_codes == [1]
     assert "add workers" in capsys.readouterr().out
+    # the message names the limit that held, the drift, and no CPU figure that did not
+    said = [r.getMessage() for r in caplog.records if "limited by the client" in r.getMessage()]
+    assert len(said) == 1 and "dispatch drift p99" in said[0] and "CPU" not in said[0], said
 
 
 def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, monkeypatch, capsys):
@@ -277,6 +297,104 @@ def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert len(records) == 40 * len(report["probes"])
     assert report["result"] == "stopped"
+
+
+def test_a_probe_a_stop_cut_off_is_stopped_not_a_fail(tmp_path):
+    """Worker 1 holds its rows of the 2x probe past its first 10: the stop comes while the probe
+    is under way. That probe is its own kind, neither a pass nor a fail; no capacity is claimed,
+    and its goodput is over the rows it sent."""
+    run, _ = search_run(tmp_path, capacity=3.0, workers=2, answer_first={1: 20 + 10})
+    run.until(lambda: len(run.coordinator.probes.probes) >= 2 and run.coordinator.probes.probes[1].recorded >= 50)
+    run.end()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [(p["factor"], p["verdict"]) for p in report["probes"]] == [(1.0, PASS), (2.0, STOPPED)]
+    assert report["result"] == STOPPED and report["capacity"] is None and report["bracket"] == [1.0, None]
+    assert report["probes"][1]["sent"] == 50 and report["probes"][1]["goodput"] == 1.0
+
+
+# -- servers gone or erroring: not the load's failures ---------------------------------------------
+
+
+def test_a_server_gone_after_the_first_probe_is_an_outage_not_a_capacity(tmp_path, capsys):
+    """Every request of the probes after the first gets no answer (connection refused): the
+    search ends at the first of them, exit code 1, result outage, and claims no capacity."""
+    run, _ = search_run(tmp_path, capacity=3.0, fault={n: 0 for n in range(1, 20)})
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [(p["factor"], p["verdict"]) for p in report["probes"]] == [(1.0, PASS), (2.0, OUTAGE)]
+    assert report["probes"][1]["failed_by"] == {"unanswered": 1}  # target 0.99 of 80 rows: the first failure
+    assert report["result"] == OUTAGE and report["capacity"] is None and report["bracket"] == [1.0, None]
+    assert run.exit_codes == [1]
+    line = quotable_line(report)
+    assert line.startswith("Capacity: not measured: the servers stopped answering during the probe at 2x")
+    assert "ConnectionRefusedError" in line and line in capsys.readouterr().out
+
+
+def test_error_answers_that_are_not_the_loads_are_server_errors_not_a_capacity(tmp_path):
+    """HTTP 500 (or 503) at a load the server would serve: not a failure of the load."""
+    run, _ = search_run(tmp_path, capacity=3.0, fault={1: 500})
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [p["verdict"] for p in report["probes"]] == [PASS, SERVER_ERRORS]
+    assert report["probes"][1]["not_load_reasons"] == {"HTTP 500": 80}
+    assert report["result"] == SERVER_ERRORS and run.exit_codes == [1]
+
+
+def test_on_outage_retry_repeats_the_probe_once_the_servers_answer_again(tmp_path):
+    run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0}, on_outage="retry")
+    asked = []
+    run.coordinator.probes.servers_answer = lambda: asked.append(1) or len(asked) >= 3  # back at the third question
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    probes = report["probes"]
+    assert [(p["factor"], p["verdict"], p["repeat_of"]) for p in probes[:3]] == \
+        [(1.0, PASS, None), (2.0, OUTAGE, None), (2.0, PASS, 1)]
+    best, worst = report["bracket"]
+    assert report["result"] == FOUND and best <= 3.0 < worst and worst / best <= 1.1
+    assert len(asked) == 3 and run.exit_codes == [0]
+
+
+def test_on_outage_retry_ends_the_search_when_the_repeat_is_an_outage_too(tmp_path):
+    run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0, 2: 0}, on_outage="retry")
+    run.coordinator.probes.servers_answer = lambda: True
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE, OUTAGE]
+    assert report["result"] == OUTAGE and run.exit_codes == [1]
+
+
+def test_on_outage_retry_ends_the_search_when_the_servers_do_not_come_back(tmp_path):
+    run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0}, on_outage="retry")
+    run.coordinator.probes.servers_answer = lambda: False
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE]
+    assert report["result"] == OUTAGE and run.exit_codes == [1]
+
+
+def test_a_few_unanswered_rows_among_the_loads_failures_are_still_a_fail():
+    """What failed the probe decides: mostly over the SLO is the load's failure, whatever else came."""
+    probe = Probe(0, 2.0, rows=10, slo={"ttft_ms": 100.0}, target=0.8)
+    slow = {"ok": True, "status": 200, "ttft_ms": 500.0, "drift_ms": 0.1, "sent_at": 1.0}
+    refused = {"ok": False, "status": 0, "error": "ConnectionRefusedError: x", "drift_ms": 0.1, "sent_at": 1.0}
+    for record in (slow, refused, slow):
+        probe.add(record)
+    assert probe.hopeless and probe.failed_by == {"load": 2, "unanswered": 1}
+    for _ in range(7):
+        probe.add(refused)  # after it could no longer pass: they decide nothing
+    assert probe.verdict == "fail"
+
+
+def test_a_quick_answer_without_a_token_is_a_server_error_not_a_good_row():
+    """A server answering 200 with no event stream at all (garbage) is quick: under an e2e limit
+    it would pass every probe, a capacity of "at least HI" for a server that serves nothing."""
+    probe = Probe(0, 1.0, rows=4, slo={"e2e_ms": 1000.0}, target=0.5)
+    garbage = {"ok": True, "status": 200, "e2e_ms": 1.0, "ttft_ms": None, "drift_ms": 0.1, "sent_at": 1.0,
+               "output_length": 10, "output_tokens": 0, "received_tokens": 0}
+    for _ in range(3):
+        probe.add(garbage)
+    assert probe.good == 0 and probe.failed_by == {"error": 3}
+    assert probe.verdict == SERVER_ERRORS and probe.top_reasons() == {"answered ok without an output token": 3}
 
 
 # -- --search-by amplify: a probe's rows are `replay trace amplify`'s ----------------------------------
@@ -366,13 +484,33 @@ def test_a_worker_lost_during_a_probe_makes_it_invalid_and_it_is_repeated_once(t
     assert probes[2]["factor"] == 2.0 and probes[2]["repeat_of"] == 1 and probes[2]["verdict"] == PASS
     best, worst = report["bracket"]
     assert report["result"] == FOUND and best <= 3.0 < worst and worst / best <= 1.1
-    assert run.exit_codes == []
+    assert run.exit_codes == [0]
     # the repeat and every later probe: all their rows, sent by the worker left
     for p in probes[2:]:
         mine = [r for r in records.values() if r["probe"] == p["probe"]]
         assert len(mine) == p["rows"] and {r["worker"] for r in mine} == {0}
     lost = Counter(r["error"] for r in records.values() if r["probe"] == 1 and not r["ok"])
     assert lost and all(label.startswith("worker lost") or label == PROBE_INVALID for label in lost), lost
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own session", "master's process group"])
+def test_a_worker_stopped_by_a_signal_of_its_own_ends_the_search_without_an_answer(tmp_path, capsys, shared):
+    """Not a capacity answer (its rows failing would read as the fleet's), nor a lost worker's
+    probe repeated with the workers left: the search ends there, "worker stopped", exit 1."""
+    run, fakes = search_run(tmp_path, capacity=3.0, workers=2, answer_first={1: 20})
+    run.until(lambda: len(run.coordinator.probes.probes) > 1)
+    fakes[1].stopped(shared=shared)
+    run.until(lambda: run.coordinator.finished.is_set())
+    run.hub.cut.add("w1")
+    run.gone.add("w1")
+    records = run.end()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert report["result"] == WORKER_SIGNALLED and len(report["probes"]) == 2
+    assert run.exit_codes == [1]
+    assert "Capacity: not measured: a worker was stopped by a signal of its own" in capsys.readouterr().out
+    failed = Counter(r["error"] for r in records.values() if not r["ok"])
+    assert set(failed) <= {WORKER_STOPPED, PROBE_INVALID} and failed[WORKER_STOPPED], failed
+    assert all(r["probe"] == 1 for r in records.values() if not r["ok"])
 
 
 def test_a_worker_lost_during_the_repeat_too_ends_the_search_with_exit_code_1(tmp_path, capsys):

@@ -14,6 +14,12 @@ quiet machine, and skips elsewhere, saying so.
 
 from __future__ import annotations
 
+import html
+import importlib.util
+import re
+import subprocess
+import sys
+
 import orjson
 import pytest
 
@@ -21,7 +27,7 @@ from replay.rules.run_files import capacity_path, summary_path
 from replay.sim.process import sim_process
 from replay.trace.amplify import amplify_trace
 from replay.trace.reader import TraceStream
-from support.browser import IN_CI
+from support.browser import IN_CI, need
 from support.processes import finish, master_and_workers, replay_args, run_locust
 from support.traces import BLOCK, mooncake_trace
 
@@ -61,12 +67,18 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def search(folder, toy_tokenizer_dir, slow_sim) -> dict:
-    """The search in one process: OUTPUT.capacity.json's content."""
+def search_run(folder, toy_tokenizer_dir, slow_sim) -> tuple[dict, str]:
+    """The search in one process, whatever its result: OUTPUT.capacity.json's content, and what it printed."""
     output = folder / "search.jsonl"
-    run_locust(replay_args(folder / "trace.jsonl", toy_tokenizer_dir, slow_sim.url, output, *COMMON, *SEARCH),
-               folder, timeout=240, exit_code=None)
-    report = orjson.loads(capacity_path(output).read_bytes())
+    proc = run_locust(replay_args(folder / "trace.jsonl", toy_tokenizer_dir, slow_sim.url, output, *COMMON, *SEARCH),
+                      folder, timeout=240, exit_code=None)
+    return orjson.loads(capacity_path(output).read_bytes()), proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def search(search_run) -> dict:
+    """The search in one process, which found the capacity: OUTPUT.capacity.json's content."""
+    report = search_run[0]
     if report["result"] == "client-limited":
         client_limited(report)
     assert report["result"] == "found", report
@@ -105,6 +117,8 @@ def test_master_and_two_workers_find_the_same_capacity(folder, toy_tokenizer_dir
     args = replay_args(folder / "trace.jsonl", toy_tokenizer_dir, slow_sim.url, output, *COMMON, *SEARCH)
     master, workers = master_and_workers(tmp_path, args, workers=2)
     finish([master, *workers], timeout=240)
+    for log in ("master", "worker0", "worker1"):  # a probe cut short is no greenlet's error in any of them
+        assert "Traceback" not in (tmp_path / f"{log}.log").read_text(), log
     report = orjson.loads(capacity_path(output).read_bytes())
     if report["result"] == "client-limited":
         client_limited(report)
@@ -113,6 +127,35 @@ def test_master_and_two_workers_find_the_same_capacity(folder, toy_tokenizer_dir
     assert max(one, two) / min(one, two) <= 1 + PRECISION + 1e-9, (search["probes"], report["probes"])
     workers_seen = {orjson.loads(line)["worker"] for line in output.read_bytes().splitlines()}
     assert workers_seen == {0, 1}
+
+
+def replay_report(output, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay", "report", str(output), *extra], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_replay_report_reads_what_a_real_search_wrote(folder, search_run, tmp_path):
+    """`replay report` and its HTML on the search's own files, whatever its result: the summary
+    as the run printed it (its cache section not computed, saying why, at the run's end too),
+    the capacity plot and line first. The run logged no error but its result's, if any."""
+    if importlib.util.find_spec("matplotlib") is None:
+        need("matplotlib", "pip install 'tracereplay[report]'")
+    (search, said), output = search_run, folder / "search.jsonl"
+    errors = [line for line in said.splitlines() if "/ERROR/" in line and "capacity search" not in line]
+    assert not errors and "Traceback" not in said, said[-3000:]
+    why = "cache: not computed (a capacity search's probes send prompts of their own"
+    assert why in said
+    page = tmp_path / "report.html"
+    proc = replay_report(output, "--html", str(page), "--json", str(tmp_path / "report.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert why in proc.stdout and "cache fidelity: skipped (a capacity search's" in proc.stderr
+    summary = orjson.loads((tmp_path / "report.json").read_bytes())  # every row of every probe
+    assert summary["requests"] == sum(p["rows"] for p in search["probes"])
+    text = page.read_text()
+    line = re.search(r"Capacity: [^\n]+", said).group(0)
+    assert f'<p id="capacity"><b>{html.escape(line)}</b></p>' in text
+    figures = re.findall(r'<figure id="plot-([\w-]+)" class="plot">', text)
+    assert figures[0] == "capacity"
 
 
 @pytest.mark.heavy

@@ -16,14 +16,17 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import orjson
+import psutil
 import pytest
 import requests
 
 from replay.engine.coordinator import CHUNK_ROWS
 from replay.engine.transport import HOLD_ROWS
+from replay.locust.plugin import MASTER_LOST_S
 from replay.results.metadata import read_run_metadata
 from replay.results.records import (
     MASTER_LOST,
@@ -626,24 +629,115 @@ def test_more_stop_signals_to_single_process(tmp_path, toy_tokenizer_dir, fast_s
     assert_user_stop(finalized(output, trace, tmp_path / "local.log"))
 
 
-def test_ctrl_c_to_processes_is_the_users_stop(tmp_path, toy_tokenizer_dir, fast_sim):
-    """A terminal's Ctrl-C reaches the master and its --processes workers together: the workers
-    are in the master's process group, so the user's stop decides the labels (not "worker
-    stopped"), exit 0, and each worker's file holds one record per row."""
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
-    output = tmp_path / "run.jsonl"
+def spawn_processes(tmp_path: Path, args: list[str]):
+    """`replay run ARGS --processes 2` in a session of its own, as from a terminal (its workers,
+    forked by Locust, in its process group); log master.log."""
     port = free_port()
-    proc = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--processes", "2",
-                         "--master-bind-host", "127.0.0.1", "--master-host", "127.0.0.1", "--master-bind-port",
-                         str(port), "--master-port", str(port)], tmp_path, tmp_path / "master.log", new_session=True)
+    return spawn_locust([*args, "--processes", "2", "--master-bind-host", "127.0.0.1", "--master-host", "127.0.0.1",
+                         "--master-bind-port", str(port), "--master-port", str(port)], tmp_path,
+                        tmp_path / "master.log", new_session=True)
+
+
+def worker_pids(proc) -> list[int]:
+    """The --processes workers of `proc`: its children forked as itself (not its other children,
+    such as the cache section's)."""
+    master = psutil.Process(proc.pid)
+    return [child.pid for child in master.children() if child.cmdline() == master.cmdline()]
+
+
+def end_group(proc) -> None:
+    """Wait a little for `proc`, then kill what is left of its process group (its workers too)."""
+    try:
+        finish([proc], timeout=5)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.alone  # the other worker must be heard within Locust's heartbeat (3 s): docs/testing.md
+def test_sigterm_to_one_worker_of_processes(tmp_path, toy_tokenizer_dir, fast_sim):
+    """`kill PID` of one worker of --processes: the worker is in the master's process group, but
+    the master got no signal, so it is not the user's stop: the worker's unanswered rows fail as
+    "worker stopped" and the master exits 1 (they were "run stopped", exit 0)."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s: rows are left after the signal
+    output = tmp_path / "run.jsonl"
+    proc = spawn_processes(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
     try:
         wait_for_text(tmp_path / "master.log", "replay starts at", proc)
         time.sleep(2.0)  # the scenario: 2 s into the run
-        os.killpg(proc.pid, signal.SIGINT)
+        pids = worker_pids(proc)
+        assert len(pids) == 2, pids
+        os.kill(pids[0], signal.SIGTERM)
         finish([proc], timeout=60)
     finally:
-        finish([proc], timeout=5)
+        end_group(proc)
+    log = (tmp_path / "master.log").read_text()
+    assert proc.returncode == 1, log[-3000:]
+    assert "Traceback" not in log
+    records = finalized(output, trace, tmp_path / "master.log")
+    failed = [r for r in records if not r["ok"]]
+    assert failed and all(r["error"] == WORKER_STOPPED for r in failed), {r["error"] for r in failed}
+    stopped = {r["worker"] for r in failed}
+    assert len(stopped) == 1
+    assert all(r["ok"] for r in records if r["worker"] not in stopped)
+    assert_worker_files_one_record_per_row(output)
+
+
+@pytest.mark.parametrize("signals", [[signal.SIGINT], [signal.SIGTERM], [signal.SIGHUP], [signal.SIGINT, signal.SIGINT]],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP", "SIGINT twice"])
+def test_stop_signal_to_the_process_group_is_the_users_stop(tmp_path, toy_tokenizer_dir, fast_sim, signals):
+    """A signal to the whole process group (a terminal's Ctrl-C or hang-up, `kill -TERM -PGID`)
+    reaches the master and its --processes workers at once: the master got it, so it is the
+    user's stop: every row answered or "run stopped", exit 0, one record per row in every file.
+    The child that computes the cache section as the run goes is not the group's: the signal
+    ended it, and a second Ctrl-C as the records are written (which the run ignores) took the
+    section away."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
+    output = tmp_path / "run.jsonl"
+    proc = spawn_processes(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    try:
+        wait_for_text(tmp_path / "master.log", "replay starts at", proc)
+        time.sleep(2.0)  # the scenario: 2 s into the run
+        os.killpg(proc.pid, signals[0])
+        for signum in signals[1:]:
+            wait_for_text(tmp_path / "master.log", "the run ends", proc)
+            os.killpg(proc.pid, signum)
+        finish([proc], timeout=60)
+    finally:
+        end_group(proc)
     log = (tmp_path / "master.log").read_text()
     assert proc.returncode == 0, log[-3000:]
+    assert "Traceback" not in log
+    assert "cache fidelity computed while the run replayed" in log, log[-3000:]
     assert_user_stop(finalized(output, trace, tmp_path / "master.log"))
+    assert_worker_files_one_record_per_row(output)
+
+
+def test_a_worker_frozen_past_the_heartbeat_is_lost_not_its_master(tmp_path, toy_tokenizer_dir, fast_sim):
+    """SIGSTOP to one worker for longer than the master waits for its heartbeat, then SIGCONT: the
+    master counted it lost; the worker, running again, took the silence for its master's and
+    recorded its rows "master lost" (or sent them all at once, late). Now they are "worker
+    lost" in every file, and the master exits 1."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=300, gap_ms=40)  # 12 s
+    output = tmp_path / "run.jsonl"
+    proc = spawn_processes(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    try:
+        wait_for_text(tmp_path / "master.log", "replay starts at", proc)
+        time.sleep(2.0)  # the scenario: 2 s into the run
+        frozen = worker_pids(proc)[0]
+        os.kill(frozen, signal.SIGSTOP)
+        wait_for_text(tmp_path / "master.log", "lost:", proc, timeout=30)
+        time.sleep(MASTER_LOST_S - 3.0)  # frozen for longer than the worker's own watch on its master
+        os.kill(frozen, signal.SIGCONT)
+        finish([proc], timeout=60)
+    finally:
+        end_group(proc)
+    log = (tmp_path / "master.log").read_text()
+    assert proc.returncode == 1, log[-3000:]
+    assert "did not run for" in log and "Traceback" not in log
+    records = finalized(output, trace, tmp_path / "master.log")
+    failed = [r for r in records if not r["ok"]]
+    assert failed and all(r["error"] == WORKER_LOST for r in failed), Counter(r["error"] for r in failed)
     assert_worker_files_one_record_per_row(output)

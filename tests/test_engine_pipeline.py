@@ -257,6 +257,39 @@ def test_a_worker_stopped_by_its_own_signal(tmp_path):
     assert labels(run.finish()) == {"ok": 12, WORKER_STOPPED: 8} and run.exit_codes == [1]
 
 
+@pytest.mark.parametrize("master_signalled", [None, "before", "within the grace"])
+def test_a_signal_in_the_masters_process_group(tmp_path, master_signalled):
+    """A worker in the master's process group reports a stop signal: the master's own stop if the
+    master got one too (before, or within SHARED_SIGNAL_GRACE_S after: a group's signal reaches
+    both, handled in either order), its rows "run stopped", exit 0; else the worker's own, which
+    the master's abort tells it: "worker stopped", exit 1, the other worker's rows all answered."""
+    hub = Hub()
+    run = Run(spec_of(make_rows(20), tmp_path), hub.master)
+    FakeWorker(hub.worker("w0")).hello()
+    w1 = FakeWorker(hub.worker("w1"), answer_first=2).hello()
+    run.begin([("w0", 0), ("w1", 1)])
+    run.until(lambda: run.coordinator.recorded >= 12)
+    if master_signalled == "before":
+        run.coordinator.stop_signal_received()
+    w1.stopped(shared=True)
+    gevent.sleep(0.001)
+    if master_signalled == "within the grace":
+        run.clock.advance(coordinator_module.SHARED_SIGNAL_GRACE_S * 0.9)
+        gevent.sleep(0.001)
+        run.coordinator.stop_signal_received()
+    if master_signalled is None:
+        run.until(lambda: w1.aborted is not None)
+        assert w1.aborted == WORKER_STOPPED
+        hub.cut.add("w1")
+        run.gone.add("w1")
+        assert labels(run.finish()) == {"ok": 12, WORKER_STOPPED: 8} and run.exit_codes == [1]
+    else:
+        run.clock.advance(coordinator_module.SHARED_SIGNAL_GRACE_S * 2)
+        gevent.sleep(0.001)
+        assert w1.aborted is None  # no verdict: the master's stop decides
+        assert labels(run.end()) == {"ok": 12, RUN_STOPPED: 8} and run.exit_codes == []
+
+
 def test_a_late_worker_gets_no_rows(tmp_path):
     hub = Hub()
     run = Run(spec_of(make_rows(20), tmp_path), hub.master)

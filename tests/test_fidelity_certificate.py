@@ -18,15 +18,20 @@ import pytest
 
 from replay.results.arrivals import BINS_PER_DECADE, FLOOR_S, GapHistogram, gap_bin, ks_bounds
 from replay.results.certificate import (
+    BUSY_HOST,
     FAITHFUL,
+    REMEDIES,
+    SHARED_SERVER,
     UNFAITHFUL,
+    WARM_CACHE,
     CertificateBuilder,
     format_certificate,
     miss_attribution,
 )
+from replay.results.host_load import busy_host, figures, sample
 from replay.results.records import unsent_record
 from replay.results.report import build_report, format_report
-from replay.rules.run_files import fidelity_path, summary_path
+from replay.rules.run_files import fidelity_path, meta_path, summary_path
 from replay.sim.process import sim_process
 from replay.trace.record import TraceRow
 from support.processes import replay_args, run_locust
@@ -34,11 +39,12 @@ from support.records import T0, ok_record, record
 from support.traces import BLOCK, mooncake_trace
 
 
-def certify(records: list[dict], cache: dict | None = None, **kwargs) -> dict:
+def certify(records: list[dict], cache: dict | None = None, server: dict | None = None, host: dict | None = None,
+            **kwargs) -> dict:
     builder = CertificateBuilder(**kwargs)
     for r in records:
         builder.add(r)
-    return builder.certificate(build_report(records)["drift_ms"], cache)
+    return builder.certificate(build_report(records)["drift_ms"], cache, server, host)
 
 
 def sends(lags_ms: list[float], gap_s: float = 0.1, **fields) -> list[dict]:
@@ -214,6 +220,13 @@ def test_a_run_writes_its_certificate(tmp_path, toy_tokenizer_dir, sim):
     assert cert["outputs"]["exact_share"] == 1.0
     assert "Fidelity Certificate" in proc.stdout and "Prompts exact (server-counted):          100.00% of 20" \
         in proc.stdout
+    # the host while it sent, read from /proc by the process that sent (one process: senders_here), kept in
+    # the meta for `replay report`; whether it counts as busy is the rule's (tested on recorded figures above)
+    host = cert["schedule"]["host"]
+    assert host["senders_here"] is True and host["wall_s"] > 0.5 and 0 <= host["others_share"] <= 1
+    assert json.loads(meta_path(output).read_text())["host_load"] == host
+    assert cert["schedule"]["busy_host"] == busy_host(host) and "Host while sending:" in proc.stdout
+    assert cert["usage"]["prompt_tokens"]["status"] == "agrees"  # the sim's usage is its counters'
     # `replay report` says the same (its --json too); the schedule's lines are the run's own
     out = tmp_path / "report.json"
     report = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--json", str(out)],
@@ -237,18 +250,39 @@ def test_a_run_whose_client_cannot_keep_up_says_so(tmp_path, toy_tokenizer_dir, 
 
 
 def test_require_faithful_exits_1_on_an_unfaithful_run(tmp_path, toy_tokenizer_dir):
-    """A server whose prompt counts are false (`replay sim --false-usage`): every prompt differs."""
+    """A server whose prompt counts are false (`replay sim --false-usage`) and that has no /metrics
+    to check them against: every prompt differs, as far as anything can tell. (With /metrics the
+    counters tell: test_a_server_lying_about_prompt_tokens_is_found_out_by_its_counters.)"""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=8, gap_ms=20)
     output = tmp_path / "run.jsonl"
     with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "1",
-                     "--false-usage", json.dumps({"prompt_tokens": 1})) as lying:
+                     "--false-usage", json.dumps({"prompt_tokens": 1}), "--no-metrics") as lying:
         proc = run_locust(replay_args(trace, toy_tokenizer_dir, lying.url, output, "--require-faithful",
-                                      "--verify-server", "off"), tmp_path, exit_code=1)
+                                      "--verify-server", "off", "--server-block-size", str(BLOCK)), tmp_path,
+                          exit_code=1)
     cert = json.loads(fidelity_path(output).read_text())
     assert cert["verdict"] == UNFAITHFUL and cert["prompts"]["mismatches"] == 8
     # (a loaded host may fail the schedule line too: it would come first)
     assert "fidelity: unfaithful (" in proc.stderr and "prompts: 8 of 8 prompts" in proc.stderr
     assert "--require-faithful: exit code 1" in proc.stderr
+
+
+def test_a_server_lying_about_prompt_tokens_is_found_out_by_its_counters(tmp_path, toy_tokenizer_dir):
+    """The same lying server with its /metrics: its prompt-token counter counted exactly the
+    tokens the run sent, so its usage is false, not the prompts: the prompts line is judged from
+    the counter and passes, and no request is called a replay bug."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=8, gap_ms=20)
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "1",
+                     "--false-usage", json.dumps({"prompt_tokens": 1})) as lying:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, lying.url, output, "--verify-server", "off",
+                                      "--reset-server-cache"), tmp_path)
+    cert = json.loads(fidelity_path(output).read_text())
+    prompts = cert["usage"]["prompt_tokens"]
+    assert prompts["status"] == "disagrees" and prompts["usage"] == 8 and prompts["counters"] == prompts["sent"]
+    assert not any(line.startswith(("prompts", "cache")) for line in cert["failing"]), cert["failing"]
+    assert cert["cache"]["judged_from"] == "counters" and "a replay bug" not in proc.stdout
+    assert f"Prompts exact (server /metrics):         {prompts['sent']} tokens counted" in proc.stdout
 
 
 def test_a_broken_prompt_is_prompt_differs_and_unfaithful(tmp_path, toy_tokenizer_dir, monkeypatch):
@@ -273,3 +307,180 @@ def test_a_broken_prompt_is_prompt_differs_and_unfaithful(tmp_path, toy_tokenize
     assert cert["verdict"] == UNFAITHFUL and f"cache: {differs['requests']} requests prompt-differs (needs 0)" \
         in cert["failing"]
     assert "--require-faithful: exit code 1" in proc.stderr and "a replay bug" in proc.stdout
+
+
+# -- whose doing a failure is: the server's usage, a warm cache, a busy host ------------------------------
+def server_section(prompt_tokens: int, records_prompt_tokens: int, hits: int, records_cached_tokens: int,
+                   preemptions: int = 0) -> dict:
+    """The `server` section's fleet total as replay.results.server_metrics makes it from /metrics."""
+    return {"endpoints": {}, "total": {"prompt_tokens": prompt_tokens, "records_prompt_tokens": records_prompt_tokens,
+                                       "prefix_cache_hits": hits, "records_cached_tokens": records_cached_tokens,
+                                       "preemptions": preemptions, "endpoints_without_metrics": []}}
+
+
+def cache_section(low: int, high: int, causes: dict[str, int] | None = None, served_before=()) -> dict:
+    """A cache section with the model's attribution (`causes`: {cause: requests}) and the range of
+    cached tokens the run's prompts give over every request (`all_requests`)."""
+    counts = {cause: {"requests": n, "tokens": 16 * n} for cause, n in (causes or {}).items()}
+    return {"expected_cached_tokens": high, "observed_cached_tokens": 0, "requests_compared": 3,
+            "all_requests": {"requests": 3, "expected": high, "low": low, "high": high},
+            "misses": {"causes": counts, "endpoints": {}, "notes": [], "served_before": list(served_before),
+                       "model": {"predicted_cached_tokens_all": low}}}
+
+
+def test_a_server_whose_usage_its_counters_contradict_is_judged_by_its_counters():
+    """cached_tokens 0 in every answer while /metrics counted the hits the prompts give: the usage
+    is not evidence (its per-request causes, a replay bug among them, are not judged); the cache
+    line is judged from the counter. A counter outside what the prompts give still fails."""
+    records = sends([0.1] * 3, cached_tokens=0)
+    sent = sum(r["input_length"] for r in records)
+    cache = cache_section(96, 128, {"prompt-differs": 3})
+    cert = certify(records, cache, server=server_section(sent, sent, 112, 0))
+    assert cert["usage"]["cached_tokens"] == {"usage": 0, "counters": 112, "status": "disagrees"}
+    assert cert["usage"]["prompt_tokens"]["status"] == "agrees"
+    assert cert["verdict"] == FAITHFUL and cert["failing"] == [], cert["failing"]
+    assert cert["cache"]["judged_from"] == "counters"
+    text = "\n".join(format_certificate(cert, 50))
+    assert "usage 0 / 112: disagrees, judged from /metrics" in text and "a replay bug" not in text
+    outside = certify(records, cache, server=server_section(sent, sent, 40, 0))
+    assert outside["verdict"] == UNFAITHFUL and outside["failing"] == [
+        "cache: the server's counters show 40 prefix-cache hit tokens, outside the 96..128 this run's prompts give "
+        "(its usage cannot name the requests)"]
+    # the same usage with the counters agreeing: the per-request causes are judged, as before
+    honest = certify(sends([0.1] * 3, cached_tokens=0), cache, server=server_section(sent, sent, 0, 0))
+    assert honest["usage"]["cached_tokens"]["status"] == "agrees"
+    assert honest["failing"] == ["cache: 3 requests prompt-differs (needs 0)"]
+    # a server whose usage has no cached_tokens (vLLM without --enable-prompt-tokens-details): by the counter too
+    silent = certify(sends([0.1] * 3), cache_section(96, 128), server=server_section(sent, sent, 112, 0))
+    assert silent["usage"]["cached_tokens"]["status"] == "absent" and silent["cache"]["judged_from"] == "counters"
+    assert silent["verdict"] == FAITHFUL and silent["cache"]["counters"] == {"prefix_cache_hits": 112, "low": 96,
+                                                                             "high": 128}
+    # other traffic on the server (it counted prompts the run did not send): nothing can be said of the usage
+    busy = certify(records, cache, server=server_section(sent + 500, sent, 112, 0))
+    assert busy["usage"]["cached_tokens"]["status"] == "unknown"
+    assert busy["failing"] == ["cache: 3 requests prompt-differs (needs 0)"]
+    # ... nor can the counter judge a usage without cached_tokens: others' hits are in it
+    shared = certify(sends([0.1] * 3), cache, server=server_section(sent + 500, sent, 500, 0))
+    assert shared["usage"]["cached_tokens"]["status"] == "absent" and shared["verdict"] == FAITHFUL
+    assert shared["unchecked"][-1].startswith("cache: the server's usage cannot be taken and its counters cannot judge")
+
+
+def test_a_server_lying_about_prompt_tokens_is_judged_by_its_prompt_counter():
+    records = sends([0.1] * 4)
+    for r in records:
+        r["prompt_tokens"] = 1
+    sent = sum(r["input_length"] for r in records)
+    cert = certify(records, server=server_section(sent, 4, 0, 0))
+    assert cert["usage"]["prompt_tokens"] == {"usage": 4, "counters": sent, "sent": sent, "status": "disagrees"}
+    assert cert["verdict"] == FAITHFUL and not any(f.startswith("prompts") for f in cert["failing"])
+    assert f"Prompts exact (server /metrics):         {sent} tokens counted of {sent} sent" \
+        in format_certificate(cert, 50)
+    # without counters the usage is all there is: the prompts line fails as before
+    assert certify(records)["failing"][0].startswith("prompts: 4 of 4 prompts")
+
+
+def test_a_warm_cache_is_a_verdict_of_its_own_with_its_remedy():
+    """Hits from prompts the server cached before the run are not the trace's cache behaviour:
+    the verdict says warm-cache (not faithful: --require-faithful fails it) and how to get a cold one."""
+    cert = certify(sends([0.1] * 3), cache_section(0, 0, {"warm-at-start": 2}, served_before=["http://a"]))
+    assert cert["verdict"] == WARM_CACHE
+    assert cert["failing"] == ["cache: 2 requests hit prompts cached before this run (warm-at-start)"]
+    assert cert["remedies"] == [REMEDIES[WARM_CACHE]] and "--reset-server-cache" in REMEDIES[WARM_CACHE]
+    assert "  remedy: the server's cache held prompts from before this run" in "\n".join(format_certificate(cert, 50))
+    # a replay bug beside it: the replay's is the verdict, both remedies... the replay's has none
+    both = certify(sends([0.1] * 3), cache_section(0, 0, {"warm-at-start": 2, "unexplained": 1}))
+    assert both["verdict"] == UNFAITHFUL and both["remedies"] == [REMEDIES[WARM_CACHE]]
+
+
+# figures as replay.results.host_load.figures records them (OUTPUT.meta.json's host_load)
+QUIET = {"senders_here": True, "cpus": 2, "wall_s": 60.0, "busy_share": 0.05, "own_share": 0.02,
+         "own_core_share": 0.04, "others_share": 0.03, "steal_share": 0.0, "load_1m": 0.3, "waited_share": 0.0002}
+BUSY = {**QUIET, "busy_share": 0.99, "others_share": 0.97, "load_1m": 6.2, "waited_share": 0.049}
+
+
+def test_late_sends_on_a_busy_host_are_the_hosts_doing():
+    """The same late sends, with the host figures a run recorded: on a busy host the verdict
+    says busy-host and why; on a quiet one the replay is unfaithful; a replay that wanted a
+    whole core is its own limit on any host; a master whose workers send elsewhere cannot say."""
+    late = sends([0.2] * 80 + [3.0] * 20)
+    busy = certify(late, host=BUSY)
+    assert busy["verdict"] == BUSY_HOST and busy["schedule"]["busy_host"] == (
+        "other processes used 97% of its 2 CPUs; load average 6.2 on 2 CPUs; the replay waited for a CPU 4.9% of the "
+        "time")
+    assert busy["failing"] == ["schedule: 80.00% of sends within 1 ms of their time (needs >= 99%); 0 late by > 10 ms; "
+                               "the host was busy: " + busy["schedule"]["busy_host"]]
+    assert busy["remedies"] == [REMEDIES[BUSY_HOST]]
+    text = "\n".join(format_certificate(busy, 50))
+    assert "Host while sending:                      others 97% of 2 CPUs, replay 4% of a core" in text
+    assert certify(late, host=QUIET)["verdict"] == UNFAITHFUL
+    limited = certify(late, host={**BUSY, "own_core_share": 0.2, "waited_share": 0.6})  # it wanted 80% of a core
+    assert limited["verdict"] == UNFAITHFUL and limited["failing"][0].endswith(
+        "; the replay itself wanted 80% of a core: at this rate one process cannot keep up (more workers: "
+        "--processes N, docs/distributed.md)")
+    assert certify(late, host={**BUSY, "senders_here": False})["verdict"] == UNFAITHFUL
+    assert certify(late)["verdict"] == UNFAITHFUL  # no figures (no /proc)
+    assert certify(sends([0.2] * 100), host=BUSY)["verdict"] == FAITHFUL  # a busy host that did not make them late
+    assert busy_host({**QUIET, "steal_share": 0.08}) == "the hypervisor took 8% (steal)"
+    # rows due together, sent 50 us apart: the late ones left after others (they queued): the replay's pace
+    burst = sends([0.0] * 100, gap_s=0.0)
+    for i, r in enumerate(burst):
+        r["sent_at"], r["drift_ms"] = T0 + i * 5e-5, i * 0.05
+    queued = certify(burst, host=BUSY)
+    assert queued["verdict"] == UNFAITHFUL and queued["schedule"]["busy_host"] is None
+    assert queued["failing"][0].endswith("; 79 of the 79 sends over 1 ms late waited for other sends to leave: the "
+                                         "replay could not send this fast (more workers: --processes N, "
+                                         "docs/distributed.md)")
+
+
+def test_host_figures_from_proc(tmp_path):
+    """host_load.sample reads /proc's files (here a copy with figures of our own) and figures()
+    turns two samples into shares."""
+    import os
+
+    def write(cpu: list[int], load: str, waited_ns: int) -> None:
+        (tmp_path / "self").mkdir(exist_ok=True)
+        (tmp_path / "stat").write_text("cpu  " + " ".join(map(str, cpu)) + " 0 0\ncpu0 1 2 3\n")
+        (tmp_path / "loadavg").write_text(f"{load} 1.00 1.00 2/300 999\n")
+        (tmp_path / "self" / "schedstat").write_text(f"5000 {waited_ns} 7\n")
+
+    tick = os.sysconf("SC_CLK_TCK")
+    write([100, 0, 50, 1000, 0, 0, 0, 0], "0.50", 0)
+    start = sample(tmp_path)
+    write([100 + 150 * tick // 100, 0, 50, 1000 + 50 * tick // 100, 0, 0, 0, 0], "3.50", 10**9)  # 1.5 s busy of 2 s
+    end = sample(tmp_path)
+    assert start is not None and end is not None and end.load_1m == 3.5
+    end = end.__class__(**{**end.__dict__, "t": start.t + 10.0, "own_s": start.own_s})
+    host = figures(start, end, senders_here=True)
+    assert host["busy_share"] == pytest.approx(0.75) and host["others_share"] == pytest.approx(0.75)
+    assert host["waited_share"] == pytest.approx(0.1) and host["load_1m"] == 3.5
+    assert sample(tmp_path / "nothing") is None and figures(start, None, senders_here=True) is None
+
+
+def test_a_burst_sent_one_after_another_is_explained_where_the_ks_is_printed():
+    burst = sends([0.0] * 100, gap_s=0.0)
+    for i, r in enumerate(burst):  # due together, sent 5 us apart
+        r["sent_at"] = T0 + i * 5e-6
+        r["drift_ms"] = i * 0.005
+    cert = certify(burst)
+    s = cert["schedule"]
+    assert s["inter_arrival_ks"] == 1.0 and s["inter_arrival_ks_at_resolution"] == 0.0
+    assert cert["verdict"] == FAITHFUL
+    text = "\n".join(format_certificate(cert, 50))
+    assert "Inter-arrival KS (achieved vs due):      1.0000 (not judged: each send's lag is)" in text
+    assert "0.0000 with gaps under 1 ms as 0: rows due at one instant leave one after another" in text
+
+
+def test_hits_from_other_clients_of_the_server_are_a_shared_server():
+    """Two replays of one trace at once against one server (seen: 22 of 40 requests hit more than
+    their run's prompts give, 'unexplained'): the prompt counter counted tokens this run did not
+    send, so the hits beyond are other clients', not the replay's fault."""
+    records = sends([0.1] * 3, cached_tokens=32)
+    sent = sum(r["input_length"] for r in records)
+    cache = cache_section(0, 64, {"unexplained": 2})
+    cache["misses"]["model"]["beyond_causes"] = {"unexplained": {"requests": 2, "tokens": 32, "examples": [1, 2]}}
+    shared = certify(records, cache, server=server_section(sent + 300, sent, 96, 96))
+    assert shared["verdict"] == SHARED_SERVER and shared["remedies"] == [REMEDIES[SHARED_SERVER]]
+    assert shared["failing"] == ["cache: 2 requests hit more than this run's prompts give while the server served "
+                                 "other traffic (300 prompt tokens the run did not send)"]
+    alone = certify(records, cache, server=server_section(sent, sent, 96, 96))  # no other traffic: unexplained
+    assert alone["verdict"] == UNFAITHFUL and alone["failing"] == ["cache: 2 requests unexplained (needs 0)"]

@@ -348,3 +348,49 @@ def test_overwrite_never_replaces_a_device(tmp_path, toy_tokenizer_dir):
             f"regular files are replaced: remove it, or choose another --output")
     assert stat.S_ISCHR(os.lstat(output).st_mode)
     assert not lock_path(output).exists() and not meta_path(output).exists()
+
+
+@pytest.mark.parametrize("how", ["the trace itself", "a hard link to it", "its metadata a link to the trace"])
+def test_no_file_of_the_run_is_one_it_reads(tmp_path, toy_tokenizer_dir, how):
+    """`--output TRACE --overwrite` removed the trace as an earlier run's results, then failed to
+    read it; any file of the run on an input (the records, a file beside them, by inode) is
+    refused, with or without --overwrite (replay.output_claim, on the options typed Input)."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
+    output = {"the trace itself": trace, "a hard link to it": tmp_path / "run.jsonl",
+              "its metadata a link to the trace": tmp_path / "linked.jsonl"}[how]
+    if how == "a hard link to it":
+        os.link(trace, output)
+    elif how == "its metadata a link to the trace":
+        meta_path(output).symlink_to(trace)
+    kept = trace.read_bytes()
+    written = "" if how != "its metadata a link to the trace" else f"writes {meta_path(output)}, which is "
+    same = "the same file as " if how == "a hard link to it" else ""
+    refused(replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", output, "--overwrite"), tmp_path,
+            f"--output {output}: {written or 'is '}{same}--trace {trace}, which this command reads: choose another "
+            f"--output")
+    assert trace.read_bytes() == kept and not lock_path(output).exists()
+
+
+@pytest.mark.parametrize("case", ["--html on the trace", "--html on --output", "--json-file on the run's metadata",
+                                  "--output on --replay-config"])
+def test_locusts_reports_and_the_config_are_claimed_with_the_run(tmp_path, toy_tokenizer_dir, case):
+    """Locust writes --html and --json-file at the run's end, over whatever is there: the trace,
+    or the run's own records; --output --overwrite removed the --replay-config it was read from.
+    Now refused before the run (replay.locust.outputs), everything left as it was."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
+    output, config = tmp_path / "run.jsonl", tmp_path / "run.yaml"
+    config.write_text("seed: 1\n")
+    flag, message = {
+        "--html on the trace": (["--html", str(trace)], f"--html {trace}: is --trace {trace}"),
+        "--html on --output": (["--html", str(output)], f"--html {output}: --output {output} writes it too"),
+        "--json-file on the run's metadata": (["--json-file", f"{output}.meta"],  # Locust adds .json
+                                              f"--json-file {output}.meta: --output {output} writes it too "
+                                              f"({meta_path(output)})"),
+        "--output on --replay-config": (["--replay-config", str(config), "--overwrite"],
+                                        f"--output {config}: is --replay-config {config}"),
+    }[case]
+    if case == "--output on --replay-config":
+        output = config
+    kept = {p: p.read_bytes() for p in (trace, config)}
+    refused(replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", output, *flag), tmp_path, message)
+    assert {p: p.read_bytes() for p in (trace, config)} == kept and not lock_path(output).exists()

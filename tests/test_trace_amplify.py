@@ -184,7 +184,8 @@ def test_bad_factor_is_one_line_naming_the_option(tmp_path, conversations, capsy
 def test_out_that_is_in_is_refused(tmp_path, conversations, capsys):
     before = conversations.read_bytes()
     assert main(["trace", "amplify", str(conversations), str(conversations), "--factor", "2"]) == 2
-    assert capsys.readouterr().err.strip() == f"error: OUT {conversations} is IN: amplify writes a new file"
+    assert capsys.readouterr().err.strip() == (f"replay trace amplify: OUT {conversations}: is IN {conversations}, "
+                                               f"which this command reads: choose another OUT")
     assert conversations.read_bytes() == before
 
 

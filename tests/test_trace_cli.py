@@ -216,7 +216,7 @@ def test_validate_max_prompt_tokens_in_every_format(tmp_path, capsys):
 def test_validate_refuses_a_negative_max_prompt_tokens(tmp_path):
     path, _ = huge_prompt_trace(tmp_path, "mooncake")
     done = run_replay("trace", "validate", str(path), "--max-prompt-tokens", "-1")
-    assert done.returncode == 2 and "--max-prompt-tokens: must be >= 0 (0: no limit), got -1" in done.stderr
+    assert done.returncode == 2 and "--max-prompt-tokens: must be 0 to 9223372036854775807 tokens, got -1" in done.stderr
 
 
 SPAN_RULE = "a trace spans at most 315576000 s (10 years)"
@@ -283,26 +283,23 @@ def test_integers_beyond_64_bits_are_named_as_such(tmp_path, capsys):
         f"{csv}:2: field 'Request tokens': an integer beyond 64 bits: 123456789012345678901234567890")
 
 
-@pytest.mark.parametrize("scale, message", [
-    ("nan", "--time-scale must be a finite number > 0, got nan"),
-    ("inf", "--time-scale must be a finite number > 0, got inf"),
-    ("1e-308", "--time-scale 1e-308: the rows' times would become 0 to 1.75e+308 s"),
-    ("1e-9", "--time-scale 1e-09: the rows' times would become 0 to 1.75e+09 s; a trace spans at most 315576000 s"),
-])  # fmt: skip
-def test_convert_refuses_a_time_scale_that_breaks_the_times(tmp_path, capsys, scale, message):
+@pytest.mark.parametrize("scale", ["nan", "inf", "1e-308", "1e-9"])
+def test_convert_refuses_a_time_scale_that_breaks_the_times(tmp_path, capsys, scale):
     """nan, inf and 1e-308 wrote `"timestamp": null` (orjson's non-finite float), which reads
-    back as no timestamp: every row at once, silently."""
+    back as no timestamp: every row at once, silently. The run's --scale range holds."""
     source = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(8))  # rows every 0.25 s
     out = tmp_path / "out.jsonl"
-    assert main(["trace", "convert", str(source), str(out), "--time-scale", scale]) == 1
-    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(["trace", "convert", str(source), str(out), "--time-scale", scale])
+    assert stop.value.code == 2
+    assert f"argument --time-scale: must be 0.001 to 10000, got {scale}" in capsys.readouterr().err
     assert not out.exists()
 
 
 def test_convert_refuses_a_negative_max_rows(tmp_path):
     source = write_jsonl(tmp_path / "m.jsonl", mooncake_rows(3))
     done = run_replay("trace", "convert", str(source), str(tmp_path / "out.jsonl"), "--max-rows=-1")
-    assert done.returncode == 2 and "--max-rows: must be >= 0, got -1" in done.stderr, done.stderr
+    assert done.returncode == 2 and "--max-rows: must be 0 to 9223372036854775807, got -1" in done.stderr, done.stderr
     assert not (tmp_path / "out.jsonl").exists()
 
 

@@ -5,6 +5,8 @@ in one process: the local runner, and a master with two workers over an in-proce
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,13 +22,15 @@ from replay.engine.turns import Turns
 from replay.errors import OptionError
 from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, SESSION_STOPPED, TURN_NEVER_DUE, read_records
 from replay.results.summary import summarize
+from replay.rules.run_files import lock_path
 from replay.run import preflight
 from replay.run.options import ReplayOptions
 from replay.sim.process import sim_process
 from replay.trace.record import TraceRow
+from support.paths import shared_path
 from support.ports import free_port
-from support.processes import replay_args, run_locust
-from support.traces import BLOCK
+from support.processes import replay_args, run_locust, run_replay
+from support.traces import BLOCK, mooncake_trace
 
 SESSIONS, TURNS = 6, 4
 GAPS_MS = (80.0, 120.0, 100.0)  # between turns 1-2, 2-3, 3-4 of every session
@@ -206,6 +210,78 @@ def gaps_after_answers(records: list[dict]) -> list[float]:
 
 
 @pytest.mark.alone
+def preflight_options(tmp_path: Path, trace: Path, tokenizer: Path, **options) -> ReplayOptions:
+    return ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(tokenizer), model="sim",
+                         output=str(tmp_path / "run.jsonl"), partition="session", max_prompt_tokens=100_000,
+                         **options)
+
+
+def one_turn_sessions(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"timestamp": 10.0 * i, "session_id": f"s{i}", "input_length": BLOCK,
+                                        "output_length": 2, "hash_ids": [i]}) + "\n" for i in range(5)))
+    return path
+
+
+@pytest.mark.parametrize("timing", ["not-before-answer", "after-answer"])
+@pytest.mark.parametrize("trace", ["mooncake", "one-turn sessions", "a window of one turn"])
+def test_a_closed_loop_timing_with_no_session_to_hold_is_refused(tmp_path, toy_tokenizer_dir, timing, trace):
+    """A trace without sessions (mooncake), or whose sessions have one turn in the window: every row
+    would go at its trace time, as --turn-timing trace, while the run's options said its turns
+    waited for their answers. Refused before anything is sent, naming the option and the remedy
+    (they ran open loop, silently)."""
+    window = {}
+    if trace == "mooncake":
+        path, why = mooncake_trace(tmp_path / "trace.jsonl", rows=12, gap_ms=100), "its rows (mooncake) carry no session"
+    elif trace == "one-turn sessions":
+        path, why = one_turn_sessions(tmp_path / "trace.jsonl"), "each of its sessions has one turn in the window (5 sessions)"
+    else:
+        path, why = session_trace(tmp_path / "trace.jsonl"), "each of its sessions has one turn in the window (1 session)"
+        window = {"max_requests": 1}
+    options = preflight_options(tmp_path, path, toy_tokenizer_dir, turn_timing=timing, **window)
+    with pytest.raises(OptionError) as refused:
+        preflight.load(options, "http://127.0.0.1:9")
+    assert str(refused.value) == (
+        f"--turn-timing {timing}: {path}: {why}, so every row would be sent at its trace time, as with --turn-timing "
+        f"trace; to give its conversations sessions: replay trace amplify {path} OUT.jsonl --factor 1 (sessions "
+        "inferred from shared hash ids), then --trace OUT.jsonl; or leave out --turn-timing")
+    assert not lock_path(tmp_path / "run.jsonl").exists()
+
+
+def test_the_shared_mooncake_trace_with_after_answer(tmp_path, toy_tokenizer_dir):
+    """The held-out Mooncake conversation trace: `replay run --turn-timing after-answer` is refused
+    (exit 2, one line, nothing written); amplified by 1, its inferred sessions are held."""
+    trace = shared_path("traces", "mooncake_synthetic_trace.jsonl")
+    args = ["--headless", "--host", "http://127.0.0.1:9", "--trace", str(trace), "--tokenizer", str(toy_tokenizer_dir),
+            "--model", "sim", "--output", str(tmp_path / "run.jsonl"), "--partition", "session", "--turn-timing",
+            "after-answer"]
+    proc = run_replay(args, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"replay: --turn-timing after-answer: {trace}: its rows (mooncake) carry no session" in proc.stderr
+    assert "replay trace amplify" in proc.stderr and "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("run.jsonl*"))
+    amplified = tmp_path / "sessions.jsonl"
+    subprocess.run([sys.executable, "-m", "replay", "trace", "amplify", str(trace), str(amplified), "--factor", "1"],
+                   check=True, capture_output=True)
+    spec = preflight.load(ReplayOptions(trace=str(amplified), tokenizer=str(toy_tokenizer_dir), model="sim",
+                                        output=str(tmp_path / "run.jsonl"), partition="session",
+                                        turn_timing="after-answer", max_prompt_tokens=0), "http://127.0.0.1:9")
+    try:
+        assert spec.schedule.has_turns() and spec.total == 3993
+    finally:
+        spec.schedule.close()
+        spec.claim.release()
+
+
+def test_a_search_by_amplify_holds_the_sessions_it_infers(tmp_path, toy_tokenizer_dir):
+    """A capacity search's amplified probes carry the sessions inferred from hash ids: not refused."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=24, gap_ms=100)
+    options = preflight_options(tmp_path, trace, toy_tokenizer_dir, turn_timing="after-answer", capacity_search=True,
+                                slo="ttft_ms=5000", probe_duration=1.5)
+    spec = preflight.load(options, "http://127.0.0.1:9")
+    spec.schedule.close()
+    spec.claim.release()
+
+
 def test_after_answer_with_a_master_and_two_worker_processes(tmp_path, slow_sim, toy_tokenizer_dir):
     """Locust's master and two worker processes (--processes 2): the options reach the workers in
     the plan, each session on one worker, the gaps kept there."""

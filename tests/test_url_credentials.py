@@ -9,6 +9,7 @@ Authorization header (the userinfo went into the Host header instead).
 
 from __future__ import annotations
 
+import argparse
 import base64
 import signal
 import subprocess
@@ -18,10 +19,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from replay.cli import build_parser, commands
 from replay.protocol.ask import Unanswered, ask, check_url
-from replay.protocol.urls import shown
+from replay.protocol.urls import redacted, shown
 from replay.results.metadata import read_run_metadata
 from replay.rules.run_files import summary_path
+from replay.run.options import add_arguments
 from replay.sim.process import sim_process
 from support.ports import free_port
 from support.processes import (
@@ -68,6 +71,21 @@ def test_shown_hides_the_userinfo_only():
     assert shown("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
     assert shown("host:8000") == "host:8000"
     assert shown("http://a:b@[::1]:80/x?q=1") == "http://***@[::1]:80/x?q=1"
+
+
+def test_a_credential_query_parameter_is_hidden_too():
+    assert shown("http://a:b@h:9/metrics?token=T&x=1") == "http://***@h:9/metrics?token=***&x=1"
+    assert shown("https://h/m?x=1&api_key=K#top") == "https://h/m?x=1&api_key=***#top"
+    assert shown("http://h/m?access_token=T&monkey=1") == "http://h/m?access_token=***&monkey=1"
+    assert shown("http://h/m?tokens=5&id_token=J") == "http://h/m?tokens=5&id_token=***"
+
+
+def test_redacted_shows_every_url_of_a_document():
+    options = {"endpoints": "http://a:b@h1:1,http://c:d@h2:2", "metrics_endpoint": ["http://e:f@x/m?token=T"],
+               "slo": "ttft_ms=100", "seed": 3, "trace": "data/me@home.jsonl"}
+    assert redacted(options) == {"endpoints": "http://***@h1:1,http://***@h2:2",
+                                 "metrics_endpoint": ["http://***@x/m?token=***"], "slo": "ttft_ms=100", "seed": 3,
+                                 "trace": "data/me@home.jsonl"}
 
 
 def test_errors_show_the_url_as_shown():
@@ -176,3 +194,57 @@ def test_the_web_ui_never_shows_the_credentials(tmp_path, toy_tokenizer_dir, loc
         finish(procs, timeout=30)
     check_records(output, trace)
     assert leaks(results, (tmp_path / "master.log").read_text(), *pages) == []
+
+
+TOKEN = "tk-Zr7Wq2Lm"  # an exporter's ?token=: a credential too
+
+
+def url_options() -> list[str]:
+    """Every option of `replay run` that takes URLs (a URL metavar), besides Locust's --host."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return [a.option_strings[0] for a in parser._actions if a.metavar and "URL" in str(a.metavar)]
+
+
+def test_credentials_in_every_url_option_are_never_shown(tmp_path, toy_tokenizer_dir, locked_sims):
+    """--host, --endpoints and --metrics-endpoint (found from the parser), each with a password
+    and the exporter with a ?token= too: every file the run writes, `replay report`'s and what
+    it printed hold neither. Before, OUTPUT.meta.json had --metrics-endpoint's URL in clear."""
+    assert set(url_options()) >= {"--endpoints", "--metrics-endpoint"}
+    sim = locked_sims[0]
+    results = tmp_path / "results"
+    results.mkdir()
+    trace = mooncake_trace(results / "trace.jsonl", rows=10, gap_ms=20)
+    output = results / "run.jsonl"
+    url = with_credentials(sim.url)
+    values = {"--endpoints": url, "--metrics-endpoint": f"{url}/metrics?token={TOKEN}&x=1"}
+    extra = [part for flag in url_options() for part in (flag, values[flag])]
+    proc = run_locust(replay_args(trace, toy_tokenizer_dir, url, output, "--server-metrics-interval", "0.2",
+                                  "--header", f"X-Api-Key: {TOKEN}", *extra), tmp_path)
+    check_records(output, trace)
+    exporter = f"{shown(url)}/metrics?token=***&x=1"
+    assert {s["endpoint"] for s in server_samples(output) if s.get("exporter")} == {exporter}
+    assert read_run_metadata(output)["options"]["metrics_endpoint"] == [exporter]
+    report = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--html",
+                             str(results / "report-again.html")], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    texts = (proc.stdout, proc.stderr, report.stdout, report.stderr)
+    assert leaks(results, *texts) == []
+    found = [str(p) for p in results.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
+    assert found == [] and not any(TOKEN in text for text in texts)
+
+
+def test_the_other_commands_url_options_never_show_credentials(tmp_path, toy_tokenizer_dir, locked_sims):
+    """The URL options of the commands but `replay run` (found from their parsers): each given
+    a password authenticates, and what the command prints holds none."""
+    found = [(words, a.option_strings[0]) for words, parser in commands(build_parser()) if words != "replay run"
+             for a in parser._actions if a.metavar and "URL" in str(a.metavar)]
+    assert found == [("replay prompts check", "--server")]  # a new one: give it a case here
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=4, gap_ms=10)
+    done = subprocess.run([sys.executable, "-m", "replay", "prompts", "check", "--trace", str(trace), "--block-size",
+                           str(BLOCK), "--tokenizer", str(toy_tokenizer_dir), "--model", "sim",
+                           "--server", with_credentials(locked_sims[0].url), "--header", f"X-Api-Key: {TOKEN}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"{shown(with_credentials(locked_sims[0].url))}: " in done.stdout
+    assert leaks(tmp_path, done.stdout, done.stderr) == [] and TOKEN not in done.stdout + done.stderr

@@ -97,8 +97,15 @@ def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers)
         assert [w["index"] for w in mid["workers"]] == list(range(parts))
         assert all(w["rows_assigned"] == 90 // parts and w["clock_offset_ms"] is not None for w in mid["workers"])
 
-        # Locust's own stats count each request once (the workers' request events, merged on the master)
-        locust_stats = requests.get(f"{base}/stats/requests", timeout=5).json()
+        # Locust's own stats count each request once (the workers' request events, merged on the
+        # master). A worker reports them every few seconds (Locust's stats report interval), so
+        # its last report may still be on its way when the replay has finished: waited for.
+        def locust_counted_every_send():
+            stats = requests.get(f"{base}/stats/requests", timeout=5).json()
+            (total,) = [s for s in stats["stats"] if s["name"] == "Aggregated"]
+            return stats if total["num_requests"] >= final["progress"]["rows_sent"] else None
+
+        locust_stats = wait_for(locust_counted_every_send, "Locust's stats of every send", timeout=15, every=0.5)
         (aggregated,) = [s for s in locust_stats["stats"] if s["name"] == "Aggregated"]
         (tab,) = locust_stats["extended_stats"]
         assert tab["key"] == "replay" and [row["worker"] for row in tab["data"]] == [*map(str, range(parts)), "all"]

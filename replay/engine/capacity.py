@@ -12,27 +12,43 @@ import math
 from array import array
 from dataclasses import dataclass, field
 
+from replay.bounds import LOAD_FACTOR
 from replay.errors import OptionError
+from replay.results.records import output_tokens_of
 from replay.results.report import meets_slo
-from replay.results.summary import percentile
+from replay.results.summary import failure_reason, percentile
 
 SEARCH_BY = ("amplify", "scale")
+ON_OUTAGE = ("stop", "retry")  # --on-outage: end the search, or repeat the probe once the servers answer again
 GROWTH = 2.0  # while probes pass, the next factor is this many times the last
 CLIENT_DRIFT_P99_MS = 10.0  # a probe whose sends were later than this at p99 measured the client, not the server
 CLIENT_CPU_PERCENT = 90.0  # nor one during which a worker reported this much CPU use (Locust's own warning's)
+MIN_PROBE_ROWS = 10  # a probe of fewer rows judges goodput by a handful: its verdict says nothing of the load
 MAX_COOLDOWN_S = 60.0  # the default cooldown waits for idle servers at most this long
 NO_METRICS_COOLDOWN_S = 5.0  # and this long when the servers' /metrics are not scraped
 
 PASS, FAIL, FAIL_EARLY, CLIENT_LIMITED = "pass", "fail", "fail early", "client-limited"
 INVALID = "invalid"  # a worker was lost during the probe: it says nothing, and is repeated once
+# Verdicts and results both: the failures that failed a probe were mostly not the load's (Probe.failed_by)
+OUTAGE = "outage"  # requests the servers never answered: refused or reset connections, no answer in time
+SERVER_ERRORS = "server errors"  # error answers (HTTP errors but 429, broken or unreadable replies)
 FOUND, BELOW_LO, AT_LEAST_HI = "found", "below LO", "at least HI"
 WORKERS_LOST = "workers lost"  # a probe and its repeat were both invalid: the search ended there
-STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer
-NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED)  # results whose run's exit code is 1
+STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer; also the probe's verdict
+WORKER_SIGNALLED = "worker stopped"  # a worker got a stop signal of its own (not the user's stop): the search ended there
+NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED, WORKER_SIGNALLED, OUTAGE, SERVER_ERRORS)  # results whose exit code is 1
+
+# Why a row of a probe failed it (`failure_kind`): only LOAD failures say the load was too much.
+LOAD = "load"  # answered, but over an --slo limit; or HTTP 429, the server's own "too many requests"
+UNANSWERED = "unanswered"  # sent, and no HTTP answer came: the connection refused or reset, or no answer in time
+ERROR = "error"  # answered with an error: an HTTP error status (429 aside), or a reply broken or not readable
+LOAD_STATUSES = (429,)
+NO_TOKEN = "answered ok without an output token"  # an ERROR's reason: the reply was no event stream
+MAX_REASONS = 20  # a probe keeps this many distinct reasons of its not-load failures
 
 
 def parse_range(text: str) -> tuple[float, float]:
-    """--search-range LO:HI, two finite numbers 0 < LO < HI, or OptionError naming it."""
+    """--search-range LO:HI, two load factors (replay.bounds.LOAD_FACTOR) LO < HI, or OptionError naming it."""
     lo_text, sep, hi_text = str(text).partition(":")
     try:
         lo, hi = float(lo_text), float(hi_text)
@@ -40,8 +56,9 @@ def parse_range(text: str) -> tuple[float, float]:
         lo = hi = math.nan
     if not sep or not (math.isfinite(lo) and math.isfinite(hi)):
         raise OptionError(f"--search-range {text!r}: expected LO:HI, two finite numbers (e.g. 0.25:64)")
-    if lo <= 0:
-        raise OptionError(f"--search-range {text}: LO must be > 0")
+    for end, value in (("LO", lo), ("HI", hi)):
+        if problem := LOAD_FACTOR.problem(value):  # a probe amplifies by its factor as `trace amplify` does
+            raise OptionError(f"--search-range {text}: {end} {problem}")
     if lo >= hi:
         raise OptionError(f"--search-range {text}: LO must be below HI")
     return lo, hi
@@ -49,24 +66,19 @@ def parse_range(text: str) -> tuple[float, float]:
 
 def check_search(options) -> None:
     """A --capacity-search's options (replay.run.options.ReplayOptions), refused with one line
-    naming the option before anything is sent; the probe's length against the window is the
-    preflight's (it needs the trace)."""
+    naming the option before anything is sent; each number's own range is its bound's
+    (ReplayOptions.check), the probe's length against the window the preflight's (it needs
+    the trace)."""
     if not options.slo:
         raise OptionError("--capacity-search needs --slo: the limits a probe's rows must meet")
     if options.search_by not in SEARCH_BY:
         raise OptionError(f"--search-by {options.search_by}: expected one of {', '.join(SEARCH_BY)}")
+    if options.on_outage not in ON_OUTAGE:
+        raise OptionError(f"--on-outage {options.on_outage}: expected one of {', '.join(ON_OUTAGE)}")
     parse_range(options.search_range)
-    if not (math.isfinite(options.search_precision) and options.search_precision > 0):
-        raise OptionError(f"--search-precision {options.search_precision}: must be a finite number > 0")
-    if not (math.isfinite(options.goodput_target) and 0 < options.goodput_target <= 1):
-        raise OptionError(f"--goodput-target {options.goodput_target}: must be a number above 0, at most 1")
-    if not (math.isfinite(options.probe_duration) and options.probe_duration > 0):
-        raise OptionError(f"--probe-duration {options.probe_duration}: must be a finite number of seconds > 0")
     if options.duration is not None and options.probe_duration > options.duration:
         raise OptionError(f"--probe-duration {options.probe_duration:g}: longer than the window "
                           f"(--duration {options.duration:g})")
-    if options.cooldown is not None and not (math.isfinite(options.cooldown) and options.cooldown >= 0):
-        raise OptionError(f"--cooldown {options.cooldown}: must be a finite number of seconds >= 0")
     if options.max_requests is not None:
         raise OptionError("--max-requests: not with --capacity-search (a probe replays --probe-duration of the trace)")
     if options.scale != 1.0:
@@ -122,6 +134,22 @@ def _p(values: array, p: float) -> float | None:
     return percentile(sorted(values), p) if values else None
 
 
+def failure_kind(record: dict, slo: dict[str, float]) -> str | None:
+    """Why a record of a probe failed it (LOAD, UNANSWERED, ERROR); None: it met the SLO, or its
+    row was never sent (a label: the probe cut short, a stop), which says nothing of the server.
+    An answer "ok" without a single output token (a reply that is no event stream) is an
+    ERROR whatever its latency: quick garbage would otherwise meet an e2e limit at any load."""
+    if record.get("sent_at") is None:
+        return None
+    if not record.get("status"):
+        return UNANSWERED
+    if not record["ok"]:
+        return LOAD if record["status"] in LOAD_STATUSES else ERROR
+    if record.get("output_length") and not output_tokens_of(record):
+        return ERROR
+    return None if meets_slo(record, slo) else LOAD
+
+
 @dataclass
 class Probe:
     """One probe's tally: its rows' outcomes as they come, and the verdict. `rows` is how many
@@ -141,13 +169,27 @@ class Probe:
     invalid: bool = False  # a worker was lost during it: its unsent rows were recorded as PROBE_INVALID
     repeat_of: int | None = None  # the number of the invalid probe this one repeats
     cpu_peak: float | None = None  # the most CPU (% of a core) a worker reported while it ran; None: not known
+    stopped: bool = False  # the run was stopped before the probe was judged: it says nothing
+    sent: int = 0  # rows sent (a label's row never was)
+    failures: dict[str, int] = field(default_factory=dict)  # failure_kind -> rows, so far
+    failed_by: dict[str, int] | None = None  # `failures` when the probe could no longer meet the target
+    reasons: dict[str, int] = field(default_factory=dict)  # the not-load failures' reasons (failure_reason) -> rows
     values: dict[str, array] = field(default_factory=lambda: {k: array("d") for k in
                                                               ("ttft_ms", "tpot_ms", "e2e_ms", "drift_ms")})
 
     def add(self, record: dict) -> None:
         self.recorded += 1
         self.ok += bool(record["ok"])
-        self.good += meets_slo(record, self.slo)
+        kind = failure_kind(record, self.slo)
+        self.good += kind is None and meets_slo(record, self.slo)
+        self.sent += record.get("sent_at") is not None
+        if kind is not None:
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+            reason = failure_reason(record) if not record["ok"] else NO_TOKEN
+            if kind != LOAD and (reason in self.reasons or len(self.reasons) < MAX_REASONS):
+                self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if self.failed_by is None and self.hopeless:
+            self.failed_by = dict(self.failures)
         for key, values in self.values.items():
             if record.get(key) is not None and (record["ok"] or key == "drift_ms"):
                 values.append(record[key])
@@ -167,29 +209,65 @@ class Probe:
 
     @property
     def goodput(self) -> float:
+        """The share of its rows that met the SLO; of a probe that did not send every row (cut
+        short, invalid, stopped), the share of the rows it sent: the rows never sent say nothing."""
+        if self.cut or self.invalid or self.stopped:
+            return self.good / self.sent if self.sent else 0.0
         return self.good / self.rows if self.rows else 0.0
+
+    @property
+    def not_load(self) -> str | None:
+        """OUTAGE or SERVER_ERRORS when the failures that failed the probe (those recorded by the
+        time it could no longer meet the target) were mostly requests the servers never answered,
+        or error answers (docs/capacity.md); None: mostly the load's, or it did not fail."""
+        failed = self.failed_by
+        if not failed:
+            return None
+        load, unanswered, errors = (failed.get(k, 0) for k in (LOAD, UNANSWERED, ERROR))
+        if unanswered + errors < load or unanswered + errors == 0:
+            return None
+        return OUTAGE if unanswered >= errors else SERVER_ERRORS
+
+    def top_reasons(self, count: int = 3) -> dict[str, int]:
+        """The most common reasons of its failures that were not the load's."""
+        return dict(sorted(self.reasons.items(), key=lambda item: -item[1])[:count])
 
     @property
     def drift_p99_ms(self) -> float | None:
         return _p(self.values["drift_ms"], 99)
 
     @property
+    def client_limits(self) -> list[str]:
+        """What made the client too late or too busy to measure the server (empty: neither)."""
+        limits, drift = [], self.drift_p99_ms
+        if drift is not None and drift > CLIENT_DRIFT_P99_MS:
+            limits.append(f"dispatch drift p99 {drift:.2f} ms, over {CLIENT_DRIFT_P99_MS:g} ms")
+        if self.cpu_peak is not None and self.cpu_peak >= CLIENT_CPU_PERCENT:
+            limits.append(f"a worker's CPU at {self.cpu_peak:.0f}%, over {CLIENT_CPU_PERCENT:g}%")
+        return limits
+
+    @property
     def verdict(self) -> str:
         if self.invalid:
             return INVALID
-        drift = self.drift_p99_ms  # the client is never what fails a probe: a late or busy client wins over a cut
-        if (drift is not None and drift > CLIENT_DRIFT_P99_MS) or (self.cpu_peak or 0.0) >= CLIENT_CPU_PERCENT:
+        if self.stopped:
+            return STOPPED
+        not_load = self.not_load  # the servers gone or erroring: whatever the client did, it is not a capacity
+        if not_load is not None:
+            return not_load
+        if self.client_limits:  # the client is never what fails a probe: a late or busy client wins over a cut
             return CLIENT_LIMITED
         if self.cut:
             return FAIL_EARLY
-        return PASS if self.goodput >= self.target - 1e-12 else FAIL
+        return PASS if self.good >= (self.target - 1e-12) * self.rows else FAIL
 
     def to_dict(self) -> dict:
         latency = {k: {"p50": _p(v, 50), "p99": _p(v, 99)} for k, v in self.values.items() if k != "drift_ms"}
         seconds = (self.ended_at - self.started_at) if self.started_at is not None and self.ended_at else None
         return {"probe": self.number, "factor": self.factor, "rows": self.rows, "ok": self.ok, "good": self.good,
                 "goodput": self.goodput, "verdict": self.verdict, **latency, "drift_p99_ms": self.drift_p99_ms,
-                "seconds": seconds, "repeat_of": self.repeat_of, "cpu_peak_pct": self.cpu_peak}
+                "seconds": seconds, "repeat_of": self.repeat_of, "cpu_peak_pct": self.cpu_peak, "sent": self.sent,
+                "failed_by": self.failed_by, "not_load_reasons": self.top_reasons()}
 
 
 def capacity_report(search: Search, probes: list[Probe], *, slo: dict[str, float], target: float, search_by: str,
@@ -197,10 +275,12 @@ def capacity_report(search: Search, probes: list[Probe], *, slo: dict[str, float
     """OUTPUT.capacity.json's content (docs/capacity.md). `ended`: what ended the search before
     it had its answer (CLIENT_LIMITED, WORKERS_LOST); None: the search itself, or a stop."""
     best, worst = search.bracket
+    result = ended or search.result or STOPPED
     return {
         "slo": slo, "goodput_target": target, "search_by": search_by, "range": [search.lo, search.hi],
-        "precision": precision, "probes": [p.to_dict() for p in probes], "capacity": best, "bracket": [best, worst],
-        "result": ended or search.result or STOPPED, "seconds": seconds,
+        "precision": precision, "probes": [p.to_dict() for p in probes],
+        "capacity": best if result in (FOUND, AT_LEAST_HI) else None,  # claimed only by a search that ended itself
+        "bracket": [best, worst], "result": result, "seconds": seconds,
     }
 
 
@@ -220,6 +300,17 @@ def quotable_line(report: dict) -> str:
                 "the search again")
     if result == WORKERS_LOST:
         return (f"Capacity: not measured: workers were lost during a probe and again during its repeat "
+                f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
+    if result in (OUTAGE, SERVER_ERRORS):
+        probe = report["probes"][-1]
+        what = ("the servers stopped answering" if result == OUTAGE else
+                "the servers answered errors that are not the load's")
+        reasons = "; ".join(f"{n} x {reason}" for reason, n in (probe.get("not_load_reasons") or {}).items())
+        return (f"Capacity: not measured: {what} during the probe at {probe['factor']:.3g}x ({reasons}; the bracket "
+                f"so far: {_side(best)} passes, {_side(worst)} fails); search again once they serve, or with "
+                "--on-outage retry")
+    if result == WORKER_SIGNALLED:
+        return (f"Capacity: not measured: a worker was stopped by a signal of its own during the search "
                 f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
     if best is None or worst is None:
         return f"Capacity: not known (the search was {result}) {at}"

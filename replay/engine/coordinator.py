@@ -41,6 +41,7 @@ from replay.engine.clock import SYSTEM_CLOCK, Clock, answer_ping
 from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
 from replay.engine.rounds import Part, Round
 from replay.engine.scraper import Scraper
+from replay.results import host_load
 from replay.results.cache_section import CacheStream
 from replay.results.files import OutputError
 from replay.results.metadata import write_run_metadata
@@ -73,6 +74,9 @@ ABORT_WAIT_S = 5.0  # at a stop, how long workers get to send what they still ho
 PLAN_RESEND_S = 2.0  # a plan not acked by then is sent again
 GO_RESEND_S = GO_LEAD_S / 2  # a go not acked by then is sent again, most often before the first send is due
 ABORT_RESEND_S = 1.0  # at a stop, the abort is sent again this often while the workers' records are awaited
+# A worker in the master's process group that got a stop signal: how long the master waits for
+# its own (a process group's signal reaches both at once, and either may be handled first)
+SHARED_SIGNAL_GRACE_S = 2.0
 TICK_S = 0.25
 REFUSED_EXIT_CODE = 2  # a run refused before the first send (`refuse`), as any refusal of its input
 # The meta written as the run begins keeps this much room (spaces) for the end's, plus some per
@@ -183,6 +187,7 @@ class Coordinator:
         self.fault_label: str | None = None
         self.error_rate = ErrorRate(self.options.max_error_rate, clock)
         self.refused = False  # the servers could not take the run (`refuse`): nothing was sent
+        self.signalled_at: float | None = None  # when this process got a stop signal (`stop_signal_received`)
         self.incomplete: dict[str, str] = {}  # file -> why it is not whole (a write that failed)
         self.workers: dict[str, WorkerState] = {}
         # Workers that said HELLO: they can hear replay messages. The local part hears from the start.
@@ -190,6 +195,7 @@ class Coordinator:
         self.store: RecordStore | None = None  # every record, on disk; made at the start
         self.epoch: float | None = None
         self.cache_stream: CacheStream | None = None  # the cache section, computed while the run replays
+        self.host_at_go: host_load.HostSample | None = None  # the host at the go (the certificate's schedule line)
         self.last_due: float | None = None
         self.started_at: float | None = None
         self.finished = Event()
@@ -384,13 +390,39 @@ class Coordinator:
         if state is not None:
             state.go_window.ack(data["seq"])
 
+    def stop_signal_received(self) -> None:
+        """This process got a stop signal (SIGTERM, SIGINT, SIGHUP): the user's stop. A worker in
+        its process group that reports the same signal (`on_stopped`, shared) is stopped by it."""
+        if self.signalled_at is None:
+            self.signalled_at = self.clock.now()
+
     def on_stopped(self, data: messages.Stopped, sender: str) -> None:
-        """The worker got a signal of its own; what it does not record is labelled for that."""
+        """The worker got a stop signal. Its own: what it does not record is labelled for that.
+        Shared with this process's group: the user's stop if this process got one too, within
+        SHARED_SIGNAL_GRACE_S (its abort labels the rows), else the worker's own, and the worker
+        is told so by an abort that labels them."""
         state = self.workers.get(sender)
-        if state is not None:
-            logger.error("worker %d was stopped by a signal of its own: its unanswered rows fail as %r",
-                         state.index, WORKER_STOPPED)
-            state.stopped = True
+        if state is None or state.stopped:
+            return
+        if data.get("shared"):
+            gevent.spawn(self._judge_shared_signal, state)
+        else:
+            self._worker_stopped(state)
+
+    def _judge_shared_signal(self, state: WorkerState) -> None:
+        if self.signalled_at is None:
+            self.clock.sleep(SHARED_SIGNAL_GRACE_S)
+        if self.signalled_at is not None or self._ending is not None or state.stopped:
+            return  # the user's stop (or the run is over): its abort labels the worker's rows
+        self.link.to_worker(state.client_id, messages.ABORT, messages.Abort(reason=WORKER_STOPPED))
+        self._worker_stopped(state, " (the master got none)")
+
+    def _worker_stopped(self, state: WorkerState, why: str = "") -> None:
+        logger.error("worker %d was stopped by a signal of its own%s: its unanswered rows fail as %r",
+                     state.index, why, WORKER_STOPPED)
+        state.stopped = True
+        if self.probes is not None:
+            self.probes.worker_stopped(state.index)
 
     def on_hello(self, data: messages.Hello, sender: str) -> None:
         """The worker can hear replay messages now (Locust acks its connection before it has
@@ -439,6 +471,7 @@ class Coordinator:
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
+        self.host_at_go = host_load.sample()
         if self.probes is None:  # a search's probes are rows of their own, which no trace holds
             self.cache_stream = start_cache_stream(self.spec, self.facts(), self.store.first)
 
@@ -552,7 +585,8 @@ class Coordinator:
             self._maybe_go()
             if self.probes is None and self.store.count >= self.total:
                 self._end_by_itself("complete")
-            if self.last_due is not None and self.clock.now() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S:
+            if (self.last_due is not None and self.clock.now() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S
+                    and not (self.probes is not None and self.probes.between)):  # a search waiting to open its next probe
                 logger.warning("drain timeout: ending the run with %d rows unanswered", self.total - self.store.count)
                 self._end_by_itself(DRAIN_TIMEOUT)
 
@@ -643,7 +677,7 @@ class Coordinator:
             self._collect_held_records(RUN_STOPPED if user_stopped else self.fault_label or DRAIN_TIMEOUT)
         for state in self.workers.values():
             everything = range(len(state.part))
-            if state.lost:
+            if state.lost or state.stopped:
                 self._fill(state.part, everything, state.index, state.unrecorded_label())
                 continue
             self._fill(state.part, (i for i in everything if state.holds(i)), state.index, NO_RECORD)
@@ -655,7 +689,7 @@ class Coordinator:
         code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners,
                       self.summary_listeners, least_code=REFUSED_EXIT_CODE if self.refused else 0, capacity=capacity,
                       cache_stream=self.cache_stream)
-        if code:
+        if code or capacity is not None:  # a search's 0 too: its failing probes' rows are no run's failure
             self.on_exit_code(code)
 
     def facts(self) -> RunFacts:
@@ -669,7 +703,10 @@ class Coordinator:
             "rows_assigned": len(state.positions),
             "lost": state.lost,
         } for state in sorted(self.workers.values(), key=lambda w: w.index)]  # fmt: skip
-        return RunFacts(workers=workers, epoch=self.epoch, started_at=self.started_at, server_check=self.server_check)
+        host = host_load.figures(self.host_at_go, host_load.sample() if self.host_at_go else None,
+                                 senders_here=self.local_part is not None)
+        return RunFacts(workers=workers, epoch=self.epoch, started_at=self.started_at, server_check=self.server_check,
+                        host_load=host)
 
     def metadata(self, incomplete: dict[str, str] | None = None) -> dict:
         """The run's metadata (OUTPUT.meta.json); `incomplete`: {file: why} of the files not whole."""

@@ -236,8 +236,9 @@ class Dispatcher:
         self.finished = Event()
         self._to_flush = Event()  # set by a record or a send: the flush loop has work (records, rows to ask for)
         self.run_id: str | None = None  # None: no X-Request-Id header
-        self.with_master = False  # in the master's process group on its host: a signal here reached it too
+        self.with_master = False  # in the master's process group on its host: a signal here may have reached it too
         self._stopped = False
+        self.stop_reason: str | None = None  # the label of its unanswered rows, once stopped (abort)
         self._chunks: dict[int, list] = {}
         self._next_chunk = 0
         self.alarm = Alarm()  # the dispatcher's wake-up, rung early by stream readers
@@ -317,7 +318,7 @@ class Dispatcher:
             self.skip_to, self.skip_reason = data["skip_to"], data["skip_reason"]
             if self.turns is not None:
                 self.turns.cut(self.skip_to)
-        self.alarm.ring()
+        gevent.get_hub().loop.run_callback(self.alarm.ring)  # a message's greenlet: the hub wakes the sender
         self._to_flush.set()  # asks for the new rows
 
     def on_records_ack(self, data: messages.RecordsAck, sender: str) -> None:
@@ -447,6 +448,8 @@ class Dispatcher:
                         continue
                     if not self.more:
                         break
+                    if self.in_flight and time.time() >= self.last_send + self.options.drain_timeout:
+                        self._cancel_in_flight(DRAIN_TIMEOUT)  # a search's probe is judged once each row has a record
                     collector.idle(0.0)
                     gevent.sleep(0.005)  # a search's next round is not decided yet
                     continue
@@ -673,7 +676,7 @@ class Dispatcher:
         the user stopped the run."""
         if self._stopped or self.options is None:
             return
-        self._stopped = True
+        self._stopped, self.stop_reason = True, reason
         self.next_due = float("inf")
         self._cancel_in_flight(STOPPED_IN_FLIGHT if reason == RUN_STOPPED else reason)
         started = self.go.is_set()  # before the go nothing was sent and nothing is scheduled yet

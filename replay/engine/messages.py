@@ -24,7 +24,9 @@ A run, in order:
     master -> worker  ABORT                 the run ends before the worker did: record what is left
                                             (resent while its records are awaited)
     master -> worker  IDLE                  to a worker that joined after the start
-    worker -> master  STOPPED               it got a signal of its own: its unrecorded rows fail
+    worker -> master  STOPPED               it got a stop signal: its own (its unrecorded rows fail), or,
+                                            `shared` with the master's process group, maybe the
+                                            master's too: the master decides, and says so by ABORT
 
 PLAN, ROWS, GO and RECORDS go through transport.Window (numbered chunks, at most a few unacknowledged,
 resent until acked), which sets each chunk's `seq`: their payloads extend `Chunk`, and their
@@ -166,8 +168,14 @@ class GoAck(TypedDict):
 
 
 class Stopped(TypedDict):
-    """STOPPED: this worker got a SIGTERM or SIGINT of its own, not the master's stop: the rows
-    it has not recorded are "worker stopped" (a failure), not "worker lost"."""
+    """STOPPED: this worker got a stop signal (SIGTERM, SIGINT, SIGHUP). Not `shared`: its own,
+    not the master's stop: the rows it has not recorded are "worker stopped" (a failure), not
+    "worker lost". `shared`: the worker is in the master's process group on its host, where a
+    terminal's Ctrl-C reaches both at once: only the master knows whether it got the signal too
+    (the user's stop: its ABORT says "run stopped"); if not, it is the worker's own stop, and the
+    master's ABORT says "worker stopped"."""
+
+    shared: NotRequired[bool]  # absent: False
 
 
 class RowsAck(TypedDict):

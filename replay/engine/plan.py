@@ -117,6 +117,17 @@ class Schedule:
         return len(self.times)
 
     @property
+    def sessions(self) -> int:
+        """The sessions of the window's rows (sent ones)."""
+        return len(self._session_numbers)
+
+    def has_turns(self) -> bool:
+        """Whether a session has two or more turns in the window (one a closed-loop --turn-timing
+        could hold); a session re-rooted by a later row (bailian) may join two, so it counts."""
+        in_sessions = len(self._sessions) - self._sessions.count(-1)
+        return in_sessions > self.sessions or bool(self._fixups)
+
+    @property
     def window_s(self) -> float:
         """Trace seconds from the origin to the last row's time (before --scale)."""
         return self.times[-1] - self.origin if self.times else 0.0

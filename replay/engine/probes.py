@@ -23,7 +23,10 @@ from replay.engine.capacity import (
     INVALID,
     MAX_COOLDOWN_S,
     NO_METRICS_COOLDOWN_S,
+    OUTAGE,
     PASS,
+    SERVER_ERRORS,
+    WORKER_SIGNALLED,
     WORKERS_LOST,
     Probe,
     Search,
@@ -31,6 +34,8 @@ from replay.engine.capacity import (
     parse_range,
 )
 from replay.engine.rounds import Round
+from replay.protocol.headers import parse_headers
+from replay.protocol.models import ask_served
 from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID
 from replay.results.report import parse_slo
 from replay.results.server_metrics import GAUGES
@@ -44,6 +49,13 @@ logger = logging.getLogger(__name__)
 
 ROUND_LEAD_S = 2.0  # from a probe's decision to its first send: its rows reach the workers and are built
 CPU_LAG_S = 5.0  # a worker's CPU use is Locust's average over this long (CPU_MONITOR_INTERVAL): read once the probe has sent as long
+OUTAGE_WAIT_S = 300.0  # --on-outage retry: how long the search waits for the servers to answer again
+OUTAGE_POLL_S = 1.0  # and how often it asks them
+
+
+def servers_answer(urls: list[str], api: str, headers: dict[str, str]) -> bool:
+    """Whether every server answers what it serves (its API's model list) again."""
+    return all(served.problem is None for served in ask_served(urls, api, headers, timeout=5 * OUTAGE_POLL_S))
 
 
 def max_probes(search: Search) -> int:
@@ -79,6 +91,9 @@ class Probes:
         self.busy: float | None = None  # the servers' running + waiting at their last scrape; None: not known
         self.started_at: float | None = None
         self._next: gevent.Greenlet | None = None
+        self.on_outage = options.on_outage
+        headers = parse_headers(options.header)
+        self.servers_answer = lambda: servers_answer(coordinator.endpoint_urls(), options.api, headers)
         coordinator.scrape_listeners.append(self.on_scrape)
 
     def clones(self, factor: float) -> Clones | None:
@@ -177,11 +192,24 @@ class Probes:
                            "the workers left", probe.number, probe.factor)
             self._next = gevent.spawn(self._after_cooldown, probe.factor, probe.number)
             return
+        if verdict in (OUTAGE, SERVER_ERRORS):
+            what = "the servers stopped answering" if verdict == OUTAGE else "the servers answered errors"
+            reasons = "; ".join(f"{n} x {reason}" for reason, n in probe.top_reasons().items())
+            if self.on_outage == "retry" and probe.repeat_of is None:
+                logger.warning("capacity search: probe %d at %gx: %s (%s), not a failure of the load: it is repeated "
+                               "once they answer again (--on-outage retry)", probe.number, probe.factor, what, reasons)
+                self._next = gevent.spawn(self._after_outage, probe)
+                return
+            self.ended = verdict
+            logger.error("capacity search: probe %d at %gx: %s (%s), not a failure of the load: the search ends "
+                         "here (%s)", probe.number, probe.factor, what, reasons,
+                         "its repeat failed so too" if probe.repeat_of is not None else "--on-outage stop")
+            self._finish()
+            return
         if verdict == CLIENT_LIMITED:
             self.ended = CLIENT_LIMITED
-            logger.error("capacity search: probe %d at %gx was limited by the client (dispatch drift p99 %s ms, "
-                         "worker CPU peak %s%%): add workers and search again", probe.number, probe.factor,
-                         _num(probe.drift_p99_ms), _num(probe.cpu_peak))
+            logger.error("capacity search: probe %d at %gx was limited by the client (%s): add workers and search "
+                         "again", probe.number, probe.factor, "; ".join(probe.client_limits))
             self._finish()
             return
         self.search.add(probe.factor, verdict == PASS)
@@ -191,10 +219,33 @@ class Probes:
             return
         self._next = gevent.spawn(self._after_cooldown, factor)
 
+    @property
+    def between(self) -> bool:
+        """The last probe is judged and the next not yet open (a cooldown, or the wait for servers
+        gone): no row is owed an answer."""
+        return bool(self.probes) and self.probes[-1].ended_at is not None and not self.over
+
     def _after_cooldown(self, factor: float, repeat_of: int | None = None) -> None:
         self._cool_down()
         offset_s = self.c.clock.now() - self.c.epoch + ROUND_LEAD_S
         self.c.new_round(self._open(factor, offset_s, repeat_of))
+
+    def _after_outage(self, probe: Probe) -> None:
+        """--on-outage retry: once every server answers again (asked every OUTAGE_POLL_S, for at
+        most OUTAGE_WAIT_S), the cooldown, then the probe again at its factor; servers that do
+        not come back end the search as the outage it was."""
+        clock, deadline = self.c.clock, self.c.clock.now() + OUTAGE_WAIT_S
+        while not self.servers_answer():
+            if clock.now() >= deadline:
+                self.ended = probe.verdict
+                logger.error("capacity search: the servers did not answer within %g s of probe %d's end: the search "
+                             "ends here", OUTAGE_WAIT_S, probe.number)
+                self._finish()
+                return
+            clock.sleep(OUTAGE_POLL_S)
+        logger.info("capacity search: the servers answer again: probe %d at %gx is repeated", probe.number,
+                    probe.factor)
+        self._after_cooldown(probe.factor, probe.number)
 
     def worker_lost(self, index: int) -> None:
         """A worker was lost (told before its rows get their records): the probe under way, if
@@ -208,6 +259,18 @@ class Probes:
             logger.warning("capacity search: worker %d lost during probe %d (%gx): the probe is invalid; its unsent "
                            "rows are recorded as %r", index, current.number, current.factor, PROBE_INVALID)
             self.c.cut_round(PROBE_INVALID)
+
+    def worker_stopped(self, index: int) -> None:
+        """A worker got a stop signal of its own, not the user's stop: the search ends here, with
+        no answer (the probe under way lost the worker's sends, and a fleet's capacity is never a
+        worker's stop); the run stops, the probe's rows left recorded as PROBE_INVALID."""
+        if self.over:
+            return
+        self.over = True
+        self.ended = WORKER_SIGNALLED
+        logger.error("capacity search: worker %d was stopped by a signal of its own: the search ends without an "
+                     "answer", index)
+        self.c._stop_for(PROBE_INVALID)
 
     def _cool_down(self) -> None:
         """--cooldown S, or until the servers report nothing running nor waiting (at most
@@ -239,9 +302,11 @@ class Probes:
         self.c._end_by_itself("complete")
 
     def stop(self) -> None:
-        """The run ends (by itself or stopped): no further probe."""
+        """The run ends (by itself or stopped): no further probe; one under way is stopped, not judged."""
         if self._next is not None:
             self._next.kill(block=False)
+        if self.probes and self.probes[-1].ended_at is None:
+            self.probes[-1].stopped = True
 
     def live(self) -> dict:
         """The Replay view's: the probe under way (its factor, rows with a record so far, how

@@ -29,8 +29,9 @@ from replay.engine.progress import ProgressLine
 from replay.errors import OptionError
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink, flush_on_exit
+from replay.locust.outputs import config_input, locust_outputs
 from replay.protocol.urls import shown
-from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_STOPPED, output_tokens_of
+from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_LOST, WORKER_STOPPED, output_tokens_of
 from replay.run import preflight
 from replay.run.config import replay_options
 from replay.run.options import add_arguments
@@ -74,7 +75,8 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
         web_user = getattr(environment.parsed_options, "web_user", None)
         if web_user:  # refused as the web UI refuses it, with or without one (--headless)
             webauth.parse_web_user(web_user)
-        spec = preflight.load(options, _hide_host_credentials(environment))
+        spec = preflight.load(options, _hide_host_credentials(environment),  # Locust's files with the run's
+                              locust_outputs(environment.parsed_options), config_input(environment.parsed_options))
         _show_endpoints(environment, spec)
         runner = environment.runner
         coordinator = Coordinator(spec, link, local_part=part, heard=heard,
@@ -257,6 +259,8 @@ def _stop_on_signals(environment) -> None:
         name = signal.Signals(signum).name
         replay = getattr(environment, "replay", None)
         coordinator = replay.coordinator if replay is not None else None
+        if coordinator is not None:
+            coordinator.stop_signal_received()  # a worker in this process group may have got it too
         if coordinator is None:
             logger.error("replay: %s before the trace was read: nothing was sent or recorded", name)
             _workers_quit(environment)
@@ -282,13 +286,16 @@ def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher)
     """A worker that gets a SIGTERM, SIGINT or SIGHUP of its own is not the user stopping the
     run: its unanswered rows are recorded "worker stopped" (a failure: the master exits 1), and
     the master is told, for the rows it never shipped. A worker in the master's process group on
-    its host (`--processes`, or one shell that started both) got a signal the master got too (a
-    terminal's Ctrl-C or hang-up): it waits for the master's stop, which decides the labels, and
-    only if none comes in MASTER_STOP_GRACE_S is it a stop of its own. Then Locust quits as it does
-    on a signal (SIGTERM: its own handler, which follows this one and cannot be held back, so there
-    the held rows are recorded at once as the user's stop; else a KeyboardInterrupt)."""
+    its host (`--processes`, or one shell that started both) may have got a signal the master got
+    too (a terminal's Ctrl-C or hang-up), and only the master knows: the worker tells it and
+    goes on meanwhile; the master's abort says whose stop it is ("run stopped": the master got
+    it too; "worker stopped": it did not), and if none comes in MASTER_STOP_GRACE_S the stop is
+    the worker's own. Then Locust quits as it does on a signal: SIGTERM by its own handler, which
+    runs beside this one and is held at its quitting event until the labels are known; the
+    others by a KeyboardInterrupt, unless the master's stop ends this worker with its quit."""
     hub = gevent.get_hub()
     signalled = False
+    deciding: gevent.Greenlet | None = None
 
     def stopped_alone(name: str) -> None:
         if part.options is None:
@@ -299,17 +306,24 @@ def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher)
         part.abort(WORKER_STOPPED)
         environment.process_exit_code = 1
 
-    def unless_the_master_stops(name: str) -> None:
+    def ask_the_master(name: str, signum: int) -> None:
+        link.to_master(messages.STOPPED, messages.Stopped(shared=True))
         deadline = time.monotonic() + MASTER_STOP_GRACE_S
         while not part.stopping and time.monotonic() < deadline:
             gevent.sleep(0.1)
-        if part.stopping:
-            return  # the master's stop labels the rows, and its quit ends this worker
-        stopped_alone(name)
-        hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
+        if not part.stopping:
+            stopped_alone(name)
+        elif part.stop_reason == WORKER_STOPPED:
+            logger.error("%s: the master got no stop: this worker stops; its unanswered rows are recorded as %r",
+                         name, WORKER_STOPPED)
+            environment.process_exit_code = 1
+        else:
+            return  # the master's stop: its quit ends this worker
+        if signum != signal.SIGTERM:
+            hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
 
     def stop(signum: int) -> None:
-        nonlocal signalled
+        nonlocal signalled, deciding
         name = signal.Signals(signum).name
         if signalled:  # a second KeyboardInterrupt would land in Locust's own shutdown
             logger.warning("%s received while this worker stops: it is stopping already", name)
@@ -318,25 +332,41 @@ def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher)
         if not part.finished.is_set() and not part.stopping:
             if not part.with_master:
                 stopped_alone(name)
-            elif signum != signal.SIGTERM:
-                logger.warning("%s: the master, in this process group, got it too; waiting for its stop", name)
-                gevent.spawn(unless_the_master_stops, name)
-                return
             else:
-                part.abort(RUN_STOPPED)  # its records go before Locust's quit message
+                logger.warning("%s: this worker is in the master's process group; asking the master whether it "
+                               "got it too", name)
+                deciding = gevent.spawn(ask_the_master, name, signum)
+                return
         if signum != signal.SIGTERM:
             hub.handle_system_error(KeyboardInterrupt, KeyboardInterrupt())
 
+    def hold_sigterm_quit(**kwargs) -> None:
+        gevent.sleep(0)  # a SIGTERM's two handlers run in the same turn of the loop, in either order
+        if deciding is not None:
+            deciding.join()
+
     for signum in STOP_SIGNALS:
         gevent.signal_handler(signum, stop, signum)
+    environment.events.quitting.add_listener(hold_sigterm_quit)
 
 
 def _watch_master(environment, runner: WorkerRunner, part: Dispatcher) -> None:
     """Stop sending within seconds of losing the master (Locust's own check waits 60 s, and
     the worker would replay its whole part to nobody): record what is left as "master lost"
-    and quit with exit code 1."""
+    and quit with exit code 1. A silence that was this worker's own (it did not run for
+    MASTER_LOST_S: SIGSTOP, a paused host) is not the master's: the master counted it lost by
+    then, so what is left is recorded as "worker lost", not sent late in a burst."""
+    turn = time.monotonic()
     while True:
         gevent.sleep(1.0)
+        stalled, turn = time.monotonic() - turn, time.monotonic()
+        if stalled >= MASTER_LOST_S and part.options is not None and not part.finished.is_set():
+            logger.error("this worker did not run for %.0f s (stopped, or its host paused): the master counts it "
+                         "lost; its unanswered rows are recorded as %r", stalled, WORKER_LOST)
+            environment.process_exit_code = 1
+            part.abort(WORKER_LOST)
+            runner.quit()
+            return
         last = runner.last_heartbeat_timestamp
         if last is None or time.time() - last < MASTER_LOST_S:
             continue

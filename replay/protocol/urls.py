@@ -10,13 +10,23 @@ sent as HTTP Basic credentials (`authorization`), as browsers and `requests` sen
 from __future__ import annotations
 
 import base64
+import re
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 MASK = "***"
 
 
+# A query parameter by these names carries a credential (an exporter's `?token=`, a gateway's
+# `?api_key=`): its value is hidden as the userinfo is.
+SECRET_PARAMS = re.compile(r"([?&](?:[\w-]*token|api[_-]?key|key|password|passwd|secret|auth|signature|sig)=)[^&#]*",
+                           re.IGNORECASE)
+
+
 def shown(url: str) -> str:
-    """`url` fit to show: its userinfo, if any, replaced by *** (`http://***@host:port/path`)."""
+    """`url` fit to show: its userinfo, if any, replaced by *** (`http://***@host:port/path`),
+    and so the value of a query parameter that carries a credential (`?token=***`)."""
+    url = SECRET_PARAMS.sub(rf"\g<1>{MASK}", url)
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
@@ -25,6 +35,20 @@ def shown(url: str) -> str:
     if not at:
         return url
     return f"{scheme}{sep}{MASK}@{host}{rest[end:]}"
+
+
+def redacted(value: Any) -> Any:
+    """`value` (an option's, a document of them) with every URL in it as `shown`: a string
+    that holds `://` is taken as URLs, comma-separated as --endpoints gives them; dicts and
+    lists are walked. What the run writes or shows of its options passes here, so an option
+    that takes a URL needs no rule of its own."""
+    if isinstance(value, str):
+        return ",".join(shown(part) for part in value.split(",")) if "://" in value else value
+    if isinstance(value, dict):
+        return {key: redacted(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redacted(item) for item in value]
+    return value
 
 
 def authorization(url: str) -> str | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import operator
 from array import array
+from bisect import bisect_left, bisect_right
 from itertools import islice
 
 from replay.results.summary import sorted_array
@@ -46,9 +47,10 @@ def gap_bin(gap_s: float) -> int:
 
 
 class GapHistogram:
-    """The inter-arrival times of sorted times: per bin, the count and the least and greatest gap."""
+    """The inter-arrival times of sorted times: per bin, the count and the least and greatest gap.
+    `floor_s`: gaps below it go to the first bin as if they were 0 (a coarser resolution)."""
 
-    def __init__(self, times: array) -> None:
+    def __init__(self, times: array, floor_s: float = FLOOR_S) -> None:
         self.count = [0] * BINS
         self.least = [math.inf] * BINS
         self.most = [-math.inf] * BINS
@@ -56,6 +58,8 @@ class GapHistogram:
         count, least, most = self.count, self.least, self.most
         for k in range(1, len(times)):
             gap = times[k] - times[k - 1]
+            if gap < floor_s:
+                gap = 0.0
             b = gap_bin(gap)
             count[b] += 1
             if gap < least[b]:
@@ -102,15 +106,25 @@ def ks_bounds(a: GapHistogram, b: GapHistogram) -> tuple[float, float]:
 
 
 class ArrivalComparison:
-    """Due and sent times of the sends, added one at a time; `result()` once, at the end."""
+    """Due and sent times of the sends, added one at a time; `result()` once, at the end.
+    `resolution_s`: the second KS statistic's, gaps under it taken as 0 (rows due together
+    leave one after another, microseconds apart: at the on-time tolerance they are together)."""
 
-    def __init__(self) -> None:
+    def __init__(self, resolution_s: float = 1e-3) -> None:
+        self.resolution_s = resolution_s
+        self.late_due = array("d")  # the late sends' due and sent times (`add_late`)
+        self.late_sent = array("d")
         self.due = array("d")
         self.sent = array("d")
 
     def add(self, due: float, sent: float) -> None:
         self.due.append(due)
         self.sent.append(sent)
+
+    def add_late(self, due: float, sent: float) -> None:
+        """A send also added with `add` that left late: `result` counts those that queued."""
+        self.late_due.append(due)
+        self.late_sent.append(sent)
 
     def result(self) -> dict:
         """The arrival lines (docs/fidelity.md#schedule); the arrays are freed."""
@@ -120,9 +134,12 @@ class ArrivalComparison:
         self.due = self.sent = array("d")
         n = len(due)
         ks, ks_bound = ks_bounds(GapHistogram(due), GapHistogram(sent))
+        coarse, _ = ks_bounds(GapHistogram(due, self.resolution_s), GapHistogram(sent, self.resolution_s))
         out = {
             "inter_arrival_ks": ks if n >= 2 else None,
             "inter_arrival_ks_upper_bound": ks_bound if n >= 2 else None,
+            "inter_arrival_ks_resolution_ms": self.resolution_s * 1000.0,
+            "inter_arrival_ks_at_resolution": coarse if n >= 2 else None,
             "count_gap_requests": 0,
             "count_gap_at_s": None,
             "count_gap_s": max((abs(s - d) for d, s in zip(due, sent)), default=None),
@@ -130,6 +147,11 @@ class ArrivalComparison:
         if n:
             gap, at = _count_gap(due, sent)
             out["count_gap_requests"], out["count_gap_at_s"] = gap, at - due[0]
+        # a late send queued when another send left between its due time and its own: the client was sending
+        out["late_queued"] = sum(bisect_left(sent, s) > bisect_right(sent, d) for d, s in zip(self.late_due,
+                                                                                              self.late_sent))
+        out["late_checked"] = len(self.late_due)
+        self.late_due = self.late_sent = array("d")
         return out
 
 

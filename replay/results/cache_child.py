@@ -50,6 +50,7 @@ from replay.results.fidelity import (
     CacheCheck,
     CacheTally,
     SentPrompt,
+    answered_at,
     ideal_trace_hits,
     method_text,
     missing_rows,
@@ -134,12 +135,12 @@ def _sent_prompt(record: dict, hashes: list[int], prompt_tokens: int, ideal: int
     rid, sent_at = record["request_id"], record["sent_at"]
     reported, observed = record.get("prompt_tokens"), record.get("cached_tokens")
     if starts is None:
-        return SentPrompt(rid, sent_at, reported, observed, hashes, prompt_tokens)
+        return SentPrompt(rid, sent_at, reported, observed, hashes, prompt_tokens, answered_at(record))
     endpoint = shown(record.get("endpoint") or "")
     output = record.get("output_tokens")
     return ModelPrompt(rid, sent_at, reported, observed, hashes, prompt_tokens, endpoint, record.get("finished_at"),
                        output if output is not None else record.get("output_length") or 0, ideal,
-                       starts.started_at(endpoint, sent_at, record.get("ttft_ms")))
+                       starts.started_at(endpoint, sent_at, record.get("ttft_ms")), answered_at(record))
 
 
 def _settings(job: dict, api: str) -> tuple[bool, int]:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from replay.results.fidelity import CacheCheck, scheduled, send_order_checks
+from replay.results.fidelity import CacheCheck, answered_at, scheduled, send_order_checks
 from replay.results.records import Record
 from replay.results.server_metrics import read_samples
 from replay.rules.block_pool import BlockPool
@@ -62,6 +62,7 @@ UNEXPLAINED = "unexplained"
 MISS_CAUSES = (EVICTED, ROUTED_ELSEWHERE, PARTIAL_BLOCK, PROMPT_DIFFERS, IN_FLIGHT, UNEXPLAINED)
 BEYOND_CAUSES = (IN_FLIGHT, WARM_AT_START, UNEXPLAINED)
 EXAMPLES = 10  # request ids kept per cause and endpoint
+DIFFERS_NOTE = "prompts do not share what the trace says they share: a replay bug"  # the note of prompt-differs
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class ModelPrompt(NamedTuple):
     output_tokens: int  # tokens it generated: blocks it held while it ran
     ideal: int | None = None  # the trace's own expectation (trace blocks), when the caller has one
     started_at: float | None = None  # when the server scheduled it, as estimated (`scheduled_at`); None: sent_at
+    answered_at: float | None = None  # its first token came back: scheduled by then (replay.results.fidelity)
 
 
 @dataclass(slots=True)
@@ -119,6 +121,8 @@ class _Endpoint:
         self.pool = BlockPool(block_size, server.num_gpu_blocks)
         self.running: list[tuple[float, int, list[int]]] = []  # a heap of (finished_at, serial, blocks)
         self.last_start = float("-inf")  # the server schedules first come, first served
+        self.peak_usage = 0.0  # the most of the pool running requests held (vLLM's kv_cache_usage_perc)
+        self.held_differs = 0  # prompt-differs by a block the pool must hold (not by the server's prompt count)
 
     def end_until(self, t: float) -> None:
         running = self.running
@@ -171,6 +175,9 @@ class CacheModel:
                      else self._beyond(check, here))  # fmt: skip
         if here is not None:
             _, held = here.pool.allocate(hashes, length, max(prompt.output_tokens, 0), hit)
+            here.peak_usage = max(here.peak_usage, here.pool.usage())
+            if cause == PROMPT_DIFFERS and prompt.reported_prompt_tokens in (None, length):
+                here.held_differs += 1
             end = prompt.finished_at if prompt.finished_at is not None else start
             self._serial += 1
             heapq.heappush(here.running, (max(end, start), self._serial, held))
@@ -183,10 +190,10 @@ class CacheModel:
         reported = prompt.reported_prompt_tokens
         if reported is not None and reported != prompt.prompt_tokens:
             return PROMPT_DIFFERS
-        if check.low <= observed <= check.high and check.low < check.expected:
-            return IN_FLIGHT
         if observed >= check.expected:  # every whole block the infinite cache has: the ideal's rest is in a block
             return PARTIAL_BLOCK
+        if check.low <= observed <= check.high:
+            return IN_FLIGHT
         if observed % size or here is None:
             return UNEXPLAINED
         missing = prompt.hashes[observed // size]
@@ -260,8 +267,10 @@ class CauseTally:
 
     def __init__(self) -> None:
         self.endpoints: dict[str, _EndpointTally] = {}
+        self.predicted_all = 0  # every request's prediction, with a count or not: against the server's counters
 
     def add(self, v: CacheVerdict) -> None:
+        self.predicted_all += v.predicted
         if v.observed is None:
             return
         t = self.endpoints.setdefault(v.endpoint, _EndpointTally())
@@ -285,8 +294,9 @@ class CauseTally:
             if model is not None and name in model.endpoints:
                 pool = model.endpoints[name].pool
                 endpoints[name].update(num_gpu_blocks=pool.num_gpu_blocks, evictions=pool.evictions,
-                                       overflow_blocks=pool.overflow)
-        return {**_figures(fleet), "endpoints": endpoints}
+                                       overflow_blocks=pool.overflow, peak_usage=model.endpoints[name].peak_usage,
+                                       prompt_differs_held=model.endpoints[name].held_differs)
+        return {**_figures(fleet), "predicted_cached_tokens_all": self.predicted_all, "endpoints": endpoints}
 
 
 def attribution(model: CacheModel, notes: Sequence[str] = ()) -> dict:
@@ -303,6 +313,7 @@ def attribution(model: CacheModel, notes: Sequence[str] = ()) -> dict:
         "predicted_exact_share": section["exact_share"],
         "block_size": model.block_size,
         "capacity_blocks": sizes.pop() if len(sizes) == 1 else None,  # None: the endpoints' differ (see model)
+        "served_before": sorted(name for name, server in model.servers.items() if server.served_before),
         "notes": [*notes, *_notes(section)],
         "model": section,
     }
@@ -332,8 +343,7 @@ def _notes(section: dict) -> list[str]:
                      "keeps a session's turns on one")
     differs = section["miss_causes"].get(PROMPT_DIFFERS)
     if differs:
-        notes.append(f"{differs['requests']} prompts do not share what the trace says they share: a replay bug "
-                     f"(requests {', '.join(map(str, differs['examples'][:5]))})")
+        notes.append(f"{differs['requests']} {DIFFERS_NOTE} (requests {', '.join(map(str, differs['examples'][:5]))})")
     return notes
 
 
@@ -383,7 +393,7 @@ def model_prompts(records: Iterable[Record], server_ids, block_size: int) -> lis
         out.append(ModelPrompt(
             r["request_id"], r["sent_at"], r.get("prompt_tokens"), r.get("cached_tokens"), block_hashes(ids, block_size),
             len(ids), endpoint, r.get("finished_at"), output if output is not None else r.get("output_length") or 0,
-            None, starts.started_at(endpoint, r["sent_at"], r.get("ttft_ms")),
+            None, starts.started_at(endpoint, r["sent_at"], r.get("ttft_ms")), answered_at(r),
         ))  # fmt: skip
     return out
 

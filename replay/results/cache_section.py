@@ -63,6 +63,16 @@ class CacheJob:
     servers: dict[str, dict] | None = None
 
 
+CAPACITY_SEARCH = "a capacity search's probes send prompts of their own, not the trace's rows: docs/capacity.md"
+
+
+def cache_skipped(meta: dict | None) -> str | None:
+    """Why the run has no cache section whatever the flags say (None: it may have one): a
+    capacity search's records are of its probes' rows (request ids moved past the trace's, hash
+    ids in each probe's own namespace, amplify's copies), not of the trace's."""
+    return CAPACITY_SEARCH if ((meta or {}).get("options") or {}).get("capacity_search") else None
+
+
 def _pick(flag, meta_value, default=None):
     return flag if flag is not None else (meta_value if meta_value is not None else default)
 
@@ -83,6 +93,10 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
     meta_trace = meta.get("trace") or {}
     trace_path = _pick(trace, meta_trace.get("path"))
     if trace_path is None:
+        return None
+    if (skipped := cache_skipped(meta)) is not None:
+        if out is not None:
+            print(f"cache fidelity: skipped ({skipped})", file=out)
         return None
     caches = meta.get("server_cache") or {}
     said = {c.get("block_size") for c in caches.values()} - {None}
@@ -196,7 +210,7 @@ class CacheStream:
             (folder / "job.json").write_bytes(orjson.dumps(fields))
             self.pid = start_module(CHILD_MODULE, ["--follow", *(str(folder / name) for name in
                                                                  ("job.json", "result.json", "end"))],
-                                    folder / "stderr")
+                                    folder / "stderr", own_group=True)  # a Ctrl-C is the run's to handle
             self.job = job
         except OSError as e:
             log.debug("the cache section is not computed while the run replays (%s)", e)

@@ -10,10 +10,12 @@ import sys
 
 import orjson
 
+from replay.bounds import CACHE_BLOCKS, HOUR_S, SEED, Bound
+from replay.output_claim import INPUT, OUTPUT, OutputFolder
 from replay.protocol.table import PROMPT_FORMATS
-from replay.results.cache_section import cache_job, cache_section
+from replay.results.cache_section import cache_job, cache_section, cache_skipped
 from replay.results.certificate import CertificateBuilder
-from replay.results.metadata import read_run_metadata
+from replay.results.metadata import RUN, read_run_metadata
 from replay.results.outputs import write_outputs
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
@@ -30,29 +32,31 @@ def register(subparsers) -> None:
         description="Summarize a replay's per-request JSONL (vLLM bench serve layout); with the trace and the "
         "server's block size, also check cached_tokens against what the replayed prompts imply.",
     )
-    p.add_argument("results", help="the merged per-request JSONL of a run")
-    p.add_argument("--trace", help="the trace the run replayed (default: from the run metadata)")
+    p.add_argument("results", type=RUN, metavar="RESULTS", help="the merged per-request JSONL of a run")
+    p.add_argument("--trace", type=INPUT, help="the trace the run replayed (default: from the run metadata)")
     p.add_argument("--trace-format", default=None, help="the trace's format (default: metadata, else auto-detected)")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="the trace's block size (default: metadata / format)")
     p.add_argument("--server-block-size", type=block_size_arg, default=None,
                    help="the server's KV block size (vLLM --block-size; default: what it said before the run, "
                    "in the run metadata)")
-    p.add_argument("--server-cache-blocks", type=int, default=None,
+    p.add_argument("--server-cache-blocks", type=CACHE_BLOCKS, default=None,
                    help="the server's KV cache size in blocks, vLLM's num_gpu_blocks (default: the run metadata): "
                    "the cache model that gives every miss a cause")
-    p.add_argument("--tokenizer", help=f"the run's tokenizer (default: metadata): {TOKENIZER_HELP}")
-    p.add_argument("--chat-template", help="chat template the run used (default: metadata)")
+    p.add_argument("--tokenizer", type=INPUT, help=f"the run's tokenizer (default: metadata): {TOKENIZER_HELP}")
+    p.add_argument("--chat-template", type=INPUT, help="chat template the run used (default: metadata)")
     p.add_argument("--api", default=None, help="api the run used (default: metadata, else the records' api)")
     p.add_argument("--prompt-format", choices=tuple(PROMPT_FORMATS), default=None,
                    help="prompt format the run used (default: metadata, else text)")
-    p.add_argument("--seed", type=int, default=None, help="synthesis seed the run used (default: metadata, else 0)")
+    p.add_argument("--seed", type=SEED, default=None, help="synthesis seed the run used (default: metadata, else 0)")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the run's)")
-    p.add_argument("--reorder-window-ms", type=float, default=0.0,
-                   help="also accept cached_tokens that requests sent this close together explain (default 0)")
-    p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here")
-    p.add_argument("--html", dest="html_out", default=None, help="write a self-contained HTML report here")
-    p.add_argument("--png-dir", default=None, help="with --html, also save each plot as a PNG in this folder")
+    p.add_argument("--reorder-window-ms", type=Bound(0.0, HOUR_S * 1000, unit="ms"), default=0.0,
+                   help="also accept cached_tokens that requests sent this close together explain (default 0: "
+                        "requests in flight together, until their first token, are accepted anyway)")
+    p.add_argument("--json", dest="json_out", type=OUTPUT, default=None, help="write the summary as JSON here")
+    p.add_argument("--html", dest="html_out", type=OUTPUT, default=None, help="write a self-contained HTML report here")
+    p.add_argument("--png-dir", type=OutputFolder("*.png"), default=None,
+                   help="with --html, also save each plot as a PNG in this folder (made when missing)")
     p.set_defaults(func=run)
 
 
@@ -95,7 +99,8 @@ def run(args) -> int:
     report = builder.report(cache)
     extra = ((meta or {}).get("options") or {}).get("server_metric") or ()
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
-    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"])
+    report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"], report["server"],
+                                              (meta or {}).get("host_load"), cache_skipped(meta))
     print(format_report(report))
 
     def draw(path: str) -> None:

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import sys
 
+from replay.bounds import MAX_INT, SEED, Bound
+from replay.output_claim import OUTPUT
 from replay.results.compare import NOT_TESTED, SAME, CompareError, compare, differences, load_run, slo_of
 from replay.results.gates import evaluate, parse_gate
+from replay.results.metadata import RUN
 from replay.results.outputs import write_outputs
 from replay.results.report import ReportError, parse_slo
+
+# Fewer draws than this put a 95% interval's ends on a handful of them; more only take longer.
+RESAMPLES = Bound(100, 1_000_000, integer=True)
 
 
 def register(subparsers) -> None:
@@ -22,21 +28,21 @@ def register(subparsers) -> None:
         "its 95%% interval from a paired bootstrap over the rows, and a verdict. Several runs a side: "
         "--base A1 --base A2 --new B1.",
     )
-    p.add_argument("runs", nargs="*", metavar="RUN", help="BASE NEW: two runs' merged JSONL (their --output)")
-    p.add_argument("--base", action="append", default=[], help="a BASE run (repeatable)")
-    p.add_argument("--new", action="append", default=[], help="a NEW run (repeatable)")
+    p.add_argument("runs", nargs="*", type=RUN, metavar="RUN", help="BASE NEW: two runs' merged JSONL (their --output)")
+    p.add_argument("--base", action="append", type=RUN, default=[], help="a BASE run (repeatable)")
+    p.add_argument("--new", action="append", type=RUN, default=[], help="a NEW run (repeatable)")
     p.add_argument("--allow-different", action="store_true",
                    help="compare runs whose trace, window, seed, api, prompt format, scale or stream differ")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the runs')")
     p.add_argument("--fail-on", action="append", default=[], metavar="EXPR",
                    help="exit 1 when the change's whole interval lies beyond a bound, e.g. ttft_p99>+5%%, "
                    "e2e_p50>+20ms, goodput<-1pt (repeatable)")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default 0)")
-    p.add_argument("--block-rows", type=int, default=None,
+    p.add_argument("--resamples", type=RESAMPLES, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--seed", type=SEED, default=0, help="the bootstrap's seed (default 0)")
+    p.add_argument("--block-rows", type=Bound(1, MAX_INT, integer=True, unit="rows"), default=None,
                    help="rows per resampled block (default: the cube root of the rows; 1: the plain paired bootstrap)")
-    p.add_argument("--json", dest="json_out", default=None, help="write the comparison as JSON here")
-    p.add_argument("--html", dest="html_out", default=None, help="write a self-contained HTML comparison here")
+    p.add_argument("--json", dest="json_out", type=OUTPUT, default=None, help="write the comparison as JSON here")
+    p.add_argument("--html", dest="html_out", type=OUTPUT, default=None, help="write a self-contained HTML comparison here")
     p.set_defaults(func=run)
 
 
@@ -55,10 +61,6 @@ def _sides(args) -> tuple[list[str], list[str]]:
 def run(args) -> int:
     try:
         gates = [parse_gate(text) for text in args.fail_on]
-        if args.resamples < 100:
-            raise CompareError(f"--resamples {args.resamples}: at least 100 for a 95% interval")
-        if args.block_rows is not None and args.block_rows < 1:
-            raise CompareError(f"--block-rows {args.block_rows}: must be >= 1")
         base_paths, new_paths = _sides(args)
         base, new = [load_run(p) for p in base_paths], [load_run(p) for p in new_paths]
         different = differences([*base, *new])

@@ -11,12 +11,16 @@ short rows use another message layout; rows with their own messages share whatev
 text shares; and the server's block size need not divide or equal the trace's.
 
 Order: "earlier" means earlier in send order (sent_at). vLLM caches a request's blocks when
-it schedules it, before the prefill has run, so a request sent while an earlier one with
-the same prefix is still in prefill hits too. Two requests sent within a few milliseconds
-of each other may still reach the scheduler in the other order; `reorder_window_ms` allows
-for that: a request also matches when its observed value lies between what it would see if
-every request sent within the window before it came later, and what it would see if every
-request sent within the window after it came first.
+it schedules it (a chunked prefill: as each chunk is scheduled), so a request sent while an
+earlier one with the same prefix is still in prefill may hit too. But requests in flight
+together may reach the scheduler in another order than they were sent (rows due at the same
+instant most of all): which of them cached a shared prefix first is the server's scheduling,
+not the replay's. So a request's observed value is also explained (`CacheCheck.explained`)
+when it lies between what it would see if every request not yet known to be scheduled when
+it was sent came after it (`low`), and what it would see if every request sent before it was
+known to be scheduled came first (`high`). A request is known to be scheduled once its first
+token (or, not streamed, its answer) came back (`answered_at`), and `reorder_window_ms` after
+its send at least.
 
 This module holds the rule and its arithmetic, one request at a time in send order, and loads
 no tokenizer: a run's whole check streams through it in a child process
@@ -26,6 +30,7 @@ no tokenizer: a run's whole check streams through it in a child process
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from replay.results.records import Record
-from replay.rules.prefix_cache import block_hashes, hit_blocks
+from replay.rules.prefix_cache import block_hashes
 from replay.trace.pairs import PairIndex
 from replay.trace.prefix import IdealHits
 from replay.trace.record import TraceRow
@@ -54,7 +59,7 @@ class CacheCheck:
     reported_prompt_tokens: int | None
     expected: int  # send order, infinite cache
     observed: int | None
-    low: int  # the range concurrency can explain (== expected with no reorder window)
+    low: int  # the range the server's order of requests in flight together can explain (== expected: none)
     high: int
 
     @property
@@ -76,6 +81,16 @@ class SentPrompt(NamedTuple):
     observed: int | None
     hashes: list[int]
     prompt_tokens: int
+    answered_at: float | None = None  # its first token (or answer) came back: the server had scheduled it
+
+
+def answered_at(record: Record) -> float | None:
+    """When the server had certainly scheduled a request: its first token came back (or, not
+    streamed, its answer); None when neither did."""
+    sent, ttft = record.get("sent_at"), record.get("ttft_ms")
+    if sent is not None and ttft is not None:
+        return sent + ttft / 1000.0
+    return record.get("finished_at")
 
 
 class BlockSet:
@@ -106,43 +121,116 @@ def scheduled(record: Record) -> bool:
 def send_order_checks(sent: Iterable[SentPrompt], server_block_size: int,
                       reorder_window_ms: float = 0.0) -> Iterator[CacheCheck]:
     """A CacheCheck per request of `sent` (in send order), drawn one at a time: only the
-    requests within the reorder window of the current one are held."""
+    requests in flight around the current one are held (those drawn ahead up to its
+    `answered_at`, and the blocks first cached by requests not yet known to be scheduled)."""
     if server_block_size <= 0:
         raise ValueError(f"server block size must be positive, got {server_block_size}")
     cache = BlockSet()  # an infinite cache: every block hash ever scheduled
-    earlier = BlockSet()  # the same, for requests sent before the window
+    unsure = _Unsure()  # blocks of `cache` that no request known to be scheduled holds yet
     window_s = reorder_window_ms / 1000.0
     items = iter(sent)
-    ahead: deque[SentPrompt] = deque()  # drawn, not yet checked: the window after the current one
-    behind: deque[SentPrompt] = deque()  # checked, not yet in `earlier`
+    ahead = _Ahead()  # drawn, not yet checked: the requests sent after the current one
     size = server_block_size
     while (current := ahead.popleft() if ahead else next(items, None)) is not None:
         t, hashes, length = current.sent_at, current.hashes, current.prompt_tokens
+        known_at = max(t + window_s, current.answered_at or t)  # scheduled by then
+        unsure.known_until(t)
         expected = cache.hit_blocks(hashes, length, size)
-        low = high = expected
-        if window_s > 0:
-            while behind and behind[0].sent_at < t - window_s:
-                earlier.update(behind.popleft().hashes)
-            low = earlier.hit_blocks(hashes, length, size)
-            k = 0
-            while True:
-                if k == len(ahead):
-                    following = next(items, None)
-                    if following is None:
-                        break
-                    ahead.append(following)
-                if ahead[k].sent_at > t + window_s:
-                    break
-                # chain hashes: hashes[k] is in another's only as its own k-th, after a common prefix
-                high = max(high, hit_blocks(hashes, set(ahead[k].hashes), length, size))
-                k += 1
-            behind.append(current)
+        low = unsure.leading_known(hashes, expected)
+        while ahead.last_sent <= known_at and (following := next(items, None)) is not None:
+            ahead.append(following)
+        high = max(expected, ahead.hit_blocks(hashes, length, size, known_at))
+        unsure.add(hashes, expected, cache, known_at, t)
         cache.update(hashes, expected)
         yield CacheCheck(
             request_id=current.request_id, sent_at=t, prompt_tokens=length,
             reported_prompt_tokens=current.reported_prompt_tokens, expected=expected * size,
             observed=current.observed, low=low * size, high=high * size,
         )  # fmt: skip
+
+
+class _Ahead:
+    """The requests drawn past the current one, in send order, and for each block hash the send
+    times of those holding it (chain hashes: a request holding a block holds its whole prefix)."""
+
+    def __init__(self) -> None:
+        self._queue: deque[SentPrompt] = deque()
+        self._sent: dict[int, deque[float]] = {}
+        self.last_sent = -math.inf
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def append(self, prompt: SentPrompt) -> None:
+        self._queue.append(prompt)
+        self.last_sent = prompt.sent_at
+        for h in prompt.hashes:
+            self._sent.setdefault(h, deque()).append(prompt.sent_at)
+
+    def popleft(self) -> SentPrompt:
+        prompt = self._queue.popleft()
+        for h in prompt.hashes:
+            times = self._sent[h]
+            times.popleft()
+            if not times:
+                del self._sent[h]
+        if not self._queue:
+            self.last_sent = -math.inf
+        return prompt
+
+    def hit_blocks(self, hashes: Sequence[int], num_tokens: int, block_size: int, by: float) -> int:
+        """The longest prefix of `hashes` one request sent by `by` holds (the hit rule's)."""
+        hit = 0
+        for h in hashes[: max(num_tokens - 1, 0) // block_size]:
+            times = self._sent.get(h)
+            if times is None or times[0] > by:  # the first holder is the earliest: none sent by then
+                break
+            hit += 1
+        return hit
+
+
+class _Unsure:
+    """Blocks in the infinite cache that no request known to be scheduled holds yet: each with
+    the earliest time a request holding it was known to be scheduled (`known_at`)."""
+
+    def __init__(self) -> None:
+        self._known_at: dict[int, float] = {}
+        self._heap: list[tuple[float, int]] = []
+
+    def known_until(self, t: float) -> None:
+        """Forget the blocks known to be cached before `t`."""
+        heap, known_at = self._heap, self._known_at
+        while heap and heap[0][0] < t:
+            at, h = heapq.heappop(heap)
+            if known_at.get(h, math.inf) <= at:
+                del known_at[h]
+
+    def leading_known(self, hashes: Sequence[int], hit: int) -> int:
+        """How many of the first `hit` blocks are known to be cached."""
+        known_at = self._known_at
+        if not known_at:
+            return hit
+        for k in range(hit):
+            if hashes[k] in known_at:
+                return k
+        return hit
+
+    def add(self, hashes: Sequence[int], hit: int, cache: BlockSet, known_at: float, sent_at: float) -> None:
+        """A request sent at `sent_at`, known to be scheduled at `known_at`, holding `hashes`
+        (the first `hit` found in `cache`): its new blocks are unsure until then, and the unsure
+        ones it hit are known from then on."""
+        known = self._known_at
+        unsure = known_at > sent_at
+        if not unsure and not known:
+            return
+        for k, h in enumerate(hashes):
+            if h in known or (unsure and k >= hit and h not in cache):
+                self._known(h, known_at)
+
+    def _known(self, h: int, at: float) -> None:
+        if at < self._known_at.get(h, math.inf):
+            self._known_at[h] = at
+            heapq.heappush(self._heap, (at, h))
 
 
 def check_cache(
@@ -164,7 +252,7 @@ def check_cache(
         for r in sent:
             ids = synth.server_ids(rows[r["request_id"]])
             yield SentPrompt(r["request_id"], r["sent_at"], r.get("prompt_tokens"), r.get("cached_tokens"),
-                             block_hashes(ids, server_block_size), len(ids))
+                             block_hashes(ids, server_block_size), len(ids), answered_at(r))
 
     return list(send_order_checks(prompts(), server_block_size, reorder_window_ms))
 
@@ -180,11 +268,15 @@ class CacheTally:
 
     def __init__(self) -> None:
         self.checked = self.compared = self.expected = self.observed = 0
+        self.all_expected = self.all_low = self.all_high = 0  # every request checked, with a count or not
         self.matching = self.explained = self.prompt_mismatch = 0
         self._worst: list[tuple[tuple[int, int], CacheCheck]] = []  # a min-heap of ((|error|, -order), check)
 
     def add(self, c: CacheCheck) -> None:
         self.checked += 1
+        self.all_expected += c.expected
+        self.all_low += c.low
+        self.all_high += c.high
         if c.reported_prompt_tokens is not None and c.reported_prompt_tokens != c.prompt_tokens:
             self.prompt_mismatch += 1
         if c.observed is None:
@@ -215,6 +307,9 @@ class CacheTally:
             "requests_explained_by_reordering": self.explained - matching if self.explained > matching else 0,
             "requests_without_cached_tokens": self.checked - compared,
             "requests_prompt_mismatch": self.prompt_mismatch,
+            # every request checked (with a count or without), to set against the server's own counters
+            "all_requests": {"requests": self.checked, "expected": self.all_expected, "low": self.all_low,
+                             "high": self.all_high},
             "worst": [
                 {"request_id": c.request_id, "observed": c.observed, "expected": c.expected,
                  "prompt_tokens": c.prompt_tokens, "low": c.low, "high": c.high}

@@ -12,20 +12,12 @@ FAULT message, and either way the run ends as a fault.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
+from replay.errors import OutputError
+from replay.output_claim import kind_of, open_regular
 from replay.rules.run_files import tmp_path
-
-
-class OutputError(Exception):
-    """A file of the run could not be written: its path and the system's reason, in one line."""
-
-    def __init__(self, path: str | Path, error: OSError):
-        self.path = Path(path)
-        self.errno = error.errno
-        self.strerror = error.strerror or str(error)
-        self.reason = self.strerror + (f" (errno {self.errno})" if self.errno else "")
-        super().__init__(f"cannot write {self.path}: {self.reason}")
 
 
 class AppendFile:
@@ -80,20 +72,37 @@ class AppendFile:
 
 def write_atomically(path: str | Path, data: bytes) -> Path:
     """`data` as the whole of `path`: a reader sees the old file or the new one, never half.
-    Raises OutputError naming `path`; no temporary file is left, and `path` is as it was."""
+    Raises OutputError naming `path`; no temporary file is left, and `path` is as it was.
+
+    Only a regular file (or nothing) is replaced, and the temporary file is opened without
+    following a link or blocking on a FIFO: the command's output claim refused anything else
+    (replay.output_claim), and this refuses what was swapped in since. No folder is made."""
     path = Path(path)
     tmp = tmp_path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _only_a_regular_file(path)
+        fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # a node there: left as it is
     except OSError as e:
-        raise OutputError(path.parent, e) from None
+        raise OutputError(path, e) from None
     try:
-        tmp.write_bytes(data)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        _only_a_regular_file(path)
         tmp.replace(path)
     except OSError as e:
         _remove(tmp)
         raise OutputError(path, e) from None
     return path
+
+
+def _only_a_regular_file(path: Path) -> None:
+    """OSError unless `path` is absent or a regular file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise OSError(f"{path} is {kind_of(mode)}, not a regular file")
 
 
 def overwrite_in_place(path: str | Path, data: bytes) -> bool:

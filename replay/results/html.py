@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from replay.engine.capacity import quotable_line
-from replay.results.files import write_atomically
+from replay.results.files import OutputError, write_atomically
 from replay.results.gpu_metrics import DCGM, gpus
 from replay.results.report import format_report
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
@@ -155,7 +155,8 @@ def gpu_figures(Figure, samples: list[dict], t0: float, scale: float) -> dict:
 def capacity_figure(Figure, capacity: dict):
     """A capacity search's probes (OUTPUT.capacity.json): goodput, and TTFT and E2E p99,
     against the load factor, with the target and the bracket [largest pass, smallest fail]
-    marked; a probe that says nothing of the server (client-limited, invalid) is drawn hollow."""
+    marked; a probe that says nothing of the server's capacity (client-limited, invalid, outage,
+    server errors, stopped) is drawn hollow."""
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     a, b = fig.subplots(1, 2)
     judged = [p for p in capacity["probes"] if p["verdict"] in ("pass", "fail", "fail early")]
@@ -323,7 +324,10 @@ def figure_svg(fig) -> str:
 
 def save_pngs(figures: dict, directory: str | Path, dpi: int = 110) -> list[Path]:
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # the folder itself when missing, as --png-dir documents, never its parents
+        out.mkdir(exist_ok=True)
+    except OSError as e:
+        raise OutputError(out, e) from None
     paths = []
     for name, fig in figures.items():
         path = out / f"{name}.png"

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import orjson
 
-from replay.protocol.urls import shown
+from replay.output_claim import Input, Read
+from replay.protocol.urls import redacted, shown
 from replay.results.files import OutputError, overwrite_in_place, write_atomically
-from replay.rules.run_files import capacity_path, fidelity_path, meta_path, summary_path
+from replay.rules.run_files import capacity_path, fidelity_path, meta_path, run_files, summary_path
 
 META_VERSION = 1
 MAX_SKIPPED_LISTED = 100
@@ -94,6 +95,7 @@ def run_metadata(
     incomplete: list[dict] | None = None,
     tokenizer_path: str | None = None,
     server_cache: dict | None = None,
+    host_load: dict | None = None,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
@@ -102,11 +104,10 @@ def run_metadata(
     not whole, [{file, error}] (see "The output" in README.md); `tokenizer_path` the --tokenizer
     as resolved (a Hugging Face id: its snapshot folder; None: the option is a path);
     `server_cache` each endpoint's KV cache, {endpoint: {"block_size", "num_gpu_blocks", "source"}},
-    with "server_said" where an option contradicts the server (replay.protocol.server_cache)."""
+    with "server_said" where an option contradicts the server (replay.protocol.server_cache);
+    `host_load` the host while the run sent (replay.results.host_load)."""
     tokenizer = tokenizer_path or options.get("tokenizer")
-    opts = {k: v for k, v in options.items() if k != "header"}  # headers may carry credentials, and so may URLs
-    if opts.get("endpoints"):
-        opts["endpoints"] = ",".join(shown(url) for url in opts["endpoints"].split(","))
+    opts = redacted({k: v for k, v in options.items() if k != "header"})  # headers may carry credentials, and URLs
     opts["header_names"] = [h.split(":", 1)[0].strip() for h in options.get("header") or ()]
     return {
         "meta_version": META_VERSION,
@@ -145,6 +146,7 @@ def run_metadata(
         "epoch": epoch,
         "started_at": started_at,
         "workers": workers,
+        "host_load": host_load,  # how busy this host was while the run sent: the certificate's schedule line
         "options": opts,
         "versions": versions(),
     }
@@ -189,3 +191,23 @@ def read_run_metadata(results: str | Path) -> dict | None:
         return orjson.loads(path.read_bytes())
     except orjson.JSONDecodeError as e:
         raise ValueError(f"{path}: not a JSON document: {e}") from None
+
+
+def run_inputs(results: str, label: str) -> list[Read]:
+    """What a command reading a run's records reads, for the output claim (replay.output_claim):
+    the records, every file beside them, and the trace, tokenizer and chat template its
+    metadata names (`replay report` reads them when no flag names others)."""
+    read = [Read(Path(results), f"{label} {results}")]
+    read += [Read(p, f"{p} (beside {label} {results})") for p in run_files(results)[1:]]
+    try:
+        meta = read_run_metadata(results) or {}
+    except (ValueError, OSError):  # the command says so itself, naming the file
+        meta = {}
+    named = {"trace": (meta.get("trace") or {}).get("path"), "tokenizer": meta.get("tokenizer"),
+             "chat template": meta.get("chat_template")}
+    read += [Read(Path(path), f"the {what} {path} ({label} {results}'s metadata names it)")
+             for what, path in named.items() if isinstance(path, str) and path]
+    return read
+
+
+RUN = Input("run", expand=run_inputs)  # a run's merged records, as --output named them

@@ -19,19 +19,19 @@ import fcntl
 import os
 import socket
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
-from replay.errors import OptionError
-from replay.results.files import OutputError
+from replay.errors import OptionError, OutputError
+from replay.output_claim import Output, Read, Written, claim
 from replay.rules.run_files import (
     capacity_path,
     fidelity_path,
     lock_path,
     meta_path,
-    metrics_path,
+    run_files,
     summary_path,
     tmp_path,
-    worker_name_pattern,
 )
 
 MAX_DEFAULT_TRIES = 100  # results/replay-<time>-2.jsonl ... when the default name is taken
@@ -45,14 +45,7 @@ def earlier_run_files(output: str | Path) -> list[Path]:
     """The files a run on `output` writes on this host that exist now: the merged records, the
     meta, summary, fidelity, server-metrics and capacity files and the per-worker files (any N: an earlier run may
     have had more workers)."""
-    out = Path(output)
-    files = [p for p in (out, meta_path(out), summary_path(out), fidelity_path(out), metrics_path(out),
-                              capacity_path(out))
-             if os.path.lexists(p)]
-    pattern = worker_name_pattern(out)
-    if out.parent.is_dir():
-        files += sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))
-    return files
+    return [p for p in run_files(output) if os.path.lexists(p)]
 
 
 def _scratch_files(output: Path) -> list[Path]:
@@ -62,25 +55,15 @@ def _scratch_files(output: Path) -> list[Path]:
     return [lock_path(output), *(tmp_path(p) for p in renamed)]
 
 
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
-
-
-def _refuse_all_but_regular_files(output: str, paths: list[Path], hint: str) -> None:
-    """A run replaces or writes through only regular files: --overwrite once unlinked whatever
-    was there (as root, `--output /dev/full` deleted the device), and a link was written
-    through to its target. Anything else is left as it is, with or without --overwrite."""
-    for path in paths:
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise OptionError(f"--output {output}: cannot inspect {path}: {e.strerror}{hint}") from None
-        if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _KINDS if test(mode)), "not a file")
-            raise OptionError(f"--output {output}: {path} is {kind}, not a regular file; only an earlier run's "
-                              f"regular files are replaced: remove it, or choose another --output{hint}")
+def _refuse_all_but_regular_files(output: str, paths: list[Path], hint: str, inputs: Sequence[Read] = (),
+                                  others: Sequence[Written] = ()) -> None:
+    """A run replaces or writes through only regular files, and none its inputs: --overwrite
+    once unlinked whatever was there (as root, `--output /dev/full` deleted the device), and a
+    link was written through to its target. Anything else is left as it is, with or without
+    --overwrite (the rule of every command's outputs, replay.output_claim); `others`: the
+    run's other outputs (Locust's reports), under the same rule and never on the run's files."""
+    claim([Written("--output", output, tuple(paths), replaced="an earlier run's regular files are",
+                   makes_folder=True), *others], list(inputs), hint)
 
 
 def fresh_fd(output: str, path: Path) -> int:
@@ -99,6 +82,11 @@ def fresh_fd(output: str, path: Path) -> int:
         _refuse_all_but_regular_files(output, [path], "")
         raise OptionError(f"--output {output}: {path} is not a regular file")
     return fd
+
+
+RUN_OUTPUT = Output("run output", files=lambda path: [*run_files(path), *_scratch_files(path)])
+"""--output's role (replay.output_claim): every file a run writes beside it; claimed by
+`claim_output`, in the run's preflight."""
 
 
 class OutputClaim:
@@ -131,7 +119,8 @@ class OutputClaim:
         self._fd = None
 
 
-def claim_output(output: str, *, overwrite: bool = False, default: bool = False) -> OutputClaim:
+def claim_output(output: str, *, overwrite: bool = False, default: bool = False,
+                 inputs: Sequence[Read] = (), others: Sequence[Written] = ()) -> OutputClaim:
     """Make `output`'s folder, lock `output` for this process, and refuse an earlier run's
     results unless `overwrite` (then they are removed now, stale per-worker files included).
 
@@ -139,28 +128,32 @@ def claim_output(output: str, *, overwrite: bool = False, default: bool = False)
     the next free `NAME-2.jsonl`, `NAME-3.jsonl`, ... is claimed instead, as before the lock
     two such runs would have written two files (or, in the same second, one).
 
+    `inputs`: what the run reads (replay.output_claim.declared_inputs): none of its files may
+    be one of them, with or without `overwrite`; nor may `others`, the files the run writes
+    that are not its own (Locust's --html: replay.locust.outputs), be one of them or the run's.
+
     Raises OptionError (OutputTaken when another run holds it or results exist), one line
     naming `--output` and the path.
     """
     if not default:
-        return _claim(output, overwrite, "")
+        return _claim(output, overwrite, "", inputs, others)
     base = Path(output)
     for n in range(1, MAX_DEFAULT_TRIES + 1):
         name = output if n == 1 else str(base.with_name(f"{base.stem}-{n}{base.suffix}"))
         try:
-            return _claim(name, False, " (the default output; pass --output PATH)")
+            return _claim(name, False, " (the default output; pass --output PATH)", inputs, others)
         except OutputTaken:
             continue
     raise OptionError(f"--output {output}: it and {MAX_DEFAULT_TRIES - 1} numbered variants are all taken; "
                       f"pass --output PATH")
 
 
-def _claim(output: str, overwrite: bool, hint: str) -> OutputClaim:
+def _claim(output: str, overwrite: bool, hint: str, inputs: Sequence[Read], others: Sequence[Written]) -> OutputClaim:
     out = Path(output)
     if out.is_dir():
         raise OptionError(f"--output {output}: is a folder; name a file (e.g. {out / 'run.jsonl'}){hint}")
+    _refuse_all_but_regular_files(output, [*run_files(out), *_scratch_files(out)], hint, inputs, others)
     _make_folder(output, out.parent, hint)
-    _refuse_all_but_regular_files(output, [*_scratch_files(out), *earlier_run_files(out)], hint)
     fd = _lock(output, hint)
     claim = OutputClaim(output, fd)
     try:

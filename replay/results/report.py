@@ -228,7 +228,7 @@ def format_cache(cache: dict) -> list[str]:
     out.append(_line("Requests matching:", f"{cache['requests_matching']} of {cache['requests_compared']} "
                                            f"({100 * (cache['requests_matching_share'] or 0):.2f}%)"))
     if cache.get("requests_explained_by_reordering"):
-        out.append(_line("Others explained by send reordering:", cache["requests_explained_by_reordering"]))
+        out.append(_line("Others explained by requests in flight:", cache["requests_explained_by_reordering"]))
     if cache.get("requests_without_cached_tokens"):
         out.append(_line("Requests without cached_tokens:", cache["requests_without_cached_tokens"]))
     if cache.get("requests_prompt_mismatch"):

@@ -57,6 +57,17 @@ def worker_name_pattern(output: str | Path) -> re.Pattern[str]:
     return re.compile(re.escape(Path(output).name) + r"\.worker-\d+\.jsonl")
 
 
+def run_files(output: str | Path) -> list[Path]:
+    """Every file of a run on `output` but the lock and the temporary ones: the records, the
+    files beside them, and the workers' copies that exist now (any N)."""
+    out = Path(output)
+    files = [out, meta_path(out), summary_path(out), fidelity_path(out), metrics_path(out), capacity_path(out)]
+    pattern = worker_name_pattern(out)
+    if out.parent.is_dir():
+        files += sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))
+    return files
+
+
 def lock_path(output: str | Path) -> Path:
     return Path(f"{output}{LOCK_SUFFIX}")
 

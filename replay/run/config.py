@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replay.bounds import Bound
 from replay.run.options import CONFIG_FLAG, ReplayOptions, add_arguments
 
 CONFIG_DEST = CONFIG_FLAG[2:].replace("-", "_")
@@ -37,6 +38,7 @@ class Key:
     kind: str  # bool, int, float, str, list (repeatable flag)
     choices: tuple | None
     default: Any
+    bound: Bound | None = None  # a number's range, the flag's own (replay.bounds)
 
 
 def _replay_parser(**kwargs) -> argparse.ArgumentParser:
@@ -50,10 +52,10 @@ def _kind(action: argparse.Action) -> str:
         return "bool"
     if isinstance(action, argparse._AppendAction):
         return "list"
-    if action.type is int:
-        return "int"
-    if action.type is float:
-        return "float"
+    if isinstance(action.type, Bound):
+        return "int" if action.type.integer else "float"
+    if action.type in (int, float):
+        return action.type.__name__
     return "str"
 
 
@@ -66,7 +68,7 @@ def config_keys() -> dict[str, Key]:
             continue
         name = longs[0][2:]
         keys[name] = Key(name, action.dest, _kind(action), tuple(action.choices) if action.choices else None,
-                         action.default)
+                         action.default, action.type if isinstance(action.type, Bound) else None)
     return keys
 
 
@@ -100,6 +102,8 @@ def _convert(key: Key, value: Any, where: str) -> Any:
         value = ",".join(v.strip() for v in value)
     elif not isinstance(value, str):
         raise bad
+    if key.bound and (problem := key.bound.problem(value)):
+        raise ConfigError(f"{where}: key '{key.name}': {value!r} {problem}")
     if key.choices and value not in key.choices:
         raise ConfigError(f"{where}: key '{key.name}': {value!r} is not one of {', '.join(map(str, key.choices))}")
     return value

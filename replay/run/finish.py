@@ -22,8 +22,8 @@ from pathlib import Path
 
 from replay.engine.capacity import NO_ANSWER, quotable_line
 from replay.engine.dispatcher import off_loop
-from replay.results.cache_section import CacheJob, CacheStream, cache_job, cache_section
-from replay.results.certificate import UNFAITHFUL, CertificateBuilder
+from replay.results.cache_section import CacheJob, CacheStream, cache_job, cache_section, cache_skipped
+from replay.results.certificate import FAITHFUL, CertificateBuilder
 from replay.results.files import OutputError
 from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
 from replay.results.records import is_failure
@@ -50,8 +50,9 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
 
     A capacity search's (`capacity`: replay.engine.capacity.capacity_report) goes to
     OUTPUT.capacity.json and the summary's last line; its exit code is the search's (1: no
-    capacity found: below LO, client-limited, workers lost, stopped), not its rows' (a failing probe's
-    rows fail by design). With --require-faithful, an unfaithful certificate makes it 1 too."""
+    capacity found: below LO, client-limited, workers lost, outage, server errors, stopped), not
+    its rows' (a failing probe's rows fail by design). With --require-faithful, a certificate
+    not faithful makes it 1 too."""
     builder = ReportBuilder(parse_slo(spec.options.slo))
     fidelity = CertificateBuilder(ignore_eos=not spec.options.no_ignore_eos)
     failed = 0
@@ -71,7 +72,9 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     if cache_stream is not None:
         cache_stream.stop()
     report["server"] = read_server_section(spec.output, report["endpoints"], spec.options.server_metric or ())
-    report["fidelity"] = certificate = fidelity.certificate(report["drift_ms"], report["cache"])
+    report["fidelity"] = certificate = fidelity.certificate(report["drift_ms"], report["cache"], report["server"],
+                                                            facts.host_load,
+                                                            cache_skipped({"options": spec.options.to_dict()}))
     for listener in summary_listeners:
         listener(report)
     for write, document in ((write_summary, report), (write_fidelity, certificate)):
@@ -98,10 +101,10 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     elif failed:
         code = max(code, 1)
         logger.error("%d of %d rows failed: exit code %d", failed, count, code)
-    if spec.options.require_faithful and certificate["verdict"] == UNFAITHFUL:
+    if spec.options.require_faithful and certificate["verdict"] != FAITHFUL:
         code = max(code, 1)
-        logger.error("fidelity: unfaithful (%s), --require-faithful: exit code %d", "; ".join(certificate["failing"]),
-                     code)
+        logger.error("fidelity: %s (%s), --require-faithful: exit code %d", certificate["verdict"],
+                     "; ".join(certificate["failing"]), code)
     return code
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from replay.bounds import Bound
 from replay.run.options import CONFIG_FLAG, LOCAL_OPTION_NAMES, add_arguments
 
 REGENERATE = "python -m replay.run.options_doc > docs/options.md"
@@ -36,6 +37,16 @@ _FOOTER = """
 Locust's own options (`--headless`, `--master`, `--worker`, `--expect-workers`, `--processes`,
 `--run-time`, `--web-host`, ...) stay Locust's: `locust --help` lists them, and they are not
 keys of the replay's config file.
+
+## The numbers of the other commands
+
+Every number a command takes has one range, its flag's type (`replay/bounds.py`): a value
+outside it is refused before anything runs, exit 2, in one line naming the option and the
+range. The replay's are in the table above (a `--replay-config` file's values are held to the
+same ranges, naming the file and line); the other commands' are these:
+
+| command | flag | value | default |
+|---|---|---|---|
 """
 
 
@@ -53,6 +64,10 @@ def _value(action: argparse.Action) -> str:
         return "true or false"
     if isinstance(action, argparse._AppendAction):
         return "string, repeatable (a YAML list)"
+    if isinstance(action.type, Bound):
+        kind = "integer" if action.type.integer else "number"
+        named = f" (`{action.metavar}`)" if action.metavar else ""
+        return f"{kind}{named}: {action.type.words()}"
     kind = {int: "integer", float: "number"}.get(action.type, "string")
     return f"{kind} (`{action.metavar}`)" if action.metavar else kind
 
@@ -87,7 +102,23 @@ def render() -> str:
         else:
             key = f"`{key}`"
         rows.append(f"| {flag} | {key} | {_cell(_value(action))} | {_cell(_default(action))} | {_cell(meaning)} |")
-    return _HEADER + "\n".join(rows) + "\n" + _FOOTER
+    return _HEADER + "\n".join(rows) + "\n" + _FOOTER + _other_numbers()
+
+
+def _other_numbers() -> str:
+    """The table of every numeric option of the commands but `replay run` (whose options are
+    the table above), from their parsers."""
+    from replay.cli import build_parser, commands
+
+    rows = []
+    for words, parser in commands(build_parser()):
+        if words == "replay run":
+            continue
+        for action in parser._actions:
+            if isinstance(action.type, Bound):
+                flag = "/".join(f"`{s}`" for s in action.option_strings if s.startswith("--"))
+                rows.append(f"| `{words}` | {flag} | {_cell(_value(action))} | {_cell(_default(action))} |")
+    return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

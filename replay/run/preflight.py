@@ -26,11 +26,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
+from replay.engine.capacity import MIN_PROBE_ROWS
 from replay.engine.dispatcher import build_off_loop, off_loop
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
 from replay.errors import OptionError
+from replay.output_claim import Read, Written, declared_inputs
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import Served, ask_served, only_model, prompt_limit, refusal
 from replay.protocol.server_cache import CacheNotReset, reset_prefix_caches, server_caches
@@ -52,16 +55,20 @@ def default_output() -> str:
     return time.strftime("results/replay-%Y%m%d-%H%M%S.jsonl", time.gmtime())
 
 
-def load(options: ReplayOptions, host: str | None) -> RunSpec:
+def load(options: ReplayOptions, host: str | None, others: Sequence[Written] = (),
+         reads: Sequence[Read] = ()) -> RunSpec:
     """Check and load everything a run needs before a worker gets anything (see the module's
     docstring); `host` is the runner's target host (--host; --endpoints wins). The output stays claimed (locked) for this process's life; on a refusal
-    here it is released. Sets `options.output` to the output claimed."""
+    here it is released. Sets `options.output` to the output claimed. `others` and `reads`: the
+    files the run writes and reads that are not its options' (replay.locust.outputs: Locust's
+    reports, --replay-config), claimed with --output."""
     options.check()
     urls = options.endpoint_urls(host)
     # The output is decided and locked here (held until this process exits), before anything
     # could write it; an earlier run's files go now, only with --overwrite.
     claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
-                         default=options.output is None)
+                         default=options.output is None, inputs=[*declared_inputs(options), *reads],
+                         others=others)
     try:
         options.output = claim.output
         return _load(options, host, urls, claim)
@@ -110,9 +117,13 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         if not len(schedule):  # every row over the prompt limit: the run would send nothing
             raise _nothing_under_the_limit(options, schedule, max_prompt_tokens, served)
         check_replay_length(schedule.window_s, options.scale, options.start)
+        check_turn_timing(options, schedule, trace)
         if options.capacity_search and schedule.latest - schedule.origin < options.probe_duration:
             raise OptionError(f"--probe-duration {options.probe_duration:g}: longer than the window (the trace has "
                               f"{max(schedule.latest - schedule.origin, 0.0):g} s from the window's start)")
+        if options.capacity_search and spec.total < MIN_PROBE_ROWS:
+            raise OptionError(f"--probe-duration {options.probe_duration:g}: a probe would replay {spec.total} rows of "
+                              f"the trace; judging its goodput takes at least {MIN_PROBE_ROWS}")
     except BaseException:
         schedule.close()
         raise
@@ -140,6 +151,24 @@ def _nothing_under_the_limit(options: ReplayOptions, schedule: Schedule, limit: 
         where = f"the default prompt limit, {limit} (--max-prompt-tokens sets another)"
     return OptionError(f"{where}: every one of the {len(schedule.oversized)} rows in the window has a longer prompt "
                        f"(the shortest: {shortest} tokens); nothing would be sent")
+
+
+def check_turn_timing(options: ReplayOptions, schedule: Schedule, trace: TraceStream) -> None:
+    """A closed-loop --turn-timing on a window with no session of two turns or more would send
+    every row at its trace time, as `trace` does, while the run's options (its meta file, and a
+    `replay compare` of it) said its turns waited for their answers: refused, naming the remedy.
+    A search's amplified probes have sessions of their own, inferred from the hash ids."""
+    if options.turn_timing == "trace" or schedule.has_turns():
+        return
+    if options.capacity_search and options.search_by == "amplify":
+        return
+    n = schedule.sessions
+    why = (f"each of its sessions has one turn in the window ({n} session{'s' if n > 1 else ''})" if n
+           else f"its rows ({trace.format}) carry no session")
+    raise OptionError(f"--turn-timing {options.turn_timing}: {trace.path}: {why}, so every row would be sent at its "
+                      f"trace time, as with --turn-timing trace; to give its conversations sessions: replay trace "
+                      f"amplify {trace.path} OUT.jsonl --factor 1 (sessions inferred from shared hash ids), then "
+                      f"--trace OUT.jsonl; or leave out --turn-timing")
 
 
 class ServersRefused(ValueError):

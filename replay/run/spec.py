@@ -89,6 +89,7 @@ class RunSpec:
             incomplete=[{"file": file, "error": why} for file, why in (incomplete or {}).items()],
             tokenizer_path=self.tokenizer_path,
             server_cache=self.server_cache,
+            host_load=facts.host_load,
         )
 
 
@@ -101,3 +102,4 @@ class RunFacts:
     epoch: float | None
     started_at: float | None
     server_check: dict | None
+    host_load: dict | None = None  # the host while the run sent (replay.results.host_load.figures)

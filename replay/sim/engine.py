@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import gevent
 from gevent.event import Event
 
 from replay.sim.cache import BlockPool, block_hashes, hit_tokens
@@ -48,6 +49,17 @@ class Plan:
 
 
 @dataclass
+class _Turn:
+    """A request waiting for its --reorder-ms batch to be scheduled."""
+
+    args: tuple
+    order: int  # the batch is scheduled from the highest down
+    plan: Plan | None = None
+    cancelled: bool = False
+    done: Event = field(default_factory=Event)
+
+
+@dataclass
 class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -72,6 +84,7 @@ class Engine:
         self.running = 0
         self._waiting: deque[Event] = deque()
         self._serial = 0
+        self._batch: list[_Turn] | None = None  # --reorder-ms: the requests arrived since the batch opened
 
     # -- identity ---------------------------------------------------------------
     def next_id(self) -> int:
@@ -158,6 +171,38 @@ class Engine:
         if stream and opts.drop_rate > 0 and rng.random() < opts.drop_rate:
             drop_at = rng.randint(1, n) if n > 1 else 1
         return Plan(prompt_len, cached, token_ids, finish, time.monotonic(), ttft_s, itl_s, drop_at, seed, blocks)
+
+    def schedule_in_turn(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool, min_tokens: int = 0,
+                         stream: bool = False, order: int | None = None) -> Plan:
+        """`schedule`; with --reorder-ms, once the batch this request arrived in closes (the
+        option's time after its first request), the batch's requests scheduled the last sent
+        first (`order`: the number its X-Request-Id ends with; without one, the last to arrive
+        first): who caches a shared prefix first is then the reverse of the sending order, as a
+        server's scheduler may take requests in flight together."""
+        args = (prompt_ids, max_tokens, ignore_eos, min_tokens, stream)
+        if self.options.reorder_ms <= 0:
+            return self.schedule(*args)
+        turn = _Turn(args, order if order is not None else len(self._batch or ()))
+        if self._batch is None:
+            self._batch = []
+            gevent.spawn_later(self.options.reorder_ms / 1000.0, self._schedule_batch)
+        self._batch.append(turn)
+        try:
+            turn.done.wait()
+        except BaseException:
+            turn.cancelled = True
+            if turn.plan is not None:  # scheduled just as its request went: its blocks go back
+                self.finish(turn.plan, 0, False)
+            raise
+        assert turn.plan is not None
+        return turn.plan
+
+    def _schedule_batch(self) -> None:
+        batch, self._batch = self._batch or [], None
+        for turn in sorted(batch, key=lambda turn: turn.order, reverse=True):
+            if not turn.cancelled:
+                turn.plan = self.schedule(*turn.args)
+            turn.done.set()
 
     def finish(self, plan: Plan, emitted: int, completed: bool) -> None:
         self.cache.free(plan.blocks)

@@ -31,6 +31,7 @@ class GenRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     stream: bool = False
+    order: int | None = None  # the number ending its X-Request-Id: the sender's order (--reorder-ms)
 
 
 class Frames(Protocol):
@@ -55,7 +56,7 @@ def respond(engine: Engine, req: GenRequest, frames: Frames) -> Response | Strea
     plan = None
     completed = False
     try:
-        plan = engine.schedule(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens)
+        plan = engine.schedule_in_turn(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens, order=req.order)
         _sleep_until(plan.finished_at)
         completed = True
     finally:
@@ -71,7 +72,8 @@ def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
     emitted = 0
     completed = False
     try:
-        plan = engine.schedule(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens, stream=True)
+        plan = engine.schedule_in_turn(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens, stream=True,
+                                       order=req.order)
         n = plan.completion_tokens
         drop_at = plan.drop_at
         itl = plan.itl_s

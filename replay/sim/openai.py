@@ -257,12 +257,19 @@ class CompletionFrames(_Frames):
         })
 
 
+def sender_order(request: Request) -> int | None:
+    """The number an `X-Request-Id: <run id>-<request id>` ends with (the replay's row), or None."""
+    tail = (request.headers.get("x-request-id") or "").rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
 # -- endpoints -------------------------------------------------------------------------
 def chat_completions(engine: Engine, request: Request) -> Response | Stream:
     body = parse_body(request)
     check_model(engine, body)
     prompt_ids = chat_prompt(engine, body)
     gen = generation_params(engine, body, prompt_ids, None, ("max_completion_tokens", "max_tokens"))
+    gen.order = sender_order(request)
     frames = ChatFrames(engine, f"chatcmpl-{engine.next_id():032x}", include_usage(body, gen.stream))
     return respond(engine, gen, frames)
 
@@ -272,6 +279,7 @@ def completions(engine: Engine, request: Request) -> Response | Stream:
     check_model(engine, body)
     prompt_ids = completion_prompt(engine, body)
     gen = generation_params(engine, body, prompt_ids, 16)
+    gen.order = sender_order(request)
     frames = CompletionFrames(engine, f"cmpl-{engine.next_id():032x}", include_usage(body, gen.stream))
     return respond(engine, gen, frames)
 

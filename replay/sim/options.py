@@ -6,6 +6,7 @@ import argparse
 import json
 from dataclasses import dataclass, fields
 
+from replay.bounds import BLOCK_SIZE, CACHE_BLOCKS, HOUR_S, SEED, SHARE, Bound
 from replay.synth.tokenizer_source import TOKENIZER_HELP
 
 
@@ -35,6 +36,7 @@ class SimOptions:
     metrics: bool = True
     require_authorization: str | None = None
     false_usage: str | None = None
+    reorder_ms: float = 0.0
 
 
 HELP = {
@@ -66,6 +68,33 @@ HELP = {
     "false_usage": "a lying server: a JSON object whose keys replace the OpenAI APIs' usage figures "
                    "(prompt_tokens, completion_tokens, cached_tokens; any JSON value), "
                    "e.g. '{\"completion_tokens\": 99999}'",
+    "reorder_ms": "schedule the requests that arrive within this many ms of the first of them together, at its "
+                  "end, the last sent first (by the number ending their X-Request-Id; without one, the last to "
+                  "arrive first): a scheduler that takes concurrent requests in another order than they were sent; "
+                  "0: in arrival order",
+}
+
+
+MAX_DELAY_MS = HOUR_S * 1000  # a sim that waits longer than this for a token is a typo
+DELAY_MS = Bound(0.0, MAX_DELAY_MS, unit="ms")
+# Each number's range: its flag's type, and what `validate` holds the in-process API's values to.
+BOUNDS = {
+    "port": Bound(0, 65535, integer=True),
+    "block_size": BLOCK_SIZE,
+    "cache_blocks": CACHE_BLOCKS,
+    "max_model_len": Bound(1, 1 << 30, integer=True, unit="tokens"),
+    "ttft_ms": DELAY_MS,
+    "prefill_ms_per_1k": DELAY_MS,
+    "itl_ms": DELAY_MS,
+    "jitter": Bound(0.0, 0.99),  # a factor of 1 - j: j = 1 could make a delay 0
+    "max_num_seqs": Bound(1, 1_000_000, integer=True, unit="requests"),
+    "error_rate": SHARE,
+    "error_status": Bound(100, 599, integer=True, why="an HTTP status"),
+    "stall_ms": DELAY_MS,
+    "reorder_ms": DELAY_MS,
+    "drop_rate": SHARE,
+    "eos_prob": SHARE,
+    "seed": SEED,
 }
 
 
@@ -79,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f"{HELP[f.name]} (default: {'on' if f.default else 'off'})")
             continue
-        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kind = BOUNDS[f.name] if str(f.type) in ("int", "float") else str  # a number without a range: KeyError
         parser.add_argument(flag, type=kind, default=f.default, help=f"{HELP[f.name]} (default: {f.default})")
 
 
@@ -88,28 +117,14 @@ def from_namespace(args: argparse.Namespace) -> SimOptions:
 
 
 def validate(options: SimOptions) -> None:
-    """Reject settings the engine cannot honour, before binding a port."""
-    if options.block_size < 1:
-        raise ValueError(f"--block-size must be >= 1, got {options.block_size}")
-    if options.cache_blocks < 0:
-        raise ValueError(f"--cache-blocks must be >= 0, got {options.cache_blocks}")
-    if options.max_num_seqs < 1:
-        raise ValueError(f"--max-num-seqs must be >= 1, got {options.max_num_seqs}")
-    if options.max_model_len < 1:
-        raise ValueError(f"--max-model-len must be >= 1, got {options.max_model_len}")
-    for name in ("error_rate", "drop_rate", "eos_prob"):
+    """Reject settings the engine cannot honour, before binding a port (a flag's value was
+    checked when parsed; the in-process API's were not)."""
+    for name, bound in BOUNDS.items():
         value = getattr(options, name)
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1], got {value}")
-    if not 0.0 <= options.jitter < 1.0:
-        raise ValueError(f"--jitter must be within [0, 1), got {options.jitter}")
-    for name in ("ttft_ms", "prefill_ms_per_1k", "itl_ms", "stall_ms"):
-        if getattr(options, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if problem := bound.problem(value):
+            raise ValueError(f"--{name.replace('_', '-')} {value}: {problem}")
     if options.false_usage is not None:
         false_usage(options)
-    if not 100 <= options.error_status <= 599:
-        raise ValueError(f"--error-status must be an HTTP status, got {options.error_status}")
 
 
 FALSE_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")

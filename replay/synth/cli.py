@@ -7,6 +7,8 @@ import sys
 
 import orjson
 
+from replay.bounds import MAX_INT, SEED, Bound
+from replay.output_claim import INPUT
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served, prompt_limit
@@ -33,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check = commands.add_parser(
         "check", help="synthesize each row's prompt and count it with the server's rule; exit 1 unless all exact"
     )
-    check.add_argument("--trace", required=True, help="trace file")
+    check.add_argument("--trace", type=INPUT, required=True, help="trace file")
     check.add_argument("--trace-format", "--format", dest="format", choices=list(FORMATS), metavar="FORMAT",
                        help=f"trace format: {', '.join(FORMATS)} (detected when omitted)")
     check.add_argument("--block-size", type=block_size_arg,
@@ -44,12 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="first rescale lengths to blocks of N tokens, ceil(L*N/B) with the same hash ids (faster; rows "
         "that become shorter than the chat template cannot be exact)",
     )
-    check.add_argument("--tokenizer", required=True, help=TOKENIZER_HELP)
-    check.add_argument("--chat-template", help="tokenizer_config.json or .jinja file (overrides the folder's)")
+    check.add_argument("--tokenizer", type=INPUT, required=True, help=TOKENIZER_HELP)
+    check.add_argument("--chat-template", type=INPUT, help="tokenizer_config.json or .jinja file (overrides the folder's)")
     check.add_argument("--api", choices=API_NAMES, default="openai-chat")
     check.add_argument("--token-ids", action="store_true", help=f"{' or '.join(TOKEN_ID_APIS)} prompts as token ids")
-    check.add_argument("--limit", type=int, help="check only the first N rows")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--limit", type=Bound(1, MAX_INT, integer=True, unit="rows"), help="check only the first N rows")
+    check.add_argument("--seed", type=SEED, default=0)
     check.add_argument("--server", action="append", default=[], metavar="URL",
                        help="also ask this server (repeatable) to count a sample of prompts, as a replay's "
                             "--verify-server does; exit 1 when it counts otherwise, 2 when it cannot be asked")

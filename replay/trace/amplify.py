@@ -34,7 +34,8 @@ from pathlib import Path
 
 import orjson
 
-from replay.results.files import OutputError
+from replay.bounds import LOAD_FACTOR
+from replay.errors import OutputError
 from replay.rules.run_files import tmp_path
 from replay.trace.convert import to_record
 from replay.trace.file_array import TRIM_EVERY
@@ -42,11 +43,7 @@ from replay.trace.reader import TraceStream
 from replay.trace.sessions import DEFAULT_GLOBAL_MIN_ROWS, Sessions
 from replay.trace.sessions_on_disk import ReadFailed, SessionFiles, input_rows, open_input
 from replay.trace.sorted_spool import DEFAULT_CHUNK_ROWS, SortedSpool
-from replay.trace.source import open_output
-
-MAX_FACTOR = 10_000.0
-"""Largest --factor: ten thousand times a trace is a typo, not a load test (the output would be
-ten thousand times the file)."""
+from replay.trace.source import open_output, remove_written
 
 _HIGHEST_ID = (1 << 64) - 1  # what a JSON hash id may be (replay.trace.pairs)
 _LOWEST_ID = -(1 << 63)
@@ -54,11 +51,9 @@ _M64 = (1 << 64) - 1
 
 
 def factor_problem(value: float) -> str | None:
-    """Why `value` cannot be a --factor (None when it can)."""
-    if not math.isfinite(value) or value <= 0:
-        return f"must be a finite number > 0, got {value!r}"
-    if value > MAX_FACTOR:
-        return f"must be at most {MAX_FACTOR:g}, got {value!r}"
+    """Why `value` cannot be a --factor (None when it can): replay.bounds.LOAD_FACTOR's rule."""
+    if problem := LOAD_FACTOR.problem(value):
+        return f"{problem}, got {value!r}"
     return None
 
 
@@ -226,13 +221,13 @@ def amplify_trace(
             os.replace(temporary, out_path)
             done = Amplified(rows_in, len(sessions), spool.rows, total, sessions.inferred, len(sessions.global_ids))
     except ReadFailed as e:
-        temporary.unlink(missing_ok=True)
+        remove_written(temporary)
         raise e.error from None
     except OSError as e:  # a full disk: no half trace is left to be replayed by mistake
-        temporary.unlink(missing_ok=True)
+        remove_written(temporary)
         raise OutputError(out_path, e) from None
     except BaseException:  # a bad row, ^C: the same
-        temporary.unlink(missing_ok=True)
+        remove_written(temporary)
         raise
     return done
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import orjson
 
-from replay.results.files import OutputError
-from replay.trace.amplify import amplify_trace, factor_problem
+from replay.bounds import BLOCK_SIZE, COUNT, DURATION, LOAD_FACTOR, MAX_INT, PROMPT_TOKENS, SCALE, SEED, START, Bound
+from replay.errors import OutputError
+from replay.output_claim import INPUT, OUTPUT
+from replay.trace.amplify import amplify_trace
 from replay.trace.convert import convert_trace
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZE, block_size_problem
+from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZE
 from replay.trace.formats import FORMATS
 from replay.trace.reader import ON_BAD_LINE, TraceStream, read_trace
 from replay.trace.record import TraceError
@@ -27,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     commands = trace.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
 
     stats = commands.add_parser("stats", help="load, lengths and ideal prefix-cache reuse of a trace (or two, side by side)")
-    stats.add_argument("file")
-    stats.add_argument("other", nargs="?", metavar="OTHER",
+    stats.add_argument("file", type=INPUT, metavar="FILE")
+    stats.add_argument("other", nargs="?", type=INPUT, metavar="OTHER",
                        help="a second trace (e.g. amplify's OUT): both side by side, sessions inferred where a "
                             "trace has none")
     _format_options(stats, "--format")
@@ -55,11 +56,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     anonymize.set_defaults(func=run_anonymize)
 
     validate = commands.add_parser("validate", help="check every row; exit 1 and list line-numbered errors")
-    validate.add_argument("file")
+    validate.add_argument("file", type=INPUT, metavar="FILE")
     _format_options(validate, "--format")
     validate.add_argument(
         "--max-prompt-tokens",
-        type=_token_limit,
+        type=PROMPT_TOKENS,
         default=DEFAULT_MAX_PROMPT_TOKENS,
         metavar="N",
         help=f"a row with a longer input_length is an error (default {DEFAULT_MAX_PROMPT_TOKENS}; 0: no limit)",
@@ -67,25 +68,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     validate.set_defaults(func=run_validate)
 
     convert = commands.add_parser("convert", help="write (a window of) a trace as jsonl")
-    convert.add_argument("input")
-    convert.add_argument("output", help="jsonl file; gzipped when it ends in .gz")
+    convert.add_argument("input", type=INPUT, metavar="IN")
+    convert.add_argument("output", type=OUTPUT, metavar="OUT", help="jsonl file; gzipped when it ends in .gz")
     _format_options(convert, "--from")
-    convert.add_argument("--start", type=float, help="window start, trace seconds")
-    convert.add_argument("--duration", type=float, help="window length, trace seconds")
-    convert.add_argument("--max-rows", type=_row_count, help="keep only the first N rows (after the window)")
-    convert.add_argument("--time-scale", type=float, default=1.0, help="divide times by X (2 = twice as fast)")
+    convert.add_argument("--start", type=START, help="window start, trace seconds")
+    convert.add_argument("--duration", type=DURATION, help="window length, trace seconds")
+    convert.add_argument("--max-rows", type=COUNT, help="keep only the first N rows (after the window)")
+    convert.add_argument("--time-scale", type=SCALE, default=1.0, help="divide times by X (2 = twice as fast)")
     convert.add_argument("--block-size-to", type=block_size_arg, metavar="N",
                          help="rescale input lengths to blocks of N tokens")
     convert.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
     convert.set_defaults(func=run_convert)
 
     amplify = commands.add_parser("amplify", help="K times a trace's sessions over the same time span, as jsonl")
-    amplify.add_argument("input")
-    amplify.add_argument("output", help="jsonl file; gzipped when it ends in .gz")
+    amplify.add_argument("input", type=INPUT, metavar="IN")
+    amplify.add_argument("output", type=OUTPUT, metavar="OUT", help="jsonl file; gzipped when it ends in .gz")
     _format_options(amplify)
-    amplify.add_argument("--factor", type=factor_arg, required=True, metavar="K",
+    amplify.add_argument("--factor", type=LOAD_FACTOR, required=True, metavar="K",
                          help="sessions out per session in (1.5: all once, half of them twice; 0.5: half of them)")
-    amplify.add_argument("--seed", type=int, default=0, metavar="N",
+    amplify.add_argument("--seed", type=SEED, default=0, metavar="N",
                          help="which sessions and which clone start times (default 0)")
     _global_min_rows_option(amplify)
     amplify.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
@@ -101,59 +102,15 @@ def _format_options(parser: argparse.ArgumentParser, flag: str | None = None) ->
                         help=f"tokens per hash id block, 1 to {MAX_BLOCK_SIZE} (overrides the format default)")
 
 
-def block_size_arg(text: str) -> int:
-    """A --block-size value, under fields.block_size_problem's rule (argparse: exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
-    if problem := block_size_problem(value):
-        raise argparse.ArgumentTypeError(f"{problem}, got {value}")
-    return value
+block_size_arg = BLOCK_SIZE  # a --block-size: every command's, one rule
+MIN_ROWS = Bound(2, MAX_INT, integer=True, unit="rows", why="an id one row carries links nothing")
 
 
 def _global_min_rows_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--global-min-rows", type=_min_rows, default=DEFAULT_GLOBAL_MIN_ROWS, metavar="M",
+    parser.add_argument("--global-min-rows", type=MIN_ROWS, default=DEFAULT_GLOBAL_MIN_ROWS, metavar="M",
                         help="in a trace without sessions: a hash id carried by M rows or more is global (shared "
                              "content), ids carried by fewer link rows into sessions (default "
                              f"{DEFAULT_GLOBAL_MIN_ROWS})")
-
-
-def factor_arg(text: str) -> float:
-    """A --factor value, under amplify.factor_problem's rule (argparse: exit 2)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if problem := factor_problem(value):
-        raise argparse.ArgumentTypeError(problem)
-    return value
-
-
-def _min_rows(text: str) -> int:
-    value = _count_arg("rows")(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (an id one row carries links nothing), got {value}")
-    return value
-
-
-def _count_arg(unit: str, zero: str = ""):
-    """An argparse type: a whole number of `unit` >= 0 (`zero`: what 0 means, said in the error;
-    a negative --max-rows once wrote an empty file, exit 0)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number of {unit}, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0{zero}, got {value}")
-        return value
-
-    return parse
-
-
-_token_limit = _count_arg("tokens", " (0: no limit)")  # --max-prompt-tokens
-_row_count = _count_arg("rows")  # --max-rows
 
 
 def _fail(message: str) -> int:
@@ -208,10 +165,7 @@ def _run_comparison(args: argparse.Namespace) -> int:
 
 
 def run_amplify(args: argparse.Namespace) -> int:
-    source, out = Path(args.input), Path(args.output)
-    if out.resolve() == source.resolve() or (out.exists() and source.exists() and os.path.samefile(source, out)):
-        print(f"error: OUT {args.output} is IN: amplify writes a new file", file=sys.stderr)
-        return 2
+    source, out = Path(args.input), Path(args.output)  # OUT is not IN: claimed (replay.output_claim)
     streams: list[TraceStream] = []
 
     def stream_of() -> TraceStream:
@@ -292,7 +246,7 @@ def run_anonymize(args: argparse.Namespace) -> int:
             from replay.synth.tokenizer import ServerTokenizer
 
             tokenizer = ServerTokenizer.load(args.tokenizer, args.chat_template)
-        meta = {"anonymized_by": "replay trace anonymize", "source": os.path.basename(args.input), "format": "jsonl",
+        meta = {"anonymized_by": "replay trace anonymize", "source": Path(args.input).name, "format": "jsonl",
                 "block_size": args.block_size, "salt": "from --salt-file" if args.salt_file else "random, never written",
                 "hash_ids": "salted (blake2b keyed), renumbered in order of first use"}
         done = anonymize(args.input, args.output, log_format=args.log_format,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import orjson
 
-from replay.results.files import OutputError
+from replay.errors import OutputError
 from replay.trace.fields import MAX_TRACE_SPAN_S
 from replay.trace.formats import FORMATS
 from replay.trace.reader import read_trace
 from replay.trace.record import Trace, TraceRow
-from replay.trace.source import open_output
+from replay.trace.source import open_output, remove_written
 from replay.trace.window import select_rows
 
 JSONL_BLOCK = FORMATS["jsonl"].default_block
@@ -88,7 +88,7 @@ def convert_trace(
                 record = to_record(row, (row.timestamp_s - origin) / time_scale, length, block_out)
                 out.write(orjson.dumps(record) + b"\n")
     except OSError as e:  # a full disk: no half trace is left to be replayed by mistake
-        Path(out_path).unlink(missing_ok=True)
+        remove_written(out_path)
         raise OutputError(out_path, e) from None
     written = read_trace(out_path, format="jsonl")  # named: an empty window gives an empty file
     if len(written.rows) != len(rows) or written.block_size != (block_out if block_out is not None else JSONL_BLOCK):

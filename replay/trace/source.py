@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import stat
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from replay.output_claim import open_regular
 from replay.trace.record import BadLine, TraceError
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -64,7 +67,35 @@ def gzip_error(path: str | Path, err: Exception, last_line: int) -> TraceError:
 
 def open_output(path: str | Path, gz: bool | None = None) -> IO[bytes]:
     """A binary writer, gzip when `gz` (by default: when the name ends in .gz; a temporary
-    file, FILE.gz.tmp, names the file it becomes)."""
+    file, FILE.gz.tmp, names the file it becomes). Only a regular file (or nothing) is
+    replaced: a link is not followed, a FIFO not waited on, a device not written (the
+    command's output claim, replay.output_claim, refused them; this, one swapped in since)."""
+    raw = open(path, "wb", opener=open_regular)
     if str(path).endswith(".gz") if gz is None else gz:
-        return gzip.open(path, "wb")
-    return open(path, "wb")
+        return _GzipOutput(raw)
+    return raw
+
+
+def remove_written(path: str | Path) -> None:
+    """Remove what a failed write left at `path`: a regular file only (a node swapped in there,
+    which open_output refused, stays)."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _GzipOutput(gzip.GzipFile):
+    """A gzip stream that closes the file it writes into (GzipFile leaves a file it was
+    handed open)."""
+
+    def __init__(self, raw: IO[bytes]):
+        super().__init__(mode="wb", fileobj=raw)
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()

@@ -32,6 +32,20 @@ def reuse_trace(path: Path, rows: int = 160, families: int = 8, gap_ms: float = 
     return path
 
 
+def turns_trace(path: Path, gap_ms: float, conversations: int = 4) -> Path:
+    """Two turns of each of `conversations` conversations, `gap_ms` apart (0: every row due at
+    one instant): a shared 2-block system prompt, then the conversation's own 3 blocks; the
+    second turn repeats the first whole and adds 2 blocks."""
+    with open(path, "w") as f:
+        for c in range(conversations):
+            first = [0, 1, *range(100 + 10 * c, 103 + 10 * c)]
+            for turn, hashes in enumerate((first, [*first, 105 + 10 * c, 106 + 10 * c])):
+                row = {"timestamp": (2 * c + turn) * gap_ms, "input_length": len(hashes) * SIM_BLOCK - 3,
+                       "output_length": 4, "hash_ids": hashes}
+                f.write(json.dumps(row) + "\n")
+    return path
+
+
 def run_verdicts(output: Path, tokenizer_dir: Path) -> tuple[list, dict, dict]:
     """The cache model's verdicts on a finished run, from its files: the meta's server caches (as
     the preflight read them), the counters at the start, the records and the trace."""
