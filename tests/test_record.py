@@ -405,9 +405,9 @@ def test_bad_options_are_refused_in_one_line_before_listening(tmp_path):
         (["--upstream", "127.0.0.1:8000"], "--upstream 127.0.0.1:8000: not a server URL"),
         (["--upstream", "http://127.0.0.1:9", "--salt-file", str(short), "--block-size", "16"],
          f"--salt-file {short}: holds 4 bytes; give 16 to 64"),
-        (["--upstream", "http://127.0.0.1:9", "--block-size", "0"], "--block-size 0:"),
+        (["--upstream", "http://127.0.0.1:9", "--block-size", "0"], "error: argument --block-size: must be 1 to"),
         (["--upstream", "http://127.0.0.1:9", "--block-size", "16", "--output", str(tmp_path)],
-         f"--output {tmp_path}: is a folder"),
+         f"--output {tmp_path}: {tmp_path} is a folder, not a regular file"),
     ):
         argv = args if "--output" in args else [*args, "--output", str(tmp_path / "t.jsonl")]
         done = record_refused(*argv)

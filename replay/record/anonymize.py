@@ -1,7 +1,7 @@
 """`replay trace anonymize IN OUT`: the trace `replay record` would have written, made from a
 log of requests that already happened, with the same hashing, sessions and privacy rules.
 
-Two log shapes, one JSON object a line (`--log-format`, detected from the first line):
+Two log shapes, one JSON object a line (`--from`, detected from the first line):
 
 - `record`: `replay record --raw-log`'s lines: `arrival`, `end` (unix s), `path`, `status`,
   `error`, `session_name`, `client_id`, `request` (the body), `answer` (`output_tokens`,
@@ -23,8 +23,9 @@ from pathlib import Path
 import orjson
 
 from replay.record.hashing import BlockHasher
+from replay.record.recorder import new_file
 from replay.record.rows import CHAT, COMPLETIONS, Answer, Exchange, PromptTokens, RowMaker
-from replay.results.files import AppendFile, OutputError, write_atomically
+from replay.results.files import AppendFile, write_atomically
 from replay.rules.run_files import meta_path
 from replay.trace.sorted_spool import SortedSpool
 
@@ -43,7 +44,7 @@ def detect(first: dict) -> str:
     if "startTime" in first:
         return "litellm"
     raise LogError("neither replay record's raw log (arrival, answer) nor LiteLLM's StandardLoggingPayload "
-                   "(startTime): give --log-format")
+                   "(startTime): give --from")
 
 
 def _number(record: dict, key: str, where: str) -> float:
@@ -116,7 +117,7 @@ def anonymize(source: str | Path, out: str | Path, *, log_format: str, tokens: P
                 spool.add(line["arrival"], number, orjson.dumps(line) + b"\n")
         written = failed = 0
         origin = None
-        file = AppendFile(out)
+        file = AppendFile(out, fd=new_file(out))
         try:
             for arrival, _, data in spool.merged():
                 line = orjson.loads(data)
@@ -137,4 +138,4 @@ def anonymize(source: str | Path, out: str | Path, *, log_format: str, tokens: P
     return meta
 
 
-__all__ = ["LOG_FORMATS", "LogError", "OutputError", "anonymize"]
+__all__ = ["LOG_FORMATS", "LogError", "anonymize"]

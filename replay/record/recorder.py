@@ -24,9 +24,11 @@ from typing import BinaryIO
 
 import orjson
 
+from replay.errors import OutputError
+from replay.output_claim import open_regular
 from replay.record.hashing import BlockHasher
 from replay.record.rows import CHAT, Answer, Exchange, PromptTokens, RowMaker, api_of, read_answer
-from replay.results.files import AppendFile, OutputError, write_atomically
+from replay.results.files import AppendFile, write_atomically
 from replay.rules.run_files import meta_path
 
 CUT_EXIT = 3  # the trace was cut (a write failed) and the settings say forwarding stops
@@ -56,8 +58,9 @@ class Recorder:
         self.hasher = BlockHasher(bytes.fromhex(settings["salt"]), settings["block_size"])
         self.tokens = PromptTokens(settings["upstream"], _tokenizer(settings), ask_server=settings["ask_server"])
         self.rows = RowMaker(self.tokens, self.hasher, settings.get("session_from"), settings["keep_text"])
-        self.file = AppendFile(self.path, fd=settings.get("fd"))
-        self.raw = _private_file(settings["raw_log"]) if settings.get("raw_log") else None
+        self.file = AppendFile(self.path, fd=new_file(self.path))
+        self.raw = AppendFile(settings["raw_log"], fd=new_file(settings["raw_log"], private=True)) \
+            if settings.get("raw_log") else None
         self.held: dict[int, Exchange] = {}
         self.next_seq = 0
         self.written = 0
@@ -117,13 +120,17 @@ class Recorder:
             print(f"replay record: {e}", file=sys.stderr, flush=True)
 
 
-def _private_file(path: str) -> AppendFile:
-    """The raw log holds prompts and answers: readable by its owner only."""
+def new_file(path: str | Path, private: bool = False) -> int:
+    """`path` opened empty for writing, only if it is a regular file or nothing (the claim's own
+    check, against a node swapped in since: replay.output_claim.open_regular). `private`: the
+    raw log, which holds prompts and answers, readable by its owner only."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        if private:
+            os.fchmod(fd, 0o600)
     except OSError as e:
         raise OutputError(path, e) from None
-    return AppendFile(path, fd=fd)
+    return fd
 
 
 def read_exchange(x: Exchange) -> tuple[dict | None, Answer | None]:
@@ -157,6 +164,13 @@ def read_exchanges(pipe: BinaryIO):
         yield Exchange(**fields, request=request, response=response)
 
 
+def drain(pipe: BinaryIO) -> int:
+    """Read the exchanges and keep none (the trace could not be opened; forwarding goes on)."""
+    for _ in read_exchanges(pipe):
+        pass
+    return 1
+
+
 def main() -> int:
     # The proxy ends this process by closing the pipe, after the last exchange; a Ctrl-C or a
     # SIGTERM sent to the whole process group must not cut the trace before that.
@@ -164,7 +178,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pipe = sys.stdin.buffer
     settings = orjson.loads(pipe.readline())
-    recorder = Recorder(settings)
+    try:
+        recorder = Recorder(settings)
+    except OutputError as e:
+        print(f"replay record: {e}: nothing is recorded", file=sys.stderr, flush=True)
+        return CUT_EXIT if settings["on_write_error"] == "stop" else drain(pipe)
     for exchange in read_exchanges(pipe):
         recorder.add(exchange)
     recorder.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import signal
 import socket
 import sys
@@ -70,8 +69,6 @@ def settings_of(args: argparse.Namespace) -> dict:
             ServerTokenizer.load(args.tokenizer, args.chat_template, lazy=True)
         except (OSError, ValueError) as e:
             raise RecordError(f"--tokenizer {args.tokenizer}: {e}") from None
-    if os.path.isdir(args.output):
-        raise RecordError(f"--output {args.output}: is a folder")
     block_size, block_source = _block_size(args)
     kept = ["arrival times", "input and output lengths", "salted hash ids", "sessions and turns", "model",
             "max_tokens", "ignore_eos", "status"]

@@ -11,6 +11,7 @@ import orjson
 from replay.bounds import BLOCK_SIZE, COUNT, DURATION, LOAD_FACTOR, MAX_INT, PROMPT_TOKENS, SCALE, SEED, START, Bound
 from replay.errors import OutputError
 from replay.output_claim import INPUT, OUTPUT
+from replay.record.cli import TRACE  # anonymize writes what `replay record --output` writes
 from replay.trace.amplify import amplify_trace
 from replay.trace.convert import convert_trace
 from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZE
@@ -40,15 +41,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     anonymize = commands.add_parser("anonymize", help="a salted hash-id trace from a log of requests (replay record's "
                                     "--raw-log, LiteLLM's StandardLoggingPayload): docs/record.md")
-    anonymize.add_argument("input")
-    anonymize.add_argument("output", help="the trace (jsonl); OUTPUT.meta.json beside it")
-    anonymize.add_argument("--log-format", choices=("auto", "record", "litellm"), default="auto")
-    anonymize.add_argument("--tokenizer", help="the served model's tokenizer (or --tokenize-url)")
-    anonymize.add_argument("--chat-template", help="the served chat template, with --tokenizer")
+    anonymize.add_argument("input", type=INPUT, metavar="IN")
+    anonymize.add_argument("output", type=TRACE, metavar="OUT", help="the trace (jsonl); OUT.meta.json beside it")
+    anonymize.add_argument("--from", dest="shape", choices=("auto", "record", "litellm"), default="auto",
+                           help="IN's shape: replay record's --raw-log, or LiteLLM's StandardLoggingPayload "
+                                "(default: from its first line)")
+    anonymize.add_argument("--tokenizer", type=INPUT, help="the served model's tokenizer (or --tokenize-url)")
+    anonymize.add_argument("--chat-template", type=INPUT, help="the served chat template, with --tokenizer")
     anonymize.add_argument("--tokenize-url", metavar="URL", help="a server whose POST /tokenize counts the prompts")
     anonymize.add_argument("--block-size", type=block_size_arg, default=16, metavar="N",
                            help="tokens per hash id (default 16)")
-    anonymize.add_argument("--salt-file", help="key the hash ids with this file's bytes (as replay record's)")
+    anonymize.add_argument("--salt-file", type=INPUT, help="key the hash ids with this file's bytes (as replay record's)")
     anonymize.add_argument("--session-names", action="store_true",
                            help="the log's session names (raw log: the session header or user; LiteLLM: end_user) "
                                 "win over message continuation")
@@ -249,7 +252,7 @@ def run_anonymize(args: argparse.Namespace) -> int:
         meta = {"anonymized_by": "replay trace anonymize", "source": Path(args.input).name, "format": "jsonl",
                 "block_size": args.block_size, "salt": "from --salt-file" if args.salt_file else "random, never written",
                 "hash_ids": "salted (blake2b keyed), renumbered in order of first use"}
-        done = anonymize(args.input, args.output, log_format=args.log_format,
+        done = anonymize(args.input, args.output, log_format=args.shape,
                          tokens=PromptTokens(args.tokenize_url, tokenizer), hasher=BlockHasher(salt, args.block_size),
                          session_names=args.session_names, keep_text=args.keep_text, meta=meta)
     except (LogError, ValueError, FileNotFoundError) as e:
