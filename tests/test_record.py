@@ -549,3 +549,19 @@ def test_a_tokenizer_that_cannot_be_read_is_refused_before_listening(tmp_path):
                           str(tmp_path / "t.jsonl"), "--tokenizer", str(tmp_path / "nothing-here"))
     assert done.returncode == 2 and done.stderr.startswith(f"replay record: --tokenizer {tmp_path / 'nothing-here'}: ")
     assert len(done.stderr.strip().splitlines()) == 1 and "listening" not in done.stdout
+
+
+def test_a_session_id_that_would_break_the_header_is_not_sent(sim, toy_tokenizer_dir, tmp_path):
+    """`replay run --session-header`: a trace's session id holding a line break would have
+    written a header of the trace's choosing; it is left out (the row goes without it)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"timestamp": 0, "input_length": 40, "output_length": 2, "session_id": "fine"},
+        {"timestamp": 50, "input_length": 40, "output_length": 2, "session_id": "bad\r\nX-Injected: yes"})))
+    out = tmp_path / "recorded.jsonl"
+    with RecordProcess(sim.url, out, "--session-header", "X-Session-Id", "--id-header", "X-Injected") as proxy:
+        run_locust(replay_args(trace, toy_tokenizer_dir, proxy.url, tmp_path / "run.jsonl",
+                               "--session-header", "X-Session-Id"), tmp_path)
+    fine, bad = rows(out)
+    assert "client_request_id" not in bad and "client_request_id" not in fine
+    assert fine["session_id"] != bad["session_id"]
