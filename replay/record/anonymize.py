@@ -93,7 +93,7 @@ def _text_of(messages) -> str:
 def anonymize(source: str | Path, out: str | Path, *, log_format: str, tokens: PromptTokens, hasher: BlockHasher,
               session_names: bool, keep_text: bool, meta: dict) -> dict:
     """Write OUT (and OUT.meta.json); returns the meta. Raises LogError, OutputError."""
-    rows = RowMaker(tokens, hasher, "name" if session_names else None, keep_text)
+    rows = RowMaker(tokens, hasher, "name" if session_names else None, keep_text, session_user=session_names)
     source = Path(source)
     with SortedSpool(tempfile.gettempdir()) as spool:
         fmt = None if log_format == "auto" else log_format

@@ -40,8 +40,8 @@ class Forwarder:
     """The WSGI application. `exchanges` gets (header, request bytes, response bytes) per
     finished generation request, for the recorder."""
 
-    def __init__(self, upstream: str, *, session_header: str | None, session_user: bool,
-                 timeout_s: float, max_record_bytes: int, id_header: str | None = None):
+    def __init__(self, upstream: str, *, session_header: str | None, timeout_s: float, max_record_bytes: int,
+                 id_header: str | None = None):
         parts = urlsplit(upstream)
         self.upstream = upstream
         self.base_path = parts.path.rstrip("/")
@@ -50,7 +50,6 @@ class Forwarder:
                                  ssl=parts.scheme == "https", concurrency=100_000, connection_timeout=30.0,
                                  network_timeout=timeout_s, block_size=READ_SIZE)
         self.session_header = session_header
-        self.session_user = session_user
         self.id_header = None if id_header is None else "HTTP_" + id_header.upper().replace("-", "_")
         self.max_record_bytes = max_record_bytes
         self.exchanges: Queue = Queue()
@@ -103,7 +102,7 @@ class Forwarder:
         if self.credentials and not any(k.lower() == "authorization" for k, _ in headers):
             headers.append(("Authorization", self.credentials))
         if recorded:
-            session_name = self._session_name(environ, body)
+            session_name = self._session_name(environ)
         try:
             response = self.client.request(method, uri, body=body, headers=headers)
         except Exception as e:
@@ -125,19 +124,11 @@ class Forwarder:
             return relay
         return self._recorded(relay, seq, path, arrival, response.status_code, session_name, client_id, body)
 
-    def _session_name(self, environ, body: bytes) -> str | None:
-        """The client's own name for the session, where the recording takes it (a header's value,
-        or the body's `user`: read only when asked for, and then with a plain search first)."""
+    def _session_name(self, environ) -> str | None:
+        """The client's own name for the session in the header the recording takes (the body's
+        `user` is the recorder's to read: nothing is parsed before the request is forwarded)."""
         if self.session_header:
-            value = environ.get("HTTP_" + self.session_header.upper().replace("-", "_"))
-            if value:
-                return value
-        if self.session_user and b'"user"' in body:
-            try:
-                user = orjson.loads(body).get("user")
-            except (orjson.JSONDecodeError, AttributeError):
-                return None
-            return user if isinstance(user, str) and user else None
+            return environ.get("HTTP_" + self.session_header.upper().replace("-", "_")) or None
         return None
 
     def _relay(self, response):

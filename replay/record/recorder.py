@@ -57,7 +57,8 @@ class Recorder:
         self.meta = dict(settings["meta"])
         self.hasher = BlockHasher(bytes.fromhex(settings["salt"]), settings["block_size"])
         self.tokens = PromptTokens(settings["upstream"], _tokenizer(settings), ask_server=settings["ask_server"])
-        self.rows = RowMaker(self.tokens, self.hasher, settings.get("session_from"), settings["keep_text"])
+        self.rows = RowMaker(self.tokens, self.hasher, settings.get("session_from"), settings["keep_text"],
+                             session_user=settings.get("session_user", False))
         self.file = AppendFile(self.path, fd=new_file(self.path))
         self.raw = AppendFile(settings["raw_log"], fd=new_file(settings["raw_log"], private=True)) \
             if settings.get("raw_log") else None

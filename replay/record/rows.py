@@ -165,12 +165,14 @@ def read_answer(api: str, response: bytes, streamed: bool) -> Answer:
 
 
 class RowMaker:
-    def __init__(self, tokens: PromptTokens, hasher: BlockHasher, session_from: str | None, keep_text: bool):
+    def __init__(self, tokens: PromptTokens, hasher: BlockHasher, session_from: str | None, keep_text: bool,
+                 session_user: bool = False):
         self.tokens = tokens
         self.hasher = hasher
         self.sessions = Sessions(hasher)
         self.session_from = session_from  # "header" / "user": the client's names win; None: continuation only
         self.keep_text = keep_text
+        self.session_user = session_user  # the body's OpenAI `user` names the session where no header did
 
     def row(self, x: Exchange) -> dict:
         """The row of an exchange the proxy saw (its bytes)."""
@@ -231,8 +233,11 @@ class RowMaker:
 
     def _session(self, api: str, body: dict, x: Exchange):
         sessions = self.sessions
-        if self.session_from is not None and x.session_name:
-            turn, key = sessions.by_name(x.session_name, x.arrival)
+        name = x.session_name
+        if not name and self.session_user and isinstance(body.get("user"), str):
+            name = body["user"]
+        if self.session_from is not None and name:
+            turn, key = sessions.by_name(name, x.arrival)
             return turn, lambda answer, end: sessions.named_answered(key, end)
         if api == CHAT and isinstance(body.get("messages"), list):
             turn, digest = sessions.chat(body["messages"])

@@ -85,6 +85,7 @@ def settings_of(args: argparse.Namespace) -> dict:
     return {"output": args.output, "upstream": args.upstream, "salt": salt.hex(), "block_size": block_size,
             "tokenizer": args.tokenizer, "chat_template": args.chat_template, "ask_server": True,
             "session_from": "name" if (args.session_header or args.session_user) else None,
+            "session_user": args.session_user,
             "keep_text": args.keep_text, "raw_log": args.raw_log, "on_write_error": args.on_write_error, "meta": meta}
 
 
@@ -100,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
     recorder = subprocess.Popen([sys.executable, "-m", "replay.record.recorder"], stdin=subprocess.PIPE)
     recorder.stdin.write(orjson.dumps(settings) + b"\n")
     recorder.stdin.flush()
-    forwarder = Forwarder(args.upstream, session_header=args.session_header, session_user=args.session_user,
+    forwarder = Forwarder(args.upstream, session_header=args.session_header,
                           timeout_s=args.upstream_timeout, max_record_bytes=args.max_record_bytes,
                           id_header=args.id_header)
     try:
