@@ -4,6 +4,8 @@ and the cause it gives each cached-token count that differs from the infinite-ca
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from replay.results.cache_model import ModelPrompt, ServerCache, model_checks, server_caches
@@ -98,9 +100,10 @@ def test_cache_config_info_is_read_from_vllms_labels():
 # -- the model's causes -----------------------------------------------------------------------------
 def prompt(rid: int, t: float, tokens: list[int], observed: int | None, *, end: float | None = None,
            endpoint: str = "a", reported: int | None = None, output: int = 0, ideal: int | None = None,
-           answered: float | None = None) -> ModelPrompt:
+           answered: float | None = None, agreed: float | None = math.inf) -> ModelPrompt:
+    """`agreed`: the tokens its fingerprint proves the trace's (math.inf: all; None: no fingerprint)."""
     return ModelPrompt(rid, t, reported, observed, block_hashes(tokens, B), len(tokens), endpoint,
-                       end if end is not None else t + 0.001, output, ideal, answered_at=answered)
+                       end if end is not None else t + 0.001, output, ideal, answered_at=answered, agreed=agreed)
 
 
 def verdicts(prompts: list[ModelPrompt], servers: dict | None = None, window_ms: float = 0.0, **default):
@@ -124,11 +127,37 @@ def test_a_prefix_on_another_endpoint_is_routed_elsewhere():
     assert v[1].expected == 4 and v[1].predicted == 0 and v[1].cause == "routed-elsewhere"
 
 
-def test_a_missing_block_the_pool_must_hold_is_a_prompt_that_differs():
+def test_only_a_fingerprint_that_differs_blames_the_prompt():
+    """A missing block the pool must hold, or a length the server counted otherwise: the
+    prompt's fingerprint decides. Differing before the expected hits' end: prompt-differs;
+    proven the trace's through them: the server's doing (server-missed); no fingerprint (an
+    older run's record): nobody is blamed (no-fingerprint)."""
     a = blocks(1, 2)
-    v = verdicts([prompt(0, 0.0, a, 0), prompt(1, 1.0, a, 2), prompt(2, 2.0, a, 0, reported=len(a) + 1)])
-    assert v[1].predicted == 4 and v[1].cause == "prompt-differs"  # no eviction ever: the server had it
-    assert v[2].cause == "prompt-differs"  # the server counted another length
+    seq = [prompt(0, 0.0, a, 0), prompt(1, 1.0, a, 2), prompt(2, 2.0, a, 0, reported=len(a) + 1)]
+    v = verdicts(seq)
+    assert v[1].predicted == 4 and v[1].cause == "server-missed"  # no eviction ever: the server had it
+    assert v[2].cause == "server-missed"  # the server counted another length of the trace's prompt
+    differs = verdicts([seq[0], seq[1]._replace(agreed=2), seq[2]._replace(agreed=0)])
+    assert differs[1].cause == "prompt-differs" and differs[2].cause == "prompt-differs"
+    after = verdicts([seq[0], seq[1]._replace(agreed=4)])  # differs only past the 4 tokens it should hit
+    assert after[1].cause == "server-missed"
+    unknown = verdicts([seq[0], seq[1]._replace(agreed=None), seq[2]._replace(agreed=None)])
+    assert unknown[1].cause == "no-fingerprint" and unknown[2].cause == "no-fingerprint"
+    evicted = verdicts([prompt(0, 0.0, a, 0), prompt(1, 1.0, blocks(5, 6, 7), 0), prompt(2, 2.0, a, 0, agreed=0)],
+                       num_gpu_blocks=5)
+    assert evicted[2].cause == "prompt-differs"  # direct evidence comes before the pool's word
+
+
+def test_a_miss_of_a_block_cached_by_a_prompt_that_differed_is_prompt_differs():
+    """The request that cached the prefix sent other words in its second block (its fingerprint
+    agrees through 2 tokens only); a later request whose own prompt is the trace's misses that
+    block: the replay's doing (the first's prompt), not the server's. Once a request with the
+    trace's words has cached it again, a miss of it is the server's again."""
+    a = blocks(1, 2)
+    v = verdicts([prompt(0, 0.0, a, 0, agreed=2), prompt(1, 1.0, a, 2)])
+    assert v[1].expected == 4 and v[1].cause == "prompt-differs"
+    healed = verdicts([prompt(0, 0.0, a, 0, agreed=2), prompt(1, 1.0, a, 2), prompt(2, 2.0, a, 2)])
+    assert healed[2].cause == "server-missed"  # request 1 sent the trace's words: the server held them
 
 
 def test_a_request_sent_within_the_reorder_window_is_in_flight():
@@ -150,7 +179,7 @@ def test_requests_in_flight_together_are_the_servers_order_not_a_prompt_that_dif
     assert (v[0].expected, v[1].expected) == (0, 4)
     assert v[0].cause == "in-flight" and v[1].cause == "in-flight"
     # the first answered (0.02) before the second was sent (0.03): the server held its blocks
-    answered_first = [prompt(0, 0.0, a, 0, answered=0.02), prompt(1, 0.03, a, 0, answered=0.05)]
+    answered_first = [prompt(0, 0.0, a, 0, answered=0.02), prompt(1, 0.03, a, 0, answered=0.05, agreed=0)]
     assert verdicts(answered_first)[1].cause == "prompt-differs"
     # sent before the first's answer: it may have reached the scheduler first
     assert verdicts([answered_first[0], prompt(1, 0.01, a, 0, answered=0.05)])[1].cause == "in-flight"
@@ -330,6 +359,8 @@ def test_rows_sent_together_that_the_server_schedules_in_another_order_are_in_fl
     assert causes(together).get("in-flight", 0) >= 4 and set(causes(together)) <= {"in-flight", "partial-block"}, \
         together["cache"]["misses"]
     assert together["cache"]["infinite"]["observed_cached_tokens"] > 0  # the server did hit, in its own order
+    # the prompts as sent are the trace's: their fingerprints say so, whatever order the server took them in
+    assert together["cache"]["infinite"]["fingerprints"] == {"checked": 8, "differ": 0, "without": 0, "examples": []}
     assert not any(line.startswith("cache") for line in together["failing"]) and "a replay bug" not in stdout
     apart, _ = certs[300]
     assert set(causes(apart)) <= {"partial-block"}, apart["cache"]["misses"]
@@ -372,7 +403,8 @@ def test_a_cache_smaller_than_declared_is_not_a_replay_bug(tmp_path, toy_tokeniz
     cert = certificate(output)
     (smaller,) = cert["cache"]["smaller_than_declared"]
     assert smaller["num_gpu_blocks"] == 100_000 and smaller["server_peak_usage"] > 0.1, smaller
-    assert causes(cert)["prompt-differs"] == smaller["prompt_differs_held"] > 0  # what the model would have said
+    # what the model would have blamed on the prompts: their fingerprints prove them the trace's
+    assert "prompt-differs" not in causes(cert) and causes(cert)["server-missed"] == smaller["prompt_differs_held"] > 0
     assert not any(line.startswith("cache") for line in cert["failing"]), cert["failing"]
     assert any("its cache is smaller than that" in line and "--server-cache-blocks" in line
                for line in cert["unchecked"])

@@ -302,6 +302,9 @@ def test_a_broken_prompt_is_prompt_differs_and_unfaithful(tmp_path, toy_tokenize
                           exit_code=1)
     cert = json.loads(fidelity_path(output).read_text())
     assert cert["prompts"]["exact_share"] == 1.0
+    fingerprints = cert["cache"]["infinite"]["fingerprints"]  # the evidence: the prompts as sent
+    assert fingerprints["differ"] > 0 and fingerprints["checked"] == 40, fingerprints
+    assert any(line.startswith(f"prompts: {fingerprints['differ']} of 40 prompts sent differ") for line in cert["failing"])
     differs = cert["cache"]["misses"]["causes"]["prompt-differs"]
     assert differs["requests"] > 0 and differs["tokens"] > 0, cert["cache"]["misses"]
     assert cert["verdict"] == UNFAITHFUL and f"cache: {differs['requests']} requests prompt-differs (needs 0)" \

@@ -132,12 +132,14 @@ class BodyBuilder:
                 raise OptionError(f"${BREAK_BLOCK_ENV} {broken!r}: expected a hash id (a whole number)")
             self.synth.break_block(int(broken))
         self.options = options
+        self.fingerprints: dict[int, list] = {}  # request id -> its prompt's fingerprint, until its record takes it
 
     def body(self, row: TraceRow) -> bytes:
         tokenizer = self.synth.tokenizer
         if row.messages is not None and not tokenizer.loaded:  # counted by encoding: load it, off the loop
             off_loop(lambda: tokenizer.tokenizer)
         prompt = self.synth.prompt(row)
+        self.fingerprints[row.request_id] = prompt.fingerprint
         return self._build_body(
             self.options.api,
             prompt,
@@ -593,7 +595,8 @@ class Dispatcher:
             outcome.finished_at += self.offset if outcome.finished_at else 0.0
             outcome.token_times = [t + self.offset for t in outcome.token_times]
         record = sent_record(row, worker=self.index, endpoint=endpoint.url, api=self.options.api,
-                             scheduled_at=scheduled, due_at=due, outcome=outcome)
+                             scheduled_at=scheduled, due_at=due, outcome=outcome,
+                             prompt_fingerprint=self.builder.fingerprints.pop(row.request_id, None))
         self._record(record)
         if self.turns is not None and row.session_id is not None:
             self._turn_ended(row, outcome.finished_at or time.time() + self.offset, outcome.ok)
@@ -640,6 +643,8 @@ class Dispatcher:
             endpoint.close()
 
     def _record(self, record: dict) -> None:
+        if record["prompt_fingerprint"] is None and (builder := getattr(self, "builder", None)) is not None:
+            builder.fingerprints.pop(record["request_id"], None)  # never answered: built for nothing
         self.outbox.append(record)
         self._to_flush.set()
         if not record["ok"]:

@@ -12,3 +12,4 @@ class Prompt:
     token_ids: list[int] | None  # openai-completions token-id prompt
     expected_tokens: int  # prompt tokens the server will count
     tools: list | None = None  # the row's own tools (chat), sent along with its messages
+    fingerprint: list | None = None  # its content's checkpoints (replay.rules.prompt_fingerprint): the records keep it

@@ -49,6 +49,7 @@ from replay.results.cache_model import CacheModel, ModelPrompt, ServerCache, Sta
 from replay.results.fidelity import (
     CacheCheck,
     CacheTally,
+    FingerprintTally,
     SentPrompt,
     answered_at,
     ideal_trace_hits,
@@ -59,6 +60,7 @@ from replay.results.fidelity import (
 )
 from replay.results.records import parse_record
 from replay.rules.prefix_cache import block_hashes
+from replay.rules.prompt_fingerprint import agreed_tokens
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.prefix import IdealHits, hit_tokens
 from replay.trace.reader import TraceStream
@@ -106,6 +108,7 @@ class _Sent:
         self.request_id, self.sent_at = array("q"), array("d")
         self.offset, self.length = array("q"), array("q")
         self.apis: Counter[str] = Counter()
+        self.fingerprinted = bytearray()  # 1: the record has a prompt_fingerprint
         offset = 0
         with open(results, "rb") as f:
             for number, line in enumerate(f, 1):
@@ -117,6 +120,7 @@ class _Sent:
                         self.sent_at.append(record["sent_at"])
                         self.offset.append(offset)
                         self.length.append(len(line))
+                        self.fingerprinted.append(record.get("prompt_fingerprint") is not None)
                 offset += len(line)
         # by (sent_at, request_id): sorted by request_id (the file's own order, mostly), then stably by sent_at
         order = sorted(range(len(self.request_id)), key=self.request_id.__getitem__)
@@ -129,9 +133,10 @@ class _Sent:
 
 
 def _sent_prompt(record: dict, hashes: list[int], prompt_tokens: int, ideal: int | None,
-                 starts: StartEstimates | None) -> SentPrompt | ModelPrompt:
+                 starts: StartEstimates | None, agreed: float | None = None) -> SentPrompt | ModelPrompt:
     """A request the server took in, from its record, as the checks take it: a ModelPrompt when
-    there is a cache model (`starts`: its start estimates, asked in send order), else a SentPrompt."""
+    there is a cache model (`starts`: its start estimates, asked in send order), else a SentPrompt.
+    `agreed`: the tokens its fingerprint proves the trace's (replay.rules.prompt_fingerprint)."""
     rid, sent_at = record["request_id"], record["sent_at"]
     reported, observed = record.get("prompt_tokens"), record.get("cached_tokens")
     if starts is None:
@@ -140,7 +145,19 @@ def _sent_prompt(record: dict, hashes: list[int], prompt_tokens: int, ideal: int
     output = record.get("output_tokens")
     return ModelPrompt(rid, sent_at, reported, observed, hashes, prompt_tokens, endpoint, record.get("finished_at"),
                        output if output is not None else record.get("output_length") or 0, ideal,
-                       starts.started_at(endpoint, sent_at, record.get("ttft_ms")), answered_at(record))
+                       starts.started_at(endpoint, sent_at, record.get("ttft_ms")), answered_at(record), agreed)
+
+
+def _agreed(record: dict, synth, row) -> float | None:
+    """Up to where the prompt `record` says was sent is the one the run's spec makes of `row`
+    (replay.rules.prompt_fingerprint.agreed_tokens); None: the record has no fingerprint."""
+    sent = record.get("prompt_fingerprint")
+    if sent is None:
+        return None
+    try:
+        return agreed_tokens(sent, synth.prompt(row).fingerprint)
+    except ValueError as e:
+        raise ValueError(f"request_id {record['request_id']}: {e}") from None
 
 
 def _settings(job: dict, api: str) -> tuple[bool, int]:
@@ -191,11 +208,12 @@ def _checked(prompts, job: dict, checks_path: str | None) -> tuple[CacheTally, C
 
 
 def _section(job: dict, api: str, token_ids: bool, tally: CacheTally, model: CacheModel | None,
-             trace_block_size: int | None, ideal: IdealHits | None) -> dict:
+             trace_block_size: int | None, ideal: IdealHits | None, fingerprints: FingerprintTally) -> dict:
     method = method_text(api=api, token_ids=token_ids, tokenizer=job["tokenizer"], seed=job["seed"],
                          trace_block_size=trace_block_size, server_block_size=job["server_block_size"],
                          reorder_window_ms=job["reorder_window_ms"])
     section = tally.section(method, ideal_trace_hits(ideal))
+    section["fingerprints"] = fingerprints.section()
     if model is not None:
         section["misses"] = attribution(model)
     return section
@@ -212,6 +230,8 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
     n = len(sent.request_id)
     offset, blocks, length = array("q", [0]) * n, array("q", [0]) * n, array("q", [NONE]) * n
     ideal_tokens = array("q", [NONE]) * n if model_on else None  # the trace's own expectation
+    agreed = array("d", [math.nan]) * n  # the tokens each fingerprint proves the trace's (nan: none)
+    fingerprints = FingerprintTally(job.get("fingerprints_unchecked"))
     stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
     trace = TraceCursor(stream)
     synth = None
@@ -228,6 +248,10 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
             if ideal_tokens is not None and row_ideal is not None:
                 ideal_tokens[k] = row_ideal
             ids = synth.server_ids(row)
+            if sent.fingerprinted[k] and fingerprints.compared:
+                record = orjson.loads(os.pread(records.fileno(), sent.length[k], sent.offset[k]))
+                agreed[k] = _agreed(record, synth, row)
+            fingerprints.add(row.request_id, None if math.isnan(agreed[k]) else agreed[k])
             hashes = array("q", block_hashes(ids, server_block))
             offset[k], blocks[k], length[k] = written, len(hashes), len(ids)
             spool.write(hashes)
@@ -246,10 +270,11 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
                 hashes.frombytes(os.pread(fd, 8 * blocks[k], offset[k]))
                 record = orjson.loads(os.pread(records_fd, sent.length[k], sent.offset[k]))
                 yield _sent_prompt(record, hashes.tolist(), length[k],
-                                   _none(ideal_tokens[k]) if ideal_tokens is not None else None, starts)
+                                   _none(ideal_tokens[k]) if ideal_tokens is not None else None, starts,
+                                   None if math.isnan(agreed[k]) else agreed[k])
 
         tally, model = _checked(prompts(), job, checks_path)
-    return _section(job, api, token_ids, tally, model, stream.block_size, ideal)
+    return _section(job, api, token_ids, tally, model, stream.block_size, ideal, fingerprints)
 
 
 class StreamBroken(Exception):
@@ -428,6 +453,7 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
     cursor = TraceCursor(stream, job.get("first_request_id", 0))
     tail = RecordTail(job["results"], end_marker, horizon_s, poll_s, on_unscheduled=cursor.drop, parent=parent)
     starts = StartEstimates() if job.get("servers") is not None else None
+    fingerprints = FingerprintTally(job.get("fingerprints_unchecked"))
 
     def prompts():
         nonlocal synth
@@ -436,14 +462,16 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
             if synth is None:
                 synth = _synthesizer(_tokenizer(job), job, api, token_ids, stream.block_size)
             ids = synth.server_ids(row)
-            yield _sent_prompt(record, block_hashes(ids, server_block), len(ids), ideal, starts)
+            agreed = _agreed(record, synth, row) if fingerprints.compared else None
+            fingerprints.add(record["request_id"], agreed)
+            yield _sent_prompt(record, block_hashes(ids, server_block), len(ids), ideal, starts, agreed)
 
     try:
         tally, model = _checked(prompts(), job, None)
     finally:
         tail.close()
     ideal = cursor.finish()
-    return _section(job, api, token_ids, tally, model, stream.block_size, ideal)
+    return _section(job, api, token_ids, tally, model, stream.block_size, ideal, fingerprints)
 
 
 def main(argv: list[str]) -> int:

@@ -15,9 +15,15 @@ fleet-wide infinite cache in send order; or the trace's own `ideal` when the cal
 it is larger), decided by the first server block the server did not give (`observed // block`):
 
 below the expectation (a miss):
-- `prompt-differs`: the server counted another prompt length than ours, or the block it did not
-  give is one its pool must hold (cached there and held by a running request, or the pool never
-  had to evict): our prompt does not share what the trace says it shares;
+- `prompt-differs`: the record's fingerprint of the prompt as sent (replay.rules.prompt_fingerprint)
+  differs from the trace's before the end of the expected hits, or the missing block was last
+  cached by a request whose fingerprint differs there: our prompts do not share what the trace
+  says they share. Only this evidence blames the replay;
+- `server-missed`: the fingerprint proves the prompt the trace's through the expected hits, yet
+  the server counted another length of it, or did not give a block its pool must hold (cached
+  there and held by a running request, or the pool never had to evict): the server's doing;
+- `no-fingerprint`: the same two findings on a record without a fingerprint (a run from before
+  it): whether the prompt differed is not known, so nobody is blamed;
 - `in-flight`: the count lies in the range the reorder window allows (CacheCheck.explained: a
   request sent within the window of its prefix's first one may reach the server first);
 - `partial-block`: the server gave every whole block the expectation has: the rest of the
@@ -40,6 +46,7 @@ state is the pools (bounded by their sizes), the running requests and the reorde
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,18 +58,23 @@ from replay.results.records import Record
 from replay.results.server_metrics import read_samples
 from replay.rules.block_pool import BlockPool
 from replay.rules.prefix_cache import block_hashes, hit_tokens
+from replay.rules.prompt_fingerprint import agreed_tokens
 
 EVICTED = "evicted"
 ROUTED_ELSEWHERE = "routed-elsewhere"
 PARTIAL_BLOCK = "partial-block"
 PROMPT_DIFFERS = "prompt-differs"
+SERVER_MISSED = "server-missed"
+NO_FINGERPRINT = "no-fingerprint"
 IN_FLIGHT = "in-flight"
 WARM_AT_START = "warm-at-start"
 UNEXPLAINED = "unexplained"
-MISS_CAUSES = (EVICTED, ROUTED_ELSEWHERE, PARTIAL_BLOCK, PROMPT_DIFFERS, IN_FLIGHT, UNEXPLAINED)
+MISS_CAUSES = (EVICTED, ROUTED_ELSEWHERE, PARTIAL_BLOCK, PROMPT_DIFFERS, SERVER_MISSED, NO_FINGERPRINT, IN_FLIGHT,
+               UNEXPLAINED)
 BEYOND_CAUSES = (IN_FLIGHT, WARM_AT_START, UNEXPLAINED)
 EXAMPLES = 10  # request ids kept per cause and endpoint
-DIFFERS_NOTE = "prompts do not share what the trace says they share: a replay bug"  # the note of prompt-differs
+DIFFERS_NOTE = ("prompts as sent (their fingerprints) do not share what the trace says they share: "
+                "a replay bug")  # the note of prompt-differs
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,9 @@ class ModelPrompt(NamedTuple):
     ideal: int | None = None  # the trace's own expectation (trace blocks), when the caller has one
     started_at: float | None = None  # when the server scheduled it, as estimated (`scheduled_at`); None: sent_at
     answered_at: float | None = None  # its first token came back: scheduled by then (replay.results.fidelity)
+    # server tokens from its start its prompt as sent is proven the trace's by its fingerprint
+    # (replay.rules.prompt_fingerprint.agreed_tokens: math.inf, all of it); None: no fingerprint
+    agreed: float | None = None
 
 
 @dataclass(slots=True)
@@ -122,7 +137,7 @@ class _Endpoint:
         self.running: list[tuple[float, int, list[int]]] = []  # a heap of (finished_at, serial, blocks)
         self.last_start = float("-inf")  # the server schedules first come, first served
         self.peak_usage = 0.0  # the most of the pool running requests held (vLLM's kv_cache_usage_perc)
-        self.held_differs = 0  # prompt-differs by a block the pool must hold (not by the server's prompt count)
+        self.held_differs = 0  # misses of a block the pool must hold (server-missed, no-fingerprint; not by a count)
 
     def end_until(self, t: float) -> None:
         running = self.running
@@ -147,6 +162,8 @@ class CacheModel:
         self.endpoints: dict[str, _Endpoint] = {}
         self._serial = 0
         self.tally = CauseTally()
+        # blocks whose latest sender's fingerprint differs there: the server cached other words
+        self.tainted: set[int] = set()
 
     def _endpoint(self, name: str) -> _Endpoint | None:
         if name not in self.endpoints:
@@ -171,25 +188,31 @@ class CacheModel:
         cause = None
         observed = prompt.observed
         if observed is not None and observed != expected:
-            cause = (self._miss(prompt, check, here) if observed < expected
+            cause = (self._miss(prompt, check, here, expected) if observed < expected
                      else self._beyond(check, here))  # fmt: skip
         if here is not None:
             _, held = here.pool.allocate(hashes, length, max(prompt.output_tokens, 0), hit)
             here.peak_usage = max(here.peak_usage, here.pool.usage())
-            if cause == PROMPT_DIFFERS and prompt.reported_prompt_tokens in (None, length):
+            if cause in (SERVER_MISSED, NO_FINGERPRINT) and prompt.reported_prompt_tokens in (None, length):
                 here.held_differs += 1
             end = prompt.finished_at if prompt.finished_at is not None else start
             self._serial += 1
             heapq.heappush(here.running, (max(end, start), self._serial, held))
+        if prompt.agreed is not None and (self.tainted or prompt.agreed != math.inf):
+            self._taint(hashes, prompt.agreed)
         verdict = CacheVerdict(prompt.request_id, prompt.endpoint, expected, predicted, observed, cause, check)
         self.tally.add(verdict)
         return verdict
 
-    def _miss(self, prompt: ModelPrompt, check: CacheCheck, here: _Endpoint | None) -> str:
+    def _miss(self, prompt: ModelPrompt, check: CacheCheck, here: _Endpoint | None, expected: int) -> str:
         size, observed = self.block_size, prompt.observed
+        if prompt.agreed is not None and prompt.agreed < expected:  # the sent prompt differs where it should hit
+            return PROMPT_DIFFERS
+        # the prompt differs by indirect evidence only: blamed on the replay by none of these
+        differs = NO_FINGERPRINT if prompt.agreed is None else SERVER_MISSED
         reported = prompt.reported_prompt_tokens
         if reported is not None and reported != prompt.prompt_tokens:
-            return PROMPT_DIFFERS
+            return differs
         if observed >= check.expected:  # every whole block the infinite cache has: the ideal's rest is in a block
             return PARTIAL_BLOCK
         if check.low <= observed <= check.high:
@@ -197,11 +220,24 @@ class CacheModel:
         if observed % size or here is None:
             return UNEXPLAINED
         missing = prompt.hashes[observed // size]
+        if missing in self.tainted:  # the request that cached it sent other words there (its fingerprint)
+            return PROMPT_DIFFERS
         if missing in here.pool:
-            return EVICTED if here.pressed and not here.pool.holds(missing) else PROMPT_DIFFERS
+            return EVICTED if here.pressed and not here.pool.holds(missing) else differs
         if any(missing in other.pool for name, other in self.endpoints.items() if other is not here):
             return ROUTED_ELSEWHERE
         return EVICTED
+
+    def _taint(self, hashes: Sequence[int], agreed: float) -> None:
+        """A request whose fingerprint proves its first `agreed` tokens the trace's cached `hashes`:
+        its blocks past them hold other words than the trace's (chain hashes: every later one too),
+        those before are the trace's again."""
+        first = len(hashes) if agreed == math.inf else int(agreed) // self.block_size
+        for k, h in enumerate(hashes):
+            if k < first:
+                self.tainted.discard(h)
+            else:
+                self.tainted.add(h)
 
     @staticmethod
     def _beyond(check: CacheCheck, here: _Endpoint | None) -> str:
@@ -344,6 +380,15 @@ def _notes(section: dict) -> list[str]:
     differs = section["miss_causes"].get(PROMPT_DIFFERS)
     if differs:
         notes.append(f"{differs['requests']} {DIFFERS_NOTE} (requests {', '.join(map(str, differs['examples'][:5]))})")
+    missed = section["miss_causes"].get(SERVER_MISSED)
+    if missed:
+        notes.append(f"{missed['requests']} misses of prompts their fingerprints prove the trace's: the server did not "
+                     "give blocks its pool must hold, or counted the prompt otherwise (requests "
+                     f"{', '.join(map(str, missed['examples'][:5]))})")
+    unproven = section["miss_causes"].get(NO_FINGERPRINT)
+    if unproven:
+        notes.append(f"{unproven['requests']} misses the model cannot explain are nobody's: no prompt fingerprint "
+                     "proves whether the prompt sent differed (none in their records, or not compared)")
     return notes
 
 
@@ -378,11 +423,12 @@ def _figures(t: _EndpointTally) -> dict:
 
 
 # -- inputs: records in memory, the servers' caches -------------------------------------------------
-def model_prompts(records: Iterable[Record], server_ids, block_size: int) -> list[ModelPrompt]:
+def model_prompts(records: Iterable[Record], server_ids, block_size: int, fingerprint=None) -> list[ModelPrompt]:
     """The ModelPrompts of the records the server took in, in send order, from records in memory;
     `server_ids(request_id)` is the prompt's token ids as the server counts them (a
-    PromptSynthesizer's server_ids of the row). For tests and small runs: replay/results/cache_child.py
-    streams the same from files."""
+    PromptSynthesizer's server_ids of the row), `fingerprint(request_id)` its fingerprint (the
+    prompt's; None: the records' fingerprints are not checked). For tests and small runs:
+    replay/results/cache_child.py streams the same from files."""
     sent = sorted((r for r in records if scheduled(r)), key=lambda r: (r["sent_at"], r["request_id"]))
     starts = StartEstimates()
     out = []
@@ -394,6 +440,7 @@ def model_prompts(records: Iterable[Record], server_ids, block_size: int) -> lis
             r["request_id"], r["sent_at"], r.get("prompt_tokens"), r.get("cached_tokens"), block_hashes(ids, block_size),
             len(ids), endpoint, r.get("finished_at"), output if output is not None else r.get("output_length") or 0,
             None, starts.started_at(endpoint, r["sent_at"], r.get("ttft_ms")), answered_at(r),
+            None if fingerprint is None else agreed_tokens(r.get("prompt_fingerprint"), fingerprint(r["request_id"])),
         ))  # fmt: skip
     return out
 

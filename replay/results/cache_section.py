@@ -61,6 +61,9 @@ class CacheJob:
     reorder_window_ms: float = 0.0
     # the cache model's servers: {endpoint as shown: {"num_gpu_blocks", "served_before"}}; None: no model
     servers: dict[str, dict] | None = None
+    # why the records' prompt fingerprints are not compared (the prompts re-synthesized are not
+    # provably the run's: a flag changed its spec, no metadata, the trace changed); None: compared
+    fingerprints_unchecked: str | None = None
 
 
 CAPACITY_SEARCH = "a capacity search's probes send prompts of their own, not the trace's rows: docs/capacity.md"
@@ -117,8 +120,11 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
     if tokenizer_path is None:
         raise ReportError("cache fidelity needs the run's tokenizer: pass --tokenizer (no run metadata names it)")
     same_trace = trace is None
+    unchecked = _not_the_runs_spec(meta, trace=trace, block_size=block_size, tokenizer=tokenizer,
+                                   chat_template=chat_template, api=api, prompt_format=prompt_format, seed=seed)
     if check_trace and same_trace and meta_trace.get("sha256") and file_sha256(trace_path) != meta_trace["sha256"]:
         print(f"warning: {trace_path} changed since the run (sha256 differs from the run metadata)", file=out)
+        unchecked = unchecked or "the trace changed since the run"
     return CacheJob(
         results=str(results),
         trace=str(trace_path),
@@ -132,7 +138,24 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
         server_block_size=server_block_size,
         reorder_window_ms=reorder_window_ms,
         servers=servers,
+        fingerprints_unchecked=unchecked,
     )
+
+
+def _not_the_runs_spec(meta: dict, **flags) -> str | None:
+    """Why prompts re-synthesized with `flags` (None: the metadata's) are not provably the run's,
+    so its records' prompt fingerprints prove nothing against them: a flag that differs from
+    the run's metadata, or no metadata at all. None: they are the run's."""
+    if not meta:
+        return "no run metadata says the run's spec"
+    meta_trace = meta.get("trace") or {}
+    said = {"trace": meta_trace.get("path"), "block_size": meta_trace.get("block_size"),
+            "tokenizer": meta.get("tokenizer"), "chat_template": meta.get("chat_template"), "api": meta.get("api"),
+            "prompt_format": (meta.get("options") or {}).get("prompt_format"), "seed": meta.get("seed")}
+    for name, value in flags.items():
+        if value is not None and str(value) != str(said[name]):
+            return f"--{name.replace('_', '-')} {value} is not the run's ({said[name]})"
+    return None
 
 
 def _model_servers(results: str | Path, caches: dict, cache_blocks: int | None) -> tuple[dict | None, str]:

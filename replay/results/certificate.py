@@ -14,6 +14,9 @@ threshold below. The cache lines that judge (the miss causes) come from the fini
 of the server, through one hook: `miss_attribution` (see there). The server's usage is set
 against its own /metrics counters (the run's `server` section): where they disagree, its
 usage is not evidence, and the prompts and cache lines are judged from the counters. The
+prompts as sent are judged from the records' fingerprints against the cache section's
+re-synthesis (its `fingerprints`, replay.rules.prompt_fingerprint): the only evidence that
+blames the replay's prompts. The
 verdict names whose doing a failure is (VERDICTS), each with its remedy: the replay's
 (`unfaithful`), the server's cache warm from before the run (`warm-cache`), other clients of
 the server during the run (`shared-server`), or a host busy with other work while the sends
@@ -27,7 +30,6 @@ import math
 from typing import TypedDict
 
 from replay.results.arrivals import ArrivalComparison
-from replay.results.cache_model import DIFFERS_NOTE
 from replay.results.fidelity import scheduled
 from replay.results.host_load import busy_host, client_limited, describe
 from replay.results.records import Record
@@ -56,8 +58,8 @@ REMEDIES = {
 
 # The causes of a request's cache miss (observed cached tokens below the infinite-cache
 # expectation) or of a hit beyond it, as the finite-cache model names them (docs/fidelity.md#cache).
-MISS_CAUSES = ("evicted", "routed-elsewhere", "partial-block", "prompt-differs", "in-flight", "warm-at-start",
-               "unexplained")
+MISS_CAUSES = ("evicted", "routed-elsewhere", "partial-block", "prompt-differs", "server-missed", "no-fingerprint",
+               "in-flight", "warm-at-start", "unexplained")
 FAILING_CAUSES = ("prompt-differs", "unexplained")  # the verdict: none of these
 
 
@@ -334,6 +336,19 @@ def _counter_judgement(cert: dict) -> tuple[str, str] | None:
                         "this run's prompts give (its usage cannot name the requests)")
 
 
+def _fingerprints_differ(cache: dict) -> str | None:
+    """The failing line of prompts sent otherwise than the trace says: their records' fingerprints
+    against the re-synthesis of the cache section (replay.rules.prompt_fingerprint). Direct
+    evidence of a replay bug, whatever the server says."""
+    found = (cache.get("infinite") or {}).get("fingerprints") or {}
+    if not found.get("differ"):
+        return None
+    first = found["examples"][0]
+    return (f"prompts: {found['differ']} of {found['checked']} prompts sent differ from the trace's (their "
+            f"prompt_fingerprint against the re-synthesis; request {first['request_id']} agreed only through "
+            f"token {first['agreed_tokens']})")
+
+
 def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
     """(the verdict, the failing lines, the lines nothing could check, the remedies). A line with
     nothing to judge is unchecked and fails nothing, but a run that sent nothing fails. Each
@@ -367,6 +382,8 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
     elif p["exact_share"] < PROMPTS_EXACT_MIN:
         failing.append((UNFAITHFUL, f"prompts: {p['mismatches']} of {p['counted']} prompts the server counted differ "
                                     "from the trace's input_length (needs 100% exact)"))
+    if differ := _fingerprints_differ(cert["cache"]):
+        failing.append((UNFAITHFUL, differ))
     misses = cert["cache"]["misses"]
     cached_status = (usage or {}).get("cached_tokens", {}).get("status")
     if untrusted or cached_status == ABSENT:
@@ -381,9 +398,7 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
         unchecked.append("cache: no miss attribution (no finite-cache model of the server)")
     else:
         cert["cache"]["judged_from"] = "usage"
-        unjudged = 0
         for smaller in cert["cache"].get("smaller_than_declared") or ():
-            unjudged += smaller["prompt_differs_held"]
             unchecked.append(
                 f"cache: {smaller['endpoint']}'s KV-cache usage peaked at {100 * smaller['server_peak_usage']:.1f}% where "
                 f"its declared {smaller['num_gpu_blocks']} blocks would have held at most "
@@ -398,12 +413,17 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
                                            f"server served other traffic ({others} prompt tokens the run did not send)"))
         for cause in FAILING_CAUSES:
             n = (misses["causes"].get(cause) or {}).get("requests") or 0
-            if cause == "prompt-differs":
-                n = max(n - unjudged, 0)
-            elif cause == "unexplained" and others > 0:
+            if cause == "unexplained" and others > 0:
                 n = max(n - beyond, 0)
             if n:
                 failing.append((UNFAITHFUL, f"cache: {n} requests {cause} (needs 0)"))
+        unproven = (misses["causes"].get("no-fingerprint") or {}).get("requests") or 0
+        if unproven:
+            why = ((cert["cache"]["infinite"] or {}).get("fingerprints") or {}).get("unchecked")
+            why = (f"the records' prompt fingerprints were not compared: {why}" if why else
+                   "their records have no prompt_fingerprint (a run from before it)")
+            unchecked.append(f"cache: {unproven} misses the model finds no cause for are not blamed: {why}, so whether "
+                             "the prompt sent differed from the trace's is not known")
         warm = (misses["causes"].get("warm-at-start") or {}).get("requests") or 0
         if warm:
             failing.append((WARM_CACHE, f"cache: {warm} requests hit prompts cached before this run (warm-at-start)"))
@@ -474,6 +494,14 @@ def format_certificate(cert: dict, width: int) -> list[str]:
                        f"{w['input_length']} ({w['difference']:+d})")
     if p["uncounted"]:
         out.append(line("  ok rows without a server count:", p["uncounted"]))
+    fingerprints = (c["infinite"] or {}).get("fingerprints")
+    if fingerprints and (fingerprints["checked"] or fingerprints["without"]):
+        out.append(line("Prompts as sent (fingerprints):", f"{fingerprints['checked'] - fingerprints['differ']} of "
+                                                           f"{fingerprints['checked']} the trace's"
+                                                           + (f", {fingerprints['without']} without"
+                                                              if fingerprints["without"] else "")))
+        for e in fingerprints["examples"][:5]:
+            out.append(f"  request {e['request_id']}: agreed only through token {e['agreed_tokens']}")
     out.append(line("Outputs of exact length:", f"{_pct(o['exact_share'])} of {o['sent']}"))
     for reason, n in o["others"].items():
         if n:
@@ -492,8 +520,7 @@ def format_certificate(cert: dict, width: int) -> list[str]:
             count = misses["causes"].get(cause) or {}
             if count.get("requests"):
                 out.append(f"  cache {cause}: {count['requests']} requests, {count.get('tokens', 0)} tokens")
-        unjudged = bool(c.get("smaller_than_declared"))  # its must-hold misses prove nothing: no "replay bug"
-        out.extend(f"  {note}" for note in misses.get("notes") or () if not (unjudged and DIFFERS_NOTE in note))
+        out.extend(f"  {note}" for note in misses.get("notes") or ())
     elif c["infinite"] is None:
         out.append(f"  cache: not computed ({c.get('skipped') or 'the server said no block size: pass --server-block-size N'})")
     return out

@@ -322,6 +322,39 @@ class CacheTally:
         return section
 
 
+class FingerprintTally:
+    """The sent prompts' fingerprints (a record's `prompt_fingerprint`) against the re-synthesis's,
+    one request at a time (replay.rules.prompt_fingerprint.agreed_tokens): how many were checked,
+    how many differ (the lowest request ids, each with the tokens its prompt agreed to), and how many
+    records have none (a run from before the field: nothing is proven either way).
+    `unchecked`: why none is compared (the prompts re-synthesized are not provably the run's);
+    then every request counts as without."""
+
+    def __init__(self, unchecked: str | None = None) -> None:
+        self.checked = self.differ = self.without = 0
+        self.examples: list[dict] = []
+        self.unchecked = unchecked
+        self.compared = unchecked is None
+
+    def add(self, request_id: int, agreed: float | None) -> None:
+        if agreed is None:
+            self.without += 1
+            return
+        self.checked += 1
+        if agreed != math.inf:  # the lowest request ids: the same whichever order they come in
+            self.differ += 1
+            if len(self.examples) < WORST or request_id < self.examples[-1]["request_id"]:
+                self.examples.append({"request_id": request_id, "agreed_tokens": int(agreed)})
+                self.examples.sort(key=lambda e: e["request_id"])
+                del self.examples[WORST:]
+
+    def section(self) -> dict:
+        section = {"checked": self.checked, "differ": self.differ, "without": self.without, "examples": self.examples}
+        if self.unchecked is not None:
+            section["unchecked"] = self.unchecked
+        return section
+
+
 def summarize_cache(checks: Iterable[CacheCheck], method: str, ideal: dict | None = None) -> dict:
     """The cache section of `checks` (CacheTally's)."""
     tally = CacheTally()

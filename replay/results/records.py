@@ -48,6 +48,7 @@ class Record(TypedDict):
     usage_mismatch: str | None  # the usage claims that cannot be true (replay.rules.usage), "; "-joined
     probe: int | None  # a capacity search's probe (docs/capacity.md), in the merged file; null: no search
     factor: float | None  # that probe's load factor
+    prompt_fingerprint: list[list[int]] | None  # the prompt as sent: [[tokens, crc32], ...] (replay.rules.prompt_fingerprint)
 
 
 RECORD_FIELDS = tuple(Record.__annotations__)
@@ -95,9 +96,10 @@ def _ms(value: float | None) -> float | None:
 
 
 def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: float, outcome,
-                due_at: float | None = None) -> Record:
+                due_at: float | None = None, prompt_fingerprint: list | None = None) -> Record:
     """The record of a request that was sent; `outcome` is a replay.protocol.Outcome; `due_at`:
-    when the turn timing let it go (None: at `scheduled_at`)."""
+    when the turn timing let it go (None: at `scheduled_at`); `prompt_fingerprint`: its prompt's,
+    as its body was built (replay.synth.prompts)."""
     if due_at is None:
         due_at = scheduled_at
     received = outcome.events_tokens if outcome.streamed else None
@@ -135,6 +137,7 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "usage_mismatch": "; ".join(found) or None,
         "probe": None,
         "factor": None,
+        "prompt_fingerprint": prompt_fingerprint,
     }
 
 

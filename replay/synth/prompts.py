@@ -26,8 +26,11 @@ import logging
 import weakref
 from array import array
 
+import orjson
+
 from replay.protocol.prompt import Prompt
 from replay.protocol.table import API_NAMES, APIS, prompt_format_problem
+from replay.rules.prompt_fingerprint import ids_fingerprint, text_fingerprint, whole_fingerprint
 from replay.synth import setup_cache
 from replay.synth.blocks import TOKEN_ID, BlockSource
 from replay.synth.frames import EMPTY_SYSTEM, USER_ONLY, Frame, Measured, PromptError, chat_messages, measure
@@ -147,20 +150,37 @@ class PromptSynthesizer:
 
     def prompt(self, row: TraceRow) -> Prompt:
         if row.messages is not None:
-            return self._given(row)
+            prompt = self._given(row)
+            prompt.fingerprint = whole_fingerprint(orjson.dumps([row.messages, prompt.tools]), prompt.expected_tokens)
+            return prompt
         frame, layout, n = self._layout(row)
         if n <= 0:
-            return self._too_short(row)
+            prompt = self._too_short(row)
+            prompt.fingerprint = whole_fingerprint(b"", prompt.expected_tokens)
+            return prompt
         if layout is EMPTY_SYSTEM:
-            return Prompt(chat_messages(EMPTY_SYSTEM, self._content_text(row, n)), None, None, row.input_length)
-        if self.verified:
-            return self._fixed_up(row, n)
-        if self.token_ids:
+            text, fingerprint = self._content(row, n, len(frame.before))
+            prompt = Prompt(chat_messages(EMPTY_SYSTEM, text), None, None, row.input_length)
+        elif self.verified:
+            prompt = self._fixed_up(row, n)
+            fingerprint = whole_fingerprint(self._sent_text(prompt).encode(), prompt.expected_tokens)
+        elif self.token_ids:
+            content = self._content_ids(row, n)
+            fingerprint = ids_fingerprint(content, len(frame.before), self.blocks.block_size)
             ids = array(TOKEN_ID, frame.before)
-            ids += self._content_ids(row, n)
+            ids += content
             ids.extend(frame.after)
-            return Prompt(None, None, ids.tolist(), len(ids))
-        return self.text_prompt(self._content_text(row, n), row.input_length)
+            prompt = Prompt(None, None, ids.tolist(), len(ids))
+        else:
+            text, fingerprint = self._content(row, n, len(frame.before))
+            prompt = self.text_prompt(text, row.input_length)
+        prompt.fingerprint = fingerprint
+        return prompt
+
+    @staticmethod
+    def _sent_text(prompt: Prompt) -> str:
+        """The text a text prompt sends: its user message's content, or its text."""
+        return prompt.messages[-1]["content"] if prompt.messages is not None else prompt.text or ""
 
     def server_ids(self, row: TraceRow) -> list[int]:
         """The row's prompt as the server's token ids. Built from the proven frame where prompts
@@ -229,12 +249,21 @@ class PromptSynthesizer:
                 block = self.blocks.unique(row.request_id, index)
             yield block, size if index < full else part
 
-    def _content_text(self, row: TraceRow, n: int) -> str:
+    def _content_parts(self, row: TraceRow, n: int) -> list[str]:
+        """The content's text, one part per trace block."""
         size = self.blocks.block_size
         prefix_text = self.blocks.prefix_text
         parts = [block.text if used == size else prefix_text(block, used) for block, used in self._row_blocks(row, n)]
         parts[0] = parts[0][1:]  # the first word goes bare: templates strip, sentencepiece re-adds the space
-        return "".join(parts)
+        return parts
+
+    def _content_text(self, row: TraceRow, n: int) -> str:
+        return "".join(self._content_parts(row, n))
+
+    def _content(self, row: TraceRow, n: int, offset: int) -> tuple[str, list]:
+        """The content's text and its fingerprint (`offset`: the frame's tokens before it)."""
+        parts = self._content_parts(row, n)
+        return "".join(parts), text_fingerprint(parts, offset, self.blocks.block_size, n)
 
     def _content_ids(self, row: TraceRow, n: int) -> array:
         ids = array(TOKEN_ID)

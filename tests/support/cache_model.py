@@ -56,7 +56,8 @@ def run_verdicts(output: Path, tokenizer_dir: Path) -> tuple[list, dict, dict]:
     rows = {row.request_id: row for row in TraceStream(trace["path"], trace["format"], trace["block_size"])}
     synth = PromptSynthesizer(ServerTokenizer.load(tokenizer_dir), api=meta["api"], block_size=trace["block_size"],
                               seed=meta["seed"])
-    prompts = model_prompts(read_records(output), lambda rid: synth.server_ids(rows[rid]), block)
+    prompts = model_prompts(read_records(output), lambda rid: synth.server_ids(rows[rid]), block,
+                            lambda rid: synth.prompt(rows[rid]).fingerprint)
     model = CacheModel(block, server_caches(caches, start_counters(metrics_path(output))))
     verdicts = list(model_checks(prompts, block, {}, model=model))
     return verdicts, model.tally.section(model), caches
