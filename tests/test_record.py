@@ -565,3 +565,19 @@ def test_a_session_id_that_would_break_the_header_is_not_sent(sim, toy_tokenizer
     fine, bad = rows(out)
     assert "client_request_id" not in bad and "client_request_id" not in fine
     assert fine["session_id"] != bad["session_id"]
+
+
+def test_an_answer_still_running_past_the_drain_timeout_is_cut_and_its_row_says_why(toy_tokenizer_dir, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", "16", "--ttft-ms", "5", "--itl-ms", "50") as slow:
+        proxy = RecordProcess(slow.url, out, "--drain-timeout", "0.5")
+        answer = requests.post(proxy.url + CHAT, json={"model": "sim", "messages": [{"role": "user", "content": "go"}],
+                               "max_tokens": 400, "ignore_eos": True, "stream": True}, stream=True, timeout=30)
+        lines = answer.iter_lines()
+        next(line for line in lines if b"content" in line)
+        started = time.monotonic()
+        assert proxy.stop() == 0
+        assert time.monotonic() - started < 10  # not the 20 s the answer had left
+    (row,) = rows(out)
+    assert row["error"] == "the proxy stopped before the end of the answer (--drain-timeout)"
+    assert json.loads(Path(f"{out}.meta.json").read_text())["complete"] is True

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import gevent
 import orjson
+from gevent import GreenletExit
 from gevent.queue import Queue
 from geventhttpclient import HTTPClient
 
@@ -164,7 +165,10 @@ class Forwarder:
                     kept += chunk
                 yield chunk
             error = None
-        except GeneratorExit:
+        except GeneratorExit:  # the client is gone: pywsgi closes the answer it could not write
+            raise
+        except GreenletExit:  # killed: the proxy stopped, its --drain-timeout past
+            error = "the proxy stopped before the end of the answer (--drain-timeout)"
             raise
         except Exception as e:
             error = f"the upstream broke off the answer: {_reason(e)}"
