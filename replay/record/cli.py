@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "chat/completions requests that passed (docs/record.md). No prompt or answer text is written "
         "unless --keep-text.",
     )
-    parser.add_argument("--upstream", required=True, help="the server (or router) to forward to: http://HOST:PORT")
+    parser.add_argument("--upstream", required=True, metavar="URL",
+                        help="the server (or router) to forward to: http://HOST:PORT (credentials in it: never shown)")
     parser.add_argument("--output", required=True, type=TRACE, help="the trace to write (JSONL); OUTPUT.meta.json beside it")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=PORT, default=8080, help="port to listen on (0: any free one; default 8080)")
