@@ -581,3 +581,36 @@ def test_an_answer_still_running_past_the_drain_timeout_is_cut_and_its_row_says_
     (row,) = rows(out)
     assert row["error"] == "the proxy stopped before the end of the answer (--drain-timeout)"
     assert json.loads(Path(f"{out}.meta.json").read_text())["complete"] is True
+
+
+def test_a_proxy_killed_mid_answer_leaves_whole_lines_and_a_meta_that_says_so(toy_tokenizer_dir, tmp_path):
+    """SIGKILL: no drain, no goodbye. The recorder reads to the end of its pipe, writes the rows
+    it has, and the meta says the recording is not complete and why (how many requests the
+    proxy had not handed over is not known)."""
+    out = tmp_path / "trace.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", "16", "--ttft-ms", "5", "--itl-ms", "50") as slow:
+        proxy = RecordProcess(slow.url, out)
+        assert chat(proxy.url, [{"role": "user", "content": "before"}]).status_code == 200
+        wait_for(lambda: out.exists() and out.read_text().count("\n") == 1, "the first row")
+        answer = requests.post(proxy.url + CHAT, json={"model": "sim", "messages": [{"role": "user", "content": "go"}],
+                               "max_tokens": 400, "ignore_eos": True, "stream": True}, stream=True, timeout=30)
+        lines = answer.iter_lines()
+        next(line for line in lines if b"content" in line)
+        proxy.proc.kill()
+        proxy.stop()
+        meta_file = Path(f"{out}.meta.json")
+        wait_for(lambda: "ended" in json.loads(meta_file.read_text()), "the recorder's last meta")
+        answer.close()
+    (row,) = rows(out)
+    assert "error" not in row
+    meta = json.loads(meta_file.read_text())
+    assert meta["complete"] is False and meta["lost"] is None and "without closing the recording" in meta["ended"]
+    assert meta["rows"] == 1
+
+
+def test_a_recording_closed_in_order_lost_nothing(sim, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    with RecordProcess(sim.url, out) as proxy:
+        assert chat(proxy.url, [{"role": "user", "content": "one"}]).status_code == 200
+    meta = json.loads(Path(f"{out}.meta.json").read_text())
+    assert meta["complete"] is True and meta["lost"] == 0 and "ended" not in meta

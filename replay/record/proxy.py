@@ -206,12 +206,20 @@ def _reason_phrase(response) -> str:
         return "Unknown"
 
 
-def pump(exchanges: Queue, pipe) -> None:
+def pump(exchanges: Queue, pipe, forwarder: Forwarder | None = None) -> None:
     """Write each queued exchange down the recorder's pipe (a greenlet: the forwarding never waits
-    for the pipe). Ends at RECORDER_STOPPED, or when the recorder is gone."""
+    for the pipe). Ends at RECORDER_STOPPED with the count of requests numbered, so that the
+    recorder can tell a recording closed in order from a proxy that died (EOF without it), or
+    when the recorder is gone."""
     while True:
         item = exchanges.get()
         if item is RECORDER_STOPPED:
+            if forwarder is not None:
+                try:
+                    pipe.write(orjson.dumps({"closed": forwarder.seq}) + b"\n")
+                    pipe.flush()
+                except OSError:
+                    pass
             return
         try:
             for part in item:

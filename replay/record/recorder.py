@@ -100,16 +100,29 @@ class Recorder:
                   f"{'forwarding stops' if self.settings['on_write_error'] == 'stop' else 'forwarding goes on, unrecorded'}",
                   file=sys.stderr, flush=True)
             if self.settings["on_write_error"] == "stop":
-                self.close()
+                self.meta["ended"] = "the trace could not be written: the proxy stops (--on-write-error stop)"
+                self.close(None)
                 sys.exit(CUT_EXIT)
 
-    def close(self) -> None:
-        for seq in sorted(self.held):  # after a gap: an exchange the proxy never finished (it was killed)
+    def close(self, numbered: int | None) -> None:
+        """After the proxy's last exchange. `numbered`: the requests the proxy numbered, as it
+        said goodbye; None: it died (SIGKILL) without, and what it had not handed over yet is
+        lost. The meta says how many were lost, or that it cannot know."""
+        lost = 0
+        for seq in sorted(self.held):  # behind a gap: one the proxy never handed over
+            lost += seq - self.next_seq
             self._make(self.held.pop(seq))
+            self.next_seq = seq + 1
+        if numbered is not None:
+            lost += max(0, numbered - self.next_seq)
+        self.meta["lost"] = lost if numbered is not None else None
+        if numbered is None and "ended" not in self.meta:
+            self.meta["ended"] = "the proxy ended without closing the recording (killed?): requests it had not " \
+                                 "handed over are missing, how many is not known"
         self.file.close()
         if self.raw is not None:
             self.raw.close()
-        self.write_meta(complete=self.cut is None)
+        self.write_meta(complete=self.cut is None and lost == 0 and numbered is not None)
 
     def write_meta(self, complete: bool) -> None:
         self.meta.update(rows=self.written, rows_marked_failed=self.failed, complete=complete, cut=self.cut,
@@ -154,12 +167,18 @@ def raw_line(x: Exchange, body: dict | None, answer: Answer | None) -> bytes:
                          "answer": None if answer is None else dataclasses.asdict(answer)}) + b"\n"
 
 
-def read_exchanges(pipe: BinaryIO):
+def read_exchanges(pipe: BinaryIO, closed: dict | None = None):
+    """The exchanges on the pipe; `closed` gets the proxy's goodbye ({"closed": the requests it
+    numbered}) when it says one (none: it died)."""
     while True:
         head = pipe.readline()
         if not head:
             return
         fields = orjson.loads(head)
+        if "closed" in fields:
+            if closed is not None:
+                closed.update(fields)
+            continue
         request = pipe.read(fields.pop("request"))
         response = pipe.read(fields.pop("response"))
         yield Exchange(**fields, request=request, response=response)
@@ -184,9 +203,10 @@ def main() -> int:
     except OutputError as e:
         print(f"replay record: {e}: nothing is recorded", file=sys.stderr, flush=True)
         return CUT_EXIT if settings["on_write_error"] == "stop" else drain(pipe)
-    for exchange in read_exchanges(pipe):
+    closed: dict = {}
+    for exchange in read_exchanges(pipe, closed):
         recorder.add(exchange)
-    recorder.close()
+    recorder.close(closed.get("closed"))
     return 1 if recorder.cut else 0
 
 

@@ -114,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
     stop = Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         gevent.signal_handler(sig, stop.set)
-    pumping = gevent.spawn(pump, forwarder.exchanges, recorder.stdin)
+    pumping = gevent.spawn(pump, forwarder.exchanges, recorder.stdin, forwarder)
     recorder_ended = gevent.spawn(recorder.wait)
     recorder_ended.link(lambda _: stop.set())
     host, port = server.address[:2]
