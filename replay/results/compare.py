@@ -11,6 +11,12 @@ be a narrower distribution than any one run's (its p99 falls as runs are added),
 different numbers of runs would differ by construction; pooled, a side's p99 is the p99 a run
 of it measures, and the extra runs only tighten the interval.
 
+Rows are compared where every run has the server's answer (ok or not): a row one run never
+sent, or cut off by its own stop, is no latency change and no failure, so it is counted apart
+(replay.results.compare_runs says which rows a run answered and whether it is whole). In a run
+stopped early, the rows from the first one its stop left unanswered on are left out too:
+the ones that finished after it are its fast ones.
+
 Figures that exist once per run (throughput, the server's peaks) have no rows to resample:
 they are shown, with their change, and not tested ("not tested").
 """
@@ -19,25 +25,22 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from replay.results.bootstrap import Draw, Share, Weighted, block_rows, draw, interval, sample, std
-from replay.results.metadata import read_run_metadata
-from replay.results.records import Record, prompt_tokens_of, read_records
-from replay.results.report import ReportBuilder, meets_slo, parse_slo
-from replay.results.server_metrics import read_server_section
-from replay.results.summary import percentile
+from replay.results.bootstrap import Draw, Share, Total, Weighted, block_rows, draw, interval, sample, std
+from replay.results.compare_runs import OK, UNANSWERED, RunRows, read_run
+from replay.results.report import parse_slo
 
 BETTER, WORSE, SAME, NOT_TESTED = "better", "worse", "no detectable difference", "not tested"
 CONFIDENCE = 0.95
 MDE_FACTOR = 1.959964 + 0.841621  # z of 97.5% + z of 80%: a 5% two-sided test with 80% power
 MIN_TAIL_ROWS = 10  # a quantile is tested only with this many rows beyond it (p99: 1,000 rows)
-ITL_CAP = 20_000  # inter-token gaps per side the resampling carries (a request's gaps thinned evenly)
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 QUANTILES = (50, 90, 99)
 MDE_METRICS = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+MAX_ID_SPAN = 1 << 28  # request ids are trace rows: a span wider than this is no run's
 
 
 class CompareError(ValueError):
@@ -73,23 +76,13 @@ def metric_table(slo: bool) -> list[Metric]:
     return out
 
 
-@dataclass
-class Run:
-    path: str
-    meta: dict | None
-    records: list[Record]
-
-
-def load_run(path: str) -> Run:
-    """A run's records and metadata (CompareError naming the file when they cannot be read)."""
+def load_run(path: str, slo: dict[str, float] | None = None) -> RunRows:
+    """A run's records (as columns) and metadata; CompareError naming the file (and line) when
+    they cannot be read."""
     try:
-        meta = read_run_metadata(path)
-        records = list(read_records(path))
+        return read_run(path, slo)
     except (ValueError, OSError) as e:
         raise CompareError(str(e)) from None
-    if not records:
-        raise CompareError(f"{path}: no records: expected the per-request JSONL a replay writes (its --output)")
-    return Run(path, meta, records)
 
 
 # What makes two runs the same experiment: (what it is called, where the metadata says it).
@@ -105,7 +98,7 @@ COMPARED_META: tuple[tuple[str, Callable[[dict], object]], ...] = (
 )  # fmt: skip
 
 
-def differences(runs: list[Run]) -> list[str]:
+def differences(runs: list[RunRows]) -> list[str]:
     """How each run differs from the first in what makes runs comparable, one line each."""
     first = runs[0]
     out = []
@@ -122,101 +115,116 @@ def differences(runs: list[Run]) -> list[str]:
     return out
 
 
-def slo_of(runs: list[Run], given: dict[str, float] | None) -> dict[str, float] | None:
+def slo_of(metas: list[dict | None], given: dict[str, float] | None) -> dict[str, float] | None:
     """The --slo given, else the runs' own when they all agree (replay.results.report.parse_slo's form)."""
     if given:
         return given
-    texts = {((r.meta or {}).get("options") or {}).get("slo") for r in runs}
+    texts = {((m or {}).get("options") or {}).get("slo") for m in metas}
     if len(texts) == 1:
         return parse_slo(texts.pop()) or None
     return None
 
 
-class Side:
-    """One side's values as the resampling needs them, over the matched rows (0..n-1)."""
+@dataclass
+class Matched:
+    """The rows compared: answered in every run, before the first row a run-wide stop left
+    unanswered (`stop`, a request id, or None), in request id order (trace order)."""
 
-    def __init__(self, runs: list[Run], index: dict[int, int], slo: dict[str, float] | None, block: int) -> None:
-        n = len(index)
-        self.runs = runs
-        pairs: dict[str, list[tuple[float, int]]] = {lat: [] for lat in LATENCIES}
-        itl_rows: list[tuple[int, list[float]]] = []
-        self.requests, self.failed, self.good = [0] * n, [0] * n, [0] * n
-        self.cached, self.prompt = [0] * n, [0] * n
+    ids: array  # the compared rows' request ids, ascending
+    low: int  # the least request id of any run: row_of's origin
+    row_of: array  # request id - low -> its row among the compared, -1: not compared
+    stop: int | None
+    rows_after_stop: int  # request ids of any run from `stop` on
+    all_ids: int  # distinct request ids over the runs
+    common_ids: int  # request ids every run has a record of
+
+
+def match(runs: list[RunRows]) -> Matched:
+    low = min(min(r.ids) for r in runs)
+    span = max(max(r.ids) for r in runs) - low + 1
+    if span > MAX_ID_SPAN:
+        raise CompareError(f"request ids from {low} span {span} rows: more than {MAX_ID_SPAN} (not one trace's rows)")
+    stops = [r.first_stop for r in runs if r.first_stop is not None]
+    stop = min(stops) if stops else None
+    answered, present = bytearray(span), bytearray(span)
+    for run in runs:
+        for rid, state in zip(run.ids, run.state):
+            present[rid - low] += 1
+            if state != UNANSWERED and (stop is None or rid < stop):
+                answered[rid - low] += 1
+    want = len(runs)
+    ids = array("q", [low + k for k, c in enumerate(answered) if c == want])
+    row_of = array("q", [-1]) * span
+    for row, rid in enumerate(ids):
+        row_of[rid - low] = row
+    after = span - (stop - low) - present.count(0, stop - low) if stop is not None else 0
+    return Matched(ids, low, row_of, stop, after, span - present.count(0), present.count(want))
+
+
+class Side:
+    """One side's values as the resampling needs them, over the compared rows (0..n-1)."""
+
+    def __init__(self, runs: list[RunRows], matched: Matched, slo: dict[str, float] | None, block: int) -> None:
+        n = len(matched.ids)
+        low, row_of = matched.low, matched.row_of
+        values = {lat: (array("d"), array("q")) for lat in ("ttft", "tpot", "e2e")}
+        gaps, gap_rows, gap_weights = array("d"), array("q"), array("d")
+        zeros = bytes(8 * n)
+        requests, failed, good = array("d", zeros), array("d", zeros), array("d", zeros)
+        cached, prompt = array("d", zeros), array("d", zeros)
+        itl_sum, itl_count = array("d", zeros), array("d", zeros)
+        self.gaps_total = 0
         for run in runs:
-            for r in run.records:
-                row = index.get(r["request_id"])
-                if row is None:
+            rows = array("q", [row_of[rid - low] for rid in run.ids])
+            for i, row in enumerate(rows):
+                if row < 0:
                     continue
-                self.requests[row] += 1
-                if slo and meets_slo(r, slo):
-                    self.good[row] += 1
-                if not r.get("ok"):
-                    self.failed[row] += 1
+                requests[row] += 1
+                good[row] += run.good[i]
+                if run.state[i] != OK:
+                    failed[row] += 1
                     continue
-                for lat in ("ttft", "tpot", "e2e"):
-                    value = r.get(f"{lat}_ms")
-                    if value is not None:
-                        pairs[lat].append((value, row))
-                if r.get("itl_ms"):
-                    itl_rows.append((row, r["itl_ms"]))
-                if r.get("cached_tokens") is not None:
-                    self.cached[row] += r["cached_tokens"]
-                    self.prompt[row] += prompt_tokens_of(r)
-        self.itl_all = sorted(v for _, gaps in itl_rows for v in gaps)  # the point figures: every gap
-        pairs["itl"] = thinned(itl_rows, ITL_CAP)
-        self.rows_with = {lat: len({row for _, row in pairs[lat]}) for lat in LATENCIES}
-        self.weighted = {lat: Weighted(pairs[lat], n, block) for lat in LATENCIES}
-        self.shares = {"failure_rate": Share(self.failed, self.requests, block),
-                       "cached_share": Share(self.cached, self.prompt, block)}
+                for lat, column in (("ttft", run.ttft), ("tpot", run.tpot), ("e2e", run.e2e)):
+                    v = column[i]
+                    if v == v:  # not nan: the record has it
+                        values[lat][0].append(v)
+                        values[lat][1].append(row)
+                if run.cached[i] >= 0:
+                    cached[row] += run.cached[i]
+                    prompt[row] += run.prompt[i]
+                if run.itl_count[i]:
+                    itl_sum[row] += run.itl_sum[i]
+                    itl_count[row] += run.itl_count[i]
+                    self.gaps_total += run.itl_count[i]
+            for v, i, w in zip(run.gap_value, run.gap_record, run.gap_weight):
+                if rows[i] >= 0:
+                    gaps.append(v)
+                    gap_rows.append(rows[i])
+                    gap_weights.append(w)
+        self.gaps_kept = len(gaps)
+        self.weighted = {lat: Weighted(v, o, n, block, ps=QUANTILES) for lat, (v, o) in values.items()}
+        # ITL: quantiles over the kept gaps, each weighing as the gaps it stands for; the mean
+        # over every gap (each row's sum and count): the point and the resamples alike.
+        thinned = gap_weights.count(1.0) < len(gap_weights)
+        self.weighted["itl"] = Weighted(gaps, gap_rows, n, block, gap_weights if thinned else None, QUANTILES)
+        self.itl_sum, self.itl_count = Total(itl_sum, block), Total(itl_count, block)
+        self.rows_with = {lat: w.rows_with for lat, w in self.weighted.items()}
+        self.shares = {"failure_rate": Share(failed, requests, block), "cached_share": Share(cached, prompt, block)}
         if slo:
-            self.shares["goodput"] = Share(self.good, self.requests, block)
+            self.shares["goodput"] = Share(good, requests, block)
 
     def figures(self, d: Draw) -> dict[str, float | None]:
-        """Every tested figure of this side for one resample."""
+        """Every tested figure of this side for one resample (the sample itself: `sample`)."""
         out: dict[str, float | None] = {}
         for lat, w in self.weighted.items():
             for p, q in zip(QUANTILES, w.quantiles(d, QUANTILES)):
                 out[f"{lat}_p{p}"] = q
             out[f"{lat}_mean"] = w.mean(d)
+        count = self.itl_count.of(d)
+        out["itl_mean"] = self.itl_sum.of(d) / count if count else None
         for name, share in self.shares.items():
             out[name] = share.value(d)
         return out
-
-    def point(self) -> dict[str, float | None]:
-        """The side's figures: the resampling's rule at every count 1, ITL from every gap."""
-        out = self.figures(sample(len(self.requests)))
-        for p in QUANTILES:
-            out[f"itl_p{p}"] = percentile(self.itl_all, p)
-        out["itl_mean"] = sum(self.itl_all) / len(self.itl_all) if self.itl_all else None
-        return out
-
-
-def thinned(itl_rows: list[tuple[int, list[float]]], cap: int) -> list[tuple[float, int]]:
-    """Every request's gaps, or where they are more than `cap` in all, each request's evenly
-    spaced order statistics, its share of `cap` (at least one): each request keeps its shape."""
-    total = sum(len(g) for _, g in itl_rows)
-    keep = max(1, cap // max(1, len(itl_rows))) if total > cap else None
-    out = []
-    for row, gaps in itl_rows:
-        if keep is None or len(gaps) <= keep:
-            out.extend((v, row) for v in gaps)
-        else:
-            s = sorted(gaps)
-            out.extend((s[int((i + 0.5) * len(s) / keep)], row) for i in range(keep))
-    return out
-
-
-def run_figures(run: Run, slo: dict[str, float] | None) -> dict[str, float | None]:
-    """The run-level figures of one run, as `replay report` computes them."""
-    builder = ReportBuilder(slo)
-    for r in run.records:
-        builder.add(r)
-    report = builder.report()
-    server = read_server_section(run.path, report["endpoints"])
-    total = (server or {}).get("total") or {}
-    return {"request_throughput": report["request_throughput"], "output_throughput": report["output_token_throughput"],
-            "kv_usage_peak": total.get("peak_kv_cache_usage"), "queue_peak": total.get("peak_waiting"),
-            "preemptions": total.get("preemptions")}  # fmt: skip
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -235,8 +243,23 @@ def _tail_problem(metric: Metric, rows: int) -> str | None:
             f"{math.ceil(MIN_TAIL_ROWS / share)} rows needed")  # fmt: skip
 
 
+def _missing(base: float | None, new: float | None) -> str | None:
+    """Which side has no value of a figure (no answered ok request has it), else None."""
+    sides = [name for name, value in (("BASE", base), ("NEW", new)) if value is None]
+    return f"no value on {' and '.join(sides)}: no ok answer has it" if sides else None
+
+
+def _point_problem(change: float | None, ci: tuple[float, float] | None) -> str | None:
+    """Why an interval cannot judge its own point: the point change lies outside it (a
+    bootstrap distribution of few distinct values, or one skewed by ties), else None."""
+    if change is None or ci is None or ci[0] <= change <= ci[1]:
+        return None
+    return "the change lies outside its own interval: the resampling cannot judge this figure"
+
+
 def verdict(metric: Metric, ci: tuple[float, float] | None, problem: str | None) -> str:
-    """`worse`/`better` only when the whole interval lies on one side of no change."""
+    """`worse`/`better` only when the whole interval lies on one side of no change (and no
+    `problem`: too few rows, or a point outside its interval)."""
     if not metric.tested:
         return NOT_TESTED
     if ci is None or problem:
@@ -249,17 +272,28 @@ def verdict(metric: Metric, ci: tuple[float, float] | None, problem: str | None)
     return SAME
 
 
-def compare(base: list[Run], new: list[Run], *, slo: dict[str, float] | None = None, resamples: int = 1000,
+def run_entry(run: RunRows, side: str, matched: Matched) -> dict:
+    """What compare says about one run: its records, what it left unanswered, whether it is whole."""
+    return {"path": run.path, "side": side, "records": len(run), "answered": len(run) - run.state.count(UNANSWERED),
+            "unanswered": dict(run.unanswered.most_common()), "incomplete": run.incomplete()}  # fmt: skip
+
+
+def compare(base: list[RunRows], new: list[RunRows], *, slo: dict[str, float] | None = None, resamples: int = 1000,
             seed: int = 0, block: int | None = None) -> dict:
     """The comparison document (docs/compare.md): the runs, the method, one entry per metric,
-    the minimal detectable effects. Rows are those every run has (matched by request id)."""
-    ids = set.intersection(*({r["request_id"] for r in run.records} for run in (*base, *new)))
-    if not ids:
-        raise CompareError("the runs have no request id in common: not replays of the same trace rows")
-    index = {rid: row for row, rid in enumerate(sorted(ids))}  # request ids are trace order
-    n = len(index)
+    the minimal detectable effects. Rows are those every run answered (matched by request id)."""
+    matched = match([*base, *new])
+    n = len(matched.ids)
+    if not n:
+        if not matched.common_ids:
+            raise CompareError("the runs have no request id in common: not replays of the same trace rows")
+        raise CompareError(f"no row that every run answered{' before the stop' if matched.stop is not None else ''}: "
+                           "nothing to compare (every run's records: " + "; ".join(
+                               f"{r.path}: {', '.join(r.incomplete()) or 'whole'}" for r in (*base, *new)) + ")")
+    if block is not None and block > n:
+        raise CompareError(f"--block-rows {block}: more than the {n} rows compared (1 to {n})")
     block = block or block_rows(n)
-    sides = Side(base, index, slo, block), Side(new, index, slo, block)
+    sides = Side(base, matched, slo, block), Side(new, matched, slo, block)
     metrics = metric_table(bool(slo))
     tested = [m for m in metrics if m.tested]
     diffs: dict[str, list[float]] = {m.name: [] for m in tested}
@@ -273,23 +307,25 @@ def compare(base: list[Run], new: list[Run], *, slo: dict[str, float] | None = N
                 diffs[m.name].append(a[m.name] - b[m.name])
                 if b[m.name]:
                     rels[m.name].append((a[m.name] - b[m.name]) / b[m.name])
-    points = sides[0].point(), sides[1].point()
-    run_level = [[run_figures(r, slo) for r in side] for side in (base, new)]
+    whole = sample(n)
+    points = sides[0].figures(whole), sides[1].figures(whole)
+    run_level = [[r.figures for r in side] for side in (base, new)]
     entries = []
     for m in metrics:
         if m.tested:
             bv, nv = points[0][m.name], points[1][m.name]
         else:
             bv, nv = (_mean([f[m.name] for f in figs]) for figs in run_level)
+        change = None if bv is None or nv is None else nv - bv
         lat = m.name.split("_")[0]
         rows = min(s.rows_with[lat] for s in sides) if m.quantile is not None else n
-        problem = _tail_problem(m, rows)
         ci = interval(diffs[m.name], CONFIDENCE) if m.tested else None
         ci_rel = interval(rels[m.name], CONFIDENCE) if m.tested else None
+        problem = (_missing(bv, nv) or _tail_problem(m, rows) or _point_problem(change, ci)) if m.tested else None
         entries.append({
             "metric": m.name, "label": m.label, "unit": m.unit, "lower_is_better": m.lower_is_better,
             "base": bv, "new": nv,
-            "change": None if bv is None or nv is None else nv - bv,
+            "change": change,
             "relative_change": None if not bv or nv is None else (nv - bv) / bv,
             "ci": list(ci) if ci else None, "relative_ci": list(ci_rel) if ci_rel else None,
             "verdict": verdict(m, ci, problem), "note": problem if m.tested else "one figure per run: no interval",
@@ -303,20 +339,17 @@ def compare(base: list[Run], new: list[Run], *, slo: dict[str, float] | None = N
         else:
             effect = MDE_FACTOR * sd
             mde[name] = {"ms": effect, "relative": effect / entry["base"] if entry["base"] else None, "note": None}
+    itl = {side: {"gaps": s.gaps_total, "kept": s.gaps_kept} for side, s in zip(("base", "new"), sides)}
     return {
         "base": [r.path for r in base], "new": [r.path for r in new],
+        "runs": [run_entry(r, "BASE", matched) for r in base] + [run_entry(r, "NEW", matched) for r in new],
         "rows_matched": n,
-        "rows_unmatched": len({r["request_id"] for run in (*base, *new) for r in run.records}) - n,
+        "rows_unmatched": matched.all_ids - n,
+        "stop": None if matched.stop is None else {"request_id": matched.stop, "rows_from_it": matched.rows_after_stop},
         "slo": slo,
         "bootstrap": {"method": "paired circular block bootstrap over rows matched by request id",
                       "resamples": resamples, "seed": seed, "block_rows": block, "confidence": CONFIDENCE,
-                      "min_tail_rows": MIN_TAIL_ROWS},
+                      "min_tail_rows": MIN_TAIL_ROWS, "itl_gaps": itl},
         "metrics": entries,
         "mde": mde,
     }  # fmt: skip
-
-
-def paths_exist(paths: list[str]) -> None:
-    for p in paths:
-        if not Path(p).is_file():
-            raise CompareError(f"{p}: no such file (a run's --output)")

@@ -12,7 +12,7 @@ from replay.bounds import MAX_INT, SEED, Bound
 from replay.output_claim import OUTPUT
 from replay.results.compare import NOT_TESTED, SAME, CompareError, compare, differences, load_run, slo_of
 from replay.results.gates import evaluate, parse_gate
-from replay.results.metadata import RUN
+from replay.results.metadata import RUN, read_run_metadata
 from replay.results.outputs import write_outputs
 from replay.results.report import ReportError, parse_slo
 
@@ -33,6 +33,9 @@ def register(subparsers) -> None:
     p.add_argument("--new", action="append", type=RUN, default=[], help="a NEW run (repeatable)")
     p.add_argument("--allow-different", action="store_true",
                    help="compare runs whose trace, window, seed, api, prompt format, scale or stream differ")
+    p.add_argument("--allow-incomplete", action="store_true",
+                   help="compare runs that are not whole (stopped, workers lost, files not written) on the rows "
+                   "every run answered")
     p.add_argument("--slo", default=None, help="ttft_ms=..,tpot_ms=..,e2e_ms=.. for goodput (default: the runs')")
     p.add_argument("--fail-on", action="append", default=[], metavar="EXPR",
                    help="exit 1 when the change's whole interval lies beyond a bound, e.g. ttft_p99>+5%%, "
@@ -58,16 +61,28 @@ def _sides(args) -> tuple[list[str], list[str]]:
     return args.base, args.new
 
 
+def _meta(path: str) -> dict | None:
+    try:
+        return read_run_metadata(path)
+    except (ValueError, OSError) as e:
+        raise CompareError(str(e)) from None
+
+
 def run(args) -> int:
     try:
         gates = [parse_gate(text) for text in args.fail_on]
         base_paths, new_paths = _sides(args)
-        base, new = [load_run(p) for p in base_paths], [load_run(p) for p in new_paths]
+        slo = slo_of([_meta(p) for p in (*base_paths, *new_paths)], parse_slo(args.slo) if args.slo else None)
+        base, new = [load_run(p, slo) for p in base_paths], [load_run(p, slo) for p in new_paths]
         different = differences([*base, *new])
         if different and not args.allow_different:
             raise CompareError("the runs are not comparable: " + "; ".join(different)
                                + " (--allow-different compares them anyway)")
-        slo = slo_of([*base, *new], parse_slo(args.slo) if args.slo else None)
+        incomplete = [f"{side} {r.path}: {'; '.join(r.incomplete())}" for side, runs in (("BASE", base), ("NEW", new))
+                      for r in runs if r.incomplete()]  # fmt: skip
+        if incomplete and not args.allow_incomplete:
+            raise CompareError("a run is not whole: " + " | ".join(incomplete)
+                               + " (--allow-incomplete compares the rows every run answered)")
         result = compare(base, new, slo=slo, resamples=args.resamples, seed=args.seed, block=args.block_rows)
         result["differences"] = different
         result["gates"] = [evaluate(g, result) for g in gates]
@@ -124,11 +139,30 @@ def table_rows(result: dict) -> list[tuple[str, str, str, str, str, str]]:
     return rows
 
 
+def rows_line(result: dict) -> str:
+    """How many rows the verdicts stand on, and which were left out and why."""
+    line = f"{result['rows_matched']} rows matched by request id, answered in every run"
+    left = []
+    if result["stop"]:
+        left.append(f"{result['stop']['rows_from_it']} from request id {result['stop']['request_id']} on, "
+                    "where a run was stopped")
+    unanswered = sum(sum(r["unanswered"].values()) for r in result["runs"])
+    if unanswered:
+        left.append(f"{unanswered} records unanswered (" + "; ".join(
+            f"{r['side']} {r['path']}: " + ", ".join(f"{n} {label!r}" for label, n in r["unanswered"].items())
+            for r in result["runs"] if r["unanswered"]) + ")")  # fmt: skip
+    if result["rows_unmatched"]:
+        return f"{line} ({result['rows_unmatched']} rows left out: {'; '.join(left) or 'in only some runs'})"
+    return line
+
+
 def format_compare(result: dict) -> str:
     b = result["bootstrap"]
-    out = [f"BASE: {', '.join(result['base'])}", f"NEW:  {', '.join(result['new'])}",
-           f"{result['rows_matched']} rows matched by request id"
-           + (f" ({result['rows_unmatched']} in only some runs, left out)" if result["rows_unmatched"] else "")]
+    out = [f"BASE: {', '.join(result['base'])}", f"NEW:  {', '.join(result['new'])}"]
+    for run in result["runs"]:
+        if run["incomplete"]:
+            out.append(f"INCOMPLETE (--allow-incomplete): {run['side']} {run['path']}: {'; '.join(run['incomplete'])}")
+    out.append(rows_line(result))
     for d in result.get("differences") or ():
         out.append(f"differs (--allow-different): {d}")
     header = ("metric", "BASE", "NEW", "change", "95% interval", "verdict")
@@ -143,6 +177,11 @@ def format_compare(result: dict) -> str:
     if any(e["verdict"] == NOT_TESTED for e in result["metrics"]):
         out.append("not tested: one figure per run, no rows to resample (shown for reading, not judged)")
     out.append(f"{b['method']}: {b['resamples']} resamples, seed {b['seed']}, blocks of {b['block_rows']} rows")
+    gaps = b["itl_gaps"]
+    if any(g["kept"] < g["gaps"] for g in gaps.values()):
+        out.append("ITL quantiles over " + ", ".join(f"{g['kept']:,} of {g['gaps']:,} gaps ({side.upper()})"
+                                                     for side, g in gaps.items())
+                   + ": each request's evenly spaced quantiles, weighing as its gaps; ITL mean over every gap")
     mde = []
     for name, m in result["mde"].items():
         if m["ms"] is None:

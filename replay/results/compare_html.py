@@ -8,43 +8,60 @@ import html
 import time
 from pathlib import Path
 
-from replay.results.compare import Run
+from replay.results.compare import Matched, match
 from replay.results.compare_cli import format_compare, table_rows
+from replay.results.compare_runs import RunRows
 from replay.results.files import write_atomically
 from replay.results.html import _cdf, _matplotlib, figure_svg
 
+CDF_POINTS = 20_000  # values a side's CDF is drawn from (its evenly spaced order statistics)
+ROW_POINTS = 5_000  # about the rows the change-over-time plot draws (every k-th request id)
 PLOTS = (
-    ("compare-cdf", "TTFT and end-to-end latency, cumulative distribution: BASE and NEW"),
+    ("compare-cdf", "TTFT and end-to-end latency of the rows compared, cumulative distribution: BASE and NEW"),
     ("compare-rows", "Each row's change (NEW - BASE, mean over a side's runs) over trace time"),
 )
 
 
-def _ok_values(runs: list[Run], key: str) -> list[float]:
-    return [r[key] for run in runs for r in run.records if r.get("ok") and r.get(key) is not None]
+def _thinned(values: list[float], most: int) -> list[float]:
+    """At most `most` evenly spaced order statistics of `values`: the same curve, a drawable page."""
+    v = sorted(values)
+    if len(v) <= most:
+        return v
+    return [v[int((i + 0.5) * len(v) / most)] for i in range(most)]
 
 
-def _row_means(runs: list[Run], key: str) -> dict[int, tuple[float, float]]:
-    """request id -> (its mean over the runs that answered it, its scheduled offset in s)."""
+def _ok_values(runs: list[RunRows], key: str, matched: Matched) -> list[float]:
+    """The ok values of the rows compared (the table's rows: not those only some run answered)."""
+    row_of, low = matched.row_of, matched.low
+    return _thinned([v for run in runs for rid, v in zip(run.ids, getattr(run, key))
+                     if v == v and row_of[rid - low] >= 0], CDF_POINTS)  # fmt: skip
+
+
+def _row_means(runs: list[RunRows], key: str, stride: int, matched: Matched) -> dict[int, tuple[float, float]]:
+    """request id -> (its mean over the runs that answered it, its scheduled offset in s), of
+    every `stride`-th request id compared (a drawable page)."""
     sums: dict[int, list[float]] = {}
+    row_of, low = matched.row_of, matched.low
     for run in runs:
-        t0 = min((r["scheduled_at"] for r in run.records if r.get("scheduled_at") is not None), default=0.0)
-        for r in run.records:
-            if r.get("ok") and r.get(key) is not None and r.get("scheduled_at") is not None:
-                s = sums.setdefault(r["request_id"], [0.0, 0.0, 0])
-                s[0] += r[key]
-                s[1] += r["scheduled_at"] - t0
+        t0 = min((t for t in run.scheduled if t == t), default=0.0)
+        for rid, value, at in zip(run.ids, getattr(run, key), run.scheduled):
+            if value == value and at == at and rid % stride == 0 and row_of[rid - low] >= 0:
+                s = sums.setdefault(rid, [0.0, 0.0, 0])
+                s[0] += value
+                s[1] += at - t0
                 s[2] += 1
     return {rid: (s[0] / s[2], s[1] / s[2]) for rid, s in sums.items()}
 
 
-def render_figures(base: list[Run], new: list[Run]) -> dict:
+def render_figures(base: list[RunRows], new: list[RunRows]) -> dict:
     Figure = _matplotlib()
+    matched = match([*base, *new])
     figures = {}
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     axes = fig.subplots(1, 2)
-    for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "e2e_ms", "End-to-end")):
-        _cdf(ax, _ok_values(base, key), "BASE")
-        _cdf(ax, _ok_values(new, key), "NEW")
+    for ax, key, title in ((axes[0], "ttft", "TTFT"), (axes[1], "e2e", "End-to-end")):
+        _cdf(ax, _ok_values(base, key, matched), "BASE")
+        _cdf(ax, _ok_values(new, key, matched), "NEW")
         ax.set(xlabel=f"{title} (ms)", title=title)
         ax.legend(loc="lower right")
         ax.grid(alpha=0.3)
@@ -54,8 +71,9 @@ def render_figures(base: list[Run], new: list[Run]) -> dict:
     scale = float(((base[0].meta or {}).get("scale")) or 1.0)
     fig = Figure(figsize=(9, 3.6), layout="constrained")
     ax = fig.subplots()
-    for key, label in (("ttft_ms", "TTFT"), ("e2e_ms", "E2E")):
-        b, n = _row_means(base, key), _row_means(new, key)
+    for key, label in (("ttft", "TTFT"), ("e2e", "E2E")):
+        stride = max(1, max(len(r) for r in (*base, *new)) // ROW_POINTS)
+        b, n = _row_means(base, key, stride, matched), _row_means(new, key, stride, matched)
         ids = sorted(b.keys() & n.keys())
         ax.scatter([b[i][1] * scale for i in ids], [n[i][0] - b[i][0] for i in ids], s=7, alpha=0.6, label=label)
     ax.axhline(0.0, color="grey", lw=1)
@@ -103,5 +121,5 @@ def render_html(result: dict, figures: dict) -> str:
                        summary=html.escape(format_compare(result)))  # fmt: skip
 
 
-def write_compare_html(path: str | Path, result: dict, base: list[Run], new: list[Run]) -> Path:
+def write_compare_html(path: str | Path, result: dict, base: list[RunRows], new: list[RunRows]) -> Path:
     return write_atomically(path, render_html(result, render_figures(base, new)).encode("utf-8"))

@@ -53,7 +53,7 @@ def evaluate(gate: Gate, result: dict) -> dict:
     ci = entry["relative_ci"] if gate.unit == "%" else entry["ci"]
     if ci is None:
         why = "goodput needs an SLO (--slo, or the runs' own)" if gate.metric == "goodput" and not result["slo"] \
-            else "no values to compare"  # fmt: skip
+            else entry["note"] or "no values to compare"  # fmt: skip
         raise CompareError(f"--fail-on {gate.text!r}: {why}")
     scale = 100.0 if gate.unit in ("%", "pt") else 1.0
     shown = f"[{ci[0] * scale:+.2f}, {ci[1] * scale:+.2f}]{gate.unit}"
