@@ -63,10 +63,13 @@ def test_the_round_trip_through_real_vllm(vllm_qwen2, tmp_path):
     of = {t: again[k] for k, t in enumerate(order)}  # T row id -> its T' row
     assert [of[i].input_length for i in range(ROWS)] == [r.input_length for r in original]
     assert [of[i].output_length for i in range(ROWS)] == [r.output_length for r in original]
+    # Arrival gaps: within the replay's drift of both rows, plus the proxy's own lateness: it stamps
+    # a request when its loop reads it, which beside vLLM prefilling on 2 shared cores (load 9)
+    # was once 100 ms (the sim round trip in test_record.py holds 20 ms, run alone).
     drift = max(abs(r["drift_ms"]) for r in through_proxy.values()) / 1000.0
     for i, o in enumerate(original):
         assert abs((of[i].timestamp_s - again[0].timestamp_s) - (o.timestamp_s - original[order[0]].timestamp_s)) \
-            <= drift + 0.05
+            <= 2 * drift + 0.25
     measured, _ = set_up(ServerTokenizer.load(tokenizer), "openai-completions")
     assert measured.frame.overhead == 0  # nothing around the content: T's blocks are the server's
     for i in range(ROWS):
