@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import select
 import signal
 import subprocess
@@ -22,6 +23,7 @@ class RecordProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "replay", "record", "--upstream", upstream, "--output",
                                       str(output), "--port", "0", *args], stdout=subprocess.PIPE,
                                      stderr=open(self.log, "w"), text=True)
+        atexit.register(self._kill)  # a test that failed before stopping it leaves no proxy behind
         deadline = time.monotonic() + timeout
         while True:
             ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
@@ -32,6 +34,11 @@ class RecordProcess:
             if not line or time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError(f"replay record did not start: {self.errors()}")
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def errors(self) -> str:
         return self.log.read_text()
