@@ -18,7 +18,8 @@ from replay.output_claim import claim_command, command_prog
 # the suite and a fleet start pays for what it runs. `run` is listed by replay.locust.cli, but
 # its arguments are Locust's to parse (main hands them over before any parsing here).
 COMMAND_MODULES = {"run": "replay.locust.cli", "trace": "replay.trace.cli", "prompts": "replay.synth.cli",
-                   "sim": "replay.sim.cli", "report": "replay.results.cli", "compare": "replay.results.compare_cli"}
+                   "sim": "replay.sim.cli", "report": "replay.results.cli", "compare": "replay.results.compare_cli",
+                   "record": "replay.record.cli"}
 
 
 def version() -> str:

@@ -45,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
 SERIAL_GROUPS = {
     "tests/test_e2e_vllm.py": "vllm_qwen2",
     "tests/test_vllm_parity.py": "vllm_qwen2",
+    "tests/test_record_vllm.py": "vllm_qwen2",
     "tests/test_verify_vllm.py": "vllm_llama3_class",
     "tests/test_cache_model_vllm.py": "vllm_small_cache",
 }

@@ -363,6 +363,7 @@ def test_on_outage_retry_ends_the_search_when_the_repeat_is_an_outage_too(tmp_pa
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE, OUTAGE]
     assert report["result"] == OUTAGE and run.exit_codes == [1]
+    assert "--on-outage retry" not in quotable_line(report)  # it was: its remedy is not to retry again
 
 
 def test_on_outage_retry_ends_the_search_when_the_servers_do_not_come_back(tmp_path):
@@ -372,6 +373,7 @@ def test_on_outage_retry_ends_the_search_when_the_servers_do_not_come_back(tmp_p
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE]
     assert report["result"] == OUTAGE and run.exit_codes == [1]
+    assert report["on_outage"] == "retry" and "--on-outage retry" not in quotable_line(report)
 
 
 def test_a_few_unanswered_rows_among_the_loads_failures_are_still_a_fail():

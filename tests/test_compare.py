@@ -187,6 +187,23 @@ def test_a_stopped_run_is_refused_and_compared_on_the_rows_both_answered(tmp_pat
             assert e["change"] == 0 and e["verdict"] == SAME, e
 
 
+def test_a_capacity_search_is_not_compared_row_by_row_unasked(tmp_path, capsys):
+    """A search's later probes reuse request ids at load factors its own outcomes chose: row by
+    row they pair rows of other loads (and, against a plain run, other trace rows)."""
+    records = synthetic_records(1)
+    base = write_run(tmp_path / "base.jsonl", records)
+    new = write_run(tmp_path / "search.jsonl", [dict(r, probe=0, factor=1.0) for r in records])
+    meta = json.loads(Path(f"{new}.meta.json").read_text())
+    meta["options"]["capacity_search"] = True
+    Path(f"{new}.meta.json").write_text(json.dumps(meta))
+    for pair in ([base, new], [new, new]):
+        assert main(["compare", *pair]) == 2
+        err = capsys.readouterr().err
+        assert "not comparable" in err and f"{new} is a capacity search" in err and "--allow-different" in err
+    assert main(["compare", base, new, "--allow-different", "--resamples", "100"]) == 0
+    assert f"differs (--allow-different): {new} is a capacity search" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("damage, named", [
     ("short", "180 records for the 200 rows its meta names (20 missing)"),
     ("not whole", "its files are not whole (run.jsonl: No space left on device)"),

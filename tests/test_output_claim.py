@@ -122,12 +122,18 @@ RECIPES: dict[str, tuple[list[str], list[str]]] = {
     "replay trace convert": (["trace", "convert", "{trace}", "{OUT}", "--block-size", str(BLOCK)], ["OUT"]),
     "replay trace amplify": (["trace", "amplify", "{trace}", "{OUT}", "--factor", "2", "--block-size", str(BLOCK)],
                              ["OUT"]),
+    "replay trace anonymize": (["trace", "anonymize", "{trace}", "{OUT}", "--tokenize-url", "http://127.0.0.1:9"],
+                               ["OUT"]),
+    # the proxy reads its --salt-file; an --output given again wins over the recipe's own
+    "replay record": (["record", "--upstream", "http://127.0.0.1:9", "--block-size", str(BLOCK), "--port", "0",
+                       "--salt-file", "{trace}", "--output", "{trace}.recorded.jsonl"], ["--output", "--raw-log"]),
 }
 # What each command reads (and so must never write): the inputs it is given, the files beside a
 # run, the trace a run's metadata names.
 VICTIMS = {"replay report": ["run_a", "run_a_meta", "run_a_summary", "trace"],
            "replay compare": ["run_a", "run_b", "run_b_meta", "run_b_summary"],
-           "replay trace convert": ["trace"], "replay trace amplify": ["trace"]}
+           "replay trace convert": ["trace"], "replay trace amplify": ["trace"], "replay trace anonymize": ["trace"],
+           "replay record": ["trace"]}
 CASES = [(prog, option) for prog, (_, options) in RECIPES.items() for option in options]
 
 

@@ -94,7 +94,8 @@ def test_parse_reads_labels_whole_and_refuses_what_is_not_the_format():
     assert parse(text, KNOWN) == {"vllm:num_requests_running": 5.5, "vllm:num_requests_waiting": 10.0,
                                   PROMPT: float("inf")}
     for bad in ('vllm:num_requests_running{engine="0} 2\n', "vllm:num_requests_running 2 3 4\n",
-                "vllm:num_requests_running two\n", "<html><body>not found</body></html>\n"):
+                "vllm:num_requests_running two\n", "<html><body>not found</body></html>\n",
+                '{"object": "list", "data": [{"id": "sim"}]}\n'):
         with pytest.raises(ValueError, match="not the Prometheus text format"):
             parse(bad, KNOWN)
     assert parse("other_metric{a=\"1\"} 4\n", KNOWN) == {}

@@ -239,7 +239,8 @@ def test_the_other_commands_url_options_never_show_credentials(tmp_path, toy_tok
     a password authenticates, and what the command prints holds none."""
     found = [(words, a.option_strings[0]) for words, parser in commands(build_parser()) if words != "replay run"
              for a in parser._actions if a.metavar and "URL" in str(a.metavar)]
-    assert found == [("replay prompts check", "--server")]  # a new one: give it a case here
+    assert sorted(found) == [("replay prompts check", "--server"), ("replay record", "--upstream"),
+                             ("replay trace anonymize", "--tokenize-url")]  # a new one: give it a case here
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=4, gap_ms=10)
     done = subprocess.run([sys.executable, "-m", "replay", "prompts", "check", "--trace", str(trace), "--block-size",
                            str(BLOCK), "--tokenizer", str(toy_tokenizer_dir), "--model", "sim",
@@ -248,3 +249,21 @@ def test_the_other_commands_url_options_never_show_credentials(tmp_path, toy_tok
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"{shown(with_credentials(locked_sims[0].url))}: " in done.stdout
     assert leaks(tmp_path, done.stdout, done.stderr) == [] and TOKEN not in done.stdout + done.stderr
+    # replay record: the upstream's credentials are the Authorization of a request that has none
+    # (and of the recorder's /tokenize); the listening line, the log, the trace and its meta
+    # show none; the raw log, kept for anonymize, the anonymized trace and its meta neither
+    from support.record import RecordProcess
+
+    recorded, raw = tmp_path / "recorded.jsonl", tmp_path / "raw.jsonl"
+    with RecordProcess(with_credentials(locked_sims[0].url), recorded, "--raw-log", str(raw)) as proxy:
+        answer = requests.post(proxy.url + "/v1/chat/completions", timeout=30,
+                               json={"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert answer.status_code == 200
+    [row] = [line for line in recorded.read_text().splitlines()]
+    assert '"hash_ids"' in row and '"error"' not in row  # its /tokenize was let in too
+    done = subprocess.run([sys.executable, "-m", "replay", "trace", "anonymize", str(raw), str(tmp_path / "again.jsonl"),
+                           "--tokenize-url", with_credentials(locked_sims[1].url)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert '"hash_ids"' in (tmp_path / "again.jsonl").read_text()
+    assert leaks(tmp_path, done.stdout, done.stderr, proxy.errors()) == []

@@ -539,14 +539,17 @@ class Dispatcher:
             return
         endpoint = self.route(row)
         request_id = None if self.run_id is None else f"{self.run_id}-{row.request_id}"
-        sent = write(endpoint, self.api, body, self.options.stream, self.headers, request_id)
+        headers = self.headers
+        if self.options.session_header and row.session_id is not None and row.session_id.isprintable():  # for a recording proxy
+            headers = {**headers, self.options.session_header: row.session_id}
+        sent = write(endpoint, self.api, body, self.options.stream, headers, request_id)
         self.sent += 1
         if sent is not None:  # written already; the answer is read in its own greenlet
             sent_at = sent.outcome.sent_at
             greenlet = self.sends.spawn(self._read, row, scheduled, due, endpoint, sent)
         else:  # no idle connection: connecting would block, so the send gets a greenlet of its own
             sent_at = time.time()
-            greenlet = self.sends.spawn(self._send, row, body, scheduled, due, endpoint, request_id)
+            greenlet = self.sends.spawn(self._send, row, body, scheduled, due, endpoint, request_id, headers)
         self.last_send = sent_at
         self.in_flight[row.request_id] = (row, scheduled, due, endpoint.url, sent_at, greenlet)
         self._to_flush.set()  # the sends moved on: the flush loop asks for the rows that now fit
@@ -560,8 +563,8 @@ class Dispatcher:
             gevent.get_hub().loop.run_callback(self.alarm.ring)
 
     def _send(self, row: TraceRow, body: bytes, scheduled: float, due: float, endpoint: Endpoint,
-              request_id: str | None) -> None:
-        outcome = send(endpoint, self.api, body, self.options.stream, self.headers, request_id)
+              request_id: str | None, headers: dict[str, str]) -> None:
+        outcome = send(endpoint, self.api, body, self.options.stream, headers, request_id)
         self._done(row, scheduled, due, endpoint, outcome)
 
     def _read(self, row: TraceRow, scheduled: float, due: float, endpoint: Endpoint, sent: Sent) -> None:

@@ -138,6 +138,8 @@ class ReplayOptions:
     header: list | None = _option(help="'Name: value' ($VAR expanded); repeatable", parser_default=[])
     request_id_header: bool = _option(True, "send X-Request-Id: <run id>-<request_id> with every request "
                                             "(default on)")
+    session_header: str | None = _option(help="send each row's session id in this request header (for a "
+                                              "recording proxy: `replay record --session-header NAME`)", metavar="NAME")
     server_metrics_interval: float = _option(1.0, "scrape every endpoint's Prometheus /metrics every S seconds, "
                                                   "from the master (default 1; 0: off); samples in "
                                                   "OUTPUT.server-metrics.jsonl", metavar="S",

@@ -372,6 +372,7 @@ class Probes:
                                  search_by=self.c.options.search_by, precision=self.search.precision,
                                  seconds=seconds, ended=self.ended)
         report["id_stride"] = self.stride
+        report["on_outage"] = self.on_outage
         return report
 
 

@@ -105,6 +105,11 @@ def differences(runs: list[RunRows]) -> list[str]:
     for run in runs:
         if run.meta is None:
             out.append(f"{run.path}: no run metadata beside it ({run.path}.meta.json): cannot tell what it replayed")
+        elif (run.meta.get("options") or {}).get("capacity_search"):
+            # Its later probes reuse request ids at the factors its own outcomes chose.
+            out.append(f"{run.path} is a capacity search: its probes' rows are at the load factors its outcomes "
+                       f"chose, so row by row they pair rows of other loads (its {run.path}.capacity.json has "
+                       f"its result)")
     for run in runs[1:]:
         if first.meta is None or run.meta is None:
             continue

@@ -83,7 +83,8 @@ def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
-        if line.split("{", 1)[0].split(None, 1)[0] not in wanted:
+        head = line.split("{", 1)[0].split(None, 1)  # [] for a line of no name (a JSON page's "{...")
+        if not head or head[0] not in wanted:
             continue
         name, value = sample(line)
         seen = True

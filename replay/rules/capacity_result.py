@@ -41,9 +41,9 @@ def quotable_line(report: dict) -> str:
         what = ("the servers stopped answering" if result == OUTAGE else
                 "the servers answered errors that are not the load's")
         reasons = "; ".join(f"{n} x {reason}" for reason, n in (probe.get("not_load_reasons") or {}).items())
+        retry = "" if report.get("on_outage") == "retry" else ", or with --on-outage retry"  # not when it was
         return (f"Capacity: not measured: {what} during the probe at {probe['factor']:.3g}x ({reasons}; the bracket "
-                f"so far: {_side(best)} passes, {_side(worst)} fails); search again once they serve, or with "
-                "--on-outage retry")
+                f"so far: {_side(best)} passes, {_side(worst)} fails); search again once they serve{retry}")
     if result == WORKER_SIGNALLED:
         return (f"Capacity: not measured: a worker was stopped by a signal of its own during the search "
                 f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")

@@ -1,4 +1,4 @@
-"""`replay trace stats|validate|convert|amplify`."""
+"""`replay trace stats|validate|convert|amplify|anonymize`."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from replay.bounds import (
 )
 from replay.errors import OutputError
 from replay.output_claim import INPUT, OUTPUT
+from replay.record.recorder import TRACE  # anonymize writes what `replay record --output` writes
 from replay.trace.amplify import amplify_trace
 from replay.trace.convert import convert_trace
 from replay.trace.formats import FORMATS
@@ -49,6 +50,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail")
     _global_min_rows_option(stats)
     stats.set_defaults(func=run_stats)
+
+    anonymize = commands.add_parser("anonymize", help="a salted hash-id trace from a log of requests (replay record's "
+                                    "--raw-log, LiteLLM's StandardLoggingPayload): docs/record.md")
+    anonymize.add_argument("input", type=INPUT, metavar="IN")
+    anonymize.add_argument("output", type=TRACE, metavar="OUT", help="the trace (jsonl); OUT.meta.json beside it")
+    anonymize.add_argument("--from", dest="shape", choices=("auto", "record", "litellm"), default="auto",
+                           help="IN's shape: replay record's --raw-log, or LiteLLM's StandardLoggingPayload "
+                                "(default: from its first line)")
+    anonymize.add_argument("--tokenizer", type=INPUT, help="the served model's tokenizer (or --tokenize-url)")
+    anonymize.add_argument("--chat-template", type=INPUT, help="the served chat template, with --tokenizer")
+    anonymize.add_argument("--tokenize-url", metavar="URL", help="a server whose POST /tokenize counts the prompts")
+    anonymize.add_argument("--block-size", type=block_size_arg, default=16, metavar="N",
+                           help="tokens per hash id (default 16)")
+    anonymize.add_argument("--salt-file", type=INPUT, help="key the hash ids with this file's bytes (as replay record's)")
+    anonymize.add_argument("--session-names", action="store_true",
+                           help="the log's session names (raw log: the session header or user; LiteLLM: end_user) "
+                                "win over message continuation")
+    anonymize.add_argument("--keep-text", action="store_true", help="write each prompt into its row (internal use)")
+    anonymize.set_defaults(func=run_anonymize)
 
     validate = commands.add_parser("validate", help="check every row; exit 1 and list line-numbered errors")
     validate.add_argument("file", type=INPUT, metavar="FILE")
@@ -222,4 +242,36 @@ def run_convert(args: argparse.Namespace) -> int:
         f"wrote {len(written.rows)} of {len(trace.rows)} rows to {args.output} "
         f"({written.format}{block}, {written.duration_s:.3f} s)"
     )
+    return 0
+
+
+def run_anonymize(args: argparse.Namespace) -> int:
+    from replay.record.anonymize import LogError, anonymize
+    from replay.record.hashing import BlockHasher, read_salt
+    from replay.record.rows import PromptTokens
+
+    if args.tokenizer is None and args.tokenize_url is None:
+        print("replay trace anonymize: give --tokenizer or --tokenize-url: the prompts' tokens are counted as the "
+              "server counts them", file=sys.stderr)
+        return 2
+    try:
+        salt = read_salt(args.salt_file)
+        tokenizer = None
+        if args.tokenizer is not None:
+            from replay.synth.tokenizer import ServerTokenizer
+
+            tokenizer = ServerTokenizer.load(args.tokenizer, args.chat_template)
+        meta = {"anonymized_by": "replay trace anonymize", "source": Path(args.input).name, "format": "jsonl",
+                "block_size": args.block_size, "salt": "from --salt-file" if args.salt_file else "random, never written",
+                "hash_ids": "salted (blake2b keyed), renumbered in order of first use"}
+        done = anonymize(args.input, args.output, log_format=args.shape,
+                         tokens=PromptTokens(args.tokenize_url, tokenizer), hasher=BlockHasher(salt, args.block_size),
+                         session_names=args.session_names, keep_text=args.keep_text, meta=meta)
+    except (LogError, ValueError, FileNotFoundError) as e:
+        print(f"replay trace anonymize: {e}", file=sys.stderr)
+        return 2
+    except OutputError as e:
+        print(f"replay trace anonymize: {e}", file=sys.stderr)
+        return 1
+    print(f"replay trace anonymize: {done['rows']} rows ({done['rows_marked_failed']} marked failed) to {args.output}")
     return 0
