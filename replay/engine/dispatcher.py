@@ -125,7 +125,7 @@ class BodyBuilder:
         self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=options.seed,
                                        token_ids=sends_token_ids(options.prompt_format))
         if self.synth.verified:  # every prompt is encoded: load the tokenizer now, off the loop
-            tokenizer.tokenizer
+            _ = tokenizer.tokenizer  # the attribute loads it
         if broken := os.environ.get(BREAK_BLOCK_ENV):  # test only (docs/testing.md): read once, here
             if not broken.isdigit():
                 raise OptionError(f"${BREAK_BLOCK_ENV} {broken!r}: expected a hash id (a whole number)")
@@ -645,7 +645,7 @@ class Dispatcher:
         yielding (a stop's records are made at once): each reader is told to end, but one whose
         answer is already in may run before the kill lands; `_done` then finds its request gone
         from `in_flight` and records nothing, so the row keeps this one record."""
-        for request_id, (row, scheduled, due, url, sent_at, greenlet) in list(self.in_flight.items()):
+        for row, scheduled, due, url, sent_at, greenlet in list(self.in_flight.values()):
             greenlet.kill(block=False)
             sent_at += self.offset  # records are in the master's clock
             record = unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,

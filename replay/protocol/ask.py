@@ -88,6 +88,6 @@ def check_url(option: str, url: str) -> None:
     if not parts.hostname:
         raise OptionError(f"{option} {url}: no host")
     try:
-        parts.port
+        _ = parts.port  # reading it checks it
     except ValueError:
         raise OptionError(f"{option} {url}: the port is not a number in 0-65535") from None

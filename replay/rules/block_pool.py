@@ -165,11 +165,10 @@ class BlockPool:
             ref[block] -= 1
             if ref[block]:
                 continue
-            if beyond:
-                if len(ref) - len(self._spare) > self.capacity:
-                    self._uncache(block, evicted=False)
-                    self._spare.append(block)
-                    continue
+            if beyond and len(ref) - len(self._spare) > self.capacity:
+                self._uncache(block, evicted=False)
+                self._spare.append(block)
+                continue
             if hash_of[block] is None:
                 first.append(block)
             else:
