@@ -515,6 +515,31 @@ def test_a_worker_stopped_by_a_signal_of_its_own_ends_the_search_without_an_answ
     assert all(r["probe"] == 1 for r in records.values() if not r["ok"])
 
 
+def test_a_workers_own_stop_is_not_lost_when_its_probe_fails_early_meanwhile(tmp_path, capsys):
+    """A worker in the master's process group stops by a signal of its own, and before the
+    master has judged whose signal it was, the servers' errors fail the probe early: the stop is
+    the stronger fact (the probe lost the worker's sends), so the search ends "worker stopped",
+    not "server errors", and its rows are not "probe failed early"."""
+    run, fakes = search_run(tmp_path, capacity=3.0, workers=2, fault={1: 500}, answer_first={0: 20, 1: 20})
+    run.until(lambda: len(run.coordinator.probes.probes) > 1)  # 20 rows each at 1x: probe 1's are held
+    fakes[1].stopped(shared=True)
+    signalled = run.clock.now()
+    run.until(lambda: run.clock.now() >= signalled + 1.0)
+    fakes[0].release(100)  # the servers' errors, a second after the signal
+    run.until(lambda: run.coordinator.probes.probes[1].cut)
+    fakes[1].release(100)  # what it holds of the probe: the rows a cut would record "probe failed early"
+    run.until(lambda: run.coordinator.finished.is_set())
+    run.hub.cut.add("w1")
+    run.gone.add("w1")
+    records = run.end()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert report["result"] == WORKER_SIGNALLED, report["result"]
+    assert run.exit_codes == [1]
+    assert "Capacity: not measured: a worker was stopped by a signal of its own" in capsys.readouterr().out
+    mine = Counter(r["error"] for r in records.values() if r["probe"] == 1 and r["worker"] == 1 and not r["ok"])
+    assert PROBE_CUT not in mine, mine  # it was not cut: what it sent has its answers, the rest the stop's label
+
+
 def test_a_worker_lost_during_the_repeat_too_ends_the_search_with_exit_code_1(tmp_path, capsys):
     # 40 rows round-robin: 14, 13, 13; at 2x, 26 for w2, which inherits w1's 13 for the repeat
     run, _ = search_run(tmp_path, capacity=3.0, workers=3, answer_first={1: 13, 2: 13 + 26})

@@ -102,6 +102,7 @@ class WorkerState:
     ready: bool = False
     lost: bool = False
     stopped: bool = False  # it got a signal of its own (STOPPED): its unrecorded rows are "worker stopped"
+    signal_at: float | None = None  # when it reported a signal shared with the master's group, not yet judged
     clock_offset_ms: float | None = None
     rtt_ms: float | None = None
     failed: int = 0
@@ -360,8 +361,12 @@ class Coordinator:
 
     def cut_round(self, reason: str) -> None:
         """The current probe can no longer meet its target: its rows not yet sent are recorded
-        as `reason` by their workers, and never sent."""
+        as `reason` by their workers, and never sent. A worker whose shared signal is not yet
+        judged is not cut: if the signal is its own, its rows are "worker stopped", which is
+        stronger than the probe's failure."""
         for w in self.live_workers():
+            if w.signal_at is not None:
+                continue
             w.round_window.put(messages.Round(rows=len(w.part), more=True, skip_to=len(w.part),  # type: ignore[typeddict-item]
                                               skip_reason=reason))
 
@@ -405,6 +410,7 @@ class Coordinator:
         if state is None or state.stopped:
             return
         if data.get("shared"):
+            state.signal_at = self.clock.now()
             gevent.spawn(self._judge_shared_signal, state)
         else:
             self._worker_stopped(state)
@@ -416,6 +422,17 @@ class Coordinator:
             return  # the user's stop (or the run is over): its abort labels the worker's rows
         self.link.to_worker(state.client_id, messages.ABORT, messages.Abort(reason=WORKER_STOPPED))
         self._worker_stopped(state, " (the master got none)")
+
+    def _judge_pending_signals(self) -> None:
+        """The run ends (a search that failed meanwhile, say) while a worker's shared signal is
+        not yet judged: its grace is waited out here, so that a worker's own stop is never lost
+        to that end (it invalidates what its probe measured)."""
+        for state in self.workers.values():
+            if state.signal_at is None or state.stopped or self.signalled_at is not None:
+                continue
+            self.clock.sleep(max(0.0, state.signal_at + SHARED_SIGNAL_GRACE_S - self.clock.now()))
+            if self.signalled_at is None and not state.stopped:
+                self._worker_stopped(state, " (the master got none)")
 
     def _worker_stopped(self, state: WorkerState, why: str = "") -> None:
         logger.error("worker %d was stopped by a signal of its own%s: its unanswered rows fail as %r",
@@ -667,6 +684,7 @@ class Coordinator:
         if self._supervisor is not None:
             self._supervisor.kill(block=False)
         self._check_workers()  # Locust may stop the run on a lost worker before the supervisor saw it
+        self._judge_pending_signals()
         user_stopped = self.end_reason is None
         logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
                     self.end_reason or "stopped", self.store.count, self.total)

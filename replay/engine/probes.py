@@ -264,7 +264,12 @@ class Probes:
         """A worker got a stop signal of its own, not the user's stop: the search ends here, with
         no answer (the probe under way lost the worker's sends, and a fleet's capacity is never a
         worker's stop); the run stops, the probe's rows left recorded as PROBE_INVALID."""
-        if self.over:
+        if self.over and self.ended not in (OUTAGE, SERVER_ERRORS):
+            return
+        if self.over:  # the probe failed on the servers meanwhile: the worker's stop is the stronger fact
+            logger.error("capacity search: worker %d was stopped by a signal of its own during the probe that "
+                         "ended the search (%s): the search ends without an answer", index, self.ended)
+            self.ended = WORKER_SIGNALLED
             return
         self.over = True
         self.ended = WORKER_SIGNALLED
