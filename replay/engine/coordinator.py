@@ -162,16 +162,17 @@ class Coordinator:
     looked up: `worker_gone` (whether the runner lost a worker, by client id), `worker_host` (a
     worker's host name, for the metadata; None: this host's), `on_exit_code` (called with 1
     when any row failed) and `worker_cpu` (a worker's last reported CPU use, percent of a core;
-    None: not known; a capacity search's probes read it). The runner's target host is the spec's. `local_part` is a local run's
+    None: not known; a capacity search's probes read it once they have sent for `cpu_lag_s`, the
+    runner's sampling interval: a figure read earlier covers the time before the probe). The runner's target host is the spec's. `local_part` is a local run's
     own Dispatcher; `heard` the workers that said HELLO before it was built (listen_for_hellos)."""
 
     def __init__(self, spec: RunSpec, link: transport.Link, clock: Clock = SYSTEM_CLOCK, *, local_part=None,
                  heard: Iterable[str] = (), worker_gone: Callable[[str], bool] = _never_gone,
                  worker_host: Callable[[str], str | None] = _no_hostname,
                  on_exit_code: Callable[[int], None] = _ignore_exit_code,
-                 worker_cpu: Callable[[str], float | None] = _no_cpu):
+                 worker_cpu: Callable[[str], float | None] = _no_cpu, cpu_lag_s: float = 0.0):
         self.spec = spec
-        self.worker_cpu = worker_cpu
+        self.worker_cpu, self.cpu_lag_s = worker_cpu, cpu_lag_s
         self.clock = clock
         self.worker_gone = worker_gone
         self.worker_host = worker_host
