@@ -421,6 +421,10 @@ class Coordinator:
             self.clock.sleep(SHARED_SIGNAL_GRACE_S)
         if self.signalled_at is not None or self._ending is not None or state.stopped:
             return  # the user's stop (or the run is over): its abort labels the worker's rows
+        self._own_signal(state)
+
+    def _own_signal(self, state: WorkerState) -> None:
+        """The worker's shared signal was its own: it is told so by an abort that labels its rows."""
         self.link.to_worker(state.client_id, messages.ABORT, messages.Abort(reason=WORKER_STOPPED))
         self._worker_stopped(state, " (the master got none)")
 
@@ -433,7 +437,7 @@ class Coordinator:
                 continue
             self.clock.sleep(max(0.0, state.signal_at + SHARED_SIGNAL_GRACE_S - self.clock.now()))
             if self.signalled_at is None and not state.stopped:
-                self._worker_stopped(state, " (the master got none)")
+                self._own_signal(state)
 
     def _worker_stopped(self, state: WorkerState, why: str = "") -> None:
         logger.error("worker %d was stopped by a signal of its own%s: its unanswered rows fail as %r",
