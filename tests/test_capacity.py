@@ -11,10 +11,10 @@ from collections import Counter
 import orjson
 import pytest
 from engine_support import FakeClock, FakeWorker, Hub, make_rows, spec_of
+from locust.runners import CPU_MONITOR_INTERVAL
 from test_engine_pipeline import Run
 
 from replay.engine import coordinator as coordinator_module
-from replay.engine import probes as probes_module
 from replay.engine import transport
 from replay.engine.capacity import (
     INVALID,
@@ -148,7 +148,7 @@ def test_the_range_parses():
 def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None,
                rows_of=lambda n: make_rows(n, gap_s=1.0 / n), late_from: float | None = None,
                answer_first: dict[int, int] | None = None, cpu_from: float | None = None,
-               fault: dict[int, int] | None = None, **options):
+               fault: dict[int, int] | None = None, cpu_lag_s: float = CPU_MONITOR_INTERVAL, **options):
     """A search over `rows` rows (1 s of trace; `rows_of(rows)` makes them) against fake workers
     whose endpoint fails every row of a probe above `capacity` with HTTP 429 (too many requests:
     the load's failure), and which send every row of a probe at `late_from` or above 50 ms late
@@ -178,12 +178,12 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
 
     if workers == 1:
         link = LocalLink()
-        run = holder["run"] = Run(spec, link, clock, worker_cpu=cpu)
+        run = holder["run"] = Run(spec, link, clock, worker_cpu=cpu, cpu_lag_s=cpu_lag_s)
         fakes = [FakeWorker(link, answer=answer, clock=clock, hold=hold, late=late).hello()]
         run.begin()
     else:
         hub = Hub()
-        run = holder["run"] = Run(spec, hub.master, clock, worker_cpu=cpu)
+        run = holder["run"] = Run(spec, hub.master, clock, worker_cpu=cpu, cpu_lag_s=cpu_lag_s)
         run.hub = hub
         fakes = [FakeWorker(hub.worker(f"w{i}"), answer=answer, clock=clock, late=late,
                             answer_first=(answer_first or {}).get(i)).hello() for i in range(workers)]
@@ -279,11 +279,22 @@ def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_
     assert len(said) == 1 and "dispatch drift p99" in said[0] and "CPU" not in said[0], said
 
 
-def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, monkeypatch, capsys):
+def test_a_probe_shorter_than_the_runners_cpu_sampling_has_no_cpu_figure(tmp_path):
+    """Locust samples a worker's CPU every CPU_MONITOR_INTERVAL: a figure read before a probe
+    has sent that long covers the time before it, so the probe's is not known (None)."""
+    run, _ = search_run(tmp_path, capacity=3.0, workers=2, probe_duration=CPU_MONITOR_INTERVAL * 0.8,
+                        rows_of=lambda n: make_rows(n, gap_s=CPU_MONITOR_INTERVAL * 0.8 / n),
+                        cpu_lag_s=CPU_MONITOR_INTERVAL)
+    run.finish()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert report["probes"] and all(p["cpu_peak_pct"] is None for p in report["probes"]), report["probes"]
+
+
+def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, capsys):
     """A worker reporting 95% CPU use while the 4x probe runs: client-limited, though its sends
     were on time; 20% in the probes before it counts for nothing."""
-    monkeypatch.setattr(probes_module, "CPU_LAG_S", -math.inf)  # fake workers answer before the sends are due
-    run, _ = search_run(tmp_path, capacity=3.0, workers=2, cpu_from=4.0)
+    # fake workers answer before the sends are due: their figures count at once
+    run, _ = search_run(tmp_path, capacity=3.0, workers=2, cpu_from=4.0, cpu_lag_s=-math.inf)
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [(p["factor"], p["verdict"], p["cpu_peak_pct"]) for p in report["probes"]] == \
@@ -515,6 +526,31 @@ def test_a_worker_stopped_by_a_signal_of_its_own_ends_the_search_without_an_answ
     failed = Counter(r["error"] for r in records.values() if not r["ok"])
     assert set(failed) <= {WORKER_STOPPED, PROBE_INVALID} and failed[WORKER_STOPPED], failed
     assert all(r["probe"] == 1 for r in records.values() if not r["ok"])
+
+
+def test_a_workers_own_stop_is_not_lost_when_its_probe_fails_early_meanwhile(tmp_path, capsys):
+    """A worker in the master's process group stops by a signal of its own, and before the
+    master has judged whose signal it was, the servers' errors fail the probe early: the stop is
+    the stronger fact (the probe lost the worker's sends), so the search ends "worker stopped",
+    not "server errors", and its rows are not "probe failed early"."""
+    run, fakes = search_run(tmp_path, capacity=3.0, workers=2, fault={1: 500}, answer_first={0: 20, 1: 20})
+    run.until(lambda: len(run.coordinator.probes.probes) > 1)  # 20 rows each at 1x: probe 1's are held
+    fakes[1].stopped(shared=True)
+    signalled = run.clock.now()
+    run.until(lambda: run.clock.now() >= signalled + 1.0)
+    fakes[0].release(100)  # the servers' errors, a second after the signal
+    run.until(lambda: run.coordinator.probes.probes[1].cut)
+    fakes[1].release(100)  # what it holds of the probe: the rows a cut would record "probe failed early"
+    run.until(lambda: run.coordinator.finished.is_set())
+    run.hub.cut.add("w1")
+    run.gone.add("w1")
+    records = run.end()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert report["result"] == WORKER_SIGNALLED, report["result"]
+    assert run.exit_codes == [1]
+    assert "Capacity: not measured: a worker was stopped by a signal of its own" in capsys.readouterr().out
+    mine = Counter(r["error"] for r in records.values() if r["probe"] == 1 and r["worker"] == 1 and not r["ok"])
+    assert PROBE_CUT not in mine, mine  # it was not cut: what it sent has its answers, the rest the stop's label
 
 
 def test_a_worker_lost_during_the_repeat_too_ends_the_search_with_exit_code_1(tmp_path, capsys):

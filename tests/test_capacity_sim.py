@@ -156,6 +156,15 @@ def test_replay_report_reads_what_a_real_search_wrote(folder, search_run, tmp_pa
     assert f'<p id="capacity"><b>{html.escape(line)}</b></p>' in text
     figures = re.findall(r'<figure id="plot-([\w-]+)" class="plot">', text)
     assert figures[0] == "capacity"
+    # the text report leads with the same line and the probes, and says its figures pool them
+    head = proc.stdout.split("\n")
+    assert head[0] == line, proc.stdout[:2000]
+    table = head[1 : 2 + len(search["probes"])]
+    assert table[0].split() == ["probe", "factor", "rows", "sent", "goodput", "verdict"], table
+    for p, row in zip(search["probes"], table[1:]):
+        assert row.split()[:4] == [str(p["probe"]), f"{p['factor']:g}x", str(p["rows"]), str(p["sent"])], row
+        assert row.endswith(p["verdict"]), row
+    assert "the figures below pool every probe" in proc.stdout
 
 
 @pytest.mark.heavy

@@ -283,6 +283,9 @@ def test_a_server_lying_about_prompt_tokens_is_found_out_by_its_counters(tmp_pat
     assert not any(line.startswith(("prompts", "cache")) for line in cert["failing"]), cert["failing"]
     assert cert["cache"]["judged_from"] == "counters" and "a replay bug" not in proc.stdout
     assert f"Prompts exact (server /metrics):         {prompts['sent']} tokens counted" in proc.stdout
+    # the summary's note on the difference says it once, and names the false usage, not other traffic
+    notes = [line for line in proc.stdout.splitlines() if "prompt tokens against the records" in line]
+    assert len(notes) == 1 and "usage is false" in notes[0] and "other traffic" not in notes[0], notes
 
 
 def test_a_broken_prompt_is_prompt_differs_and_unfaithful(tmp_path, toy_tokenizer_dir, monkeypatch):

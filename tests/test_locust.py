@@ -390,3 +390,20 @@ def test_skipped_bad_lines_are_counted_in_meta_and_summary(tmp_path, toy_tokeniz
     assert meta["rows_skipped"] == 2 and meta["rows_in_file"] == 8 and meta["rows"] == 8
     assert [s.split(":")[1] for s in meta["skipped"]] == ["4", "8"]
     assert sum(1 for r in read_records(output) if r["ok"]) == 8
+
+
+def test_a_workers_cpu_figure_is_not_known_before_locust_sampled_it():
+    """Locust reports 0 until its first sample, and its first psutil reading is 0.0 by design:
+    a probe's CPU figure is then not known (None), never a false 0%."""
+    from types import SimpleNamespace
+
+    from locust.runners import WorkerNode
+
+    from replay.locust.plugin import _worker_cpu
+
+    node = WorkerNode("w1")  # as the master holds a worker before its first sample
+    master = SimpleNamespace(clients={"w1": node})
+    assert _worker_cpu(master, "w1") is None
+    node.cpu_usage = 37.5
+    assert _worker_cpu(master, "w1") == 37.5
+    assert _worker_cpu(SimpleNamespace(current_cpu_usage=0), "local") is None

@@ -102,6 +102,7 @@ class WorkerState:
     ready: bool = False
     lost: bool = False
     stopped: bool = False  # it got a signal of its own (STOPPED): its unrecorded rows are "worker stopped"
+    signal_at: float | None = None  # when it reported a signal shared with the master's group, not yet judged
     clock_offset_ms: float | None = None
     rtt_ms: float | None = None
     failed: int = 0
@@ -165,7 +166,8 @@ class Coordinator:
     looked up: `worker_gone` (whether the runner lost a worker, by client id), `worker_host` (a
     worker's host name, for the metadata; None: this host's), `on_exit_code` (called with 1
     when any row failed) and `worker_cpu` (a worker's last reported CPU use, percent of a core;
-    None: not known; a capacity search's probes read it). The runner's target host is the spec's. `local_part` is a local run's
+    None: not known; a capacity search's probes read it once they have sent for `cpu_lag_s`, the
+    runner's sampling interval: a figure read earlier covers the time before the probe). The runner's target host is the spec's. `local_part` is a local run's
     own Dispatcher; `heard` the workers that said HELLO before it was built (listen_for_hellos).
     `on_end` ends the run once every row has a record: given its Outcome, it writes the run's
     files and returns the exit code (replay.run.driver's; the default writes nothing more)."""
@@ -174,10 +176,10 @@ class Coordinator:
                  heard: Iterable[str] = (), worker_gone: Callable[[str], bool] = _never_gone,
                  worker_host: Callable[[str], str | None] = _no_hostname,
                  on_exit_code: Callable[[int], None] = _ignore_exit_code,
-                 worker_cpu: Callable[[str], float | None] = _no_cpu,
+                 worker_cpu: Callable[[str], float | None] = _no_cpu, cpu_lag_s: float = 0.0,
                  on_end: Callable[[Outcome], int] = _no_end):
         self.spec = spec
-        self.worker_cpu = worker_cpu
+        self.worker_cpu, self.cpu_lag_s = worker_cpu, cpu_lag_s
         self.clock = clock
         self.worker_gone = worker_gone
         self.worker_host = worker_host
@@ -377,8 +379,12 @@ class Coordinator:
 
     def cut_round(self, reason: str) -> None:
         """The current probe can no longer meet its target: its rows not yet sent are recorded
-        as `reason` by their workers, and never sent."""
+        as `reason` by their workers, and never sent. A worker whose shared signal is not yet
+        judged is not cut: if the signal is its own, its rows are "worker stopped", which is
+        stronger than the probe's failure."""
         for w in self.live_workers():
+            if w.signal_at is not None:
+                continue
             w.round_window.put(messages.Round(rows=len(w.part), more=True, skip_to=len(w.part),  # type: ignore[typeddict-item]
                                               skip_reason=reason))
 
@@ -438,6 +444,7 @@ class Coordinator:
         if state is None or state.stopped:
             return
         if data.get("shared"):
+            state.signal_at = self.clock.now()
             gevent.spawn(self._judge_shared_signal, state)
         else:
             self._worker_stopped(state)
@@ -447,8 +454,23 @@ class Coordinator:
             self.clock.sleep(SHARED_SIGNAL_GRACE_S)
         if self.signalled_at is not None or self._ending is not None or state.stopped:
             return  # the user's stop (or the run is over): its abort labels the worker's rows
+        self._own_signal(state)
+
+    def _own_signal(self, state: WorkerState) -> None:
+        """The worker's shared signal was its own: it is told so by an abort that labels its rows."""
         self.link.to_worker(state.client_id, messages.ABORT, messages.Abort(reason=WORKER_STOPPED))
         self._worker_stopped(state, " (the master got none)")
+
+    def _judge_pending_signals(self) -> None:
+        """The run ends (a search that failed meanwhile, say) while a worker's shared signal is
+        not yet judged: its grace is waited out here, so that a worker's own stop is never lost
+        to that end (it invalidates what its probe measured)."""
+        for state in self.workers.values():
+            if state.signal_at is None or state.stopped or self.signalled_at is not None:
+                continue
+            self.clock.sleep(max(0.0, state.signal_at + SHARED_SIGNAL_GRACE_S - self.clock.now()))
+            if self.signalled_at is None and not state.stopped:
+                self._own_signal(state)
 
     def _worker_stopped(self, state: WorkerState, why: str = "") -> None:
         logger.error("worker %d was stopped by a signal of its own%s: its unanswered rows fail as %r",
@@ -702,6 +724,7 @@ class Coordinator:
         if self._supervisor is not None:
             self._supervisor.kill(block=False)
         self._check_workers()  # Locust may stop the run on a lost worker before the supervisor saw it
+        self._judge_pending_signals()
         user_stopped = self.end_reason is None
         logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
                     self.end_reason or "stopped", self.records.count, self.total)

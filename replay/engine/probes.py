@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROUND_LEAD_S = 2.0  # from a probe's decision to its first send: its rows reach the workers and are built
-CPU_LAG_S = 5.0  # a worker's CPU use is Locust's average over this long (CPU_MONITOR_INTERVAL): read once the probe has sent as long
 OUTAGE_WAIT_S = 300.0  # --on-outage retry: how long the search waits for the servers to answer again
 OUTAGE_POLL_S = 1.0  # and how often it asks them
 
@@ -71,6 +70,7 @@ class SearchRun(Protocol):
     epoch: float | None  # the run's go (master clock); None before
     rounds: list[Round | None]
     worker_cpu: Callable[[str], float | None]
+    cpu_lag_s: float  # a worker's CPU figure covers this long before it is read
     scrape_listeners: list  # called with each round of the servers' /metrics
 
     @property
@@ -201,15 +201,16 @@ class Probes:
             self._judge(current)
 
     def sample_cpu(self) -> None:
-        """The live workers' CPU use into the probe under way's peak, once it has sent for
-        CPU_LAG_S (before, the figure still covers the building of its rows, or the previous
-        probe), and once more as it is judged."""
+        """The live workers' CPU use into the probe under way's peak, once it has sent for the
+        runner's sampling interval (`cpu_lag_s`: before, the figure still covers the building of
+        its rows, or the previous probe), and once more as it is judged. A probe shorter than
+        that has no figure (None), not a false one."""
         c = self.c
         if self.over or not self.probes or self.probes[-1].ended_at is not None or c.epoch is None:
             return
         last = c.rounds[-1]
         assert last is not None  # a search's rounds are its probes'
-        if c.clock.now() < c.epoch + last.offset_s + CPU_LAG_S:
+        if c.clock.now() < c.epoch + last.offset_s + c.cpu_lag_s:
             return
         probe = self.probes[-1]
         for w in c.live_workers():
@@ -308,7 +309,12 @@ class Probes:
         """A worker got a stop signal of its own, not the user's stop: the search ends here, with
         no answer (the probe under way lost the worker's sends, and a fleet's capacity is never a
         worker's stop); the run stops, the probe's rows left recorded as PROBE_INVALID."""
-        if self.over:
+        if self.over and self.ended not in (OUTAGE, SERVER_ERRORS):
+            return
+        if self.over:  # the probe failed on the servers meanwhile: the worker's stop is the stronger fact
+            logger.error("capacity search: worker %d was stopped by a signal of its own during the probe that "
+                         "ended the search (%s): the search ends without an answer", index, self.ended)
+            self.ended = WORKER_SIGNALLED
             return
         self.over = True
         self.ended = WORKER_SIGNALLED

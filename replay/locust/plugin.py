@@ -20,7 +20,7 @@ from typing import NoReturn
 
 import gevent
 from locust import events
-from locust.runners import LocalRunner, MasterRunner, WorkerRunner
+from locust.runners import CPU_MONITOR_INTERVAL, LocalRunner, MasterRunner, WorkerRunner
 
 from replay.engine import live, messages, transport
 from replay.engine.coordinator import Coordinator, listen_for_hellos
@@ -91,6 +91,7 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
                                    worker_gone=lambda client_id: _worker_gone(runner, client_id),
                                    worker_host=lambda client_id: _worker_host(runner, client_id),
                                    worker_cpu=lambda client_id: _worker_cpu(runner, client_id),
+                                   cpu_lag_s=CPU_MONITOR_INTERVAL,
                                    on_exit_code=lambda code: setattr(environment, "process_exit_code", code))
         environment.replay = Replay(coordinator=coordinator, part=part)
         coordinator.server_check = preflight.check_servers(spec)
@@ -163,11 +164,15 @@ def _worker_gone(runner, client_id: str) -> bool:
 
 
 def _worker_cpu(runner, client_id: str) -> float | None:
-    """The CPU use (% of a core) the worker last reported in its heartbeat; a local runner's own."""
+    """The CPU use (% of a core) the worker last reported in its heartbeat; a local runner's own.
+    None (not known) while it is 0: Locust reports 0 until its first sample, and that sample is
+    psutil's first reading, 0.0 by design; a worker sending a probe's rows never used none."""
     clients = getattr(runner, "clients", None)
     if clients is None:  # local runner: this process sends
-        return getattr(runner, "current_cpu_usage", None)
-    return getattr(clients.get(client_id), "cpu_usage", None)
+        cpu = getattr(runner, "current_cpu_usage", None)
+    else:
+        cpu = getattr(clients.get(client_id), "cpu_usage", None)
+    return cpu or None
 
 
 def _worker_host(runner, client_id: str) -> str | None:

@@ -20,6 +20,7 @@ from replay.results.outputs import write_outputs
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
 from replay.results.server_metrics import read_samples, read_server_section
+from replay.rules.capacity_result import probe_table, quotable_line
 from replay.rules.run_files import capacity_path, metrics_path
 from replay.synth.tokenizer_source import TOKENIZER_HELP
 from replay.trace.cli import block_size_arg
@@ -84,8 +85,8 @@ def run(args) -> int:
                 sent.append(record)
         if not builder.summary.requests:
             raise ReportError(f"{args.results}: no records: expected the per-request JSONL a replay writes (its --output)")
-        capacity = None  # a capacity search's run: its plot and quotable line lead the HTML report
-        if args.html_out and (found := capacity_path(args.results)).exists():
+        capacity = None  # a capacity search's run: its line and probes lead the report, its plot the HTML one
+        if (found := capacity_path(args.results)).exists():
             try:
                 capacity = orjson.loads(found.read_bytes())
             except orjson.JSONDecodeError as e:
@@ -101,6 +102,9 @@ def run(args) -> int:
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
     report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"], report["server"],
                                               (meta or {}).get("host_load"), cache_skipped(meta))
+    if capacity is not None and capacity.get("probes"):
+        print(f"{quotable_line(capacity)}\n{probe_table(capacity)}\n"
+              "(a capacity search: the figures below pool every probe, and the pauses between them)")
     print(format_report(report))
 
     def draw(path: str) -> None:

@@ -64,6 +64,8 @@ FRACTIONS = frozenset({"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", 
                        SGLANG_HIT_RATE})  # fmt: skip
 OTHER_TRAFFIC = ("the server counted {diff:+d} prompt tokens against the records: other traffic on the server, "
                  "or requests the records do not count (failed or lost)")  # fmt: skip
+FALSE_USAGE = ("the server counted {diff:+d} prompt tokens against the records: its counter counted exactly the "
+               "prompt tokens the run sent, so the records' usage is false (the fidelity certificate's usage line)")
 
 
 def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
@@ -311,9 +313,16 @@ def _num(value, digits: int = 0) -> str:
     return f"{value:.{digits}f}" if digits else f"{int(value)}"
 
 
-def format_server(section: dict, width: int = 50) -> list[str]:
-    """The summary's lines for the server's side."""
+def format_server(section: dict, width: int = 50, usage: dict | None = None) -> list[str]:
+    """The summary's lines for the server's side. `usage`: the certificate's check of the usage
+    against the counters; where it found the usage false, a prompt-token difference is said to
+    be that, not other traffic."""
     out = ["{s:-^{n}}".format(s="Server Metrics (Prometheus)", n=width)]
+    false_usage = ((usage or {}).get("prompt_tokens") or {}).get("status") == "disagrees"
+
+    def note(e: dict) -> str | None:
+        diff = e.get("prompt_tokens_difference")
+        return FALSE_USAGE.format(diff=diff) if false_usage and diff else e["note"]
 
     def lines(e: dict) -> None:
         ratio = e["prefix_cache_hit_ratio"]
@@ -336,15 +345,15 @@ def format_server(section: dict, width: int = 50) -> list[str]:
             continue
         out.append(f"{url}{kind}: {e['samples'] - e['samples_failed']} samples")
         lines(e)
-        if e["note"]:
-            out.append(f"  note: {e['note']}")
+        if note(e):
+            out.append(f"  note: {note(e)}")
     total = section["total"]
-    if len(section["endpoints"]) - len(total["endpoints_without_metrics"]) > 1:
+    if len(section["endpoints"]) - len(total["endpoints_without_metrics"]) > 1:  # one: its own lines said it
         out.append("all endpoints with metrics:")
         lines(total)
-    diff = total.get("prompt_tokens_difference")
-    if diff:
-        out.append("  note: " + OTHER_TRAFFIC.format(diff=diff))
+        if total.get("prompt_tokens_difference"):
+            out.append("  note: " + (FALSE_USAGE if false_usage else OTHER_TRAFFIC).format(
+                diff=total["prompt_tokens_difference"]))
     if section.get("exporters"):
 
         out.extend(format_exporters(section["exporters"]))

@@ -52,6 +52,16 @@ def quotable_line(report: dict) -> str:
     return f"Capacity: {best:.3g}x this trace's load ({best:.3g}x passes, {worst:.3g}x fails) {at}"
 
 
+def probe_table(report: dict) -> str:
+    """A search's probes, one line each, for `replay report`: what its pooled figures are made of."""
+    lines = [f"{'probe':>5}  {'factor':>7}  {'rows':>6}  {'sent':>6}  {'goodput':>7}  verdict"]
+    for p in report["probes"]:
+        goodput = "-" if p.get("goodput") is None else f"{p['goodput']:.4f}"
+        lines.append(f"{p['probe']:>5}  {p['factor']:>6g}x  {p['rows']:>6}  {p.get('sent', '-'):>6}  {goodput:>7}  "
+                     f"{p['verdict']}")
+    return "\n".join(lines)
+
+
 def _side(factor: float | None) -> str:
     return "none" if factor is None else f"{factor:.3g}x"
 
