@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bytecode vllm test demo bench clean
+.PHONY: install bytecode vllm lint types check test demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,22 @@ install: $(STAMP)
 # Files already compiled are skipped.
 bytecode: $(STAMP)
 	$(PY) -m compileall -q replay locustfile.py
+
+# The checks that need no server process, for every edit (docs/testing.md): the linter (ruff,
+# pinned), the types (mypy, pinned: replay/run, engine, protocol and rules clean, the rest held
+# to tests/mypy-baseline.txt, which only shrinks), and the tests that run in one process (the
+# floor plan's layers, the engine on a fake clock, the docs against the code).
+CHECK_TESTS ?= tests/test_layout.py tests/test_engine_pipeline.py tests/test_live.py tests/test_docs.py \
+	tests/test_mypy_baseline.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+types: $(STAMP)
+	$(PY) tests/support/mypy_baseline.py
+
+check: lint types
+	$(PY) -m pytest -q -n 2 $(CHECK_TESTS)
 
 # Real vLLM on CPU for the parity and fidelity tests: its own venv, it pins its own world.
 VLLM_VENV ?= .venv-vllm
@@ -46,8 +62,7 @@ vllm: $(VLLM_STAMP)
 TEST_JOBS ?= 4
 IDLE := $(shell chrt --idle 0 true 2>/dev/null && echo chrt --idle 0 || echo nice -n 19)
 
-test: $(STAMP) $(VLLM_STAMP) bytecode
-	$(PY) -m ruff check .
+test: $(STAMP) $(VLLM_STAMP) bytecode lint types
 	sync
 	ahead=$$(mktemp); log=$$(mktemp); \
 	PYTHONPATH=tests $(IDLE) $(PY) -m support.serve_vllm "$$ahead" & server=$$!; \

@@ -348,7 +348,7 @@ def main() -> None:
     print("| workers | endpoints | worker | rows | ok | achieved req/s | drift p50 | drift p99 | CPU s "
           "| peak RSS MiB |")
     print("|" + "---:|" * 10)
-    for workers, sims, one, rows, trace_r, runs in results:
+    for workers, sims, one, _rows, _trace_r, runs in results:
         for index in sorted({i for r in runs for i in r["workers"]}):
             per = [r["workers"][index] for r in runs if index in r["workers"]]
             print(f"| {workers} | {'1 (shared)' if one else sims} | {index} | {median(per, 'rows'):.0f} "

@@ -62,7 +62,7 @@ SET_UP = """
 import json, resource, sys, time
 import gevent, locust  # a worker has these loaded before its set-up
 from replay.engine.dispatcher import BodyBuilder
-from replay.run.options import ReplayOptions
+from replay.engine.options import ReplayOptions
 options = ReplayOptions(trace="unused", tokenizer=sys.argv[1], api=sys.argv[2], model="m")
 def children_cpu():
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # a cold set-up's child process (setup_child)

@@ -28,8 +28,8 @@ def main() -> int:
             shutil.copyfileobj(src, dst)
         for path in paths + [gz]:
             trace = read_trace(path)
-            read_s = median_seconds(lambda: read_trace(path))
-            stats_s = median_seconds(lambda: trace_stats(trace))
+            read_s = median_seconds(lambda path=path: read_trace(path))
+            stats_s = median_seconds(lambda trace=trace: trace_stats(trace))
             print(f"{path.name}: {len(trace.rows)} rows, read {read_s * 1000:.1f} ms "
                   f"({len(trace.rows) / read_s:,.0f} rows/s), stats {stats_s * 1000:.1f} ms")
     return 0

@@ -19,14 +19,14 @@ from pathlib import Path
 import orjson
 from report import records_for
 
+from replay.bounds import DEFAULT_MAX_PROMPT_TOKENS
 from replay.engine.coordinator import Coordinator, WorkerState
 from replay.engine.live import WINDOW_S, LiveStats
+from replay.engine.options import ReplayOptions
 from replay.engine.transport import LocalLink, Window
 from replay.results.store import RecordStore
 from replay.run import preflight
-from replay.run.options import ReplayOptions
 from replay.synth.toy import build_toy_tokenizer
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"

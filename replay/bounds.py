@@ -14,7 +14,32 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from replay.trace.fields import MAX_BLOCK_SIZE, MAX_INT, MAX_TRACE_SPAN_S
+DEFAULT_MAX_PROMPT_TOKENS = 1_048_576
+"""Longest prompt, in tokens, that a row may ask for when the server reports no max_model_len.
+
+A row of 10^9 tokens is a broken trace, not a load test: it would make the replay build a
+prompt of gigabytes. 2^20 is above any context window served today, so no real row is refused.
+`replay trace validate --max-prompt-tokens` and the replay use it as their default.
+"""
+
+MAX_BLOCK_SIZE = DEFAULT_MAX_PROMPT_TOKENS
+"""Most tokens a hash id block may stand for (--block-size, a row's block_size, the server's).
+
+A block is part of one prompt, so one longer than the longest prompt a row may ask for is a
+typo, not a trace: it would only make the replay hash and hold a block of that many tokens
+(10^8 stalled the start-up for half a minute, 10^12 ran out of memory).
+"""
+
+MAX_TRACE_SPAN_S = 10 * 365.25 * 86400
+"""Most trace seconds between a trace's earliest and latest row, and most seconds a replay may
+last (the window divided by --scale): ten years. Time origins (a unix-epoch timestamp) are
+free; a span beyond this is a broken field, and a send time beyond it would never come
+(1e300 ms made the worker's timer wrap and spin a core)."""
+
+MAX_INT = (1 << 63) - 1
+"""Largest count or id a field may hold: what a 64-bit integer holds. orjson reads a longer
+JSON integer as a float (99999999999999999999999 as 1e+23), so such a value is refused as
+too long, never taken as the float's rounded digits."""
 
 MINUTE_S = 60.0
 HOUR_S = 3600.0

@@ -176,7 +176,7 @@ def command_prog(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
 
 
 def declared_inputs(options: object) -> list[Read]:
-    """What a dataclass of options (replay.run.options) reads: its fields typed Input."""
+    """What a dataclass of options (replay.engine.options) reads: its fields typed Input."""
     read = []
     for f in fields(options):
         role, value = f.metadata.get("type"), getattr(options, f.name)

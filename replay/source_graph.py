@@ -7,7 +7,7 @@ as a module when replay/x/y.py or replay/x/y/ exists), and importing a module ru
 packages' __init__.py first, so those count too. Imports under `if TYPE_CHECKING:` never run and
 are left out; imports inside functions run on a call and are counted unless asked otherwise.
 
-Parsing is most of the cost (~1 ms a module); an ImportMemo keeps each source's imports by the
+Parsing is most of the cost; an ImportMemo keeps each source's imports by the
 sha256 of its name and bytes, which decide them, so a caller can keep them across processes
 and parse only the sources that changed.
 """

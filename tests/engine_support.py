@@ -1,7 +1,7 @@
 """The engine in one process, without a trace file, a tokenizer or a server: what
 tests/test_engine_pipeline.py runs the Coordinator with.
 
-- `spec_of(rows, folder)`: a RunSpec (replay.run.spec) of rows built in memory, as
+- `spec_of(rows, folder)`: a RunSpec (replay.engine.spec) of rows built in memory, as
   replay.run.preflight would make it from a trace (the Schedule spools them to a temporary file).
 - `FakeClock`: a clock whose time moves only when the test says so (`advance`, `drive`), so a
   5-minute timeout takes a step, and nothing times out while the test looks.
@@ -22,10 +22,10 @@ from gevent.event import Event
 
 from replay.engine import messages, transport
 from replay.engine.clock import Clock
+from replay.engine.options import ReplayOptions
 from replay.engine.plan import Schedule, decode_row
+from replay.engine.spec import RunSpec, TraceFacts
 from replay.results.records import unsent_record
-from replay.run.options import ReplayOptions
-from replay.run.spec import RunSpec, TraceFacts
 from replay.trace.record import TraceRow
 
 T0 = 1_700_000_000.0

@@ -19,10 +19,10 @@ import pytest
 from replay.bounds import Bound
 from replay.cli import Parser, build_parser, commands
 from replay.engine.capacity import MIN_PROBE_ROWS
+from replay.engine.options import ReplayOptions, add_arguments
 from replay.errors import OptionError
 from replay.output_claim import PathRole
 from replay.run.config import ConfigError, load_config
-from replay.run.options import ReplayOptions, add_arguments
 from replay.sim.options import SimOptions, validate
 from support.processes import replay_args, run_replay
 from support.traces import mooncake_trace

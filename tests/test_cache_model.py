@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from replay.protocol.prometheus import cache_config
 from replay.results.cache_model import ModelPrompt, ServerCache, model_checks, server_caches
-from replay.results.server_metrics import cache_config
 from replay.rules.block_pool import BlockPool
 from replay.rules.prefix_cache import block_hashes
 from support.cache_model import SIM_BLOCK, reuse_trace, turns_trace

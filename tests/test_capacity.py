@@ -17,31 +17,33 @@ from test_engine_pipeline import Run
 from replay.engine import coordinator as coordinator_module
 from replay.engine import transport
 from replay.engine.capacity import (
-    AT_LEAST_HI,
-    BELOW_LO,
-    CLIENT_LIMITED,
-    FOUND,
     INVALID,
-    OUTAGE,
     PASS,
-    SERVER_ERRORS,
-    STOPPED,
-    WORKER_SIGNALLED,
-    WORKERS_LOST,
     Probe,
     Search,
     check_search,
     parse_range,
-    quotable_line,
 )
+from replay.engine.options import ReplayOptions
 from replay.engine.plan import Schedule, decode_row
 from replay.engine.probes import max_probes
 from replay.engine.rounds import Part, Round
 from replay.engine.transport import LocalLink
 from replay.errors import OptionError
 from replay.results.records import PROBE_CUT, PROBE_INVALID, WORKER_STOPPED
+from replay.rules.capacity_result import (
+    AT_LEAST_HI,
+    BELOW_LO,
+    CLIENT_LIMITED,
+    FOUND,
+    OUTAGE,
+    SERVER_ERRORS,
+    STOPPED,
+    WORKER_SIGNALLED,
+    WORKERS_LOST,
+    quotable_line,
+)
 from replay.rules.run_files import capacity_path
-from replay.run.options import ReplayOptions
 from replay.trace.amplify import Clones, amplify_trace
 from replay.trace.reader import TraceStream
 from replay.trace.sessions import find_sessions

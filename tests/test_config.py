@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from replay.engine.options import LOCAL_OPTION_NAMES, ReplayOptions, add_arguments
 from replay.run.config import ConfigError, apply_config, config_keys, load_config, replay_options
-from replay.run.options import LOCAL_OPTION_NAMES, ReplayOptions, add_arguments
 from replay.sim.process import sim_process
 from support.paths import shared_path
 from support.processes import run_replay

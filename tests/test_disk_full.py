@@ -17,10 +17,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from replay.results.files import AppendFile, OutputError
+from replay.errors import OutputError
+from replay.results.files import AppendFile
 from replay.results.metadata import read_run_metadata
 from replay.results.records import OUTPUT_ERROR, RECORD_FIELDS, read_records
 from replay.results.store import RecordStore
+from replay.run import driver
 from support.ports import free_port
 from support.processes import finish, master_and_workers, replay_args, run_replay, spawn_locust, spawn_worker
 from support.records import ok_record
@@ -392,14 +394,13 @@ def test_full_while_writing_the_fidelity_file(tmp_path, small_disk):
     import gevent
     from engine_support import FakeClock, FakeWorker, make_rows, spec_of
 
-    from replay.engine.coordinator import Coordinator
     from replay.engine.transport import LOCAL_CLIENT, LocalLink
     from replay.rules.run_files import fidelity_path, summary_path
 
     def run_into(folder: Path, leave: int | None) -> list[int]:
         spec = spec_of(make_rows(40), folder)
         link, clock, codes = LocalLink(), FakeClock(), []
-        coordinator = Coordinator(spec, link, clock, on_exit_code=codes.append)
+        coordinator = driver.start(spec, link, clock, on_exit_code=codes.append)
         if leave is not None:  # the summary is computed: its file next, then the certificate
             coordinator.summary_listeners.append(lambda report: fill(folder, leave=leave))
         FakeWorker(link, clock=clock).hello()

@@ -271,7 +271,7 @@ def test_worker_set_up_leaves_the_event_loop_running(off_loop, tmp_path, monkeyp
 
     monkeypatch.setenv("TRACEREPLAY_CACHE_DIR", str(tmp_path / "cache"))
     from replay.engine.dispatcher import BodyBuilder, build_off_loop
-    from replay.run.options import ReplayOptions
+    from replay.engine.options import ReplayOptions
 
     options = ReplayOptions(trace="unused", tokenizer=str(shared_path("tokenizers", "qwen2")), model="m")
     ticks: list[float] = []

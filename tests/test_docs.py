@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.run.options import CONFIG_FLAG, LOCAL_OPTION_NAMES, OPTION_NAMES
+from replay.engine.options import CONFIG_FLAG, LOCAL_OPTION_NAMES, OPTION_NAMES
 from replay.run.options_doc import REGENERATE, render
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,3 +155,21 @@ def test_every_skip_says_what_is_missing_and_is_listed():
             assert path.name in section, f"{path.name} can skip: name it in docs/testing.md's table of what tests need"
         for call in re.findall(r"importorskip\([^)]*\)", text):
             assert "reason=" in call, f"{path.name}: {call} needs a reason= saying how to install it"
+
+
+def run_file_names() -> list[str]:
+    """Every file a run writes beside OUTPUT, as the docs name them, from replay.rules.run_files:
+    each *_SUFFIX but the lock and the temporary files, and the workers' copies."""
+    from replay.rules import run_files
+
+    suffixes = [value for name, value in vars(run_files).items()
+                if name.endswith("_SUFFIX") and name not in ("LOCK_SUFFIX", "TMP_SUFFIX")]
+    return [f"OUTPUT{suffix}" for suffix in suffixes] + ["OUTPUT.worker-N.jsonl"]
+
+
+def test_the_readme_and_the_architecture_name_every_file_a_run_writes():
+    readme_table = {m for m in re.findall(r"^\| `(OUTPUT[^`]*)`", README.read_text(), re.M)}
+    assert [name for name in run_file_names() if name not in readme_table] == []
+    outputs = next(line for line in (REPO / "docs" / "architecture.md").read_text().splitlines()
+                   if line.startswith("OUTPUT, "))
+    assert [name for name in run_file_names() if name != "OUTPUT.worker-N.jsonl" and name not in outputs] == []

@@ -14,14 +14,13 @@ import pytest
 from gevent.monkey import get_original
 
 from replay.engine import messages
-from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
+from replay.engine.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.results.metadata import read_run_metadata
 from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
 from replay.rules.run_files import meta_path, summary_path, worker_path
-from replay.run import preflight
-from replay.run.options import ReplayOptions
+from replay.run import driver, preflight
 from support.records import check_records
 from support.traces import BLOCK, mooncake_trace
 
@@ -43,7 +42,7 @@ def test_coordinator_and_dispatcher_in_process(tmp_path, sim, toy_tokenizer_dir)
     answered: list[dict] = []
     exit_codes: list[int] = []
     part = Dispatcher(link, local=True, on_request=answered.append)
-    coordinator = Coordinator(preflight.load(options, sim.url), link, local_part=part,
+    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=part,
                               on_exit_code=exit_codes.append)
 
     coordinator.begin([(LOCAL_CLIENT, 0)])  # the dispatcher's greenlets start on the plan and the go
@@ -87,7 +86,7 @@ def test_a_stop_records_each_request_once(tmp_path, fast_sim, toy_tokenizer_dir)
             part.abort(RUN_STOPPED)
 
     part = Dispatcher(link, local=True, on_request=stop_at_first_answer)
-    coordinator = Coordinator(preflight.load(options, fast_sim.url), link, local_part=part)
+    coordinator = driver.start(preflight.load(options, fast_sim.url), link, local_part=part)
     coordinator.begin([(LOCAL_CLIENT, 0)])
     assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
     gevent.spawn(coordinator.end).join(timeout=60)
@@ -129,7 +128,7 @@ def test_a_lost_start_message_is_sent_again(tmp_path, sim, toy_tokenizer_dir, lo
                             output=str(output))
     link = LosesFirst(lost)
     part = Dispatcher(link, local=True)
-    coordinator = Coordinator(preflight.load(options, sim.url), link, local_part=part)
+    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=part)
     coordinator.begin([(LOCAL_CLIENT, 0)])
     assert coordinator.finished.wait(timeout=30), f"{coordinator.recorded} of {coordinator.total} rows recorded"
     gevent.spawn(coordinator.end).join(timeout=60)
@@ -147,7 +146,7 @@ def test_a_lost_abort_is_sent_again(tmp_path, sim, toy_tokenizer_dir):
                             output=str(output), server_metrics_interval=0)
     link = LosesFirst(messages.ABORT)
     Dispatcher(link)  # a worker of its own: pings for its clock, says HELLO, gets its plan over the link
-    coordinator = Coordinator(preflight.load(options, sim.url), link)
+    coordinator = driver.start(preflight.load(options, sim.url), link)
     link.to_master(messages.HELLO, messages.Hello())
     coordinator.begin([(LOCAL_CLIENT, 0)])
     deadline = time.time() + 30

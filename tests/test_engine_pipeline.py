@@ -16,7 +16,7 @@ from engine_support import FakeClock, FakeWorker, Hub, failed_record, make_rows,
 
 from replay.engine import coordinator as coordinator_module
 from replay.engine import transport
-from replay.engine.coordinator import CHUNK_ROWS, READY_TIMEOUT_S, Coordinator, listen_for_hellos
+from replay.engine.coordinator import CHUNK_ROWS, READY_TIMEOUT_S, listen_for_hellos
 from replay.engine.error_rate import DEFAULT_MAX_ERROR_RATE, MIN_ANSWERS, WINDOW_S
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.results.metadata import read_run_metadata
@@ -34,6 +34,7 @@ from replay.results.records import (
     read_records,
 )
 from replay.rules.run_files import meta_path, summary_path
+from replay.run import driver
 
 
 class Run:
@@ -44,7 +45,7 @@ class Run:
         self.clock = clock or FakeClock()
         self.exit_codes: list[int] = []
         self.gone: set[str] = set()
-        self.coordinator = Coordinator(spec, link, self.clock, worker_gone=self.gone.__contains__,
+        self.coordinator = driver.start(spec, link, self.clock, worker_gone=self.gone.__contains__,
                                        on_exit_code=self.exit_codes.append, **kwargs)
 
     def begin(self, workers=((LOCAL_CLIENT, 0),)) -> Run:
@@ -78,9 +79,27 @@ def labels(records: dict[int, dict]) -> Counter:
 
 def test_a_coordinator_is_built_without_a_trace_a_tokenizer_or_a_server(tmp_path):
     spec = spec_of(make_rows(10), tmp_path, server_metrics_interval=1.0)
-    c = Coordinator(spec, LocalLink(), FakeClock())
+    c = driver.start(spec, LocalLink(), FakeClock())
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing asked: the files come with `begin`
     assert c.scraper is None and c.total == 10 and c.store is None
+
+
+def test_the_engine_hands_its_outcome_to_its_driver_and_writes_no_end_of_its_own(tmp_path):
+    """The engine ends a run by handing its Outcome to the `on_end` it was given (the driver's:
+    replay.run.driver), and sets the exit code that returns; alone, it writes the records and
+    the first meta, never the run's end (the summary)."""
+    spec = spec_of(make_rows(6), tmp_path)
+    outcomes, codes = [], []
+    c = coordinator_module.Coordinator(spec, LocalLink(), FakeClock(), on_exit_code=codes.append,
+                                       on_end=lambda outcome: outcomes.append(outcome) or 7)
+    c.cancel()  # every row recorded as never sent
+    [outcome] = outcomes
+    assert c.end() is outcome and outcome.store.count == 6 and outcome.spec is spec
+    assert outcome.least_code == 0 and outcome.capacity is None and outcome.incomplete == {}
+    assert codes == [7] and not summary_path(spec.output).exists()
+    driven = driver.start(spec_of(make_rows(6), tmp_path / "driven"), LocalLink(), FakeClock())
+    driven.cancel()
+    assert summary_path(driven.spec.output).exists()  # the driver's end: finish
 
 
 def test_every_row_ok_exit_code_0(tmp_path):

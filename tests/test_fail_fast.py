@@ -18,6 +18,7 @@ import requests
 from engine_support import FakeClock, make_rows, ok_record
 
 from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
+from replay.engine.options import ReplayOptions, add_arguments
 from replay.errors import OptionError
 from replay.protocol.models import Served, ask_served, only_model, prompt_limit, refusal
 from replay.protocol.openai import read_models
@@ -25,7 +26,6 @@ from replay.protocol.tgi import read_info
 from replay.results.metadata import read_run_metadata
 from replay.results.records import REFUSED, error_rate_label, read_records, unsent_record
 from replay.rules.run_files import summary_path
-from replay.run.options import ReplayOptions, add_arguments
 from replay.sim.process import sim_process
 from support.ports import free_port
 from support.processes import replay_args, run_locust, web_args

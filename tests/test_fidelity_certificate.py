@@ -171,10 +171,10 @@ def test_number_edges():
     assert cert["schedule"]["unsent"] == 1 and cert["outputs"]["sent"] == 0
     same_time = sends([0.0] * 5, gap_s=0.0)  # a burst due at one instant, sent at it
     assert certify(same_time)["schedule"]["inter_arrival_ks"] == 0.0
-    for cert in (empty, one, cert):
-        orjson.dumps(cert)  # every value is JSON (orjson refuses NaN only by writing null: none here)
-        assert "nan" not in json.dumps(cert).lower()
-        format_certificate(cert, 50)
+    for each in (empty, one, cert):
+        orjson.dumps(each)  # every value is JSON (orjson refuses NaN only by writing null: none here)
+        assert "nan" not in json.dumps(each).lower()
+        format_certificate(each, 50)
 
 
 def test_the_binned_ks_brackets_the_exact_one():

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from replay.protocol.prometheus import parse_series
 from replay.results.html import CAPACITY_PLOT, PLOTS, TURN_WAITS_PLOT
-from replay.results.server_metrics import parse_series, sample_line
+from replay.results.server_metrics import sample_line
 from replay.rules.run_files import metrics_path
 from support.browser import BROWSERS, CHROMIUM_FLAGS, need
 from support.dcgm import PAGE, idle_page

@@ -14,13 +14,14 @@ import gevent
 from engine_support import FakeClock, FakeWorker, make_rows, spec_of
 
 from replay.engine import live, transport
-from replay.engine.coordinator import CHUNK_ROWS, Coordinator
+from replay.engine.coordinator import CHUNK_ROWS
 from replay.engine.live import SUMMARY_FIGURES, LiveStats
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.locust.webui import tab_rows
 from replay.results.records import RUN_STOPPED
 from replay.results.summary import percentile
 from replay.rules.run_files import capacity_path, summary_path
+from replay.run import driver
 
 ROWS = 40
 HELD = 50  # rows the fake worker takes ahead of its answers (its records are this process's too)
@@ -40,7 +41,7 @@ class VariedWorker(FakeWorker):
 def test_the_finished_view_shows_the_whole_run_as_the_summary(tmp_path):
     link, clock = LocalLink(), FakeClock()
     spec = spec_of(make_rows(ROWS, gap_s=0.05), tmp_path)
-    coordinator = Coordinator(spec, link, clock)
+    coordinator = driver.start(spec, link, clock)
     stats = LiveStats(coordinator)
     VariedWorker(link, clock=clock).hello()
     gevent.sleep(0.001)
@@ -81,9 +82,9 @@ def test_a_capacity_search_shows_its_probe_under_way_and_those_judged(tmp_path):
     link, clock = LocalLink(), FakeClock()
     spec = spec_of(make_rows(ROWS, gap_s=1.0 / ROWS), tmp_path, capacity_search=True, slo="ttft_ms=100",
                    probe_duration=1.0, cooldown=1.0, search_range="0.5:4", search_precision=0.1)
-    coordinator = Coordinator(spec, link, clock)
+    coordinator = driver.start(spec, link, clock)
     stats = LiveStats(coordinator)
-    assert LiveStats(Coordinator(spec_of(make_rows(2), tmp_path / "plain"), LocalLink(), clock)).snapshot()["capacity"] is None
+    assert LiveStats(driver.start(spec_of(make_rows(2), tmp_path / "plain"), LocalLink(), clock)).snapshot()["capacity"] is None
     fake = FakeWorker(link, clock=clock, answer_first=ROWS + 50).hello()  # probe 0 (1x), then 50 of probe 1's 80 rows
     gevent.sleep(0.001)
     coordinator.begin([(LOCAL_CLIENT, 0)])
@@ -126,7 +127,7 @@ def _end_peak(folder, rows: int) -> int:
     """The traced memory's peak over its start while a run of `rows`, stopped after 10
     answers, ends."""
     link, clock = LocalLink(), FakeClock()
-    coordinator = Coordinator(spec_of(make_rows(rows), folder), link, clock)
+    coordinator = driver.start(spec_of(make_rows(rows), folder), link, clock)
     views = [LiveStats(coordinator, view=False), LiveStats(coordinator)]
     FakeWorker(link, answer_first=10, hold=HELD, clock=clock).hello()
     gevent.sleep(0.001)

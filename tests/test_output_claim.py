@@ -23,11 +23,12 @@ from pathlib import Path
 import pytest
 
 from replay.cli import build_parser, main
+from replay.engine.options import add_arguments
+from replay.errors import OutputError
 from replay.locust import outputs as locust_outputs_module
 from replay.output_claim import Output, OutputFolder, PathRole, option_label
-from replay.results.files import OutputError, write_atomically
+from replay.results.files import write_atomically
 from replay.rules.run_files import meta_path, summary_path, tmp_path
-from replay.run.options import add_arguments
 from support.records import ok_record
 from support.traces import BLOCK, mooncake_trace
 

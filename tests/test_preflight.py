@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
+from replay.engine.options import ReplayOptions
 from replay.protocol.models import Served
 from replay.rules.run_files import lock_path
 from replay.run import preflight
-from replay.run.options import ReplayOptions
 from replay.synth.tokenizer import tokenizer_fingerprint
 from support.traces import BLOCK, mooncake_trace
 

@@ -18,6 +18,7 @@ from replay.engine.coordinator import Coordinator
 from replay.engine.live import LiveStats
 from replay.engine.progress import ERASE, LOG_INTERVAL_S, TTY_INTERVAL_S, ProgressLine, progress_line
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
+from replay.run import driver
 from support.processes import replay_args, run_replay
 from support.traces import mooncake_trace
 
@@ -45,7 +46,7 @@ def _run(tmp_path, stream: io.StringIO, tty: bool):
     """50 rows, the fake worker answers 30 (every tenth HTTP 500) and holds the rest; the progress
     line of the live figures on `stream`, started with the run as the plugin starts it."""
     clock, link = FakeClock(), LocalLink()
-    coordinator = Coordinator(spec_of(make_rows(50, gap_s=1.0), tmp_path), link, clock)
+    coordinator = driver.start(spec_of(make_rows(50, gap_s=1.0), tmp_path), link, clock)
     FakeWorker(link, answer=lambda row: 500 if row.request_id % 10 == 0 else 200, answer_first=30).hello()
     printer = ProgressLine(LiveStats(coordinator, view=False), stream, clock, tty=tty)
     gevent.sleep(0.001)

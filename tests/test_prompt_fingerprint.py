@@ -17,14 +17,13 @@ import gevent
 import orjson
 import pytest
 
-from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
+from replay.engine.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.results.records import read_records
 from replay.rules.prompt_fingerprint import agreed_tokens, checkpoints
 from replay.rules.run_files import fidelity_path
-from replay.run import preflight
-from replay.run.options import ReplayOptions
+from replay.run import driver, preflight
 from replay.synth.prompts import BREAK_BLOCK_ENV, PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.reader import TraceStream
@@ -95,7 +94,7 @@ def run_in_process(trace, output, url, tokenizer_dir, **options) -> None:
                          output=str(output), reset_server_cache=True, **options)
     link = LocalLink()
     part = Dispatcher(link, local=True)
-    coordinator = Coordinator(preflight.load(opts, url), link, local_part=part)
+    coordinator = driver.start(preflight.load(opts, url), link, local_part=part)
     coordinator.begin([(LOCAL_CLIENT, 0)])
     assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
     gevent.spawn(coordinator.end).join(timeout=120)

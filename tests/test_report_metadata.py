@@ -26,7 +26,7 @@ COORDINATOR = """
 import sys
 from replay.engine.coordinator import Coordinator, WorkerState
 from replay.run import preflight
-from replay.run.options import ReplayOptions
+from replay.engine.options import ReplayOptions
 from replay.engine.transport import LocalLink
 from replay.results.metadata import write_run_metadata
 

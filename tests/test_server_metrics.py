@@ -18,8 +18,9 @@ import time
 import pytest
 import requests
 
+from replay.protocol.prometheus import parse_series
 from replay.results.records import read_records
-from replay.results.server_metrics import KNOWN, CounterChange, parse, parse_series
+from replay.results.server_metrics import KNOWN, CounterChange, parse
 from replay.sim.process import sim_process
 from support.dcgm import PAGE, fake_dcgm_exporter, idle_page
 from support.processes import finish, master_and_workers, replay_args, run_locust

@@ -17,8 +17,8 @@ import orjson
 import pytest
 
 from replay.engine.dispatcher import BodyBuilder
+from replay.engine.options import ReplayOptions
 from replay.engine.same_tokenizer import master_fingerprint
-from replay.run.options import ReplayOptions
 from replay.synth import setup_cache
 from replay.synth.bodies import build_body
 from replay.synth.prompts import PromptSynthesizer, server_count

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from replay.engine.options import ReplayOptions, add_arguments
 from replay.results.metadata import read_run_metadata
 from replay.results.records import RECORD_FIELDS
 from replay.run.config import ConfigError, apply_config, load_config
-from replay.run.options import ReplayOptions, add_arguments
 from replay.sim.process import sim_process
 from support.processes import replay_args, run_locust, run_replay
 from support.records import check_records

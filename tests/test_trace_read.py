@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from replay.bounds import DEFAULT_MAX_PROMPT_TOKENS
 from replay.trace import FORMATS, BadLine, TraceError, detect_format, prefix_hits, read_trace
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 from replay.trace.formats import parse_datetime
 from replay.trace.record import Trace, TraceRow
 from replay.trace.stats import trace_stats

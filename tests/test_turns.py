@@ -15,16 +15,15 @@ import pytest
 from engine_support import Hub
 
 from replay.engine import messages
-from replay.engine.coordinator import Coordinator
 from replay.engine.dispatcher import Dispatcher
+from replay.engine.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.engine.turns import Turns
 from replay.errors import OptionError
 from replay.results.records import DRAIN_TIMEOUT, RUN_STOPPED, SESSION_STOPPED, TURN_NEVER_DUE, read_records
 from replay.results.summary import summarize
 from replay.rules.run_files import lock_path
-from replay.run import preflight
-from replay.run.options import ReplayOptions
+from replay.run import driver, preflight
 from replay.sim.process import sim_process
 from replay.trace.record import TraceRow
 from support.paths import shared_path
@@ -86,11 +85,11 @@ def replay(tmp_path: Path, url: str, workers: int = 1, stop_after: int | None = 
                 part.abort(RUN_STOPPED)
 
         part = Dispatcher(link, local=True, on_request=stop)
-        coordinator = Coordinator(preflight.load(opts, url), link, local_part=part, on_exit_code=exit_codes.append)
+        coordinator = driver.start(preflight.load(opts, url), link, local_part=part, on_exit_code=exit_codes.append)
         coordinator.begin([(LOCAL_CLIENT, 0)])
     else:
         hub = Hub()
-        coordinator = Coordinator(preflight.load(opts, url), hub.master, on_exit_code=exit_codes.append)
+        coordinator = driver.start(preflight.load(opts, url), hub.master, on_exit_code=exit_codes.append)
         for w in range(workers):
             Dispatcher(hub.worker(f"w{w}")).link.to_master(messages.HELLO, messages.Hello())
         gevent.sleep(0.01)

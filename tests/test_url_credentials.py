@@ -20,11 +20,11 @@ import pytest
 import requests
 
 from replay.cli import build_parser, commands
+from replay.engine.options import add_arguments
 from replay.protocol.ask import Unanswered, ask, check_url
 from replay.protocol.urls import redacted, shown
 from replay.results.metadata import read_run_metadata
 from replay.rules.run_files import summary_path
-from replay.run.options import add_arguments
 from replay.sim.process import sim_process
 from support.ports import free_port
 from support.processes import (

@@ -146,7 +146,7 @@ def test_live_stats_match_the_records(tmp_path, toy_tokenizer_dir, sim, workers)
     ideal_tokens = sum(hit_tokens(row, hits, BLOCK) for row, hits in zip(rows, prefix_hits(rows)))
     ideal = ideal_tokens / sum(r.input_length for r in rows)
     assert latest["ideal_cache_hit_ratio"] == pytest.approx(ideal, abs=1e-4)
-    assert 0 < observed and 0 < ideal
+    assert observed > 0 and ideal > 0
     assert latest["in_flight"] == 0
     # the endpoint's own side: the master's /metrics scrapes, beside the clients' view
     assert final["servers"] == [{"endpoint": sim.url, "scraped": True, "metrics": True}]

@@ -1,6 +1,7 @@
 """The capacity search's rules (docs/capacity.md): its options' checks, the search itself
 (which load factor to probe next, and when the answer is known), a probe's tally and verdict,
-and the results (OUTPUT.capacity.json, the summary's quotable line).
+and the results (OUTPUT.capacity.json; its results' names and the summary's quotable line
+are replay.rules.capacity_result's, which the report reads too).
 
 Pure: no clock, no I/O, no engine. The master's driver (replay.engine.probes) runs the probes
 and feeds the outcomes here, so the search is tested on made-up outcomes in one process.
@@ -10,33 +11,36 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from replay.bounds import LOAD_FACTOR
 from replay.errors import OptionError
-from replay.results.records import output_tokens_of
+from replay.results.records import Record, output_tokens_of
 from replay.results.report import meets_slo
 from replay.results.summary import failure_reason, percentile
+from replay.rules.capacity_result import (
+    AT_LEAST_HI,
+    BELOW_LO,
+    CLIENT_CPU_PERCENT,
+    CLIENT_DRIFT_P99_MS,
+    CLIENT_LIMITED,
+    FOUND,
+    OUTAGE,
+    SERVER_ERRORS,
+    STOPPED,
+)
 
 SEARCH_BY = ("amplify", "scale")
 ON_OUTAGE = ("stop", "retry")  # --on-outage: end the search, or repeat the probe once the servers answer again
 GROWTH = 2.0  # while probes pass, the next factor is this many times the last
-CLIENT_DRIFT_P99_MS = 10.0  # a probe whose sends were later than this at p99 measured the client, not the server
-CLIENT_CPU_PERCENT = 90.0  # nor one during which a worker reported this much CPU use (Locust's own warning's)
 MIN_PROBE_ROWS = 10  # a probe of fewer rows judges goodput by a handful: its verdict says nothing of the load
 MAX_COOLDOWN_S = 60.0  # the default cooldown waits for idle servers at most this long
 NO_METRICS_COOLDOWN_S = 5.0  # and this long when the servers' /metrics are not scraped
 
-PASS, FAIL, FAIL_EARLY, CLIENT_LIMITED = "pass", "fail", "fail early", "client-limited"
+PASS, FAIL, FAIL_EARLY = "pass", "fail", "fail early"
 INVALID = "invalid"  # a worker was lost during the probe: it says nothing, and is repeated once
-# Verdicts and results both: the failures that failed a probe were mostly not the load's (Probe.failed_by)
-OUTAGE = "outage"  # requests the servers never answered: refused or reset connections, no answer in time
-SERVER_ERRORS = "server errors"  # error answers (HTTP errors but 429, broken or unreadable replies)
-FOUND, BELOW_LO, AT_LEAST_HI = "found", "below LO", "at least HI"
-WORKERS_LOST = "workers lost"  # a probe and its repeat were both invalid: the search ended there
-STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer; also the probe's verdict
-WORKER_SIGNALLED = "worker stopped"  # a worker got a stop signal of its own (not the user's stop): the search ended there
-NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED, WORKER_SIGNALLED, OUTAGE, SERVER_ERRORS)  # results whose exit code is 1
 
 # Why a row of a probe failed it (`failure_kind`): only LOAD failures say the load was too much.
 LOAD = "load"  # answered, but over an --slo limit; or HTTP 429, the server's own "too many requests"
@@ -65,7 +69,7 @@ def parse_range(text: str) -> tuple[float, float]:
 
 
 def check_search(options) -> None:
-    """A --capacity-search's options (replay.run.options.ReplayOptions), refused with one line
+    """A --capacity-search's options (replay.engine.options.ReplayOptions), refused with one line
     naming the option before anything is sent; each number's own range is its bound's
     (ReplayOptions.check), the probe's length against the window the preflight's (it needs
     the trace)."""
@@ -115,6 +119,7 @@ class Search:
         if best is None and worst is None:
             return min(max(1.0, self.lo), self.hi)
         if worst is None:
+            assert best is not None  # both None is the first probe's case, above
             if best >= self.hi:
                 self.result = AT_LEAST_HI
                 return None
@@ -134,7 +139,7 @@ def _p(values: array, p: float) -> float | None:
     return percentile(sorted(values), p) if values else None
 
 
-def failure_kind(record: dict, slo: dict[str, float]) -> str | None:
+def failure_kind(record: Record, slo: dict[str, float]) -> str | None:
     """Why a record of a probe failed it (LOAD, UNANSWERED, ERROR); None: it met the SLO, or its
     row was never sent (a label: the probe cut short, a stop), which says nothing of the server.
     An answer "ok" without a single output token (a reply that is no event stream) is an
@@ -177,7 +182,7 @@ class Probe:
     values: dict[str, array] = field(default_factory=lambda: {k: array("d") for k in
                                                               ("ttft_ms", "tpot_ms", "e2e_ms", "drift_ms")})
 
-    def add(self, record: dict) -> None:
+    def add(self, record: Record) -> None:
         self.recorded += 1
         self.ok += bool(record["ok"])
         kind = failure_kind(record, self.slo)
@@ -191,8 +196,9 @@ class Probe:
         if self.failed_by is None and self.hopeless:
             self.failed_by = dict(self.failures)
         for key, values in self.values.items():
-            if record.get(key) is not None and (record["ok"] or key == "drift_ms"):
-                values.append(record[key])
+            value = cast(Mapping[str, Any], record).get(key)  # a field named by a variable
+            if value is not None and (record["ok"] or key == "drift_ms"):
+                values.append(value)
 
     @property
     def allowed_bad(self) -> float:
@@ -282,54 +288,3 @@ def capacity_report(search: Search, probes: list[Probe], *, slo: dict[str, float
         "capacity": best if result in (FOUND, AT_LEAST_HI) else None,  # claimed only by a search that ended itself
         "bracket": [best, worst], "result": result, "seconds": seconds,
     }
-
-
-def quotable_line(report: dict) -> str:
-    """The summary's last line, one a person can quote."""
-    best, worst = report["bracket"]
-    limits = " and ".join(f"{k} <= {v:g} ms" for k, v in report["slo"].items())
-    at = f"at goodput >= {_pct(report['goodput_target'])}% with {limits}"
-    result = report["result"]
-    if result == BELOW_LO:
-        return f"Capacity: below {report['range'][0]:g}x this trace's load ({worst:g}x fails) {at}"
-    if result == AT_LEAST_HI:
-        return f"Capacity: at least {best:g}x this trace's load (the most tried, --search-range) {at}"
-    if result == CLIENT_LIMITED:
-        return ("Capacity: not measured: the client could not send on time (dispatch drift p99 over "
-                f"{CLIENT_DRIFT_P99_MS:g} ms, or a worker's CPU at {CLIENT_CPU_PERCENT:g}%); add workers and run "
-                "the search again")
-    if result == WORKERS_LOST:
-        return (f"Capacity: not measured: workers were lost during a probe and again during its repeat "
-                f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
-    if result in (OUTAGE, SERVER_ERRORS):
-        probe = report["probes"][-1]
-        what = ("the servers stopped answering" if result == OUTAGE else
-                "the servers answered errors that are not the load's")
-        reasons = "; ".join(f"{n} x {reason}" for reason, n in (probe.get("not_load_reasons") or {}).items())
-        retry = "" if report.get("on_outage") == "retry" else ", or with --on-outage retry"  # not when it was
-        return (f"Capacity: not measured: {what} during the probe at {probe['factor']:.3g}x ({reasons}; the bracket "
-                f"so far: {_side(best)} passes, {_side(worst)} fails); search again once they serve{retry}")
-    if result == WORKER_SIGNALLED:
-        return (f"Capacity: not measured: a worker was stopped by a signal of its own during the search "
-                f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
-    if best is None or worst is None:
-        return f"Capacity: not known (the search was {result}) {at}"
-    return f"Capacity: {best:.3g}x this trace's load ({best:.3g}x passes, {worst:.3g}x fails) {at}"
-
-
-def probe_table(report: dict) -> str:
-    """A search's probes, one line each, for `replay report`: what its pooled figures are made of."""
-    lines = [f"{'probe':>5}  {'factor':>7}  {'rows':>6}  {'sent':>6}  {'goodput':>7}  verdict"]
-    for p in report["probes"]:
-        goodput = "-" if p.get("goodput") is None else f"{p['goodput']:.4f}"
-        lines.append(f"{p['probe']:>5}  {p['factor']:>6g}x  {p['rows']:>6}  {p.get('sent', '-'):>6}  {goodput:>7}  "
-                     f"{p['verdict']}")
-    return "\n".join(lines)
-
-
-def _side(factor: float | None) -> str:
-    return "none" if factor is None else f"{factor:.3g}x"
-
-
-def _pct(target: float) -> str:
-    return f"{target * 100:g}"

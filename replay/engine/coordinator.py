@@ -1,10 +1,11 @@
 """The master's side of the replay (also the local runner's): split the run's rows across
 workers, ship them, set the shared start, collect the records, and account for every row.
 
-It is given a run as values (replay.run.spec's RunSpec, made by replay.run.preflight: the
+It is given a run as values (replay.engine.spec's RunSpec, made by replay.run.preflight: the
 trace read and spooled, the tokenizer's fingerprint, the prompt limit) and does no I/O until
 `begin`; the run's end past the accounting (the merged file, the summary, the last meta) is
-replay.run.finish's. Its time is read and waited for on the clock it is given
+its driver's (replay.run.driver): `end` hands it the run's `Outcome`, and the driver's
+listeners are all the engine knows of it. Its time is read and waited for on the clock it is given
 (replay.engine.clock), so a test can run it on a clock of its own.
 
 The master knows what it assigned, what each worker acknowledged holding, and what came back,
@@ -13,7 +14,7 @@ so it can always write a complete merged file with labels that tell why a row ha
 kept from ever being sent are "run stopped" only when the user stopped the run; rows a live
 worker held but never reported are "no record from worker".
 
-A file of the run that cannot be written (a full disk, replay.results.files.OutputError: the
+A file of the run that cannot be written (a full disk, replay.errors.OutputError: the
 master's own files, or a worker's, told by FAULT) stops the run as a fault: one line in the log,
 the rows left recorded as "output error", exit code 1, and the file named in the meta's
 `incomplete`. Servers that fail more than --max-error-rate of their answers
@@ -41,9 +42,9 @@ from replay.engine.clock import SYSTEM_CLOCK, Clock, answer_ping
 from replay.engine.error_rate import MIN_ANSWERS, WINDOW_S, ErrorRate
 from replay.engine.rounds import Part, Round
 from replay.engine.scraper import Scraper
+from replay.engine.spec import Outcome, RunFacts, RunSpec
+from replay.errors import OutputError
 from replay.results import host_load
-from replay.results.cache_section import CacheStream
-from replay.results.files import OutputError
 from replay.results.metadata import write_run_metadata
 from replay.results.records import (
     DRAIN_TIMEOUT,
@@ -55,13 +56,12 @@ from replay.results.records import (
     WORKER_FAILED,
     WORKER_LOST,
     WORKER_STOPPED,
+    Record,
     error_rate_label,
     unsent_record,
 )
 from replay.results.store import REAL, RecordStore
 from replay.rules.send_time import send_time
-from replay.run.finish import finish, start_cache_stream
-from replay.run.spec import RunFacts, RunSpec
 from replay.synth.server_check import Verdict
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,10 @@ def _no_cpu(client_id: str) -> float | None:
     return None
 
 
+def _no_end(outcome: Outcome) -> int:
+    return 0
+
+
 class Coordinator:
     """The master's side, for the run `spec`. What it needs of the runner it is given, not
     looked up: `worker_gone` (whether the runner lost a worker, by client id), `worker_host` (a
@@ -164,19 +168,23 @@ class Coordinator:
     when any row failed) and `worker_cpu` (a worker's last reported CPU use, percent of a core;
     None: not known; a capacity search's probes read it once they have sent for `cpu_lag_s`, the
     runner's sampling interval: a figure read earlier covers the time before the probe). The runner's target host is the spec's. `local_part` is a local run's
-    own Dispatcher; `heard` the workers that said HELLO before it was built (listen_for_hellos)."""
+    own Dispatcher; `heard` the workers that said HELLO before it was built (listen_for_hellos).
+    `on_end` ends the run once every row has a record: given its Outcome, it writes the run's
+    files and returns the exit code (replay.run.driver's; the default writes nothing more)."""
 
     def __init__(self, spec: RunSpec, link: transport.Link, clock: Clock = SYSTEM_CLOCK, *, local_part=None,
                  heard: Iterable[str] = (), worker_gone: Callable[[str], bool] = _never_gone,
                  worker_host: Callable[[str], str | None] = _no_hostname,
                  on_exit_code: Callable[[int], None] = _ignore_exit_code,
-                 worker_cpu: Callable[[str], float | None] = _no_cpu, cpu_lag_s: float = 0.0):
+                 worker_cpu: Callable[[str], float | None] = _no_cpu, cpu_lag_s: float = 0.0,
+                 on_end: Callable[[Outcome], int] = _no_end):
         self.spec = spec
         self.worker_cpu, self.cpu_lag_s = worker_cpu, cpu_lag_s
         self.clock = clock
         self.worker_gone = worker_gone
         self.worker_host = worker_host
         self.on_exit_code = on_exit_code
+        self.on_end = on_end
         self.link = link
         self.local_part = local_part
         # the spec's, by the names the live view and the web UI read them by
@@ -196,7 +204,6 @@ class Coordinator:
         self.heard: set[str] = set(heard) | ({transport.LOCAL_CLIENT} if local_part is not None else set())
         self.store: RecordStore | None = None  # every record, on disk; made at the start
         self.epoch: float | None = None
-        self.cache_stream: CacheStream | None = None  # the cache section, computed while the run replays
         self.host_at_go: host_load.HostSample | None = None  # the host at the go (the certificate's schedule line)
         self.last_due: float | None = None
         self.started_at: float | None = None
@@ -208,6 +215,9 @@ class Coordinator:
         self.scrape_listeners: list = []  # handed to the scraper: called with each round (the live Replay view)
         self.exporter_listeners: list = []  # the same, with the --metrics-endpoint exporters' samples
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
+        # called at the go of a run that replays its trace's rows (not a search's probes) with the
+        # facts so far and the first request id (the driver's cache section follower)
+        self.go_listeners: list[Callable[[RunFacts, int], None]] = []
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         self.summary_listeners: list = []  # called with the run's summary (OUTPUT.summary.json's), at the end
         self.server_check = Verdict(skipped="not checked").to_dict()  # the preflight's verdict, for the meta file
@@ -241,9 +251,15 @@ class Coordinator:
         return self.spec.window_seconds
 
     @property
+    def records(self) -> RecordStore:
+        """The run's record store, made by `begin` (or `cancel`): every caller runs after either."""
+        assert self.store is not None, "the run has not begun"
+        return self.store
+
+    @property
     def recorded(self) -> int:
         """Rows with a record so far."""
-        return self.store.count if self.store is not None else 0
+        return self.records.count if self.store is not None else 0
 
     # -- start --------------------------------------------------------------------------------------
 
@@ -349,6 +365,7 @@ class Coordinator:
         """A search's next probe: its rows are shipped to every live worker, each told its part grew."""
         self.rounds.append(round_)
         r = len(self.rounds) - 1
+        assert self.epoch is not None  # a search opens its next probe after the go
         self.last_due = self.epoch + round_.offset_s + self.window_seconds() / round_.speedup
         for w in self.workers.values():
             if w.lost:
@@ -370,6 +387,22 @@ class Coordinator:
                 continue
             w.round_window.put(messages.Round(rows=len(w.part), more=True, skip_to=len(w.part),  # type: ignore[typeddict-item]
                                               skip_reason=reason))
+
+    def owe(self, total: int, last_request_id: int) -> None:
+        """A search's probe opened: the run now owes `total` records, of request ids up to
+        `last_request_id` (the store makes room for them)."""
+        self.total = total
+        if self.store is not None:
+            self.store.grow(last_request_id)
+
+    def stop_search(self, label: str) -> None:
+        """The search ends without an answer: the rows left get `label`."""
+        self._stop_for(label)
+
+    def search_over(self) -> None:
+        """The search has its answer: no more rounds, and the run ends by itself."""
+        self.end_rounds()
+        self._end_by_itself("complete")
 
     def end_rounds(self) -> None:
         """The search is over: no more rounds; each worker ends once its rows are done."""
@@ -488,14 +521,16 @@ class Coordinator:
         if not force and self.scraper is not None and not self.scraper.first_round.is_set():
             return  # the servers' counters are read once before the first send
         self.epoch = self.clock.now() + GO_LEAD_S
-        speedup = self.rounds[0].speedup if self.probes is not None else 1.0
+        first = self.rounds[0]
+        speedup = first.speedup if first is not None else 1.0  # a search's first probe; a plain run's trace
         self.last_due = self.epoch + self.window_seconds() / speedup
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
         self.host_at_go = host_load.sample()
         if self.probes is None:  # a search's probes are rows of their own, which no trace holds
-            self.cache_stream = start_cache_stream(self.spec, self.facts(), self.store.first)
+            for listener in self.go_listeners:
+                listener(self.facts(), self.records.first)
 
     # -- records ------------------------------------------------------------------------------------
 
@@ -535,11 +570,11 @@ class Coordinator:
             self.fault_label = self.end_reason = label
         self.finished.set()
 
-    def ingest(self, records: list[dict], placeholder: bool = False) -> None:
+    def ingest(self, records: list[Record], placeholder: bool = False) -> None:
         if self.probes is not None:
             self.probes.label(records)
-        fresh = self.store.add(records, placeholder)
-        by_index = {w.index: w for w in self.workers.values()}
+        fresh = self.records.add(records, placeholder)
+        by_index: dict[int | None, WorkerState] = {w.index: w for w in self.workers.values()}
         for record in fresh:
             state = by_index.get(record["worker"])
             if state is not None and not record["ok"]:
@@ -550,7 +585,7 @@ class Coordinator:
             return  # answers that arrive while the run ends change nothing of how it ended
         if self.probes is not None:  # a probe's failures are the search's, never an error-rate stop
             self.probes.tally(fresh)
-        elif self.store.count >= self.total:
+        elif self.records.count >= self.total:
             self._end_by_itself("complete")
         elif not self.finished.is_set() and self.error_rate.add(fresh):  # once it ended, nothing stops it
             label = error_rate_label(self.error_rate.limit)
@@ -564,7 +599,7 @@ class Coordinator:
               placeholder: bool = False) -> int:
         """Records for the rows of `part` numbered `indices` that have none yet, made and stored
         a batch at a time (a stop may leave millions); returns how many."""
-        store, scale, filled = self.store, self.options.scale, 0
+        store, scale, filled = self.records, self.options.scale, 0
         todo = (i for i in indices if i < len(part) and not store.has(part.request_id(i)))
         while batch := list(islice(todo, CHUNK_ROWS)):
             records = []
@@ -601,15 +636,15 @@ class Coordinator:
             self._check_workers()
             if self.probes is not None:
                 self.probes.sample_cpu()
-            if self.epoch is None and self.clock.now() - self.started_at > READY_TIMEOUT_S:
+            if self.epoch is None and self.clock.now() - (self.started_at or 0.0) > READY_TIMEOUT_S:  # set by begin
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)
                 self._maybe_go(force=True)
             self._maybe_go()
-            if self.probes is None and self.store.count >= self.total:
+            if self.probes is None and self.records.count >= self.total:
                 self._end_by_itself("complete")
             if (self.last_due is not None and self.clock.now() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S
                     and not (self.probes is not None and self.probes.between)):  # a search waiting to open its next probe
-                logger.warning("drain timeout: ending the run with %d rows unanswered", self.total - self.store.count)
+                logger.warning("drain timeout: ending the run with %d rows unanswered", self.total - self.records.count)
                 self._end_by_itself(DRAIN_TIMEOUT)
 
     def _end_by_itself(self, reason: str) -> None:
@@ -623,18 +658,19 @@ class Coordinator:
     def ending(self) -> bool:
         return self._ending is not None
 
-    def end(self) -> None:
-        """Finalize once, in a greenlet of its own, and wait for it.
+    def end(self) -> Outcome | None:
+        """Finalize once, in a greenlet of its own, and wait for it; the run's Outcome (None: it
+        never began).
 
         Locust may end a run from one of its runner's greenlets (the heartbeat checker when the
         last worker is lost) and kill them right after: the records must not die with them. Every
         way out (test_stop, quitting) calls this; the first starts it, the others wait for it.
         """
         if self.store is None:
-            return
+            return None
         if self._ending is None:
             self._ending = gevent.spawn(self._finalize)
-        self._ending.join()
+        return self._ending.get()
 
     def cancel(self) -> None:
         """Stop a run that has not begun (a signal while the servers are checked or the master
@@ -672,7 +708,7 @@ class Coordinator:
         deadline = clock.now() + ABORT_WAIT_S
         aborted = clock.now()
         while clock.now() < deadline:
-            missing = [rid for rid in missing if self.store.state(rid) != REAL]
+            missing = [rid for rid in missing if self.records.state(rid) != REAL]
             if not missing:
                 break
             if clock.now() - aborted >= ABORT_RESEND_S:
@@ -680,23 +716,22 @@ class Coordinator:
                 aborted = clock.now()
             clock.sleep(0.1)
 
-    def _finalize(self) -> None:
+    def _finalize(self) -> Outcome:
         """Account for every row (the rows without a record get their labels), then end the run
-        (replay.run.finish: the merged file sorted by request_id, the summary, the last meta)
-        and set the exit code: 1 when any row failed for a reason other than the user's stop, 2
-        when the run was refused.
-        Run once, by `end`."""
+        (`on_end`, the driver's: the merged file sorted by request_id, the summary, the last meta)
+        and set the exit code it returns: 1 when any row failed for a reason other than the
+        user's stop, 2 when the run was refused. Run once, by `end`."""
         if self._supervisor is not None:
             self._supervisor.kill(block=False)
         self._check_workers()  # Locust may stop the run on a lost worker before the supervisor saw it
         self._judge_pending_signals()
         user_stopped = self.end_reason is None
         logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
-                    self.end_reason or "stopped", self.store.count, self.total)
+                    self.end_reason or "stopped", self.records.count, self.total)
         never_sent = RUN_STOPPED if user_stopped else self.fault_label or NO_RECORD
         if self.probes is not None:
             self.probes.stop()
-        if self.store.count < self.total or self.probes is not None:
+        if self.records.count < self.total or self.probes is not None:
             self._collect_held_records(RUN_STOPPED if user_stopped else self.fault_label or DRAIN_TIMEOUT)
         for state in self.workers.values():
             everything = range(len(state.part))
@@ -708,12 +743,13 @@ class Coordinator:
         self._fill(self.whole, range(len(self.whole)), None, never_sent)  # rows never assigned (no worker at all)
         if self.scraper is not None:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
-        capacity = self.probes.report() if self.probes is not None else None
-        code = finish(self.spec, self.store, self.facts(), self.incomplete, self.on_output_error, self.final_listeners,
-                      self.summary_listeners, least_code=REFUSED_EXIT_CODE if self.refused else 0, capacity=capacity,
-                      cache_stream=self.cache_stream)
-        if code or capacity is not None:  # a search's 0 too: its failing probes' rows are no run's failure
+        outcome = Outcome(self.spec, self.records, self.facts(), self.incomplete,
+                          capacity=self.probes.report() if self.probes is not None else None,
+                          least_code=REFUSED_EXIT_CODE if self.refused else 0)
+        code = self.on_end(outcome)
+        if code or outcome.capacity is not None:  # a search's 0 too: its failing probes' rows are no run's failure
             self.on_exit_code(code)
+        return outcome
 
     def facts(self) -> RunFacts:
         """What the run learned so far, for its meta file (RunSpec.metadata)."""

@@ -19,7 +19,6 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import gevent
 from gevent.event import Event
@@ -27,29 +26,30 @@ from gevent.pool import Group
 
 from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
+from replay.engine.options import ReplayOptions
 from replay.engine.plan import decode_row
 from replay.engine.routing import make_router
 from replay.engine.same_tokenizer import check_worker_tokenizer
+from replay.engine.threads import off_loop
 from replay.engine.timing import Alarm, QuietCollector
 from replay.engine.turns import Turns
-from replay.errors import OptionError
+from replay.errors import OptionError, OutputError
 from replay.protocol.client import Endpoint, Sent, read, send, write
 from replay.protocol.headers import parse_headers
 from replay.protocol.table import get_api, sends_token_ids
-from replay.results.files import OutputError
 from replay.results.records import (
     DRAIN_TIMEOUT,
     RUN_STOPPED,
     SESSION_STOPPED,
     STOPPED_IN_FLIGHT,
     TURN_NEVER_DUE,
+    Record,
     RecordWriter,
     sent_record,
     unsent_record,
 )
 from replay.rules.run_files import worker_path
 from replay.rules.send_time import send_offset_s, send_time
-from replay.run.options import ReplayOptions
 from replay.synth.chat_template import ChatTemplateError
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow
@@ -66,12 +66,11 @@ FLUSH_GAP_TRIES = 50  # for up to about this many ms
 BATCH = 500
 WARM_S = 0.25  # idle connections kept for the sends due within this much time
 # How often the idle connections are sized to the sends due within WARM_S: well inside WARM_S, and
-# no more often, since an idle process's CPU is these ticks (0.02 s cost 0.2 s of CPU a minute)
+# no more often, since an idle process's CPU is these ticks (docs/bench/2026-11-28-figures.md)
 WARM_TICK_S = 0.1
 QUIET_TICK_S = 1.0  # the longest tick when no send is due within WARM_S of the next tick
-MIN_SPARE = 8  # and this many more per endpoint
 MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
-T = TypeVar("T")
+MIN_SPARE = 8  # and this many more per endpoint
 
 
 class RowBuffer:
@@ -126,7 +125,7 @@ class BodyBuilder:
         self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=options.seed,
                                        token_ids=sends_token_ids(options.prompt_format))
         if self.synth.verified:  # every prompt is encoded: load the tokenizer now, off the loop
-            tokenizer.tokenizer
+            _ = tokenizer.tokenizer  # the attribute loads it
         if broken := os.environ.get(BREAK_BLOCK_ENV):  # test only (docs/testing.md): read once, here
             if not broken.isdigit():
                 raise OptionError(f"${BREAK_BLOCK_ENV} {broken!r}: expected a hash id (a whole number)")
@@ -168,22 +167,6 @@ def build_off_loop(options: ReplayOptions, block_size: int | None, fingerprint: 
     return off_loop(_checked_builder, options, block_size, fingerprint, tokenizer_path)
 
 
-def off_loop(function: Callable[..., T], *args) -> T:
-    """function(*args) in gevent's threadpool, the event loop turning meanwhile; what it raises
-    is raised here (the pool itself would print it to stderr as a crash, traceback and all,
-    before the caller turned it into its one-line message)."""
-    def run():
-        try:
-            return function(*args), None
-        except Exception as e:
-            return None, e
-
-    result, error = gevent.get_hub().threadpool.apply(run)
-    if error is not None:
-        raise error
-    return result
-
-
 def untrack_greenlet_tree() -> None:
     """Stop gevent recording each greenlet's spawner for its debugging tree, from a worker's start
     on: each spawn would otherwise keep its spawner's stack (ten frame objects per request), which
@@ -200,7 +183,7 @@ class Dispatcher:
     replay."""
 
     def __init__(self, link: transport.Link, local: bool = False,
-                 on_request: Callable[[dict], None] | None = None):
+                 on_request: Callable[[Record], None] | None = None):
         """`on_request` is called with each answered request's record, as it is recorded (the
         Locust adapter feeds Locust's own request statistics with it)."""
         untrack_greenlet_tree()
@@ -219,7 +202,7 @@ class Dispatcher:
         self.origin = 0.0
         self.epoch = 0.0
         self.offset = 0.0  # master clock - local clock, seconds
-        self.bodies: dict[int, bytes] = {}
+        self.bodies: dict[int, bytes | Exception] = {}  # a row that could not be built: why
         self.dispatch_pos = 0  # index (in self.rows) of the next row to send
         self.next_due = float("inf")  # local time of the next send, for the builder to keep clear of
         # request id -> (row, scheduled, due, endpoint url, sent_at, reader)
@@ -227,7 +210,7 @@ class Dispatcher:
         self.turns: Turns | None = None  # a closed-loop --turn-timing's sessions; None: every row at its trace time
         self.last_send = 0.0  # local time of the latest send
         self.sends = Group()
-        self.outbox: list[dict] = []
+        self.outbox: list[Record] = []
         self.sent = 0
         self.failed = 0
         self.writer: RecordWriter | None = None
@@ -642,7 +625,7 @@ class Dispatcher:
         for endpoint in self.endpoints:  # nothing is in flight any more (drained, or cancelled)
             endpoint.close()
 
-    def _record(self, record: dict) -> None:
+    def _record(self, record: Record) -> None:
         if record["prompt_fingerprint"] is None and (builder := getattr(self, "builder", None)) is not None:
             builder.fingerprints.pop(record["request_id"], None)  # never answered: built for nothing
         self.outbox.append(record)
@@ -662,7 +645,7 @@ class Dispatcher:
         yielding (a stop's records are made at once): each reader is told to end, but one whose
         answer is already in may run before the kill lands; `_done` then finds its request gone
         from `in_flight` and records nothing, so the row keeps this one record."""
-        for request_id, (row, scheduled, due, url, sent_at, greenlet) in list(self.in_flight.items()):
+        for row, scheduled, due, url, sent_at, greenlet in list(self.in_flight.values()):
             greenlet.kill(block=False)
             sent_at += self.offset  # records are in the master's clock
             record = unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
@@ -717,7 +700,7 @@ class Dispatcher:
             self._flush()
             self._ask_for_rows()
 
-    def take_records(self) -> list[dict]:
+    def take_records(self) -> list[Record]:
         """Records not yet shipped, written to this worker's file (a local run hands them over
         directly). A batch its file cannot take is still shipped: the master keeps it."""
         batch, self.outbox = self.outbox, []

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from replay.engine.clock import Clock
-from replay.results.records import is_answer
+from replay.results.records import Record, is_answer
 
 DEFAULT_MAX_ERROR_RATE = 0.5  # a server failing more than half of what it answers is broken, not busy
 WINDOW_S = 30.0
@@ -39,7 +39,7 @@ class ErrorRate:
         self.failed = 0  # failed answers in the window
         self.over = False
 
-    def add(self, records: Iterable[dict]) -> bool:
+    def add(self, records: Iterable[Record]) -> bool:
         """Count the answers among `records`; whether the failed share is now over the limit."""
         if self.limit >= OFF:
             return False

@@ -24,14 +24,16 @@ import socket
 import time
 from array import array
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 import gevent
 
 from replay.engine import messages
 from replay.engine.gpu_view import GpuView
 from replay.protocol.urls import shown
-from replay.results.records import output_tokens_of
+from replay.results.records import Record, output_tokens_of
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile
 from replay.rules.send_time import trace_seconds_reached
@@ -105,8 +107,8 @@ class LiveStats:
         self.reported: dict[str, Reported] = {}
         self.sent: Counter[int | None] = Counter()  # records with a sent_at, by worker
         self.failed: Counter[int | None] | None = None  # by worker, recounted at the end
-        self.worker_drift_p99: dict[int, float | None] = {}  # last WINDOW_S during the run, whole run at the end
-        self.recent: deque[tuple[float, dict]] = deque()
+        self.worker_drift_p99: dict[int | None, float | None] = {}  # last WINDOW_S during the run, whole run at the end
+        self.recent: deque[tuple[float, Record]] = deque()
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.errors: Counter[str] = Counter()
         self.cached = self.prompt = self.ideal_cached = self.ideal_prompt = 0
@@ -130,7 +132,7 @@ class LiveStats:
     def on_report(self, data: messages.Live, sender: str) -> None:
         self.reported[sender] = Reported(data["host"], data["sent"], data["in_flight"], data["failed"])
 
-    def add_records(self, records: list[dict]) -> None:
+    def add_records(self, records: list[Record]) -> None:
         now = time.time()
         for r in records:
             if r["sent_at"] is not None:  # a row never sent has no latency or drift for the window,
@@ -173,11 +175,12 @@ class LiveStats:
         ok = [r for r in window if r["ok"]]
         span = min(WINDOW_S, max(now - self.coordinator.epoch, 1e-3))
 
-        def values(key: str, rows: list[dict]) -> list[float]:
-            return sorted(r[key] for r in rows if r[key] is not None)
+        def values(key: str, rows: list[Record]) -> list[float]:
+            found = (cast(Mapping[str, Any], r)[key] for r in rows)  # a field named by a variable
+            return sorted(v for v in found if v is not None)
 
         ttft, e2e, drift = values("ttft_ms", ok), values("e2e_ms", ok), values("drift_ms", window)
-        by_worker: dict[int, list[float]] = {}
+        by_worker: dict[int | None, list[float]] = {}
         for r in window:
             if r["drift_ms"] is not None:
                 by_worker.setdefault(r["worker"], []).append(r["drift_ms"])
@@ -321,7 +324,7 @@ class ServerView:
         self.endpoints = endpoints
         self.metrics: dict[str, dict | None] = {}  # the last scrape, None: it failed
         self.first: dict[str, tuple[float, float]] = {}  # counters at the first scrape: hits, queries
-        self.clients: dict[str, list[int]] = {url: [0, 0, 0, 0] for url in endpoints}  # cached, prompt, ideal x2
+        self.clients: dict[str | None, list[int]] = {url: [0, 0, 0, 0] for url in endpoints}  # cached, prompt, ideal x2
 
     def on_round(self, t: float, results: dict[str, dict | None]) -> None:
         for url, metrics in results.items():
@@ -331,10 +334,10 @@ class ServerView:
             if url not in self.first and hits is not None and queries is not None:
                 self.first[url] = (hits, queries)
 
-    def add_record(self, r: dict, ideal: int) -> None:
+    def add_record(self, r: Record, ideal: int) -> None:
         counts = self.clients.setdefault(r["endpoint"], [0, 0, 0, 0])
-        counts[0] += r["cached_tokens"]
-        counts[1] += r["prompt_tokens"]
+        counts[0] += r["cached_tokens"] or 0  # both known: add_records adds only such records
+        counts[1] += r["prompt_tokens"] or 0
         counts[2] += ideal
         counts[3] += r["input_length"]
 
@@ -370,9 +373,9 @@ class FinalCounts:
         self.sent: Counter[int | None] = Counter()
         self.failed: Counter[int | None] = Counter()
         self.errors: Counter[str] = Counter()
-        self.drift: dict[int, array] = {}
+        self.drift: dict[int | None, array] = {}
 
-    def add(self, r: dict) -> None:
+    def add(self, r: Record) -> None:
         self.sent[r["worker"]] += r["sent_at"] is not None
         if not r["ok"]:
             self.failed[r["worker"]] += 1
@@ -388,7 +391,7 @@ def whole_run(summary: dict | None) -> dict:
         return {}
     out = {}
     for key, path in SUMMARY_FIGURES.items():
-        value = summary
+        value: Any = summary
         for part in path:
             value = value[part]
         out[key] = _round(value)

@@ -35,7 +35,10 @@ builders leave `seq` to the window.
 
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    from replay.results.records import Record
 
 # -- master -> worker -------------------------------------------------------------------------------
 
@@ -206,7 +209,7 @@ class Records(Chunk):
     merged file and live figures."""
 
     worker: int
-    records: list[dict[str, Any]]  # replay.results.records' form
+    records: list[Record]  # replay.results.records' form
 
 
 class Live(TypedDict):

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import orjson
 
+from replay.bounds import MAX_TRACE_SPAN_S
 from replay.errors import OptionError
 from replay.rules.send_time import replay_seconds
-from replay.trace.fields import MAX_TRACE_SPAN_S
 from replay.trace.reader import TraceStream
 from replay.trace.record import TraceRow
 

@@ -4,8 +4,10 @@ short once it can no longer meet the target, judges it once every row has a reco
 cooldown, and opens the next probe the search asks for (replay.engine.capacity), until the
 search is over and the run ends.
 
-It is the Coordinator's (replay.engine.coordinator), on its clock: it ships nothing itself, but
-asks the Coordinator to (`new_round`, `cut_round`, `end_rounds`).
+It drives the run through `SearchRun`, which the Coordinator (replay.engine.coordinator)
+implements, on its clock: it ships nothing itself, but asks the run to (`new_round`,
+`cut_round`), tells it how many records it now owes (`owe`), and ends it (`stop_search`,
+`search_over`); it touches none of the Coordinator's own state.
 """
 
 from __future__ import annotations
@@ -14,20 +16,16 @@ import logging
 import math
 from array import array
 from bisect import bisect_right
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import gevent
 
 from replay.engine.capacity import (
-    CLIENT_LIMITED,
     INVALID,
     MAX_COOLDOWN_S,
     NO_METRICS_COOLDOWN_S,
-    OUTAGE,
     PASS,
-    SERVER_ERRORS,
-    WORKER_SIGNALLED,
-    WORKERS_LOST,
     Probe,
     Search,
     capacity_report,
@@ -36,20 +34,61 @@ from replay.engine.capacity import (
 from replay.engine.rounds import Round
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served
-from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID
+from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID, Record
 from replay.results.report import parse_slo
 from replay.results.server_metrics import GAUGES
+from replay.rules.capacity_result import (
+    CLIENT_LIMITED,
+    OUTAGE,
+    SERVER_ERRORS,
+    WORKER_SIGNALLED,
+    WORKERS_LOST,
+)
 from replay.trace.amplify import Clones
 from replay.trace.sessions import Sessions, find_sessions
 
 if TYPE_CHECKING:
-    from replay.engine.coordinator import Coordinator
+    from replay.engine.clock import Clock
+    from replay.engine.coordinator import WorkerState
+    from replay.engine.options import ReplayOptions
+    from replay.engine.plan import Schedule
 
 logger = logging.getLogger(__name__)
 
 ROUND_LEAD_S = 2.0  # from a probe's decision to its first send: its rows reach the workers and are built
 OUTAGE_WAIT_S = 300.0  # --on-outage retry: how long the search waits for the servers to answer again
 OUTAGE_POLL_S = 1.0  # and how often it asks them
+
+
+class SearchRun(Protocol):
+    """What a capacity search needs of the run it drives (the Coordinator is one)."""
+
+    clock: Clock
+    options: ReplayOptions
+    schedule: Schedule
+    origin: float
+    epoch: float | None  # the run's go (master clock); None before
+    rounds: list[Round | None]
+    worker_cpu: Callable[[str], float | None]
+    cpu_lag_s: float  # a worker's CPU figure covers this long before it is read
+    scrape_listeners: list  # called with each round of the servers' /metrics
+
+    @property
+    def scrapes(self) -> bool: ...
+
+    def endpoint_urls(self) -> list[str]: ...
+
+    def live_workers(self) -> list[WorkerState]: ...
+
+    def new_round(self, round_: Round) -> None: ...
+
+    def cut_round(self, reason: str) -> None: ...
+
+    def owe(self, total: int, last_request_id: int) -> None: ...
+
+    def stop_search(self, label: str) -> None: ...
+
+    def search_over(self) -> None: ...
 
 
 def servers_answer(urls: list[str], api: str, headers: dict[str, str]) -> bool:
@@ -67,15 +106,15 @@ def max_probes(search: Search) -> int:
 
 
 class Probes:
-    def __init__(self, coordinator: Coordinator):
-        self.c = coordinator
-        options = coordinator.options
+    def __init__(self, run: SearchRun):
+        self.c = run
+        options = run.options
         lo, hi = parse_range(options.search_range)
         self.search = Search(lo, hi, options.search_precision)
         self.slo = parse_slo(options.slo)
         self.target = options.goodput_target
         self.cooldown_s = options.cooldown
-        first, last = coordinator.schedule.request_id_range()
+        first, last = run.schedule.request_id_range()
         self.first_id = first
         self.stride = max(last - first + 1, 1)  # a probe's request ids: the trace's + slot * stride (rounds.Round)
         self.max_probes = max_probes(self.search)
@@ -92,8 +131,8 @@ class Probes:
         self._next: gevent.Greenlet | None = None
         self.on_outage = options.on_outage
         headers = parse_headers(options.header)
-        self.servers_answer = lambda: servers_answer(coordinator.endpoint_urls(), options.api, headers)
-        coordinator.scrape_listeners.append(self.on_scrape)
+        self.servers_answer = lambda: servers_answer(run.endpoint_urls(), options.api, headers)
+        run.scrape_listeners.append(self.on_scrape)
 
     def clones(self, factor: float) -> Clones | None:
         """The window's copies at `factor` (--search-by amplify), chosen by --seed; None: scale."""
@@ -111,7 +150,9 @@ class Probes:
 
     def first_round(self) -> Round:
         self.started_at = self.c.clock.now()
-        round_ = self._open(self.search.next_factor(), 0.0)
+        factor = self.search.next_factor()
+        assert factor is not None  # a search with no probe yet has a first factor
+        round_ = self._open(factor, 0.0)
         return round_
 
     def _open(self, factor: float, offset_s: float, repeat_of: int | None = None) -> Round:
@@ -126,28 +167,29 @@ class Probes:
         probe = Probe(len(self.probes), factor, rows, self.slo, self.target, started_at=self.c.clock.now(),
                       repeat_of=repeat_of)
         self.probes.append(probe)
-        self.c.total = len(self.c.schedule.oversized) + sum(p.rows for p in self.probes)
-        if self.c.store is not None:  # room for its request ids
-            self.c.store.grow(self.first_id + (slot + round_.slots) * self.stride - 1)
+        self.c.owe(len(self.c.schedule.oversized) + sum(p.rows for p in self.probes),
+                   self.first_id + (slot + round_.slots) * self.stride - 1)
         logger.info("capacity search: probe %d at %gx this trace's load (%d rows)", probe.number, factor, probe.rows)
         return round_
 
-    def label(self, records: list[dict]) -> None:
+    def label(self, records: list[Record]) -> None:
         """Each record's probe and factor, read off its request id."""
         for record in records:
-            if record.get("error") and record["error"].startswith(OVERSIZED):
+            error = record.get("error")
+            if error and error.startswith(OVERSIZED):
                 continue
             number = self.probe_of(record["request_id"])
             if 0 <= number < len(self.probes):
                 record["probe"], record["factor"] = number, self.probes[number].factor
 
-    def tally(self, records: list[dict]) -> None:
+    def tally(self, records: list[Record]) -> None:
         if self.over or not self.probes:
             return
         current = self.probes[-1]
         for record in records:
-            if record.get("probe") is not None and record["probe"] < len(self.probes):
-                self.probes[record["probe"]].add(record)
+            probe = record.get("probe")
+            if probe is not None and probe < len(self.probes):
+                self.probes[probe].add(record)
         if current.ended_at is not None:
             return
         if not current.cut and not current.invalid and not current.complete and current.hopeless:
@@ -166,7 +208,9 @@ class Probes:
         c = self.c
         if self.over or not self.probes or self.probes[-1].ended_at is not None or c.epoch is None:
             return
-        if c.clock.now() < c.epoch + c.rounds[-1].offset_s + c.cpu_lag_s:
+        last = c.rounds[-1]
+        assert last is not None  # a search's rounds are its probes'
+        if c.clock.now() < c.epoch + last.offset_s + c.cpu_lag_s:
             return
         probe = self.probes[-1]
         for w in c.live_workers():
@@ -227,6 +271,7 @@ class Probes:
 
     def _after_cooldown(self, factor: float, repeat_of: int | None = None) -> None:
         self._cool_down()
+        assert self.c.epoch is not None  # a probe judged: the run went
         offset_s = self.c.clock.now() - self.c.epoch + ROUND_LEAD_S
         self.c.new_round(self._open(factor, offset_s, repeat_of))
 
@@ -275,7 +320,7 @@ class Probes:
         self.ended = WORKER_SIGNALLED
         logger.error("capacity search: worker %d was stopped by a signal of its own: the search ends without an "
                      "answer", index)
-        self.c._stop_for(PROBE_INVALID)
+        self.c.stop_search(PROBE_INVALID)
 
     def _cool_down(self) -> None:
         """--cooldown S, or until the servers report nothing running nor waiting (at most
@@ -303,8 +348,7 @@ class Probes:
 
     def _finish(self) -> None:
         self.over = True
-        self.c.end_rounds()
-        self.c._end_by_itself("complete")
+        self.c.search_over()
 
     def stop(self) -> None:
         """The run ends (by itself or stopped): no further probe; one under way is stopped, not judged."""

@@ -59,7 +59,7 @@ def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: st
         failure = None
     except Exception as e:  # reported below, after a load error (which says more) if there is one
         fingerprint, template, failure = None, None, e
-    if failure is not None or api is None or not setup_cache.loaded_before(
+    if fingerprint is None or api is None or not setup_cache.loaded_before(
             fingerprint, template.special_tokens if template else {}, api):
         _prove_loadable(tokenizer, chat_template, None if failure is not None else api)
     if failure is None and api is not None:
@@ -67,6 +67,7 @@ def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: st
     if failure is not None:  # the template: unreadable, bad JSON, a jinja syntax error
         raise OptionError(f"{_template_option(tokenizer, chat_template)}: cannot load the chat template: "
                           f"{_first_line(failure)}") from None
+    assert fingerprint is not None  # set whenever there was no failure
     return fingerprint
 
 

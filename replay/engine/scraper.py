@@ -15,7 +15,7 @@ credentials go only into the scrape's Authorization header.
 
 The `--metrics-endpoint` exporters (GPU telemetry: dcgm-exporter, node exporters) are asked in
 the same rounds, at the URL given (its path, or /metrics without one), and written whole
-(server_metrics.parse_series) with `"exporter": true`; they go to `exporter_listeners`, never
+(replay.protocol.prometheus.parse_series) with `"exporter": true`; they go to `exporter_listeners`, never
 to `listeners`, whose readers count running requests and cache hits of LLM servers. A round that cannot be written
 (a full disk) goes to `on_fault`, which ends the run: the file keeps whole lines only.
 """
@@ -33,11 +33,13 @@ import gevent
 from gevent.event import Event
 from geventhttpclient import HTTPClient
 
+from replay.errors import OutputError
 from replay.protocol.client import close_with_reset
 from replay.protocol.gevent_pool import PoolInternals
+from replay.protocol.prometheus import parse_series
 from replay.protocol.urls import shown, with_credentials
-from replay.results.files import AppendFile, OutputError
-from replay.results.server_metrics import KNOWN, parse, parse_series, sample_line
+from replay.results.files import AppendFile
+from replay.results.server_metrics import KNOWN, parse, sample_line
 from replay.rules.run_files import metrics_path
 
 logger = logging.getLogger(__name__)

@@ -90,7 +90,7 @@ class Window:
             self._sources.append(source)
         self._pump()
 
-    def put(self, payload: dict) -> None:
+    def put(self, payload: Any) -> None:  # a message's TypedDict, to which the window adds its seq
         self._enqueue(payload)
         self._pump()
 

@@ -44,7 +44,7 @@ class Turns:
         """`on_stopped(row, scheduled)`: records a turn never sent because its session stopped."""
         self.timing, self.scale, self.stop_on_failure = timing, scale, stop_on_failure
         self.on_stopped = on_stopped
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str | None, _Session] = {}  # by the rows' session id
         self.heap: list[Parked] = []
         self.waiting = 0  # turns parked behind an unanswered one (not in the heap)
 

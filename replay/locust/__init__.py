@@ -3,7 +3,7 @@ replay engine (replay.engine).
 
 `locustfile.py` (this package's, which `replay run` loads) imports ReplayUser and ReplayShape
 from here; asking for either (or for `plugin`) imports plugin.py, which registers the command-line options and event listeners. The engine
-never imports it back: its options live in replay.run.options.
+never imports it back: its options live in replay.engine.options.
 
 The names are loaded on first use (PEP 562), not while this package is being imported: importing
 Locust monkey-patches gevent, which makes `threading.get_ident` a greenlet's id, and a package

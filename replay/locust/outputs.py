@@ -11,9 +11,9 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from replay.engine.options import CONFIG_FLAG
 from replay.output_claim import Read, Written
 from replay.run.config import CONFIG_DEST
-from replay.run.options import CONFIG_FLAG
 
 # dest: (flag, the files Locust writes for the value); Locust makes their folders
 CLAIMED: dict[str, tuple[str, Callable[[str], list[Path]]]] = {

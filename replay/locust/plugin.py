@@ -25,17 +25,25 @@ from locust.runners import CPU_MONITOR_INTERVAL, LocalRunner, MasterRunner, Work
 from replay.engine import live, messages, transport
 from replay.engine.coordinator import Coordinator, listen_for_hellos
 from replay.engine.dispatcher import Dispatcher
+from replay.engine.options import add_arguments
 from replay.engine.progress import ProgressLine
+from replay.engine.spec import RunSpec
 from replay.errors import OptionError
 from replay.locust import webauth, webui
 from replay.locust.link import RunnerLink, flush_on_exit
 from replay.locust.outputs import config_input, locust_outputs
 from replay.protocol.urls import shown
-from replay.results.records import MASTER_LOST, REFUSED, RUN_STOPPED, WORKER_LOST, WORKER_STOPPED, output_tokens_of
-from replay.run import preflight
+from replay.results.records import (
+    MASTER_LOST,
+    REFUSED,
+    RUN_STOPPED,
+    WORKER_LOST,
+    WORKER_STOPPED,
+    Record,
+    output_tokens_of,
+)
+from replay.run import driver, preflight
 from replay.run.config import replay_options
-from replay.run.options import add_arguments
-from replay.run.spec import RunSpec
 from replay.trace.record import TraceError
 
 logger = logging.getLogger(__name__)
@@ -79,12 +87,12 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
                               locust_outputs(environment.parsed_options), config_input(environment.parsed_options))
         _show_endpoints(environment, spec)
         runner = environment.runner
-        coordinator = Coordinator(spec, link, local_part=part, heard=heard,
-                                  worker_gone=lambda client_id: _worker_gone(runner, client_id),
-                                  worker_host=lambda client_id: _worker_host(runner, client_id),
-                                  worker_cpu=lambda client_id: _worker_cpu(runner, client_id),
-                                  cpu_lag_s=CPU_MONITOR_INTERVAL,
-                                  on_exit_code=lambda code: setattr(environment, "process_exit_code", code))
+        coordinator = driver.start(spec, link, local_part=part, heard=heard,
+                                   worker_gone=lambda client_id: _worker_gone(runner, client_id),
+                                   worker_host=lambda client_id: _worker_host(runner, client_id),
+                                   worker_cpu=lambda client_id: _worker_cpu(runner, client_id),
+                                   cpu_lag_s=CPU_MONITOR_INTERVAL,
+                                   on_exit_code=lambda code: setattr(environment, "process_exit_code", code))
         environment.replay = Replay(coordinator=coordinator, part=part)
         coordinator.server_check = preflight.check_servers(spec)
         return coordinator
@@ -172,11 +180,11 @@ def _worker_host(runner, client_id: str) -> str | None:
     return getattr(clients.get(client_id), "hostname", None) if clients is not None else None
 
 
-def _request_stats(environment) -> Callable[[dict], None]:
+def _request_stats(environment) -> Callable[[Record], None]:
     """Each answered request into Locust's own statistics (its UI's table, --csv)."""
     fire = environment.events.request.fire
 
-    def on_request(record: dict) -> None:
+    def on_request(record: Record) -> None:
         fire(
             request_type=record["api"],
             name=record["endpoint"],

@@ -44,6 +44,7 @@ def ask(url: str, body: dict | None = None, headers: dict[str, str] | None = Non
     """GET `url` (POST `body` as JSON when given); (status, the answer's bytes). Raises
     Unanswered when no HTTP answer came. `url`'s credentials are sent, and never shown."""
     parts = urlsplit(url)
+    assert parts.hostname is not None, url  # every URL asked was checked (check_url: a host, a scheme)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -87,6 +88,6 @@ def check_url(option: str, url: str) -> None:
     if not parts.hostname:
         raise OptionError(f"{option} {url}: no host")
     try:
-        parts.port
+        _ = parts.port  # reading it checks it
     except ValueError:
         raise OptionError(f"{option} {url}: the port is not a number in 0-65535") from None

@@ -25,8 +25,8 @@ import logging
 import orjson
 
 from replay.protocol.ask import Unanswered, ask
+from replay.protocol.prometheus import cache_config
 from replay.protocol.urls import shown
-from replay.results.server_metrics import cache_config
 
 CACHE_TIMEOUT_S = 5.0  # /metrics answers at once, however busy the server
 OPTIONS = {"block_size": ("--server-block-size", "block size is {}"),
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 def ask_cache_config(url: str, headers: dict[str, str] | None = None,
                      timeout: float = CACHE_TIMEOUT_S) -> dict[str, int | None] | None:
-    """What `url`'s /metrics says of its KV cache (server_metrics.cache_config), or None: no
+    """What `url`'s /metrics says of its KV cache (prometheus.cache_config), or None: no
     /metrics, no such line, or no answer."""
     try:
         status, data = ask(url.rstrip("/") + "/metrics", headers=headers, timeout=timeout)
@@ -56,10 +56,12 @@ def server_caches(urls: list[str], *, block_size: int | None, cache_blocks: int 
     to warn of a contradiction). `source` names where the values came from: "options",
     "server", "options+server" or None (neither said anything); `server_said`, only where an
     option contradicts the server, the server's own figures."""
-    caches = {}
+    caches: dict[str, dict] = {}
     for url in urls:
         said = (ask_cache_config(url, headers) if ask_server else None) or {}
-        values, sources, contradicted = {}, set(), {}
+        values: dict[str, int | None] = {}
+        sources: set[str] = set()
+        contradicted: dict[str, int | None] = {}
         for key, option in (("block_size", block_size), ("num_gpu_blocks", cache_blocks)):
             values[key] = option if option is not None else said.get(key)
             if values[key] is not None:

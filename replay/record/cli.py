@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from replay.bounds import BLOCK_SIZE, DAY_S, WEEK_S, Bound
 from replay.output_claim import INPUT, Output
-from replay.rules.run_files import meta_path, tmp_path
+from replay.record.recorder import TRACE
 
-DEFAULT_BLOCK_SIZE = 16  # when neither --block-size nor the upstream's /metrics says
 ON_WRITE_ERROR = ("continue", "stop")
 PORT = Bound(0, 65535, integer=True)
 UPSTREAM_TIMEOUT_S = Bound(0.001, WEEK_S, unit="seconds")
@@ -18,14 +16,6 @@ DRAIN_TIMEOUT_S = Bound(0.0, DAY_S, unit="seconds")
 RECORD_BYTES = Bound(1, 1 << 40, integer=True, unit="bytes")
 
 
-def trace_files(path: Path) -> list[Path]:
-    """What `--output TRACE` writes: the trace (appended to, line by line) and TRACE.meta.json
-    (written and renamed); TRACE.tmp too, which every output claims (replay.output_claim), so
-    that no node in its place is left for a later writer to follow."""
-    return [path, tmp_path(path), meta_path(path), tmp_path(meta_path(path))]
-
-
-TRACE = Output("trace", files=trace_files)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

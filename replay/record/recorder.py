@@ -25,11 +25,11 @@ from typing import BinaryIO
 import orjson
 
 from replay.errors import OutputError
-from replay.output_claim import open_regular
+from replay.output_claim import Output, open_regular
 from replay.record.hashing import BlockHasher
 from replay.record.rows import CHAT, Answer, Exchange, PromptTokens, RowMaker, api_of, read_answer
 from replay.results.files import AppendFile, write_atomically
-from replay.rules.run_files import meta_path
+from replay.rules.run_files import meta_path, tmp_path
 
 CUT_EXIT = 3  # the trace was cut (a write failed) and the settings say forwarding stops
 
@@ -212,3 +212,13 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def trace_files(path: Path) -> list[Path]:
+    """What `--output TRACE` writes: the trace (appended to, line by line) and TRACE.meta.json
+    (written and renamed); TRACE.tmp too, which every output claims (replay.output_claim), so
+    that no node in its place is left for a later writer to follow."""
+    return [path, tmp_path(path), meta_path(path), tmp_path(meta_path(path))]
+
+
+TRACE = Output("trace", files=trace_files)

@@ -22,11 +22,12 @@ from replay.errors import OptionError
 from replay.protocol.ask import check_url
 from replay.protocol.server_cache import ask_cache_config
 from replay.protocol.urls import shown
-from replay.record.cli import DEFAULT_BLOCK_SIZE
 from replay.record.hashing import read_salt
 from replay.record.proxy import RECORDER_STOPPED, Forwarder, pump
 from replay.record.recorder import CUT_EXIT
 from replay.trace.fields import block_size_problem
+
+DEFAULT_BLOCK_SIZE = 16  # when neither --block-size nor the upstream's /metrics says
 
 READY_PREFIX = "replay record listening on "
 

@@ -74,8 +74,9 @@ POLL_S = 0.5  # the tail's wait when the file has nothing new
 TAIL_READ = 1 << 20
 SPOOL_BUFFER = 1 << 20
 # The child makes every sent prompt of the run in one process, so it meets every shared prefix the
-# workers met between them: a block cache this size (about 585 bytes a block: some 37 MiB full)
-# makes a trace's shared blocks once where a worker's (8192 blocks) would make them again and again.
+# workers met between them: a block cache this size (its memory when full:
+# docs/bench/2026-11-28-figures.md) makes a trace's shared blocks once where a worker's would make
+# them again and again.
 CACHE_BLOCKS = 1 << 16
 
 

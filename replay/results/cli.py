@@ -11,7 +11,6 @@ import sys
 import orjson
 
 from replay.bounds import CACHE_BLOCKS, HOUR_S, SEED, Bound
-from replay.engine.capacity import probe_table, quotable_line
 from replay.output_claim import INPUT, OUTPUT, OutputFolder
 from replay.protocol.table import PROMPT_FORMATS
 from replay.results.cache_section import cache_job, cache_section, cache_skipped
@@ -21,6 +20,7 @@ from replay.results.outputs import write_outputs
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
 from replay.results.server_metrics import read_samples, read_server_section
+from replay.rules.capacity_result import probe_table, quotable_line
 from replay.rules.run_files import capacity_path, metrics_path
 from replay.synth.tokenizer_source import TOKENIZER_HELP
 from replay.trace.cli import block_size_arg

@@ -96,7 +96,7 @@ def run(args) -> int:
     def draw(path: str) -> None:
         from replay.results.compare_html import write_compare_html
 
-        write_compare_html(path, result, base, new)
+        write_compare_html(path, result, base, new, list(table_rows(result)), format_compare(result))
 
     return write_outputs("replay compare", result, args.json_out, args.html_out, draw, "HTML comparison") or code
 

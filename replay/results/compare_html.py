@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from replay.results.compare import Matched, match
-from replay.results.compare_cli import format_compare, table_rows
 from replay.results.compare_runs import RunRows
 from replay.results.files import write_atomically
 from replay.results.html import _cdf, _matplotlib, figure_svg
@@ -106,10 +105,11 @@ svg {{ max-width: 100%; height: auto; }}
 """
 
 
-def render_html(result: dict, figures: dict) -> str:
+def render_html(result: dict, figures: dict, table: list[tuple[str, ...]], summary: str) -> str:
+    """The page: `table` and `summary` are the comparison's rows and text as the command prints them."""
     header = "".join(f"<th>{html.escape(h)}</th>" for h in ("metric", "BASE", "NEW", "change", "95% interval", "verdict"))
     rows = []
-    for cells in table_rows(result):
+    for cells in table:
         kind = cells[-1] if cells[-1] in ("worse", "better") else ""
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells[:-1])
                     + f'<td class="{kind}">{html.escape(cells[-1])}</td></tr>')  # fmt: skip
@@ -118,8 +118,9 @@ def render_html(result: dict, figures: dict) -> str:
     subtitle = (f"BASE {html.escape(', '.join(result['base']))} | NEW {html.escape(', '.join(result['new']))} | "
                 f"{result['rows_matched']} rows | " + time.strftime("generated %Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     return PAGE.format(subtitle=subtitle, header=header, rows="\n".join(rows), figures="\n".join(parts),
-                       summary=html.escape(format_compare(result)))  # fmt: skip
+                       summary=html.escape(summary))  # fmt: skip
 
 
-def write_compare_html(path: str | Path, result: dict, base: list[RunRows], new: list[RunRows]) -> Path:
-    return write_atomically(path, render_html(result, render_figures(base, new)).encode("utf-8"))
+def write_compare_html(path: str | Path, result: dict, base: list[RunRows], new: list[RunRows],
+                       table: list[tuple[str, ...]], summary: str) -> Path:
+    return write_atomically(path, render_html(result, render_figures(base, new), table, summary).encode("utf-8"))

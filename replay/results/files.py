@@ -36,7 +36,7 @@ class AppendFile:
         self.fd: int | None = fd
         self.size = 0
 
-    def append(self, data: bytes) -> int:
+    def append(self, data: bytes | bytearray) -> int:
         """Write `data` at the end; returns the offset it starts at. Raises OutputError, the
         file cut back to where it was: a disk that fills mid-batch leaves no half line."""
         start, done = self.size, 0

@@ -7,14 +7,14 @@ summary's peaks. Every other series stays in the file, raw, for whoever wants it
 
 A GPU is named by the labels dcgm-exporter gives it: `Hostname` (the node) and `gpu` (its
 index there); `UUID` and `modelName` are carried along. Labels are read with the `vllm:cache_config_info`
-parser's rule (server_metrics.LABEL).
+parser's rule (replay.protocol.prometheus.LABEL).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from replay.results.server_metrics import LABEL
+from replay.protocol.prometheus import LABEL
 
 # dcgm-exporter's series -> (field, what it is, unit); the default collectors' names and units
 DCGM = {

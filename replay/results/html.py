@@ -12,11 +12,12 @@ import io
 import time
 from pathlib import Path
 
-from replay.engine.capacity import quotable_line
-from replay.results.files import OutputError, write_atomically
+from replay.errors import OutputError
+from replay.results.files import write_atomically
 from replay.results.gpu_metrics import DCGM, gpus
 from replay.results.report import format_report
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
+from replay.rules.capacity_result import quotable_line
 
 EXTRA_HINT = "pip install 'tracereplay[report]'"
 PLOTS = (

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import orjson
 
+from replay.errors import OutputError
 from replay.output_claim import Input, Read
 from replay.protocol.urls import redacted, shown
-from replay.results.files import OutputError, overwrite_in_place, write_atomically
+from replay.results.files import overwrite_in_place, write_atomically
 from replay.rules.run_files import capacity_path, fidelity_path, meta_path, run_files, summary_path
 
 META_VERSION = 1

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import orjson
 
-from replay.results.files import OutputError, write_atomically
+from replay.errors import OutputError
+from replay.results.files import write_atomically
 
 
 def write_outputs(command: str, document: dict, json_out: str | None, html_out: str | None,

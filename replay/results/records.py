@@ -12,7 +12,8 @@ from typing import TypedDict
 
 import orjson
 
-from replay.results.files import AppendFile, OutputError
+from replay.errors import OutputError
+from replay.results.files import AppendFile
 from replay.results.output import fresh_fd
 from replay.rules.usage import disagreements, output_tokens_believed
 

@@ -8,9 +8,9 @@ per endpoint to OUTPUT.server-metrics.jsonl:
 (`"error"` is added on a failed scrape; every endpoint of one scrape round has the same `t`,
 so the fleet's totals line up). A `--metrics-endpoint` exporter's lines (GPU telemetry) have
 `"exporter": true` and every series of its page, keyed as the page writes it, `NAME{labels}`
-(`parse_series`); they are no LLM server's, so the `server` section leaves them out, and
+(replay.protocol.prometheus's `parse_series`); they are no LLM server's, so the `server` section leaves them out, and
 replay.results.gpu_metrics reads them. This module knows the series worth keeping (vLLM, SGLang, TGI),
-parses the text format's sample lines, and turns a file of samples into the summary's
+reads the sample lines it keeps (replay.protocol.prometheus reads the format), and turns a file of samples into the summary's
 `server` section: counters as their change over the run, gauges as their peak.
 
 Roles: one meaning, whichever server names it. The first name of a role present in a sample
@@ -21,17 +21,18 @@ gpu_cache_usage_perc name.
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import orjson
 
+from replay.protocol.prometheus import sample
+from replay.results.gpu_metrics import exporter_section, format_exporters
 from replay.rules.run_files import metrics_path
 
 # name, {labels} (quoted values with escapes), value, an optional timestamp; blanks are spaces or tabs
-SAMPLE_LINE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*')
+
 
 VLLM = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -75,7 +76,8 @@ def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
     TGI's `tgi_queue_size`), and of those only the wanted ones: vLLM's page is mostly histogram
     buckets, and on a single process (the local runner) parsing shares the dispatcher's core.
     The labels are skipped whole (quoted values may hold spaces, braces and escaped quotes).
-    prometheus_client's parser did this at ~26 ms of imports per process and more per scrape."""
+    prometheus_client's parser cost more, in its imports per process and per scrape
+    (docs/bench/2026-11-28-figures.md)."""
     wanted = set(wanted)
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
@@ -86,7 +88,7 @@ def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
         head = line.split("{", 1)[0].split(None, 1)  # [] for a line of no name (a JSON page's "{...")
         if not head or head[0] not in wanted:
             continue
-        name, value = _sample(line)
+        name, value = sample(line)
         seen = True
         if not math.isnan(value):
             sums[name] += value
@@ -94,55 +96,8 @@ def parse(text: str, wanted: Iterable[str]) -> dict[str, float]:
     if not seen:  # none of ours: is it the format at all? (a proxy's HTML page is not)
         for line in text.splitlines():
             if line.strip() and line[0] != "#":
-                _sample(line)
+                sample(line)
     return {name: (sums[name] / counts[name] if name in FRACTIONS else sums[name]) for name in sums}
-
-
-def parse_series(text: str) -> dict[str, float]:
-    """Every sample of a Prometheus text exposition (an exporter's page, kept raw), keyed by its
-    series as written, `name{labels}` (NaN values dropped). Raises ValueError as `parse`."""
-    series: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.strip() or line[0] == "#":
-            continue
-        name, value = _sample(line)
-        if not math.isnan(value):
-            series[line[: SAMPLE_LINE.fullmatch(line).start(2)].rstrip()] = value
-    return series
-
-
-def _sample(line: str) -> tuple[str, float]:
-    """A sample line's name and value: `name{labels} value [timestamp]`."""
-    match = SAMPLE_LINE.fullmatch(line)
-    try:
-        if match is None:
-            raise ValueError
-        return match[1], float(match[2])
-    except ValueError:
-        raise ValueError(f"not the Prometheus text format: {line[:80]!r}") from None
-
-
-CACHE_CONFIG = "vllm:cache_config_info"
-LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def cache_config(text: str) -> dict[str, int | None] | None:
-    """vLLM's KV cache as its `vllm:cache_config_info` labels say it: {"block_size",
-    "num_gpu_blocks"} (an int, or None where the label says "None"), of its first engine; None
-    when the page has no such line (not vLLM, or a version without it)."""
-    for line in text.splitlines():
-        if not line.startswith(CACHE_CONFIG + "{"):
-            continue
-        labels = dict(LABEL.findall(line[len(CACHE_CONFIG) + 1 : line.rfind("}")]))
-        return {name: _count(labels.get(name)) for name in ("block_size", "num_gpu_blocks")}
-    return None
-
-
-def _count(value: str | None) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 def sample_line(t: float, endpoint: str, metrics: dict[str, float] | None, error: str | None = None,
@@ -299,7 +254,6 @@ def server_section(samples: Iterable[dict], endpoints: dict[str, dict] | None = 
     """The summary's `server` section from a run's samples; None when there are none.
     `endpoints` is the report's per-endpoint section (records' prompt and cached tokens).
     Exporters' samples go to its `exporters` (replay.results.gpu_metrics), never into the servers'."""
-    from replay.results.gpu_metrics import exporter_section  # it imports this module
 
     endpoints = endpoints or {}
     extra = tuple(extra)
@@ -401,7 +355,6 @@ def format_server(section: dict, width: int = 50, usage: dict | None = None) -> 
             out.append("  note: " + (FALSE_USAGE if false_usage else OTHER_TRAFFIC).format(
                 diff=total["prompt_tokens_difference"]))
     if section.get("exporters"):
-        from replay.results.gpu_metrics import format_exporters  # it imports this module
 
         out.extend(format_exporters(section["exporters"]))
     return out

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import orjson
 
-from replay.results.files import AppendFile, OutputError
+from replay.errors import OutputError
+from replay.results.files import AppendFile
 from replay.results.records import Record
 from replay.rules.run_files import tmp_path
 

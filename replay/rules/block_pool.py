@@ -33,14 +33,20 @@ Memory: a few numbers per block the pool has handed out, bounded by its size.
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import Final
 
 from replay.rules.prefix_cache import hit_blocks
 
 __all__ = ["BlockPool", "slots"]
 
-OUTPUT = object()  # what a full block holding output tokens caches: no replayed prompt matches it
+class _Output(enum.Enum):
+    OUTPUT = "output"
+
+
+OUTPUT: Final = _Output.OUTPUT  # what a full block holding output tokens caches: no replayed prompt matches it
 
 
 def slots(prompt_tokens: int, output_tokens: int) -> int:
@@ -66,7 +72,7 @@ class BlockPool:
         self._fresh = 0
         self._tail: OrderedDict[int, None] = OrderedDict()
         self._ref: list[int] = []  # block id -> requests holding it
-        self._hash: list[object] = []  # block id -> the prompt block it caches (an int), OUTPUT, or None
+        self._hash: list[int | _Output | None] = []  # block id -> the prompt block it caches (an int), OUTPUT, or None
         self._cached: dict[int, int] = {}  # hash -> the first block cached under it
         self._copies: dict[int, list[int]] = {}  # hash -> later blocks cached under it too (rare)
         self._spare: list[int] = []  # ids of blocks taken beyond the pool, given back
@@ -159,11 +165,10 @@ class BlockPool:
             ref[block] -= 1
             if ref[block]:
                 continue
-            if beyond:
-                if len(ref) - len(self._spare) > self.capacity:
-                    self._uncache(block, evicted=False)
-                    self._spare.append(block)
-                    continue
+            if beyond and len(ref) - len(self._spare) > self.capacity:
+                self._uncache(block, evicted=False)
+                self._spare.append(block)
+                continue
             if hash_of[block] is None:
                 first.append(block)
             else:

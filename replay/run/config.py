@@ -3,7 +3,7 @@
 The keys are the replay's option names without the leading dashes (`block-size`; the
 underscore spelling `block_size` is accepted too, both at once is an error), so a file
 reads like the command line it replaces. The valid keys, their types and choices come
-from the parser itself (replay.run.options.add_arguments, derived from the options
+from the parser itself (replay.engine.options.add_arguments, derived from the options
 dataclass), never from a second list that could drift from it. This module imports
 options, never the reverse. Paths in the file mean what they would mean as flags: relative
 to the working directory, not to the file.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.bounds import Bound
-from replay.run.options import CONFIG_FLAG, ReplayOptions, add_arguments
+from replay.engine.options import CONFIG_FLAG, ReplayOptions, add_arguments
 
 CONFIG_DEST = CONFIG_FLAG[2:].replace("-", "_")
 _APPLIED = "_replay_config_applied"
@@ -139,7 +139,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
     keys = config_keys()
     valid = ", ".join(sorted(keys))
     out: dict[str, Any] = {}
-    seen: dict[str, str] = {}
+    seen: dict[str, Any] = {}  # dest -> the key that set it, as written
     for raw, line, value in pairs:
         where = f"{path}:{line}"
         key = keys.get(raw.lstrip("-").replace("_", "-")) if raw else None

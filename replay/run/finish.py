@@ -6,7 +6,7 @@ over the merged file: the finish reads what the run wrote), writes OUTPUT.summar
 OUTPUT.fidelity.json, prints the summary, writes the last meta file
 (OUTPUT.meta.json, naming any file a failed write left incomplete) and returns the exit code.
 
-Everything it needs comes in as values: the run's spec (replay.run.spec, made by
+Everything it needs comes in as values: the run's spec (replay.engine.spec, made by
 replay.run.preflight), the store, what the engine learned (RunFacts), and the files found
 incomplete so far. A file that cannot be written here (a full disk) goes to `on_fault`, which
 adds it to `incomplete` (replay.results.files): the run's other files are still written.
@@ -20,25 +20,25 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from replay.engine.capacity import NO_ANSWER, quotable_line
-from replay.engine.dispatcher import off_loop
+from replay.engine.spec import RunFacts, RunSpec
+from replay.engine.threads import off_loop
+from replay.errors import OutputError
 from replay.results.cache_section import CacheJob, CacheStream, cache_job, cache_section, cache_skipped
 from replay.results.certificate import FAITHFUL, CertificateBuilder
-from replay.results.files import OutputError
 from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
-from replay.results.records import is_failure
+from replay.results.records import Record, is_failure
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.server_metrics import read_server_section
 from replay.results.store import RecordStore
+from replay.rules.capacity_result import NO_ANSWER, quotable_line
 from replay.rules.run_files import meta_path, tmp_path
-from replay.run.spec import RunFacts, RunSpec
 
 logger = logging.getLogger(__name__)
 CACHE_FOLLOW_ENV = "TRACEREPLAY_CACHE_FOLLOW"
 
 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
-           on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[dict], None]] = (),
+           on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[Record], None]] = (),
            summary_listeners: Iterable[Callable[[dict], None]] = (), least_code: int = 0,
            capacity: dict | None = None, cache_stream: CacheStream | None = None) -> int:
     """End the run whose every row has a record in `store`; returns the exit code: 1 when any
@@ -57,7 +57,7 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     fidelity = CertificateBuilder(ignore_eos=not spec.options.no_ignore_eos)
     failed = 0
 
-    def each(record: dict) -> None:
+    def each(record: Record) -> None:
         nonlocal failed
         builder.add(record)
         fidelity.add(record)

@@ -1,6 +1,6 @@
 """docs/options.md, written from the options themselves: `python -m replay.run.options_doc > docs/options.md`.
 
-The reference is rendered from the parser that `replay.run.options.add_arguments` derives from
+The reference is rendered from the parser that `replay.engine.options.add_arguments` derives from
 the options dataclasses, so a flag's name, type, choices, default and help have one home (the
 dataclass field) and the page cannot list an option the replay does not have, nor miss one:
 tests/test_docs.py compares docs/options.md with `render()`.
@@ -12,14 +12,14 @@ import argparse
 import sys
 
 from replay.bounds import Bound
-from replay.run.options import CONFIG_FLAG, LOCAL_OPTION_NAMES, add_arguments
+from replay.engine.options import CONFIG_FLAG, LOCAL_OPTION_NAMES, add_arguments
 
 REGENERATE = "python -m replay.run.options_doc > docs/options.md"
 
 _HEADER = f"""\
 # Replay options
 
-<!-- Generated from replay/run/options.py by `{REGENERATE}`; do not edit by hand. -->
+<!-- Generated from replay/engine/options.py by `{REGENERATE}`; do not edit by hand. -->
 
 The options of a replay, as `replay run --help` lists them under "trace replay".
 Every option is also a key of a `{CONFIG_FLAG} FILE.yaml` (the flag's name without the leading
@@ -68,7 +68,7 @@ def _value(action: argparse.Action) -> str:
         kind = "integer" if action.type.integer else "number"
         named = f" (`{action.metavar}`)" if action.metavar else ""
         return f"{kind}{named}: {action.type.words()}"
-    kind = {int: "integer", float: "number"}.get(action.type, "string")
+    kind = "integer" if action.type is int else "number" if action.type is float else "string"
     return f"{kind} (`{action.metavar}`)" if action.metavar else kind
 
 

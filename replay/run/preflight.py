@@ -1,11 +1,11 @@
 """Where a run starts: every check and every load before anything is sent, in two steps.
 
-1. `load(options, host)` -> RunSpec (replay.run.spec): the options checked, the output claimed
+1. `load(options, host)` -> RunSpec (replay.engine.spec): the options checked, the output claimed
    (replay.results.output), the tokenizer resolved (a path, or a Hugging Face id in this
    host's cache: replay.synth.tokenizer_source) and loaded once for its fingerprint
    (replay.engine.same_tokenizer), the endpoints asked what they serve (replay.protocol.models:
    the model when --model is not given, and the prompt limit,
-   replay.run.options.prompt_token_limit) and their KV caches (replay.protocol.server_cache:
+   replay.engine.options.prompt_token_limit) and their KV caches (replay.protocol.server_cache:
    block size and pool size, for the cache model), the trace read, validated and spooled into the
    Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows,
    with none under the prompt limit, or longer than any replay refused.
@@ -29,9 +29,12 @@ import uuid
 from collections.abc import Sequence
 
 from replay.engine.capacity import MIN_PROBE_ROWS
-from replay.engine.dispatcher import build_off_loop, off_loop
+from replay.engine.dispatcher import build_off_loop
+from replay.engine.options import ReplayOptions, prompt_token_limit
 from replay.engine.plan import Schedule, check_replay_length
 from replay.engine.same_tokenizer import master_fingerprint, master_tokenizer
+from replay.engine.spec import RunSpec, TraceFacts
+from replay.engine.threads import off_loop
 from replay.errors import OptionError
 from replay.output_claim import Read, Written, declared_inputs
 from replay.protocol.headers import parse_headers
@@ -41,8 +44,6 @@ from replay.protocol.table import sends_token_ids
 from replay.results.metadata import file_sha256, versions
 from replay.results.output import claim_output
 from replay.results.records import OVERSIZED
-from replay.run.options import ReplayOptions, prompt_token_limit
-from replay.run.spec import RunSpec, TraceFacts
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.trace.reader import TraceStream
 
@@ -82,6 +83,7 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
     # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
     # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold load
     # makes the set-up, a second or more of CPU, and workers' messages keep coming meanwhile.
+    assert options.trace is not None and options.tokenizer is not None  # options.check() refused a run without
     tokenizer = master_tokenizer(options.tokenizer)  # a Hugging Face id: its snapshot; the options keep the id
     fingerprint = off_loop(master_fingerprint, tokenizer, options.chat_template, options.api)
     read_started = time.perf_counter()
@@ -195,6 +197,7 @@ def check_servers(spec: RunSpec) -> dict:
     if skipped or not urls:
         return Verdict(skipped=skipped or "no server").to_dict()
     synth = build_off_loop(options, spec.trace.block_size, tokenizer_path=spec.tokenizer_path).synth
+    assert options.tokenizer is not None  # a spec's options were checked: they name one
     return verify_servers(urls, synth, spec.tokenizer_path or options.tokenizer, mode=options.verify_server, model=options.model,
                           headers=parse_headers(options.header), lengths=spec.schedule.input_lengths,
                           max_len=prompt_limit(spec.served, options.model) or spec.max_prompt_tokens).to_dict()

@@ -49,7 +49,8 @@ _last_tables: tuple[SafeVocab, tuple[list, ...]] | None = None  # a process's Bl
 
 def _tables(vocab: SafeVocab) -> tuple[list, ...]:
     """Draw -> word tables (ids, texts, lead ids, lead texts, lead server ids), built by C-level
-    gathers (per-element Python over 65,536 draws x 5 tables cost ~13 ms a BlockSource) and
+    gathers (per-element Python over every draw of 5 tables cost a BlockSource's set-up most
+    of its time: docs/bench/2026-11-28-figures.md) and
     shared by the BlockSources of one vocabulary (the run's and the server check's, reseeded).
     The tables are only read, so sharing them is safe."""
     global _last_tables

@@ -109,7 +109,7 @@ def make_environment() -> ImmutableSandboxedEnvironment:
 @lru_cache(maxsize=16)
 def _compiled(text: str) -> jinja2.Template:
     """One compile per template text and process: the master's check, the server check and the
-    worker's set-up each load the template (5-50 ms a compile). A compiled template is only
+    worker's set-up each load the template, and a compile is slow (docs/bench/2026-11-28-figures.md). A compiled template is only
     rendered, never changed, so one object serves them all; a syntax error is not cached."""
     return make_environment().from_string(text)
 

@@ -58,9 +58,9 @@ ENV = "TRACEREPLAY_CACHE_DIR"
 SPOT_CHECKS = 8  # ~0.3 ms each: a look through tokenizer.json's bytes
 TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joined by NULs: each a space + ASCII letters
 # Where the cached value is computed: the safe vocabulary (vocab), the frames (frames), the child
-# that builds and writes them (setup_child; it imports this module). Every replay module they
+# that builds and writes them (setup_child_main). Every replay module they
 # import, however far down, is in the key's code digest.
-SETUP_ENTRIES = ("replay.synth.vocab", "replay.synth.frames", "replay.synth.setup_child")
+SETUP_ENTRIES = ("replay.synth.vocab", "replay.synth.frames", "replay.synth.setup_child_main")
 IMPORT_MEMO = "source-imports.json"  # code_digest's memo of each source's imports (source_graph.ImportMemo)
 
 log = logging.getLogger(__name__)

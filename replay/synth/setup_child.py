@@ -1,15 +1,14 @@
 """A cold set-up built in a short child process, so the replay's own process never loads the
 tokenizer.
 
-Building the safe vocabulary and the frames needs the tokenizer itself in memory: 107-123 MiB
-for qwen2 and 184 MiB for llama3, plus ~35 MiB while the vocabulary is built. A worker or master
-already holds Locust, gevent and flask (~50 MiB), so a cold start built in-process peaked at
-~230 MiB for qwen2. Built here, that memory lives in a process that has imported only what the
-set-up needs and exits when done (qwen2: ~170 MiB), and the replay process reads the result as
+Building the safe vocabulary and the frames needs the tokenizer itself in memory, and more
+while the vocabulary is built, on top of what a worker or master already holds (Locust, gevent,
+flask): docs/bench/2026-11-28-figures.md. Built here, that memory lives in a process that has
+imported only what the set-up needs and exits when done, and the replay process reads the result as
 it reads a set-up cache entry: same bytes, same checks (setup_cache's miss path, against the key
 and tokenizer.json bytes it holds already).
 
-The child is run by replay/child.py (the set-up runs in a gevent threadpool thread, off the
+The child (setup_child_main.py) is run by replay/child.py (the set-up runs in a gevent threadpool thread, off the
 event loop, where it waits). Anything that goes wrong (no interpreter, an import error, a killed
 child) logs why and returns None, and the caller builds in-process as before.
 Small tokenizers (under CHILD_MIN_BYTES) and tokenizers this process has loaded already are
@@ -19,16 +18,14 @@ built in-process: the child would cost more than it saves.
 from __future__ import annotations
 
 import logging
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from replay.child import last_line, run_module
-from replay.synth.frames import measure
 from replay.synth.tokenizer import ServerTokenizer, tokenizer_json
-from replay.synth.vocab import build_safe_vocab
 
+CHILD_MODULE = "replay.synth.setup_child_main"  # what the child runs: it builds and writes the entry
 CHILD_MIN_BYTES = 1 << 20  # tokenizer.json sizes from which the child saves memory (llama2's is 1.4 MB)
 
 log = logging.getLogger(__name__)
@@ -47,7 +44,7 @@ def run_child(tokenizer: ServerTokenizer, api: str) -> bytes | None:
         args = [str(tokenizer.path), "" if template is None else str(template), api, str(entry)]
         started = time.perf_counter()
         try:
-            status, peak_mib = run_module(__name__, args, errors)
+            status, peak_mib = run_module(CHILD_MODULE, args, errors)
         except OSError as e:
             log.info("set-up of %s (%s): no child process (%s); building it here", tokenizer.name, api, e)
             return None
@@ -64,19 +61,3 @@ def run_child(tokenizer: ServerTokenizer, api: str) -> bytes | None:
     log.info("set-up of %s (%s) built in a child process in %.1f s (its peak RSS %d MiB)",
              tokenizer.name, api, time.perf_counter() - started, peak_mib)
     return raw
-
-
-def main(argv: list[str]) -> int:
-    """The child: build the set-up and write it as a cache entry to the given file."""
-    from replay.synth import setup_cache  # here: setup_cache imports this module
-
-    tokenizer_path, template, api, out = argv
-    tokenizer = ServerTokenizer.load(tokenizer_path, template or None)
-    measured = measure(tokenizer, api, build_safe_vocab(tokenizer.tokenizer, tokenizer.name))
-    key = setup_cache.key_of(tokenizer, tokenizer_json(tokenizer_path).read_bytes(), api)
-    Path(out).write_bytes(setup_cache.encode_entry(key, measured))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

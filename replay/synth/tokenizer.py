@@ -183,8 +183,8 @@ def tokenizer_fingerprint(tokenizer_path: str | Path, chat_template_path: str | 
     special tokens tokenizer_config.json hands the template: a `bos_token` the template prints
     changes every chat prompt).
 
-    The bytes, not the loaded tokenizer: hashing a 7 MB file takes about 20 ms, loading it
-    hundreds. The template is the one ServerTokenizer.load would use (--chat-template, else
+    The bytes, not the loaded tokenizer: hashing the file is a small fraction of loading it
+    (docs/bench/2026-11-28-figures.md). The template is the one ServerTokenizer.load would use (--chat-template, else
     the folder's own), so a worker whose tokenizer_config.json differs is told apart too.
     """
     return fingerprint_with_template(tokenizer_path, chat_template_path)[0]
@@ -213,8 +213,8 @@ class ServerTokenizer:
 
     With `load(..., lazy=True)` the tokenizer itself is loaded when first used: a worker whose
     set-up comes from the disk cache (replay/synth/setup_cache.py) builds its prompts from the
-    safe vocabulary and the frames alone, and loading a real tokenizer costs 0.1-0.35 s of CPU
-    and 40-170 MB.
+    safe vocabulary and the frames alone, and never pays a real tokenizer's load, in CPU and
+    memory (docs/bench/2026-11-28-figures.md).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None, name: str = "",

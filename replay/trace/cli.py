@@ -8,13 +8,25 @@ from pathlib import Path
 
 import orjson
 
-from replay.bounds import BLOCK_SIZE, COUNT, DURATION, LOAD_FACTOR, MAX_INT, PROMPT_TOKENS, SCALE, SEED, START, Bound
+from replay.bounds import (
+    BLOCK_SIZE,
+    COUNT,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DURATION,
+    LOAD_FACTOR,
+    MAX_BLOCK_SIZE,
+    MAX_INT,
+    PROMPT_TOKENS,
+    SCALE,
+    SEED,
+    START,
+    Bound,
+)
 from replay.errors import OutputError
 from replay.output_claim import INPUT, OUTPUT
-from replay.record.cli import TRACE  # anonymize writes what `replay record --output` writes
+from replay.record.recorder import TRACE  # anonymize writes what `replay record --output` writes
 from replay.trace.amplify import amplify_trace
 from replay.trace.convert import convert_trace
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZE
 from replay.trace.formats import FORMATS
 from replay.trace.reader import ON_BAD_LINE, TraceStream, read_trace
 from replay.trace.record import TraceError

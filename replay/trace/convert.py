@@ -13,8 +13,8 @@ from pathlib import Path
 
 import orjson
 
+from replay.bounds import MAX_TRACE_SPAN_S
 from replay.errors import OutputError
-from replay.trace.fields import MAX_TRACE_SPAN_S
 from replay.trace.formats import FORMATS
 from replay.trace.reader import read_trace
 from replay.trace.record import Trace, TraceRow

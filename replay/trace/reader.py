@@ -13,7 +13,8 @@ from typing import TypeVar
 
 import orjson
 
-from replay.trace.fields import MAX_TRACE_SPAN_S, RowError, block_size_problem, check_prompt_limit, span_message
+from replay.bounds import MAX_TRACE_SPAN_S
+from replay.trace.fields import RowError, block_size_problem, check_prompt_limit, span_message
 from replay.trace.formats import FORMATS, Format
 from replay.trace.record import BadLine, Trace, TraceError, TraceRow
 from replay.trace.source import GZIP_ERRORS, gzip_error, numbered_lines, open_text
@@ -31,7 +32,7 @@ def _collector_paused(read: _F) -> _F:
     """Run `read` with Python's cycle collector off (and back on after, if it was on).
 
     Reading a trace allocates a few objects per row that never form cycles, and the
-    collector kept walking them as the row list grew: 13% of read_trace's time on Mooncake.
+    collector kept walking them as the row list grew (docs/bench/2026-11-28-figures.md).
     """
 
     @functools.wraps(read)
@@ -62,7 +63,7 @@ def read_trace(
     "skip" drops such rows and lists each one in Trace.skipped, so callers can report them.
     block_size overrides the format's default (and a jsonl file's own "block_size").
     max_input_tokens makes a row with a longer input_length a bad row like any other
-    (None: no limit; fields.DEFAULT_MAX_PROMPT_TOKENS is the usual one).
+    (None: no limit; replay.bounds.DEFAULT_MAX_PROMPT_TOKENS is the usual one).
     A file that cannot be read whole (damaged gzip, a CSV row that never ends) raises
     TraceError whatever on_bad_line says; one that cannot be opened raises OSError.
     """

@@ -1,5 +1,6 @@
 """What a run is, once its preflight (replay.run.preflight) has checked and loaded everything:
-a frozen `RunSpec` the engine (replay.engine.coordinator) runs and replay.run.finish ends.
+a frozen `RunSpec` the engine (replay.engine.coordinator) runs and its driver (replay.run.driver)
+ends from the engine's `Outcome`.
 
 The spec holds values, not places to look them up: the options as checked, the output as
 claimed, the tokenizer's fingerprint, the rows of the window (spooled, replay.engine.plan's
@@ -14,14 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from replay.engine.options import ReplayOptions
 from replay.results.metadata import run_metadata
 from replay.rules.send_time import replay_seconds
-from replay.run.options import ReplayOptions
 
 if TYPE_CHECKING:
     from replay.engine.plan import Schedule
     from replay.protocol.models import Served
     from replay.results.output import OutputClaim
+    from replay.results.store import RecordStore
 
 
 @dataclass(frozen=True)
@@ -103,3 +105,17 @@ class RunFacts:
     started_at: float | None
     server_check: dict | None
     host_load: dict | None = None  # the host while the run sent (replay.results.host_load.figures)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the engine hands its driver once every row of the run has a record (the
+    Coordinator's `end`): the run's end (replay.run.driver, replay.run.finish) is made of these
+    values alone."""
+
+    spec: RunSpec
+    store: RecordStore  # every row's record, on disk, not yet merged
+    facts: RunFacts
+    incomplete: dict[str, str]  # file -> why it is not whole; the end's own faults are added to it
+    capacity: dict | None = None  # a capacity search's report (replay.engine.capacity.capacity_report)
+    least_code: int = 0  # the least exit code: 2 for a run refused before the first send

@@ -18,6 +18,7 @@ from replay.bounds import (
     BLOCK_SIZE,
     CACHE_BLOCKS,
     COUNT,
+    DEFAULT_MAX_PROMPT_TOKENS,
     DURATION,
     HOUR_S,
     PROMPT_TOKENS,
@@ -43,7 +44,6 @@ from replay.results.output import RUN_OUTPUT
 from replay.results.report import parse_slo
 from replay.rules.send_time import TURN_FAILURES, TURN_TIMINGS
 from replay.synth.tokenizer_source import TOKENIZER_HELP
-from replay.trace.fields import DEFAULT_MAX_PROMPT_TOKENS
 
 # Before the first send, ask each server to count a sample of prompts (replay.synth.server_check):
 # auto checks where the server offers a way, require refuses a server that offers none.
@@ -188,7 +188,8 @@ class ReplayOptions:
     def from_parsed(cls, parsed) -> ReplayOptions:
         """The options as parsed; a --replay-config file is merged first by the caller
         (replay.run.config.replay_options), so this module needs nothing from config."""
-        return cls(**{name: getattr(parsed, name, getattr(cls, name, None)) for name in OPTION_NAMES})
+        values: dict[str, Any] = {name: getattr(parsed, name, getattr(cls, name, None)) for name in OPTION_NAMES}
+        return cls(**values)
 
     @classmethod
     def from_dict(cls, data: dict) -> ReplayOptions:
