@@ -19,7 +19,7 @@ from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.record import TraceRow
 from support.paths import shared_path
 from support.processes import replay_args, run_locust
-from support.traces import mooncake_trace
+from support.traces import leading_common, mooncake_trace
 
 TRACE_BLOCK = 16
 T0 = 1_700_000_000.0
@@ -41,21 +41,12 @@ def make_rows(n: int = 40, seed: int = 1) -> list[TraceRow]:
     return rows
 
 
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def independent_expected(prompts: list[list[int]], block: int) -> list[int]:
     """vLLM's rule from first principles: whole blocks of the longest prefix shared with any
     earlier prompt, never covering the last token."""
     out = []
     for i, p in enumerate(prompts):
-        shared = max((lcp(p, q) for q in prompts[:i]), default=0)
+        shared = max((leading_common(p, q) for q in prompts[:i]), default=0)
         out.append(min(shared // block, (len(p) - 1) // block) * block)
     return out
 

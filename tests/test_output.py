@@ -31,6 +31,7 @@ from replay.rules.run_files import (
     summary_path,
     worker_path,
 )
+from support.paths import char_device
 from support.processes import LOCUST, finish, replay_args, run_locust, spawn_locust
 from support.records import check_records
 from support.traces import mooncake_trace
@@ -99,15 +100,6 @@ def test_overwrite_removes_the_earlier_runs_files_and_only_those(tmp_path):
     claim.release()
 
 
-def _char_device(path: Path) -> Path:
-    """A character device (a /dev/null: 1, 3) at `path`; needs root (CAP_MKNOD)."""
-    try:
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
-    except PermissionError:
-        pytest.skip("needs root to make a character device (CAP_MKNOD); run the tests as root (CI does) to cover it")
-    return path
-
-
 def _fifo(path: Path) -> Path:
     os.mkfifo(path)
     return path
@@ -131,7 +123,7 @@ def _dangling_symlink(path: Path) -> Path:
     return path
 
 
-NOT_FILES = [(_char_device, "a character device"), (_fifo, "a FIFO"), (_folder, "a folder"),
+NOT_FILES = [(char_device, "a character device"), (_fifo, "a FIFO"), (_folder, "a folder"),
              (_symlink_out, "a symbolic link"), (_dangling_symlink, "a symbolic link")]
 
 
@@ -342,7 +334,7 @@ def test_overwrite_never_replaces_a_device(tmp_path, toy_tokenizer_dir):
     """The issue's case: a character device as --output with --overwrite was unlinked and a
     regular file written in its place."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=3, gap_ms=10)
-    output = _char_device(tmp_path / "full")
+    output = char_device(tmp_path / "full")
     refused(replay_args(trace, toy_tokenizer_dir, "http://127.0.0.1:9", output, "--overwrite"), tmp_path,
             f"--output {output}: {output} is a character device, not a regular file; only an earlier run's "
             f"regular files are replaced: remove it, or choose another --output")

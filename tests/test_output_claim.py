@@ -29,6 +29,7 @@ from replay.locust import outputs as locust_outputs_module
 from replay.output_claim import Output, OutputFolder, PathRole, option_label
 from replay.results.files import write_atomically
 from replay.rules.run_files import meta_path, summary_path, tmp_path
+from support.paths import char_device
 from support.records import ok_record
 from support.traces import BLOCK, mooncake_trace
 
@@ -204,24 +205,15 @@ def test_an_output_on_an_input_is_refused(prog, option, how, files, tmp_path, ca
         assert "which this command reads" in err, err
 
 
-def _char_device(path: Path) -> Path:
-    """A character device (a /dev/null: 1, 3) at `path`; needs root (CAP_MKNOD)."""
-    try:
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
-    except PermissionError:
-        pytest.skip("needs root to make a character device (CAP_MKNOD); run the tests as root (CI does) to cover it")
-    return path
-
-
 @pytest.mark.parametrize("prog, option", CASES)
-@pytest.mark.parametrize("make, kind", [(_char_device, "a character device"), (os.mkfifo, "a FIFO")])
+@pytest.mark.parametrize("make, kind", [(char_device, "a character device"), (os.mkfifo, "a FIFO")])
 def test_an_output_on_a_device_or_a_fifo_is_refused(prog, option, make, kind, files, tmp_path, capsys):
     """As root, an atomic write's rename turned a device into a regular file (exit 0)."""
     node = tmp_path / "work" / "node"
     make(node)
     err = refused(argv(prog, option, node, files), prog, option, capsys, tmp_path)
     assert f"is {kind}, not a " in err
-    assert (stat.S_ISCHR if make is _char_device else stat.S_ISFIFO)(os.lstat(node).st_mode)
+    assert (stat.S_ISCHR if make is char_device else stat.S_ISFIFO)(os.lstat(node).st_mode)
 
 
 @pytest.mark.parametrize("prog, option", [case for case in CASES if case[1] != "--png-dir"])

@@ -24,7 +24,7 @@ from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.reader import read_trace
 from support.processes import replay_args, run_locust
 from support.record import RecordProcess
-from support.traces import BLOCK, bailian_trace, mooncake_slice, mooncake_trace
+from support.traces import BLOCK, bailian_trace, leading_common, mooncake_slice, mooncake_trace
 from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -184,15 +184,6 @@ def test_sigterm_lets_requests_in_flight_finish_and_closes_the_trace(toy_tokeniz
 # -- the round trip -----------------------------------------------------------------------------
 
 
-def leading_shared(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def expected_shared(ti, tj, before: int, overhead: int) -> int:
     """The rule when the template frame moves block boundaries: the server's prompts are `before`
     frame tokens, the rows' contents (their blocks of the trace, cut to input_length - overhead)
@@ -200,7 +191,7 @@ def expected_shared(ti, tj, before: int, overhead: int) -> int:
     of that (all of their ids when the prompts are the same)."""
     if list(ti.hash_ids) == list(tj.hash_ids) and ti.input_length == tj.input_length:
         return -(-ti.input_length // BLOCK)
-    content = min(leading_shared(ti.hash_ids, tj.hash_ids) * BLOCK, ti.input_length - overhead,
+    content = min(leading_common(ti.hash_ids, tj.hash_ids) * BLOCK, ti.input_length - overhead,
                   tj.input_length - overhead)
     return (before + content) // BLOCK
 
@@ -248,7 +239,7 @@ def test_a_trace_replayed_through_the_proxy_is_recorded_as_itself(kind, sim, toy
     before, overhead = len(measured.frame.before), measured.frame.overhead
     for i, ti in enumerate(original):
         for j, tj in enumerate(original[:i]):
-            assert leading_shared(of[i].hash_ids, of[j].hash_ids) == expected_shared(ti, tj, before, overhead), (i, j)
+            assert leading_common(of[i].hash_ids, of[j].hash_ids) == expected_shared(ti, tj, before, overhead), (i, j)
     stats = subprocess.run([sys.executable, "-m", "replay", "trace", "stats", str(out)], capture_output=True,
                            text=True, timeout=60)
     assert stats.returncode == 0, stats.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -18,3 +19,13 @@ def shared_path(*parts: str) -> Path:
         pytest.skip(f"needs {p}: the project's shared test data (real traces and tokenizers) is not at {SHARED}; "
                     "put it beside the checkout as ../shared, or set TRACEREPLAY_SHARED to its folder")
     return p
+
+
+def char_device(path: Path) -> Path:
+    """A character device (a /dev/null: 1, 3) at `path`, for the output claim's tests; needs
+    root (CAP_MKNOD), a skip saying so otherwise."""
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("needs root to make a character device (CAP_MKNOD); run the tests as root (CI does) to cover it")
+    return path

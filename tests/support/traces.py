@@ -202,3 +202,13 @@ def conversation_trace(path: Path, conversations: int = 12, turns: tuple[int, in
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return path
+
+
+def leading_common(a: list, b: list) -> int:
+    """How many leading items two lists share (two prompts' tokens, two rows' hash ids)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
