@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_record import leading_shared
 
 from replay.results.records import read_records
 from replay.synth.prompts import set_up
@@ -26,7 +25,7 @@ from replay.trace.reader import read_trace
 from support.paths import shared_path
 from support.processes import run_locust
 from support.record import RecordProcess
-from support.traces import mooncake_slice
+from support.traces import leading_common, mooncake_slice
 from support.vllm import reset_prefix_cache
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(560)]
@@ -75,10 +74,10 @@ def test_the_round_trip_through_real_vllm(vllm_qwen2, tmp_path):
     for i in range(ROWS):
         for j in range(i):
             whole = original[i].input_length == original[j].input_length and original[i].hash_ids == original[j].hash_ids
-            shared = leading_shared(original[i].hash_ids, original[j].hash_ids)
+            shared = leading_common(original[i].hash_ids, original[j].hash_ids)
             if not whole:  # a partial last block is shared only by prompts that end there too
                 shared = min(shared * BLOCK, original[i].input_length, original[j].input_length) // BLOCK
-            assert leading_shared(of[i].hash_ids, of[j].hash_ids) == shared, (i, j)
+            assert leading_common(of[i].hash_ids, of[j].hash_ids) == shared, (i, j)
     anonymized = tmp_path / "anonymized.jsonl"  # the same trace from the proxy's raw log, counted by vLLM's /tokenize
     done = subprocess.run([sys.executable, "-m", "replay", "trace", "anonymize", str(raw), str(anonymized),
                            "--tokenize-url", vllm_qwen2, "--block-size", str(BLOCK), "--salt-file", str(salt)],
