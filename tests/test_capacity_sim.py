@@ -112,6 +112,7 @@ def test_the_search_agrees_with_a_grid_and_its_answer_holds_both_ways(folder, to
     assert below >= TARGET > above, (found, below, above, search["probes"])
 
 
+@pytest.mark.heavy  # a master, two workers and the sim: more than a core, so not beside the parallel tests
 def test_master_and_two_workers_find_the_same_capacity(folder, toy_tokenizer_dir, slow_sim, search, tmp_path):
     output = tmp_path / "two.jsonl"
     args = replay_args(folder / "trace.jsonl", toy_tokenizer_dir, slow_sim.url, output, *COMMON, *SEARCH)
