@@ -113,8 +113,10 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
                        tokenizer_path=tokenizer,
                        host=host, claim=claim, served=served, server_cache=server_cache)
         if not spec.total:  # a run of nothing would "succeed" with no record at all
+            length = (f"--probe-duration {options.probe_duration:g}" if options.capacity_search
+                      else f"--duration {options.duration}")  # the window a search's probe replays
             raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
-                             f"--duration {options.duration}, --max-requests {options.max_requests}; "
+                             f"{length}, --max-requests {options.max_requests}; "
                              f"the trace has {schedule.trace_rows} rows)")
         if not len(schedule):  # every row over the prompt limit: the run would send nothing
             raise _nothing_under_the_limit(options, schedule, max_prompt_tokens, served)
