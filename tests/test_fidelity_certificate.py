@@ -286,6 +286,10 @@ def test_a_server_lying_about_prompt_tokens_is_found_out_by_its_counters(tmp_pat
     # the summary's note on the difference says it once, and names the false usage, not other traffic
     notes = [line for line in proc.stdout.splitlines() if "prompt tokens against the records" in line]
     assert len(notes) == 1 and "usage is false" in notes[0] and "other traffic" not in notes[0], notes
+    summary = json.loads(summary_path(output).read_text())  # the JSON says what the printed line says
+    server_notes = [e["note"] for e in (*summary["server"]["endpoints"].values(), summary["server"]["total"])]
+    assert any("usage is false" in (n or "") for n in server_notes), server_notes
+    assert not any("other traffic" in (n or "") for n in server_notes), server_notes
 
 
 def test_a_broken_prompt_is_prompt_differs_and_unfaithful(tmp_path, toy_tokenizer_dir, monkeypatch):

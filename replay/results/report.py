@@ -213,7 +213,7 @@ def format_report(report: dict) -> str:
     if report.get("endpoints"):
         out.extend(format_endpoints(report["endpoints"]))
     if report.get("server"):
-        out.extend(format_server(report["server"], WIDTH, (report.get("fidelity") or {}).get("usage")))
+        out.extend(format_server(report["server"], WIDTH))
     if report.get("fidelity"):
         out.extend(format_certificate(report["fidelity"], WIDTH))
     out.append("=" * WIDTH)

@@ -28,7 +28,7 @@ from replay.results.certificate import FAITHFUL, CertificateBuilder
 from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
 from replay.results.records import Record, is_failure
 from replay.results.report import ReportBuilder, format_report, parse_slo
-from replay.results.server_metrics import read_server_section
+from replay.results.server_metrics import judge_usage, read_server_section
 from replay.results.store import RecordStore
 from replay.rules.capacity_result import NO_ANSWER, quotable_line
 from replay.rules.run_files import meta_path, tmp_path
@@ -75,6 +75,7 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     report["fidelity"] = certificate = fidelity.certificate(report["drift_ms"], report["cache"], report["server"],
                                                             facts.host_load,
                                                             cache_skipped({"options": spec.options.to_dict()}))
+    judge_usage(report["server"], certificate.get("usage"))
     for listener in summary_listeners:
         listener(report)
     for write, document in ((write_summary, report), (write_fidelity, certificate)):
