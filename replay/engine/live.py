@@ -66,9 +66,10 @@ def worker_report(part) -> messages.Live:
                          failed=part.failed)
 
 
-def report_loop(part) -> None:
-    """Worker side: once a second from the start of the run to its end, then once more."""
-    part.go.wait()
+def report_loop(worker) -> None:
+    """Worker side (a Dispatcher): once a second from the start of the run to its end, then once more."""
+    worker.go.wait()
+    part = worker.replay  # built by the plan, before the go
     while True:
         done = part.dispatch_pos >= part.total and not part.more and not part.in_flight
         part.link.to_master(messages.LIVE, worker_report(part))
@@ -201,7 +202,8 @@ class LiveStats:
 
     def _in_flight(self) -> int:
         if self.local_part is not None:
-            return len(self.local_part.in_flight)
+            replay = self.local_part.replay  # None before its plan
+            return 0 if replay is None else len(replay.in_flight)
         live = {s.client_id for s in self.coordinator.workers.values() if not s.lost}
         return sum(r.in_flight for cid, r in self.reported.items() if cid in live)
 
@@ -254,7 +256,9 @@ class LiveStats:
 
     def _reported(self, client_id: str) -> Reported:
         if self.local_part is not None:
-            p = self.local_part
+            p = self.local_part.replay  # None before its plan
+            if p is None:
+                return Reported(socket.gethostname())
             return Reported(socket.gethostname(), p.sent, len(p.in_flight), p.failed)
         return self.reported.get(client_id, Reported())
 
