@@ -24,7 +24,7 @@ from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.reader import read_trace
 from support.processes import replay_args, run_locust
 from support.record import RecordProcess
-from support.traces import BLOCK, bailian_trace, leading_common, mooncake_slice, mooncake_trace
+from support.traces import BLOCK, bailian_trace, expected_shared, leading_common, mooncake_slice, mooncake_trace
 from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -182,18 +182,6 @@ def test_sigterm_lets_requests_in_flight_finish_and_closes_the_trace(toy_tokeniz
 
 
 # -- the round trip -----------------------------------------------------------------------------
-
-
-def expected_shared(ti, tj, before: int, overhead: int) -> int:
-    """The rule when the template frame moves block boundaries: the server's prompts are `before`
-    frame tokens, the rows' contents (their blocks of the trace, cut to input_length - overhead)
-    and the frame's end; they agree on `before` + the shared content, and share the whole blocks
-    of that (all of their ids when the prompts are the same)."""
-    if list(ti.hash_ids) == list(tj.hash_ids) and ti.input_length == tj.input_length:
-        return -(-ti.input_length // BLOCK)
-    content = min(leading_common(ti.hash_ids, tj.hash_ids) * BLOCK, ti.input_length - overhead,
-                  tj.input_length - overhead)
-    return (before + content) // BLOCK
 
 
 def paired(out: Path, rows_in_t: int) -> list[int]:
