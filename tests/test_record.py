@@ -471,6 +471,29 @@ def test_sessions_named_by_the_client_win_over_continuation(sim, tmp_path):
     assert "alice" not in out.read_text()
 
 
+def test_a_recorded_trace_replayed_after_answer_keeps_the_recorded_think_time(sim, toy_tokenizer_dir, tmp_path):
+    """T' replayed by a real `replay run --turn-timing after-answer`: each later turn is due its
+    row's `gap_ms` after its previous turn's answer ended (the arrival gap also holds the answer)."""
+    trace = bailian_trace(tmp_path / "t.jsonl", sessions=3, turns=3, gap_s=0.1)
+    out = tmp_path / "recorded.jsonl"
+    with RecordProcess(sim.url, out, "--session-header", "X-Session-Id") as proxy:
+        run_locust(replay_args(trace, toy_tokenizer_dir, proxy.url, tmp_path / "run-t.jsonl", "--session-header",
+                               "X-Session-Id", "--api", "openai-chat"), tmp_path)
+    recorded = rows(out)
+    run_locust(replay_args(out, toy_tokenizer_dir, sim.url, tmp_path / "run-t2.jsonl", "--api", "openai-chat",
+                           "--turn-timing", "after-answer", "--partition", "session"), tmp_path)
+    records = {r["request_id"]: r for r in read_records(tmp_path / "run-t2.jsonl")}
+    previous: dict[int, int] = {}
+    checked = 0
+    for i, row in enumerate(recorded):
+        if row["session_id"] in previous:
+            before = records[previous[row["session_id"]]]
+            assert records[i]["due_at"] == pytest.approx(before["finished_at"] + row["gap_ms"] / 1000.0, abs=1e-6)
+            checked += 1
+        previous[row["session_id"]] = i
+    assert checked == 6
+
+
 def test_without_tokenize_the_tokenizer_counts_and_without_either_the_row_says_so(toy_tokenizer_dir, tmp_path):
     messages = [{"role": "user", "content": "count me " * 20}]
     traces = {}
