@@ -374,6 +374,75 @@ def test_anonymize_refuses_a_log_it_cannot_read_naming_the_line(toy_tokenizer_di
     assert done.returncode == 2 and "--tokenizer or --tokenize-url" in done.stderr
 
 
+def test_anonymize_of_an_openai_batch_gives_the_recorded_trace_but_its_times(sim, tmp_path):
+    """The same requests through the proxy, and as a Batch API job's input and output files (the
+    answers the sim gave them, wrapped as the Batch API returns them, out of order, and a failed
+    request as its error file has it): the same rows but for the arrival times, which a batch has
+    only as each completion's `created`."""
+    first = [{"role": "user", "content": "the first question " * 3}]
+    bodies = {"c1": {"model": "sim", "messages": first, "max_tokens": 5},
+              "c3": {"model": "sim", "prompt": "complete this " * 4, "max_tokens": 3}}
+    salt = tmp_path / "salt"
+    salt.write_bytes(b"b" * 32)
+    recorded = tmp_path / "recorded.jsonl"
+    answers = {}
+    with RecordProcess(sim.url, recorded, "--salt-file", str(salt)) as proxy:
+        answers["c1"] = chat(proxy.url, first, max_tokens=5).json()
+        bodies["c2"] = {"model": "sim", "max_tokens": 4,
+                        "messages": [*first, answers["c1"]["choices"][0]["message"], {"role": "user", "content": "so?"}]}
+        answers["c2"] = chat(proxy.url, bodies["c2"]["messages"], max_tokens=4).json()
+        answers["c3"] = requests.post(proxy.url + COMPLETIONS, json=bodies["c3"], timeout=30).json()
+    batch_input = tmp_path / "batch_input.jsonl"
+    bodies["c4"] = {"model": "sim", "messages": first, "max_tokens": 2}  # c1 again, which failed
+    batch_input.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": CHAT if k != "c3" else
+                                               COMPLETIONS, "body": bodies[k]}) + "\n" for k in ("c1", "c2", "c3", "c4")))
+    created = {"c1": 1_700_000_000, "c2": 1_700_000_002, "c3": 1_700_000_007}
+    output = tmp_path / "batch_output.jsonl"
+    lines = [{"id": f"batch_req_{k}", "custom_id": k, "error": None,
+              "response": {"status_code": 200, "request_id": f"r{k}", "body": {**answers[k], "created": created[k]}}}
+             for k in ("c3", "c1", "c2")]  # a batch's output is in no particular order
+    lines.append({"id": "batch_req_c4", "custom_id": "c4", "response": None,
+                  "error": {"code": "batch_expired", "message": "This request could not be executed"}})
+    output.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "anonymized.jsonl"
+    done = anonymize(output, out, "--batch-input", batch_input, "--tokenize-url", sim.url, "--salt-file", salt)
+    assert done.returncode == 0, done.stderr
+    made, seen = rows(out), rows(recorded)
+    # c4 (failed: no `created`) at the batch's first, after c1 there by the input file's order
+    assert [r["timestamp"] for r in made] == [0.0, 0.0, 2000.0, 7000.0]
+    assert made[1]["error"] == "batch_expired: This request could not be executed" and made[1]["status"] == 500
+    assert made[1]["hash_ids"] == made[0]["hash_ids"] and made[2]["gap_ms"] == 2000.0
+    assert [{k: v for k, v in r.items() if k not in ("timestamp", "gap_ms", "session_id")} for r in made[::2] + made[3:]] \
+        == [{k: v for k, v in r.items() if k not in ("timestamp", "gap_ms", "session_id")} for r in seen]
+    assert [(r["session_id"], r["turn"]) for r in made] == [(0, 0), (1, 0), (0, 1), (2, 0)]
+    assert json.loads(Path(f"{out}.meta.json").read_text())["log_format"] == "openai-batch"
+    assert "question" not in out.read_text()
+
+
+def test_anonymize_of_an_openai_batch_refuses_what_it_cannot_join(sim, tmp_path):
+    batch_input, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    batch_input.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+                           '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n')
+    output.write_text('{"custom_id": "b", "response": null, "error": {"code": "x", "message": "y"}}\n')
+    for extra, message in (
+        ([], "give the batch's input file as --batch-input"),
+        (["--batch-input", batch_input], f"{batch_input}:2: field 'custom_id': 'a' repeats line 1"),
+    ):
+        done = anonymize(output, tmp_path / "t.jsonl", "--tokenize-url", sim.url, *extra)
+        assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, \
+            done.stderr
+    batch_input.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n')
+    done = anonymize(output, tmp_path / "t.jsonl", "--tokenize-url", sim.url, "--batch-input", batch_input)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"replay trace anonymize: {output}:1: field 'custom_id': 'b' is not in {batch_input}"
+    done = anonymize(batch_input, tmp_path / "t.jsonl", "--tokenize-url", sim.url, "--batch-input", batch_input)
+    assert done.returncode == 2 and "a batch's INPUT file" in done.stderr
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"arrival": 1, "answer": {}}\n')
+    done = anonymize(raw, tmp_path / "t.jsonl", "--tokenize-url", sim.url, "--batch-input", batch_input)
+    assert done.returncode == 2 and "--batch-input is for --from openai-batch" in done.stderr
+
+
 # -- refusals and the edges of forwarding -------------------------------------------------------
 
 
