@@ -4,12 +4,14 @@ HTTP clients and real replays through it (docs/record.md)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -305,6 +307,78 @@ def test_an_upstream_too_slow_gets_a_504_and_a_marked_row(toy_tokenizer_dir, tmp
         assert answer.status_code == 504 and "timed out" in answer.json()["error"]["message"]
     (row,) = rows(out)
     assert row["status"] == 504 and row["error"].startswith("the upstream did not answer: timed out")
+
+
+class NaglingUpstream:
+    """A streaming server as a plain socket server is by default (Nagle on, no TCP_NODELAY): each
+    answer's head at once, its first event `ttft_s` later, then the end. Its first event leaves
+    only once the head is acknowledged, so a receiver that delays its ACKs delays the event."""
+
+    def __init__(self, ttft_s: float):
+        self.ttft_s = ttft_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the recorder's /tokenize calls too, cut when the proxy stops
+            self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        data = b""
+        while True:
+            while b"\r\n\r\n" not in data:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                data += more
+            head, data = data.split(b"\r\n\r\n", 1)
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            while len(data) < length:
+                data += conn.recv(65536)
+            data = data[length:]
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            time.sleep(self.ttft_s)
+            for event in (b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', b"data: [DONE]\n\n"):
+                conn.sendall(b"%x\r\n%b\r\n" % (len(event), event))
+            conn.sendall(b"0\r\n\r\n")
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.alone  # times the first event to a few ms
+def test_the_proxy_acknowledges_at_once_so_an_upstream_s_nagle_adds_nothing(tmp_path):
+    """Requests one after another on one kept-alive connection, through the proxy to a server
+    that streams with Nagle on: each first event arrives its TTFT after the request, not held
+    until the proxy's delayed ACK of the answer's head (up to 40 ms later)."""
+    upstream = NaglingUpstream(ttft_s=0.02)
+    late = []
+    try:
+        with RecordProcess(upstream.url, tmp_path / "t.jsonl", "--block-size", "16") as proxy, \
+                requests.Session() as session:
+            for _ in range(30):
+                started = time.perf_counter()
+                with session.post(proxy.url + COMPLETIONS, json={"model": "m", "prompt": "x", "stream": True},
+                                  stream=True, timeout=10) as answer:
+                    lines = answer.iter_lines()
+                    next(line for line in lines if line.startswith(b"data: {"))
+                    late.append((time.perf_counter() - started - 0.02) * 1000.0)
+                    for _ in lines:
+                        pass
+    finally:
+        upstream.close()
+    late.sort()
+    assert late[len(late) // 2] < 8.0 and late[-3] < 15.0, [round(x, 1) for x in late]
 
 
 # -- replay trace anonymize ---------------------------------------------------------------------
