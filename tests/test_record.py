@@ -19,6 +19,8 @@ import pytest
 import requests
 from test_disk_full import PAGE, fill, small_disk  # noqa: F401 (small_disk: its fixture, a real full disk)
 
+from replay.results.compare import load_run
+from replay.results.recorded_pair import recorded_pairs
 from replay.results.records import read_records
 from replay.sim.process import sim_process
 from replay.synth.prompts import set_up
@@ -26,7 +28,15 @@ from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.reader import read_trace
 from support.processes import replay_args, run_locust
 from support.record import RecordProcess
-from support.traces import BLOCK, bailian_trace, expected_shared, leading_common, mooncake_slice, mooncake_trace
+from support.traces import (
+    BLOCK,
+    bailian_trace,
+    expected_shared,
+    leading_common,
+    mooncake_slice,
+    mooncake_trace,
+    write_jsonl,
+)
 from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -612,6 +622,52 @@ def test_sessions_named_by_the_client_win_over_continuation(sim, tmp_path):
         chat(proxy.url, [{"role": "user", "content": "d"}])  # no name: continuation's rule
     assert [(r["session_id"], r["turn"]) for r in rows(out)] == [(0, 0), (1, 0), (0, 1), (2, 0)]
     assert "alice" not in out.read_text()
+
+
+def compare_runs(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay", "compare", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_compare_pairs_a_replay_of_the_recorded_trace_with_the_run_it_was_recorded_from(sim, toy_tokenizer_dir,
+                                                                                           tmp_path):
+    """T's rows are out of time order in its file, so T' (in arrival order) has them in another
+    order: row k of T' is not row k of T. `replay compare` pairs the replay of T' with the replay
+    of T through the recording's client_request_id, with no option, and only then."""
+    rows_in_t = 12
+    lengths = [40 + 9 * i for i in range(rows_in_t)]
+    times = [60.0 * ((5 * i) % rows_in_t) for i in range(rows_in_t)]  # a permutation of 0, 60, ... ms
+    trace = write_jsonl(tmp_path / "t.jsonl", [{"timestamp": times[i], "input_length": lengths[i], "output_length": 3,
+                                                "hash_ids": [1000 * i + k for k in range(-(-lengths[i] // BLOCK))]}
+                                               for i in range(rows_in_t)])
+    runs = {}
+    for name, extra in (("paired", ["--id-header", "X-Request-Id"]), ("unnamed", [])):
+        recorded = tmp_path / f"{name}.jsonl"
+        with RecordProcess(sim.url, recorded, *extra) as proxy:
+            run_locust(replay_args(trace, toy_tokenizer_dir, proxy.url, tmp_path / f"run-t-{name}.jsonl", "--api",
+                                   "openai-completions"), tmp_path)
+        run_locust(replay_args(recorded, toy_tokenizer_dir, sim.url, tmp_path / f"run-t2-{name}.jsonl", "--api",
+                               "openai-completions"), tmp_path)
+        runs[name] = (tmp_path / f"run-t-{name}.jsonl", tmp_path / f"run-t2-{name}.jsonl")
+    assert [json.loads(line)["input_length"] for line in (tmp_path / "paired.jsonl").read_text().splitlines()] \
+        == [lengths[i] for i in sorted(range(rows_in_t), key=times.__getitem__)]  # T' is in another order
+    done = compare_runs(*runs["paired"], "--json", tmp_path / "compare.json")
+    assert done.returncode == 0, done.stderr
+    assert f"{rows_in_t} rows matched" in done.stdout and "paired through the recording: " in done.stdout
+    assert "differs" not in done.stdout
+    # each pair is one request: its prompt tokens (the server's count) agree
+    base, new = load_run(str(runs["paired"][0])), load_run(str(runs["paired"][1]))
+    assert list(recorded_pairs([base, new])) == [1]
+    assert sorted(zip(new.ids, new.prompt)) == sorted(zip(base.ids, base.prompt))
+    # without the replay's ids in T' nothing says which row is which: refused, as any two traces
+    done = compare_runs(*runs["unnamed"])
+    assert done.returncode == 2 and "trace fingerprint (sha256)" in done.stderr, done.stderr
+    # T' at another pace than the recording's is another experiment
+    run_locust(replay_args(tmp_path / "paired.jsonl", toy_tokenizer_dir, sim.url, tmp_path / "run-t2-fast.jsonl",
+                           "--api", "openai-completions", "--scale", "2"), tmp_path)
+    done = compare_runs(runs["paired"][0], tmp_path / "run-t2-fast.jsonl")
+    assert done.returncode == 2 and "at --scale 2.0: only 1 replays the recorded run's pace" in done.stderr, \
+        done.stderr
 
 
 def test_a_recorded_trace_replayed_after_answer_keeps_the_recorded_think_time(sim, toy_tokenizer_dir, tmp_path):

@@ -97,10 +97,10 @@ def test_the_round_trip_through_real_vllm(vllm_qwen2, tmp_path):
     assert [a for a, _ in cached] == [b for _, b in cached]
     assert sum(a for a, _ in cached) > 0
     compared = subprocess.run([sys.executable, "-m", "replay", "compare", str(tmp_path / "run-t.jsonl"),
-                               str(tmp_path / "run-t2.jsonl"), "--allow-different"], capture_output=True, text=True,
-                              timeout=300)
+                               str(tmp_path / "run-t2.jsonl")], capture_output=True, text=True, timeout=300)
     assert compared.returncode == 0, compared.stderr
-    assert f"{ROWS} paired" in compared.stdout or "paired" in compared.stdout, compared.stdout
+    assert f"{ROWS} rows matched" in compared.stdout and "paired through the recording: " in compared.stdout, \
+        compared.stdout
 
 
 SESSIONS, TURNS = 3, 3
