@@ -388,7 +388,7 @@ def test_the_proxy_acknowledges_at_once_so_an_upstream_s_nagle_adds_nothing(tmp_
     finally:
         upstream.close()
     late.sort()
-    assert late[len(late) // 2] < 8.0 and late[-3] < 15.0, [round(x, 1) for x in late]
+    assert late[len(late) // 2] < 8.0, [round(x, 1) for x in late]  # held for an ACK: every one 20-24 ms late
 
 
 # -- replay trace anonymize ---------------------------------------------------------------------

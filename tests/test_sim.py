@@ -415,7 +415,7 @@ def test_a_first_token_is_not_held_for_the_client_s_ack(toy_tokenizer_dir):
                 for _ in lines:
                     pass
     late.sort()
-    assert late[len(late) // 2] < 8.0 and late[-3] < 15.0, [round(x, 1) for x in late]
+    assert late[len(late) // 2] < 8.0, [round(x, 1) for x in late]  # held for an ACK: every one 20-24 ms late
 
 
 # -- prefix cache ------------------------------------------------------------------------------
