@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from replay.results.bootstrap import Draw, Share, Total, Weighted, block_rows, draw, interval, sample, std
@@ -98,8 +98,15 @@ COMPARED_META: tuple[tuple[str, Callable[[dict], object]], ...] = (
 )  # fmt: skip
 
 
-def differences(runs: list[RunRows]) -> list[str]:
-    """How each run differs from the first in what makes runs comparable, one line each."""
+# What a run recorded from another (replay.results.recorded_pair) need not share with it.
+RECORDED_DIFFER = ("trace fingerprint (sha256)", "trace window (start, duration, max requests, rows)", "scale")
+
+
+def differences(runs: list[RunRows], recorded: Mapping[int, int] | None = None) -> list[str]:
+    """How each run differs from the first in what makes runs comparable, one line each.
+    `recorded`: run -> the run its trace was recorded from (by index in `runs`): the two traces
+    differ by construction, and only --scale 1 replays the recording's pace."""
+    recorded = recorded or {}
     first = runs[0]
     out = []
     for run in runs:
@@ -110,10 +117,16 @@ def differences(runs: list[RunRows]) -> list[str]:
             out.append(f"{run.path} is a capacity search: its probes' rows are at the load factors its outcomes "
                        f"chose, so row by row they pair rows of other loads (its {run.path}.capacity.json has "
                        f"its result)")
-    for run in runs[1:]:
+    for k, run in enumerate(runs):
+        if k in recorded and run.meta is not None and run.meta.get("scale") != 1.0:
+            out.append(f"scale: {run.path} replays a recorded trace (the recording's own times) at --scale "
+                       f"{run.meta.get('scale')!r}: only 1 replays the recorded run's pace")
+    for k, run in enumerate(runs[1:], 1):
         if first.meta is None or run.meta is None:
             continue
         for name, get in COMPARED_META:
+            if (recorded.get(k) == 0 or recorded.get(0) == k) and name in RECORDED_DIFFER:
+                continue
             a, b = get(first.meta), get(run.meta)
             if a != b:
                 out.append(f"{name}: {first.path} has {a!r}, {run.path} has {b!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -126,6 +127,10 @@ def start(options: SimOptions, engine: Engine | None = None) -> tuple[StreamServ
     def handle(sock, address) -> None:
         ledger.connections_accepted += 1
         ledger.connections_open += 1
+        # Each event goes out when written, as vLLM's (uvicorn's asyncio transports set
+        # TCP_NODELAY): with Nagle on, a first token written a TTFT after the answer's head waits
+        # for the client's delayed ACK of the head, up to 40 ms.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             Connection(sock, app, app.internal_error).serve()
         finally:
