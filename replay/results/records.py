@@ -150,7 +150,7 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "probe": None,
         "factor": None,
         "prompt_fingerprint": prompt_fingerprint,
-        **(outcome.server_timing or empty_server_timing()),
+        **(outcome.server_timing or empty_server_timing()),  # type: ignore[typeddict-item]  # its keys: the fields above
         SERVER_TIMING_PROBLEM: "; ".join(outcome.server_timing_problems or ()) or None,
     }
 

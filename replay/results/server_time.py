@@ -1,0 +1,178 @@
+"""Where the time went: the client's TTFT and E2E split into the server's own parts and the rest.
+
+A record's server fields (replay/rules/server_timing.py) say how long the request waited in
+the server's queue, how long its prefill and its decode took. Set against the client's own
+measure of the same request, the rest is what the server did not see: the network, a router,
+the client's own lag, the server's HTTP front end. Per request,
+
+    client TTFT = queue + prefill + server other + rest
+    client E2E  = queue + prefill + decode + server other + rest
+
+where `server other` is the server's time outside those parts (its TTFT or e2e less their
+sum: 0 from an answer, whose TTFT is queue + prefill; a span's front end and tokenization) and
+`rest` the client's measure less the server's. Each part gets its own percentiles (p50, p90,
+p99: a percentile of a sum is not the sum of percentiles), and its `share`: its mean over the
+client's mean. Means add up, so the shares of a split sum to 1, and the part whose share grew
+is the part that made the client's figure grow: what a capacity probe's failure and `replay
+compare` attribute a change to.
+
+Only ok records with every part of a split count in it (a request not streamed has no client
+TTFT: it counts in the E2E split only); the section counts the ok records that lacked the
+server's fields altogether.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from replay.results.summary import percentile, sorted_array
+from replay.rules.server_timing import (
+    SERVER_DECODE_MS,
+    SERVER_PREFILL_MS,
+    SERVER_QUEUE_MS,
+    SERVER_TIMING_PROBLEM,
+    SERVER_TIMING_SOURCE,
+    SERVER_TTFT_MS,
+    server_work_ms,
+)
+
+PERCENTILES = (50, 90, 99)
+# Each split: the client's figure, then its parts in the order a request meets them.
+TTFT_PARTS = ("queue", "prefill", "server_other", "rest")
+E2E_PARTS = ("queue", "prefill", "decode", "server_other", "rest")
+SPLITS = {"ttft_ms": TTFT_PARTS, "e2e_ms": E2E_PARTS}
+PART_FIELDS = {"queue": SERVER_QUEUE_MS, "prefill": SERVER_PREFILL_MS, "decode": SERVER_DECODE_MS}
+# How the parts are named where they are printed or drawn.
+PART_LABELS = {"queue": "server queue", "prefill": "server prefill", "decode": "server decode",
+               "server_other": "server other", "rest": "rest (network, client, router)"}
+
+
+def split(record: Mapping[str, Any], figure: str) -> dict[str, float] | None:
+    """The record's `figure` ("ttft_ms" or "e2e_ms") split into its parts (with the client's
+    figure as "client" and the server's as "server"), or None when a part is unknown."""
+    client = record.get(figure)
+    server = record.get(SERVER_TTFT_MS) if figure == "ttft_ms" else server_work_ms(record)
+    if client is None or server is None:
+        return None
+    parts = {"client": client, "server": server}
+    named = 0.0
+    for part in SPLITS[figure]:
+        if part in PART_FIELDS:
+            value = record.get(PART_FIELDS[part])
+            if value is None:
+                return None
+            parts[part] = value
+            named += value
+    parts["server_other"] = server - named
+    parts["rest"] = client - server
+    return parts
+
+
+class _Split:
+    """The values of one split's columns, over the records that had every part."""
+
+    def __init__(self, parts: tuple[str, ...]) -> None:
+        self.columns = {name: array("d") for name in ("client", "server", *parts)}
+
+    def add(self, parts: dict[str, float]) -> None:
+        for name, values in self.columns.items():
+            values.append(parts[name])
+
+    def section(self) -> dict:
+        """Each column's mean and percentiles, and each part's share. The columns are sorted in
+        place of the unsorted ones (only their marginals are reported), and summed in sorted
+        order, so the figures do not depend on the order of the records."""
+        count = len(self.columns["client"])
+        sums = {}
+        out: dict = {"requests": count}
+        for name in self.columns:
+            values = self.columns[name] = sorted_array(self.columns[name])
+            sums[name] = sum(values)
+            out[name] = {"mean": sums[name] / count if count else None,
+                         **{f"p{p}": percentile(values, p) for p in PERCENTILES}}
+        out["share"] = {name: (sums[name] / sums["client"] if sums["client"] else None)
+                        for name in self.columns if name not in ("client", "server")}
+        return out
+
+
+class ServerTimeBuilder:
+    """The "where the time went" section from records added one at a time (a run's records are
+    never all held: the values that need percentiles are kept in arrays, 8 bytes each)."""
+
+    def __init__(self) -> None:
+        self.requests_ok = 0
+        self.sources: Counter[str] = Counter()
+        self.problems = 0
+        self.splits = {figure: _Split(parts) for figure, parts in SPLITS.items()}
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        if record.get(SERVER_TIMING_PROBLEM):
+            self.problems += 1
+        if not record.get("ok"):
+            return
+        self.requests_ok += 1
+        source = record.get(SERVER_TIMING_SOURCE)
+        if source is None:
+            return
+        self.sources[source] += 1
+        for figure, values in self.splits.items():
+            parts = split(record, figure)
+            if parts is not None:
+                values.add(parts)
+
+    def section(self) -> dict:
+        timed = sum(self.sources.values())
+        return {
+            "requests_ok": self.requests_ok,
+            "requests_with_server_timing": timed,
+            "requests_lacking_server_timing": self.requests_ok - timed,
+            "by_source": dict(sorted(self.sources.items())),
+            "requests_timing_problem": self.problems,
+            **{figure: values.section() for figure, values in self.splits.items()},
+        }
+
+
+def largest_part(split_section: dict) -> str | None:
+    """The part with the largest share of a split's client mean, or None without one."""
+    shares = {k: v for k, v in (split_section.get("share") or {}).items() if v is not None}
+    return max(shares, key=shares.__getitem__) if shares else None
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def format_server_time(section: dict, width: int, endpoints: dict[str, dict] | None = None) -> list[str]:
+    """The report's block: per split, p50/p90/p99 and share of each part; per endpoint of a
+    fleet, the TTFT split's p50s. Nothing when no ok record had the server's fields."""
+    if not section or not section.get("requests_with_server_timing"):
+        return []
+    out = ["{s:-^{n}}".format(s="Where the Time Went", n=width)]
+    out.append(f"{'':<32} {'p50/p90/p99 ms':>22} {'share':>6}")
+    for figure, title in (("ttft_ms", "TTFT"), ("e2e_ms", "E2E")):
+        s = section[figure]
+        if not s["requests"]:
+            continue
+        out.append(f"{title} ({s['requests']} requests):")
+        for name in ("client", *SPLITS[figure]):
+            d = s[name]
+            values = "/".join(_ms(d[f"p{p}"]) for p in PERCENTILES)
+            share = "" if name == "client" else f"{100 * (s['share'][name] or 0):5.1f}%"
+            out.append(f"  {('client ' + title) if name == 'client' else PART_LABELS[name]:<30} {values:>22} {share:>6}")
+    lacking = section["requests_lacking_server_timing"]
+    if lacking:
+        out.append(f"  {lacking} of {section['requests_ok']} ok requests lacked the server's times")
+    if section.get("requests_timing_problem"):
+        out.append(f"  {section['requests_timing_problem']} answers sent timing figures that are not durations "
+                   "(see server_timing_problem)")
+    if endpoints and len(endpoints) > 1:
+        out.append(f"{'endpoint':<30} {'TTFT queue/prefill/rest p50':>30}")
+        for endpoint, e in endpoints.items():
+            s = (e.get("server_timing") or {}).get("ttft_ms") or {}
+            if s.get("requests"):
+                cells = "/".join(_ms(s[name]["p50"]) for name in ("queue", "prefill", "rest"))
+                out.append(f"{endpoint:<30} {cells:>30}")
+    return out

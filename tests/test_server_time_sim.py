@@ -1,0 +1,116 @@
+"""The server's own times against `replay sim --per-request-metrics`, whose queue and step
+times are known: a replay's records carry them (replay/rules/server_timing.py), the summary says
+where the time went (replay/results/server_time.py), and a server that sends figures of the
+wrong type loses those fields, never the row.
+
+The sim times a streamed request as it sends it: its prefill is --ttft-ms (with no per-token
+prefill cost here) and its decode (n - 1) x --itl-ms, each late by at most its event loop's lag
+(LATE_MS: timers on a busy 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from replay.results.records import read_records
+from replay.results.server_time import largest_part
+from replay.rules.run_files import meta_path, summary_path
+from replay.rules.server_timing import ANSWER_TTFT_SUM_BOUND_MS, SERVER_TIMING_FIELDS
+from replay.sim.process import sim_process
+from support.processes import replay_args, run_locust
+from support.traces import BLOCK, mooncake_trace
+
+TTFT_MS = 40.0
+ITL_MS = 5.0
+LATE_MS = 30.0  # the sim's timers and its slot hand-over, late on a loaded host
+
+
+def sim_args(*extra: str) -> list[str]:
+    return ["--block-size", str(BLOCK), "--ttft-ms", str(TTFT_MS), "--prefill-ms-per-1k", "0", "--itl-ms",
+            str(ITL_MS), "--eos-prob", "0", *extra]
+
+
+def replay(tmp_path, tokenizer, sim_extra: tuple[str, ...], rows: int, gap_ms: float, extra: tuple[str, ...] = ()):
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=rows, gap_ms=gap_ms, output_length=(10, 10))
+    output = tmp_path / "run.jsonl"
+    with sim_process(tokenizer, *sim_args(*sim_extra)) as sim:
+        proc = run_locust(replay_args(trace, tokenizer, sim.url, output, *extra), tmp_path)
+    meta = json.loads(meta_path(output).read_text())
+    return list(read_records(output)), json.loads(summary_path(output).read_text()), proc, meta
+
+
+def check_split(r: dict) -> None:
+    """One ok streamed record against the sim's model: the fields, and the client's TTFT above the server's."""
+    assert r["ok"] and r["server_timing_source"] == "answer" and r["server_timing_problem"] is None, r
+    assert TTFT_MS <= r["server_prefill_ms"] <= TTFT_MS + LATE_MS, r
+    decode = (r["received_tokens"] - 1) * ITL_MS
+    assert decode - LATE_MS <= r["server_decode_ms"] <= decode + LATE_MS, r
+    assert r["server_mean_itl_ms"] == pytest.approx(r["server_decode_ms"] / (r["received_tokens"] - 1), abs=0.002)
+    assert abs(r["server_ttft_ms"] - (r["server_queue_ms"] + r["server_prefill_ms"])) <= ANSWER_TTFT_SUM_BOUND_MS, r
+    assert r["server_ttft_ms"] <= r["ttft_ms"], r
+    assert r["server_e2e_ms"] is None  # an answer has none: a span's
+
+
+def test_an_idle_sim_tells_its_known_times_and_the_summary_splits_them(tmp_path, toy_tokenizer_dir):
+    records, summary, proc, meta = replay(tmp_path, toy_tokenizer_dir, ("--per-request-metrics",), rows=12,
+                                          gap_ms=120)
+    assert meta["server_check"]["server_timing"] == {next(iter(meta["server_check"]["server_timing"])): "sent"}
+    assert len(records) == 12
+    for r in records:
+        check_split(r)
+        assert r["server_queue_ms"] <= LATE_MS, r  # one at a time: nothing waits
+    section = summary["server_timing"]
+    assert section["requests_with_server_timing"] == 12 and section["requests_lacking_server_timing"] == 0
+    assert section["by_source"] == {"answer": 12}
+    ttft = section["ttft_ms"]
+    assert ttft["requests"] == 12
+    assert sum(ttft["share"].values()) == pytest.approx(1.0)  # means add up: the parts are the whole
+    assert largest_part(ttft) == "prefill"
+    assert ttft["rest"]["p50"] >= 0  # the client sees the server's TTFT and more
+    assert "Where the Time Went" in proc.stdout and "server prefill" in proc.stdout
+
+
+def test_a_loaded_sim_queues_and_the_summary_blames_the_queue(tmp_path, toy_tokenizer_dir):
+    """--max-num-seqs 1 and every row at once: the k-th request served waits k services in the
+    queue (each TTFT_MS + 9 x ITL_MS long), and the TTFT's growth is the queue's."""
+    rows = 8
+    records, summary, _, _ = replay(tmp_path, toy_tokenizer_dir, ("--per-request-metrics", "--max-num-seqs", "1"),
+                                    rows=rows, gap_ms=0)
+    service = TTFT_MS + 9 * ITL_MS
+    queues = sorted(r["server_queue_ms"] for r in records)
+    for k, queue in enumerate(queues):
+        check_split(next(r for r in records if r["server_queue_ms"] == queue))
+        assert k * service - LATE_MS <= queue <= k * (service + LATE_MS) + LATE_MS, (k, queues)
+    ttft = summary["server_timing"]["ttft_ms"]
+    assert largest_part(ttft) == "queue" and ttft["share"]["queue"] > 0.6, ttft
+    assert ttft["queue"]["p90"] > ttft["prefill"]["p90"]
+
+
+def test_a_server_without_timing_is_no_failure_and_the_summary_counts_what_lacked_it(tmp_path, toy_tokenizer_dir):
+    records, summary, proc, meta = replay(tmp_path, toy_tokenizer_dir, (), rows=6, gap_ms=20)
+    assert list(meta["server_check"]["server_timing"].values()) == ["not sent"]
+    assert all(r["ok"] and all(r[name] is None for name in SERVER_TIMING_FIELDS) for r in records)
+    section = summary["server_timing"]
+    assert section["requests_with_server_timing"] == 0 and section["requests_lacking_server_timing"] == 6
+    assert "Where the Time Went" not in proc.stdout
+    assert "per-request timing: not sent" in proc.stderr
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_timing_figures_of_the_wrong_type_are_dropped_never_the_row(tmp_path, toy_tokenizer_dir, stream):
+    lie = {"queue_time_ms": "12", "generation_time_ms": -4, "mean_itl_ms": True}
+    records, summary, _, meta = replay(tmp_path, toy_tokenizer_dir, ("--false-metrics", json.dumps(lie)), rows=6,
+                                       gap_ms=20, extra=() if stream else ("--no-stream",))
+    assert list(meta["server_check"]["server_timing"].values())[0].startswith("sent, with figures that are not")
+    for r in records:
+        assert r["ok"], r
+        assert r["server_queue_ms"] is None and r["server_decode_ms"] is None and r["server_mean_itl_ms"] is None
+        assert r["server_ttft_ms"] is None  # no queue: no sum
+        assert TTFT_MS <= r["server_prefill_ms"] <= TTFT_MS + LATE_MS and r["server_timing_source"] == "answer"
+        assert r["server_timing_problem"] == ("metrics queue_time_ms '12' is not a duration; "
+                                              "metrics generation_time_ms -4 is not a duration; "
+                                              "metrics mean_itl_ms True is not a duration")
+    assert summary["server_timing"]["requests_timing_problem"] == 6
+    assert summary["server_timing"]["ttft_ms"]["requests"] == 0
