@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import requests
 
 from replay.results.records import read_records
 from replay.results.server_time import largest_part
@@ -37,7 +38,10 @@ def replay(tmp_path, tokenizer, sim_extra: tuple[str, ...], rows: int, gap_ms: f
     output = tmp_path / "run.jsonl"
     with sim_process(tokenizer, *sim_args(*sim_extra)) as sim:
         proc = run_locust(replay_args(trace, tokenizer, sim.url, output, *extra), tmp_path)
+        received = requests.get(f"{sim.url}/debug/requests", timeout=10).json()
     meta = json.loads(meta_path(output).read_text())
+    assert received["total"] == rows  # the rows, each once
+    meta["received_without_id"] = received["without_id"]  # the preflight's question, if asked
     return list(read_records(output)), json.loads(summary_path(output).read_text()), proc, meta
 
 
@@ -55,8 +59,9 @@ def check_split(r: dict) -> None:
 
 def test_an_idle_sim_tells_its_known_times_and_the_summary_splits_them(tmp_path, toy_tokenizer_dir):
     records, summary, proc, meta = replay(tmp_path, toy_tokenizer_dir, ("--per-request-metrics",), rows=12,
-                                          gap_ms=120)
-    assert meta["server_check"]["server_timing"] == {next(iter(meta["server_check"]["server_timing"])): "sent"}
+                                          gap_ms=120, extra=("--check-server-timing",))
+    assert list(meta["server_check"]["server_timing"].values()) == ["sent"] and meta["received_without_id"] == 1
+    assert "sends its per-request timing" in proc.stderr
     assert len(records) == 12
     for r in records:
         check_split(r)
@@ -89,7 +94,8 @@ def test_a_loaded_sim_queues_and_the_summary_blames_the_queue(tmp_path, toy_toke
 
 
 def test_a_server_without_timing_is_no_failure_and_the_summary_counts_what_lacked_it(tmp_path, toy_tokenizer_dir):
-    records, summary, proc, meta = replay(tmp_path, toy_tokenizer_dir, (), rows=6, gap_ms=20)
+    records, summary, proc, meta = replay(tmp_path, toy_tokenizer_dir, (), rows=6, gap_ms=20,
+                                          extra=("--check-server-timing",))
     assert list(meta["server_check"]["server_timing"].values()) == ["not sent"]
     assert all(r["ok"] and all(r[name] is None for name in SERVER_TIMING_FIELDS) for r in records)
     section = summary["server_timing"]
@@ -102,8 +108,11 @@ def test_a_server_without_timing_is_no_failure_and_the_summary_counts_what_lacke
 def test_timing_figures_of_the_wrong_type_are_dropped_never_the_row(tmp_path, toy_tokenizer_dir, stream):
     lie = {"queue_time_ms": "12", "generation_time_ms": -4, "mean_itl_ms": True}
     records, summary, _, meta = replay(tmp_path, toy_tokenizer_dir, ("--false-metrics", json.dumps(lie)), rows=6,
-                                       gap_ms=20, extra=() if stream else ("--no-stream",))
-    assert list(meta["server_check"]["server_timing"].values())[0].startswith("sent, with figures that are not")
+                                       gap_ms=20, extra=("--check-server-timing",) if stream else ("--no-stream",))
+    if stream:
+        assert list(meta["server_check"]["server_timing"].values())[0].startswith("sent, with figures that are not")
+    else:  # not asked: no request but the rows reached the server, and the records keep the answers' all the same
+        assert "server_timing" not in meta["server_check"] and meta["received_without_id"] == 0
     for r in records:
         assert r["ok"], r
         assert r["server_queue_ms"] is None and r["server_decode_ms"] is None and r["server_mean_itl_ms"] is None

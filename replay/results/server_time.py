@@ -141,6 +141,27 @@ def largest_part(split_section: dict) -> str | None:
     return max(shares, key=shares.__getitem__) if shares else None
 
 
+def growth(before: dict, after: dict) -> dict[str, float] | None:
+    """How much each part's mean grew from one split section to another (ms; the client's as
+    "client"), or None when either has no request: the means add up, so the parts' growths sum
+    to the client's."""
+    if not before.get("requests") or not after.get("requests"):
+        return None
+    names = ["client", *(name for name in after if name in PART_LABELS)]
+    return {name: after[name]["mean"] - before[name]["mean"] for name in names}
+
+
+def most_grown(before: dict, after: dict) -> str | None:
+    """The part whose mean grew most from `before` to `after` (split sections of one figure),
+    None when either has no request or no part grew."""
+    grown = growth(before, after)
+    if not grown:
+        return None
+    parts = {name: value for name, value in grown.items() if name != "client"}
+    best = max(parts, key=parts.__getitem__)
+    return best if parts[best] > 0 else None
+
+
 def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
@@ -160,7 +181,7 @@ def format_server_time(section: dict, width: int, endpoints: dict[str, dict] | N
         for name in ("client", *SPLITS[figure]):
             d = s[name]
             values = "/".join(_ms(d[f"p{p}"]) for p in PERCENTILES)
-            share = "" if name == "client" else f"{100 * (s['share'][name] or 0):5.1f}%"
+            share = "" if name == "client" else f"{round(100 * (s['share'][name] or 0), 1) + 0.0:5.1f}%"  # no -0.0
             out.append(f"  {('client ' + title) if name == 'client' else PART_LABELS[name]:<30} {values:>22} {share:>6}")
     lacking = section["requests_lacking_server_timing"]
     if lacking:
