@@ -10,11 +10,16 @@ prefill cost here) and its decode (n - 1) x --itl-ms, each late by at most its e
 
 from __future__ import annotations
 
+import html
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import requests
 
+from replay.results.html import SERVER_TIME_PLOT
 from replay.results.records import read_records
 from replay.results.server_time import largest_part
 from replay.rules.run_files import meta_path, summary_path
@@ -42,6 +47,7 @@ def replay(tmp_path, tokenizer, sim_extra: tuple[str, ...], rows: int, gap_ms: f
     meta = json.loads(meta_path(output).read_text())
     assert received["total"] == rows  # the rows, each once
     meta["received_without_id"] = received["without_id"]  # the preflight's question, if asked
+    meta["output"] = output
     return list(read_records(output)), json.loads(summary_path(output).read_text()), proc, meta
 
 
@@ -81,8 +87,8 @@ def test_a_loaded_sim_queues_and_the_summary_blames_the_queue(tmp_path, toy_toke
     """--max-num-seqs 1 and every row at once: the k-th request served waits k services in the
     queue (each TTFT_MS + 9 x ITL_MS long), and the TTFT's growth is the queue's."""
     rows = 8
-    records, summary, _, _ = replay(tmp_path, toy_tokenizer_dir, ("--per-request-metrics", "--max-num-seqs", "1"),
-                                    rows=rows, gap_ms=0)
+    records, summary, _, meta = replay(tmp_path, toy_tokenizer_dir, ("--per-request-metrics", "--max-num-seqs", "1"),
+                                       rows=rows, gap_ms=0)
     service = TTFT_MS + 9 * ITL_MS
     queues = sorted(r["server_queue_ms"] for r in records)
     for k, queue in enumerate(queues):
@@ -91,6 +97,16 @@ def test_a_loaded_sim_queues_and_the_summary_blames_the_queue(tmp_path, toy_toke
     ttft = summary["server_timing"]["ttft_ms"]
     assert largest_part(ttft) == "queue" and ttft["share"]["queue"] > 0.6, ttft
     assert ttft["queue"]["p90"] > ttft["prefill"]["p90"]
+    # replay report reads the run's own records to the same section, and draws the split over time
+    page, report = tmp_path / "report.html", tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "replay", "report", str(meta["output"]), "--json", str(report),
+                           "--html", str(page)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(report.read_text())["server_timing"] == summary["server_timing"]
+    assert "Where the Time Went" in proc.stdout
+    plot = re.search(r'<figure id="plot-server-time" class="plot"><figcaption>(.*?)</figcaption>(.*?)</figure>',
+                     page.read_text(), re.S)  # fmt: skip
+    assert plot and plot.group(1) == html.escape(SERVER_TIME_PLOT[1]) and "server queue" in plot.group(2)
 
 
 def test_a_server_without_timing_is_no_failure_and_the_summary_counts_what_lacked_it(tmp_path, toy_tokenizer_dir):
