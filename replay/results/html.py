@@ -178,6 +178,12 @@ def capacity_figure(Figure, capacity: dict):
         points = [(p["factor"], p[key]["p99"]) for p in ordered if p[key]["p99"] is not None]
         if points:
             b.plot(*zip(*points), marker="o", label=label)
+    # the servers' own queue, where they tell it (replay.results.server_time): the part a load past capacity grows
+    queue = [(p["factor"], split["queue"]["p99"]) for p in ordered
+             if (split := (p.get("server_timing") or {}).get("e2e_ms") or {}).get("requests")
+             and split["queue"]["p99"]]  # fmt: skip  # a log axis: no 0
+    if queue:
+        b.plot(*zip(*queue), marker="s", ls=":", label="server queue p99")
     for key, limit in capacity["slo"].items():
         b.axhline(limit, color="grey", lw=1, ls="--", label=f"{key} <= {limit:g}")
     b.set(xlabel="load factor (x this trace's load)", ylabel="ms", title="Latency p99", yscale="log")
