@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -139,3 +140,46 @@ def test_timing_figures_of_the_wrong_type_are_dropped_never_the_row(tmp_path, to
                                               "metrics mean_itl_ms True is not a duration")
     assert summary["server_timing"]["requests_timing_problem"] == 6
     assert summary["server_timing"]["ttft_ms"]["requests"] == 0
+
+
+def compare_runs(tmp_path, tokenizer, sims: dict[str, tuple[str, ...]]) -> dict[str, Path]:
+    """One real run of one trace per sim: 40 rows every 20 ms, each served in about 40 + 9 x 5 ms."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=20, output_length=(10, 10))
+    out = {}
+    for name, extra in sims.items():
+        out[name] = tmp_path / f"{name}.jsonl"
+        with sim_process(tokenizer, *sim_args("--per-request-metrics", "--jitter", "0.2", *extra)) as sim:
+            run_locust(replay_args(trace, tokenizer, sim.url, out[name]), tmp_path)
+    return out
+
+
+@pytest.mark.alone  # real runs whose latencies the verdicts judge: another test's load shifts one run
+def test_compare_tells_a_regression_in_queue_time_from_one_in_decode(tmp_path, toy_tokenizer_dir, capsys):
+    """BASE: the sim serving every row at once. NEW: the same sim serving one at a time (the
+    rows queue), or decoding twice as slowly: compare puts the change on the part that moved."""
+    from replay.cli import main
+
+    runs = compare_runs(tmp_path, toy_tokenizer_dir, {"base": (), "queued": ("--max-num-seqs", "1"),
+                                                       "slow-decode": ("--itl-ms", str(2 * ITL_MS))})
+    results = {}
+    for new in ("queued", "slow-decode"):
+        out = tmp_path / f"{new}.compare.json"
+        assert main(["compare", str(runs["base"]), str(runs[new]), "--json", str(out)]) == 0
+        results[new] = {e["metric"]: e for e in json.loads(out.read_text())["metrics"]}
+    printed = capsys.readouterr().out
+    assert "queue_p50" in printed and "decode_mean" in printed
+    queued, slow = results["queued"], results["slow-decode"]
+    assert queued["queue_p50"]["verdict"] == "worse" and queued["queue_p50"]["change"] > 100, queued["queue_p50"]
+    assert abs(queued["decode_mean"]["relative_change"]) < 0.2, queued["decode_mean"]
+    assert slow["decode_mean"]["verdict"] == "worse", slow["decode_mean"]
+    assert slow["decode_mean"]["relative_change"] == pytest.approx(1.0, abs=0.25)
+    assert abs(slow["queue_p50"]["change"]) < LATE_MS, slow["queue_p50"]
+    # runs without the servers' times compare as before: no server rows, and a gate on one says why
+    plain = tmp_path / "plain.jsonl"
+    with sim_process(toy_tokenizer_dir, *sim_args()) as sim:
+        run_locust(replay_args(tmp_path / "trace.jsonl", toy_tokenizer_dir, sim.url, plain), tmp_path)
+    out = tmp_path / "plain.compare.json"
+    assert main(["compare", str(plain), str(plain), "--json", str(out)]) == 0
+    assert not {"queue_p50", "decode_mean", "rest_p99"} & {e["metric"] for e in json.loads(out.read_text())["metrics"]}
+    assert main(["compare", str(plain), str(plain), "--fail-on", "queue_p99>+10%"]) == 2
+    assert "no run has the servers' own times" in capsys.readouterr().err
