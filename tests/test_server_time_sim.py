@@ -23,7 +23,7 @@ import requests
 from replay.results.html import SERVER_TIME_PLOT
 from replay.results.records import read_records
 from replay.results.server_time import largest_part
-from replay.rules.run_files import meta_path, summary_path
+from replay.rules.run_files import fidelity_path, meta_path, summary_path
 from replay.rules.server_timing import ANSWER_TTFT_SUM_BOUND_MS, SERVER_TIMING_FIELDS
 from replay.sim.process import sim_process
 from support.processes import replay_args, run_locust
@@ -82,6 +82,10 @@ def test_an_idle_sim_tells_its_known_times_and_the_summary_splits_them(tmp_path,
     assert largest_part(ttft) == "prefill"
     assert ttft["rest"]["p50"] >= 0  # the client sees the server's TTFT and more
     assert "Where the Time Went" in proc.stdout and "server prefill" in proc.stdout
+    # the certificate sets the client's TTFT against the server's: answers leave out its front end, so not judged
+    cert = json.loads(fidelity_path(meta["output"]).read_text())
+    assert cert["server_ttft"]["compared"] == {"answer": 12} and cert["server_ttft"]["server_over_client"] == 0
+    assert any(u.startswith("server TTFT: 12 requests' server TTFT is their answers'") for u in cert["unchecked"])
 
 
 def test_a_loaded_sim_queues_and_the_summary_blames_the_queue(tmp_path, toy_tokenizer_dir):
