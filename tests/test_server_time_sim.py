@@ -187,3 +187,22 @@ def test_compare_tells_a_regression_in_queue_time_from_one_in_decode(tmp_path, t
     assert not {"queue_p50", "decode_mean", "rest_p99"} & {e["metric"] for e in json.loads(out.read_text())["metrics"]}
     assert main(["compare", str(plain), str(plain), "--fail-on", "queue_p99>+10%"]) == 2
     assert "no run has the servers' own times" in capsys.readouterr().err
+
+
+def test_a_fleet_says_where_the_time_went_per_endpoint(tmp_path, toy_tokenizer_dir):
+    """Two sims round-robin, one serving a request at a time: its requests queue, the other's do
+    not, and the per-endpoint sections and lines say which."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=24, gap_ms=10, output_length=(10, 10))
+    output = tmp_path / "fleet.jsonl"
+    with sim_process(toy_tokenizer_dir, *sim_args("--per-request-metrics", "--max-num-seqs", "1")) as slow, \
+            sim_process(toy_tokenizer_dir, *sim_args("--per-request-metrics")) as fast:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, slow.url, output, "--endpoints",
+                                      f"{slow.url},{fast.url}"), tmp_path)  # fmt: skip
+    endpoints = json.loads(summary_path(output).read_text())["endpoints"]
+    queued, served = (endpoints[url]["server_timing"]["ttft_ms"] for url in (slow.url, fast.url))
+    assert queued["requests"] == served["requests"] == 12
+    assert largest_part(queued) == "queue" and queued["queue"]["p50"] > 200, queued["queue"]
+    assert largest_part(served) == "prefill" and served["queue"]["p99"] < LATE_MS, served["queue"]
+    lines = proc.stdout.split("Where the Time Went")[1].split("\n")
+    row = next(line for line in lines if line.startswith(slow.url))
+    assert row.split()[1].split("/")[0] == f"{queued['queue']['p50']:.1f}"
