@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from replay.results.certificate import format_certificate
 from replay.results.records import Record, output_tokens_of
 from replay.results.server_metrics import format_server
-from replay.results.server_time import ServerTimeBuilder, format_server_time
+from replay.results.server_time import ServerTimeBuilder, Timing, format_server_time, timing_of
 from replay.results.summary import SummaryBuilder, percentile, sorted_array
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
@@ -83,8 +83,9 @@ class EndpointStats:
         self.cached_tokens = 0
         self.server_time = ServerTimeBuilder()
 
-    def add(self, record: Record) -> None:
-        self.server_time.add(record)
+    def add(self, record: Record, timing: Timing | None | bool = True) -> None:
+        """`timing`: the record's server timing, as ReportBuilder read it (replay.results.server_time.timing_of)."""
+        self.server_time.add(record, timing)
         self.requests += 1
         self.prompt_tokens += record.get("prompt_tokens") or 0
         self.cached_tokens += record.get("cached_tokens") or 0
@@ -125,11 +126,12 @@ class ReportBuilder:
 
     def add(self, record: Record) -> None:
         self.summary.add(record)
-        self.server_time.add(record)
+        timing = timing_of(record)  # read once, for the run's section and its endpoint's
+        self.server_time.add(record, timing)
         if self.slo and meets_slo(record, self.slo):
             self.requests_good += 1
         if record.get("endpoint"):
-            self.endpoints.setdefault(record["endpoint"], EndpointStats()).add(record)
+            self.endpoints.setdefault(record["endpoint"], EndpointStats()).add(record, timing)
 
     def report(self, cache: dict | None = None) -> dict:
         """The summary keys (docs/reports.md), the totals vLLM prints, failure breakdowns, goodput, the

@@ -44,31 +44,41 @@ PERCENTILES = (50, 90, 99)
 TTFT_PARTS = ("queue", "prefill", "server_other", "rest")
 E2E_PARTS = ("queue", "prefill", "decode", "server_other", "rest")
 SPLITS = {"ttft_ms": TTFT_PARTS, "e2e_ms": E2E_PARTS}
-PART_FIELDS = {"queue": SERVER_QUEUE_MS, "prefill": SERVER_PREFILL_MS, "decode": SERVER_DECODE_MS}
 # How the parts are named where they are printed or drawn.
 PART_LABELS = {"queue": "server queue", "prefill": "server prefill", "decode": "server decode",
                "server_other": "server other", "rest": "rest (network, client, router)"}
 
 
-def split(record: Mapping[str, Any], figure: str) -> dict[str, float] | None:
-    """The record's `figure` ("ttft_ms" or "e2e_ms") split into its parts (with the client's
-    figure as "client" and the server's as "server"), or None when a part is unknown."""
-    client = record.get(figure)
-    server = record.get(SERVER_TTFT_MS) if figure == "ttft_ms" else server_work_ms(record)
-    if client is None or server is None:
+# A record's timing, read once (`timing_of`): its source, and each split's values in its columns'
+# order (client, server, then the parts), None where a part is unknown.
+Timing = tuple[str, tuple[float, ...] | None, tuple[float, ...] | None]
+
+
+def timing_of(record: Mapping[str, Any]) -> Timing | None:
+    """The splits of an ok record with the server's times (None: not ok, or no source said)."""
+    source = record.get(SERVER_TIMING_SOURCE)
+    if source is None or not record.get("ok"):
         return None
-    parts = {"client": client, "server": server}
-    named = 0.0
-    for part in SPLITS[figure]:
-        if part in PART_FIELDS:
-            value = record.get(PART_FIELDS[part])
-            if value is None:
-                return None
-            parts[part] = value
-            named += value
-    parts["server_other"] = server - named
-    parts["rest"] = client - server
-    return parts
+    queue, prefill, decode = record.get(SERVER_QUEUE_MS), record.get(SERVER_PREFILL_MS), record.get(SERVER_DECODE_MS)
+    ttft, server_ttft = record.get("ttft_ms"), record.get(SERVER_TTFT_MS)
+    ttft_split = None
+    if ttft is not None and server_ttft is not None and queue is not None and prefill is not None:
+        ttft_split = (ttft, server_ttft, queue, prefill, server_ttft - (queue + prefill), ttft - server_ttft)
+    e2e, work = record.get("e2e_ms"), server_work_ms(record)
+    e2e_split = None
+    if e2e is not None and work is not None and queue is not None and prefill is not None and decode is not None:
+        e2e_split = (e2e, work, queue, prefill, decode, work - (queue + prefill + decode), e2e - work)
+    return source, ttft_split, e2e_split
+
+
+def split(record: Mapping[str, Any], figure: str) -> dict[str, float] | None:
+    """The ok record's `figure` ("ttft_ms" or "e2e_ms") split into its parts, by name (with the
+    client's figure as "client" and the server's as "server"), or None when a part is unknown."""
+    timing = timing_of(record)
+    if timing is None:
+        return None
+    values = timing[1] if figure == "ttft_ms" else timing[2]
+    return None if values is None else dict(zip(("client", "server", *SPLITS[figure]), values))
 
 
 class _Split:
@@ -77,9 +87,9 @@ class _Split:
     def __init__(self, parts: tuple[str, ...]) -> None:
         self.columns = {name: array("d") for name in ("client", "server", *parts)}
 
-    def add(self, parts: dict[str, float]) -> None:
-        for name, values in self.columns.items():
-            values.append(parts[name])
+    def add(self, values: tuple[float, ...]) -> None:
+        for column, value in zip(self.columns.values(), values):
+            column.append(value)
 
     def section(self) -> dict:
         """Each column's mean and percentiles, and each part's share. The columns are sorted in
@@ -106,22 +116,25 @@ class ServerTimeBuilder:
         self.requests_ok = 0
         self.sources: Counter[str] = Counter()
         self.problems = 0
-        self.splits = {figure: _Split(parts) for figure, parts in SPLITS.items()}
+        self.ttft, self.e2e = _Split(TTFT_PARTS), _Split(E2E_PARTS)
 
-    def add(self, record: Mapping[str, Any]) -> None:
+    def add(self, record: Mapping[str, Any], timing: Timing | None | bool = True) -> None:
+        """`timing`: the record's `timing_of`, when the caller read it already (True: read it here)."""
         if record.get(SERVER_TIMING_PROBLEM):
             self.problems += 1
         if not record.get("ok"):
             return
         self.requests_ok += 1
-        source = record.get(SERVER_TIMING_SOURCE)
-        if source is None:
+        if timing is True:
+            timing = timing_of(record)
+        if not timing:
             return
+        source, ttft_split, e2e_split = timing
         self.sources[source] += 1
-        for figure, values in self.splits.items():
-            parts = split(record, figure)
-            if parts is not None:
-                values.add(parts)
+        if ttft_split is not None:
+            self.ttft.add(ttft_split)
+        if e2e_split is not None:
+            self.e2e.add(e2e_split)
 
     def section(self) -> dict:
         timed = sum(self.sources.values())
@@ -131,7 +144,8 @@ class ServerTimeBuilder:
             "requests_lacking_server_timing": self.requests_ok - timed,
             "by_source": dict(sorted(self.sources.items())),
             "requests_timing_problem": self.problems,
-            **{figure: values.section() for figure, values in self.splits.items()},
+            "ttft_ms": self.ttft.section(),
+            "e2e_ms": self.e2e.section(),
         }
 
 
