@@ -21,6 +21,7 @@ from replay.engine.capacity import (
     PASS,
     Probe,
     Search,
+    capacity_report,
     check_search,
     parse_range,
 )
@@ -564,3 +565,52 @@ def test_a_worker_lost_during_the_repeat_too_ends_the_search_with_exit_code_1(tm
     assert report["result"] == WORKERS_LOST and report["bracket"] == [1.0, None]
     assert run.exit_codes == [1]
     assert "workers were lost during a probe and again during its repeat" in capsys.readouterr().out
+
+
+def _timed(ttft: float, queue: float, prefill: float, rest_ms: float = 1.0) -> dict:
+    """An ok record of a server that tells its own times: client TTFT = queue + prefill + rest."""
+    return {"request_id": 0, "ok": True, "status": 200, "sent_at": 1.0, "output_length": 2, "output_tokens": 2,
+            "ttft_ms": ttft + rest_ms, "tpot_ms": 1.0, "e2e_ms": ttft + rest_ms + 5.0, "drift_ms": 0.1,
+            "server_queue_ms": queue, "server_prefill_ms": prefill, "server_decode_ms": 5.0,
+            "server_ttft_ms": queue + prefill, "server_timing_source": "answer"}
+
+
+@pytest.mark.parametrize("failing, grew", [
+    (lambda: _timed(90.0, 70.0, 20.0), "queue"),  # waited for a slot
+    (lambda: _timed(90.0, 0.0, 90.0), "prefill"),  # slower prefill
+    (lambda: _timed(20.0, 0.0, 20.0, rest_ms=71.0), "neither: client or network"),  # the server as fast as before
+])
+def test_a_failing_probe_says_which_part_of_the_time_grew(failing, grew):
+    """Against the largest passing probe below it, from the servers' own times (replay.results.server_time)."""
+    slo = {"ttft_ms": 50.0}
+    search = Search(1.0, 8.0, 0.05)
+    passed, failed = (Probe(n, factor, rows=10, slo=slo, target=0.9) for n, factor in ((0, 1.0), (1, 2.0)))
+    for _ in range(10):
+        passed.add(_timed(20.0, 0.0, 20.0))
+        failed.add(failing())
+    search.add(1.0, passed.verdict == PASS)
+    search.add(2.0, failed.verdict == PASS)
+    report = capacity_report(search, [passed, failed], slo=slo, target=0.9, search_by="amplify", precision=0.05,
+                             seconds=1.0)
+    why = report["failed_because"]
+    assert why["against_probe"] == 0 and why["figure"] == "ttft_ms" and why["grew_most"] == grew, why
+    assert why["growth_ms"]["client"] == pytest.approx(70.0)
+    assert report["probes"][1]["why_failed"] == why and "why_failed" not in report["probes"][0]
+    part = "rest" if grew.startswith("neither") else grew
+    assert quotable_line({**report, "result": FOUND}).endswith(
+        f"grew most ({why['growth_ms'][part]:+.0f} ms of +70 ms mean TTFT)")
+
+
+def test_a_failing_probe_without_the_servers_times_says_nothing_of_why():
+    slo = {"e2e_ms": 50.0}
+    search = Search(1.0, 8.0, 0.05)
+    passed, failed = (Probe(n, factor, rows=10, slo=slo, target=0.9) for n, factor in ((0, 1.0), (1, 2.0)))
+    for _ in range(10):
+        passed.add({**_timed(20.0, 0.0, 20.0), "server_timing_source": None})
+        failed.add({**_timed(90.0, 70.0, 20.0), "server_timing_source": None})
+    search.add(1.0, True)
+    search.add(2.0, False)
+    report = capacity_report(search, [passed, failed], slo=slo, target=0.9, search_by="amplify", precision=0.05,
+                             seconds=1.0)
+    assert report["failed_because"] is None and report["probes"][1]["why_failed"] is None
+    assert quotable_line({**report, "result": FOUND}).endswith("e2e_ms <= 50 ms")

@@ -49,7 +49,7 @@ IDEAL_MAX_ROWS = 500_000  # windows up to this many rows get the ideal cache lin
 LATEST_KEYS = (
     "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tokens_per_s",
     "input_tokens_per_s", "in_flight", "drift_p50_ms", "drift_p99_ms", "cache_hit_ratio", "ideal_cache_hit_ratio",
-    "servers", "gpus",
+    "servers", "gpus", "server_queue_p50_ms", "server_queue_p99_ms",
 )  # fmt: skip
 # the whole run's figures once it has ended: LATEST_KEYS -> where the summary (replay.results.report) has them
 SUMMARY_FIGURES = {
@@ -57,6 +57,9 @@ SUMMARY_FIGURES = {
     "e2e_p50_ms": ("e2e_ms", "p50"), "e2e_p99_ms": ("e2e_ms", "p99"), "output_tokens_per_s": ("output_token_throughput",),
     "input_tokens_per_s": ("input_token_throughput",), "drift_p50_ms": ("drift_ms", "p50"),
     "drift_p99_ms": ("drift_ms", "p99"),
+    # the server's own queue time (replay.results.server_time's E2E split: every ok record with the server's times)
+    "server_queue_p50_ms": ("server_timing", "e2e_ms", "queue", "p50"),
+    "server_queue_p99_ms": ("server_timing", "e2e_ms", "queue", "p99"),
 }  # fmt: skip
 
 
@@ -181,6 +184,7 @@ class LiveStats:
             return sorted(v for v in found if v is not None)
 
         ttft, e2e, drift = values("ttft_ms", ok), values("e2e_ms", ok), values("drift_ms", window)
+        queue = values("server_queue_ms", ok)  # the servers' own word (replay.rules.server_timing), where they gave it
         by_worker: dict[int | None, list[float]] = {}
         for r in window:
             if r["drift_ms"] is not None:
@@ -198,6 +202,7 @@ class LiveStats:
             "ideal_cache_hit_ratio": _round(_ratio(self.ideal_cached, self.ideal_prompt), 4),
             "servers": self.servers.latest(),
             "gpus": self.gpus.latest(),
+            "server_queue_p50_ms": _round(percentile(queue, 50)), "server_queue_p99_ms": _round(percentile(queue, 99)),
         }  # fmt: skip
 
     def _in_flight(self) -> int:

@@ -165,6 +165,11 @@ class ReplayOptions:
     reset_server_cache: bool = _option(False, "empty every endpoint's prefix cache (POST /reset_prefix_cache: vLLM "
                                               "with VLLM_SERVER_DEV_MODE=1, replay sim) before the first send, so "
                                               "the run starts cold; a server that refuses: exit 2")
+    check_server_timing: bool = _option(False, "before the first send, ask each endpoint with one request (one output "
+                                             "token) whether its answers carry its own per-request timing (vLLM's "
+                                             "--enable-per-request-metrics) and say so; off by default, because that "
+                                             "request reaches the server (a recording proxy records it). The records "
+                                             "keep what the answers carry either way")
     capacity_search: bool = _option(False, "replay the window at a sequence of load factors and report the largest "
                                            "that meets --slo (docs/capacity.md)")
     goodput_target: float = _option(0.99, "a search's probe passes when this share of its rows is ok and meets every "

@@ -41,6 +41,8 @@ from replay.protocol.headers import parse_headers
 from replay.protocol.models import Served, ask_served, only_model, prompt_limit, refusal
 from replay.protocol.server_cache import CacheNotReset, reset_prefix_caches, server_caches
 from replay.protocol.table import sends_token_ids
+from replay.protocol.timing_check import SENT as TIMING_SENT
+from replay.protocol.timing_check import ask_server_timing
 from replay.results.metadata import file_sha256, versions
 from replay.results.output import claim_output
 from replay.results.records import OVERSIZED
@@ -195,11 +197,29 @@ def check_servers(spec: RunSpec) -> dict:
             raise ServersRefused(str(e)) from None
         for cache in (spec.server_cache or {}).values():
             cache["reset"] = True
+    timing = {"server_timing": server_timing(urls, options)} if options.check_server_timing else {}
     skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
     if skipped or not urls:
-        return Verdict(skipped=skipped or "no server").to_dict()
+        return {**Verdict(skipped=skipped or "no server").to_dict(), **timing}
     synth = build_off_loop(options, spec.trace.block_size, tokenizer_path=spec.tokenizer_path).synth
     assert options.tokenizer is not None  # a spec's options were checked: they name one
-    return verify_servers(urls, synth, spec.tokenizer_path or options.tokenizer, mode=options.verify_server, model=options.model,
-                          headers=parse_headers(options.header), lengths=spec.schedule.input_lengths,
-                          max_len=prompt_limit(spec.served, options.model) or spec.max_prompt_tokens).to_dict()
+    verdict = verify_servers(urls, synth, spec.tokenizer_path or options.tokenizer, mode=options.verify_server,
+                             model=options.model, headers=parse_headers(options.header),
+                             lengths=spec.schedule.input_lengths,
+                             max_len=prompt_limit(spec.served, options.model) or spec.max_prompt_tokens).to_dict()
+    return {**verdict, **timing}
+
+
+def server_timing(urls: list[str], options: ReplayOptions) -> dict[str, str]:
+    """--check-server-timing: whether each endpoint tells its own per-request timing
+    (replay.protocol.timing_check), logged; one that does not leaves its records' server fields
+    null, never a refused run."""
+    said = ask_server_timing(urls, options.api, options.model, parse_headers(options.header))
+    for endpoint, answer in said.items():
+        if answer == TIMING_SENT:
+            logger.info("%s sends its per-request timing: the records get its queue, prefill and decode times",
+                        endpoint)
+        else:
+            logger.warning("%s per-request timing: %s; its records' server_* fields stay null (vLLM: start it "
+                           "with --enable-per-request-metrics)", endpoint, answer)
+    return said
