@@ -37,6 +37,7 @@ class SimOptions:
     require_authorization: str | None = None
     false_usage: str | None = None
     reorder_ms: float = 0.0
+    otlp_endpoint: str | None = None
 
 
 HELP = {
@@ -72,6 +73,9 @@ HELP = {
                   "end, the last sent first (by the number ending their X-Request-Id; without one, the last to "
                   "arrive first): a scheduler that takes concurrent requests in another order than they were sent; "
                   "0: in arrival order",
+    "otlp_endpoint": "export one vLLM llm_request span per finished request (its queue, prefill and decode times "
+                     "from the sim's model, vLLM's attribute names, seconds) to this OTLP/HTTP trace endpoint, e.g. "
+                     "a replay's --otlp-receiver: http://HOST:PORT/v1/traces",
 }
 
 

@@ -21,6 +21,7 @@ from replay.sim.engine import Engine
 from replay.sim.errors import ApiError
 from replay.sim.http import Connection, Request, Response, Stream
 from replay.sim.options import SimOptions, validate
+from replay.sim.spans import SpanExporter
 
 Handler = Callable[[Engine, Request], "Response | Stream"]
 
@@ -120,6 +121,8 @@ def start(options: SimOptions, engine: Engine | None = None) -> tuple[StreamServ
     """Bind and start serving in the current gevent hub; returns the server and its port."""
     validate(options)
     engine = engine or Engine(options)
+    if options.otlp_endpoint and engine.spans is None:
+        engine.spans = SpanExporter(options.otlp_endpoint)
     app = App(engine)
     ledger = engine.ledger
 
@@ -170,4 +173,6 @@ def serve(options: SimOptions) -> int:
     print(f"replay sim listening on http://{options.host}:{port}", flush=True)
     stop.wait()
     server.stop(timeout=1)
+    if server.engine.spans is not None:
+        server.engine.spans.close()  # the last batch goes out
     return 0
