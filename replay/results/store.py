@@ -121,7 +121,7 @@ class RecordStore:
         return fresh
 
     def finish(self, each: Callable[[Record], None] | None = None,
-               fill: Callable[[Record], bool] | None = None) -> int:
+               fill: Callable[[dict], bool] | None = None) -> int:
         """Rewrite the file sorted by request_id (each row's latest record); returns how many.
         `each` sees every record in that order (the end-of-run summary), also when the
         rewrite cannot be written: the appended file is then kept as it is (one line per
