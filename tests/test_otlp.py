@@ -17,9 +17,12 @@ import time
 import pytest
 import requests
 
+from replay.errors import OptionError
 from replay.protocol.otlp import PROTOBUF, BadBody, TooLarge, decode, export_body, unzip
-from replay.results.span_join import SERVER_TIMING_FIELDS, SpanTable, replay_request
+from replay.results.otlp_receiver import SpanReceiver, split_listen
+from replay.results.span_join import SpanTable, replay_request
 from replay.rules.run_files import spans_path, summary_path
+from replay.rules.server_timing import SERVER_TIMING_FIELDS
 from replay.sim.generation import EARLY_S
 from replay.sim.process import sim_process
 from support.ports import free_port
@@ -55,6 +58,18 @@ def records(output) -> list[dict]:
 ])
 def test_the_matching_rule(span_id, found):
     assert replay_request(span_id) == found
+
+
+@pytest.mark.parametrize("listen", ["4318", "localhost", ":4318", "host:port", "host:70000"])
+def test_a_listen_address_not_host_port_is_refused_naming_the_option(listen):
+    with pytest.raises(OptionError, match=f"^--otlp-receiver {listen}: give HOST:PORT"):
+        split_listen(listen)
+
+
+def test_an_address_not_this_hosts_is_refused_naming_it(tmp_path):
+    assert split_listen("[::1]:4318") == ("::1", 4318)
+    with pytest.raises(OptionError, match="^--otlp-receiver 192.0.2.1:4318: cannot listen there: "):
+        SpanReceiver.start("192.0.2.1:4318", tmp_path / "spans.jsonl")  # TEST-NET-1: no host's own
 
 
 # -- the bodies ------------------------------------------------------------------------------

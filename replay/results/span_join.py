@@ -16,9 +16,9 @@ is another run's request (counted, ignored); an id of no such shape is not a rep
 (counted, ignored); this run's id for a row with no record, or a second span for a row, is
 counted too. Nothing is dropped silently: every count is in the summary's "spans" section.
 
-A record's server fields come from its answer first (the server's per-request `metrics`
-object); a span fills only those still null, and the span-only ones (prefill, decode, e2e):
-`server_timing_source` stays "answer" when the answer gave any, else becomes "span".
+A record's server fields (replay.rules.server_timing) come from its answer first (the server's
+per-request `metrics` object); a span fills only those still null, and the span-only ones
+(e2e): `server_timing_source` stays "answer" when the answer gave any, else becomes "span".
 """
 
 from __future__ import annotations
@@ -41,19 +41,17 @@ from replay.protocol.otlp import (
     TIME_IN_QUEUE,
     TIME_TO_FIRST_TOKEN,
 )
-
-# The record's server fields (float ms or null) and where their value came from. Shared with
-# the answer's `metrics` object (docs/records.md).
-SERVER_QUEUE_MS = "server_queue_ms"  # queued -> scheduled
-SERVER_PREFILL_MS = "server_prefill_ms"  # scheduled -> first token
-SERVER_DECODE_MS = "server_decode_ms"  # first token -> last token
-SERVER_TTFT_MS = "server_ttft_ms"  # arrival -> first token
-SERVER_E2E_MS = "server_e2e_ms"  # arrival -> finished
-SERVER_MEAN_ITL_MS = "server_mean_itl_ms"  # decode / (output tokens - 1)
-SERVER_TIMING_SOURCE = "server_timing_source"  # "answer" | "span" | null
-SERVER_TIMING_FIELDS = (SERVER_QUEUE_MS, SERVER_PREFILL_MS, SERVER_DECODE_MS, SERVER_TTFT_MS, SERVER_E2E_MS,
-                        SERVER_MEAN_ITL_MS)
-FROM_ANSWER, FROM_SPAN = "answer", "span"
+from replay.rules.server_timing import (
+    SERVER_DECODE_MS,
+    SERVER_E2E_MS,
+    SERVER_PREFILL_MS,
+    SERVER_QUEUE_MS,
+    SERVER_TIMING_FIELDS,
+    SERVER_TTFT_MS,
+    fill_missing,
+    is_duration,
+    span_fields,
+)
 
 # Each field a span gives directly: (record field, span attribute in seconds).
 SPAN_SECONDS = ((SERVER_QUEUE_MS, TIME_IN_QUEUE), (SERVER_PREFILL_MS, PREFILL), (SERVER_DECODE_MS, DECODE),
@@ -142,36 +140,30 @@ class SpanTable:
         tally["joined_ok"] += self.answered[index]
         for name, attribute in SPAN_SECONDS:
             seconds = attributes.get(attribute)
-            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds):
+            if is_duration(seconds):  # a figure that is no duration (a string, negative) stays null
                 self.values[name][index] = seconds * 1000.0
         tokens = attributes.get(COMPLETION_TOKENS)
         if isinstance(tokens, int) and not isinstance(tokens, bool):
             self.output_tokens[index] = tokens
 
     def fill(self, record: dict) -> bool:
-        """Give `record` its server fields: the answer's kept, the span's where null, every field
-        present (null when neither has it). True when the record changed."""
+        """Give `record` its server fields (replay.rules.server_timing): the answer's kept, the
+        span's where null, every field present (null when neither has it). True when the record
+        changed."""
         changed = False
-        for name in (*SERVER_TIMING_FIELDS, SERVER_TIMING_SOURCE):
+        for name in SERVER_TIMING_FIELDS:
             if name not in record:
                 record[name] = None
                 changed = True
         index = record["request_id"] - self.first
         if not (0 <= index < self.rows) or not self.has[index]:
             return changed
-        filled = False
-        for name, _ in SPAN_SECONDS:
-            value = self.values[name][index]
-            if record[name] is None and not math.isnan(value):
-                record[name] = round(value, 3)
-                filled = True
-        decode, tokens = self.values[SERVER_DECODE_MS][index], self.output_tokens[index]
-        if record[SERVER_MEAN_ITL_MS] is None and tokens > 1 and not math.isnan(decode):
-            record[SERVER_MEAN_ITL_MS] = round(decode / (tokens - 1), 3)
-            filled = True
-        if filled and record[SERVER_TIMING_SOURCE] is None:
-            record[SERVER_TIMING_SOURCE] = FROM_SPAN
-        return changed or filled
+        ms = {name: None if math.isnan(value := self.values[name][index]) else value for name, _ in SPAN_SECONDS}
+        decode, tokens = ms[SERVER_DECODE_MS], self.output_tokens[index]
+        fields = span_fields(queue_ms=ms[SERVER_QUEUE_MS], prefill_ms=ms[SERVER_PREFILL_MS], decode_ms=decode,
+                             ttft_ms=ms[SERVER_TTFT_MS], e2e_ms=ms[SERVER_E2E_MS],
+                             mean_itl_ms=decode / (tokens - 1) if decode is not None and tokens > 1 else None)
+        return fill_missing(record, fields) or changed
 
     def section(self) -> dict:
         """The summary's "spans" section: every count, and the ok records left without a span."""
