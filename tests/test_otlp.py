@@ -72,6 +72,19 @@ def test_an_address_not_this_hosts_is_refused_naming_it(tmp_path):
         SpanReceiver.start("192.0.2.1:4318", tmp_path / "spans.jsonl")  # TEST-NET-1: no host's own
 
 
+def test_the_receiver_stops_at_once_with_an_exporters_connection_open(tmp_path):
+    """An exporter keeps its connection between batches: the end does not wait for it."""
+    receiver = SpanReceiver.start("127.0.0.1:0", tmp_path / "spans.jsonl")
+    with requests.Session() as exporter:
+        answer = exporter.post(f"http://127.0.0.1:{receiver.port}/v1/traces", data=export_body([span("x")], "t"),
+                               headers={"Content-Type": PROTOBUF}, timeout=10)
+        assert answer.status_code == 200 and answer.headers["Content-Type"] == PROTOBUF
+        started = time.monotonic()
+        receiver.stop()
+        assert time.monotonic() - started < 2.0
+    assert json.loads((tmp_path / "spans.jsonl").read_text())["attributes"] == {"gen_ai.request.id": "x"}
+
+
 # -- the bodies ------------------------------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """`--otlp-receiver HOST:PORT`: an OTLP/HTTP trace receiver for the servers to export their
 spans to (POST /v1/traces; protobuf or JSON, gzip or not: replay.protocol.otlp), run by the
 master (or the single process) in a child process of its own, so that neither the decoding nor
-the file writes share the interpreter (its lock, its event loop) with the dispatch of a local run.
+the file writes share the interpreter (its lock, its event loop) with the dispatch of a local run,
+and at a lower CPU priority (NICE), so that on a busy core the sends go first.
 
 The child binds the address (a port in use: the run is refused, exit 2, naming the option and
 the port, before the first send: `SpanReceiver.start`, from the preflight), then appends each
@@ -34,6 +35,9 @@ from replay.protocol.otlp import JSON, PROTOBUF, TRACES_PATH, BadBody, TooLarge,
 MAX_BODY_BYTES = 16 << 20  # a body (or its gzip content) over this is refused, 413: an exporter's batch is far smaller
 START_TIMEOUT_S = 30.0  # the child's imports and bind; a slower start is reported as a failure to start
 PARENT_CHECK_S = 1.0
+# The receiver's CPU priority below the run's: on a busy core the dispatch's sends go first, and
+# the spans (which wait in the socket, and at the end for --otlp-wait) after.
+NICE = 10
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -122,8 +126,13 @@ class _Spans:
     def write(self, lines: list[dict]) -> None:
         data = b"".join(orjson.dumps(line) + b"\n" for line in lines)
         with self.lock:
-            self.file.write(data)
-            self.file.flush()
+            if not self.file.closed:
+                self.file.write(data)
+                self.file.flush()
+
+    def close(self) -> None:
+        with self.lock:
+            self.file.close()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -184,7 +193,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Server(ThreadingHTTPServer):
-    daemon_threads = False  # server_close waits for a body being written
+    # An exporter keeps its connection open between batches: its handler thread waits on it, so
+    # the end never waits for the threads; it takes the file's lock, which a body being
+    # written holds, and closes the file under it (a body the thread writes later is dropped).
+    daemon_threads = True
+    block_on_close = False
     allow_reuse_address = True
 
 
@@ -196,6 +209,7 @@ def serve(host: str, port: int, spans_path: Path, parent: int) -> int:
         print(f"cannot listen there: {e.strerror or e}", flush=True)
         return 2
     _Handler.spans = _Spans(spans_path)
+    os.nice(NICE)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run's stop is the master's to tell
@@ -207,7 +221,7 @@ def serve(host: str, port: int, spans_path: Path, parent: int) -> int:
             break
     server.shutdown()
     server.server_close()
-    _Handler.spans.file.close()
+    _Handler.spans.close()
     return 0
 
 
