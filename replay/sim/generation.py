@@ -32,6 +32,7 @@ class GenRequest:
     min_tokens: int = 0
     stream: bool = False
     order: int | None = None  # the number ending its X-Request-Id: the sender's order (--reorder-ms)
+    arrived: float = 0.0  # time.monotonic() when the engine got it, before any wait for a slot (its queue time)
     engine_request_id: str | None = None  # its id in an --otlp-endpoint span: vLLM's prefix + its X-Request-Id
 
 
@@ -51,9 +52,9 @@ def _sleep_until(deadline: float) -> None:
 def respond(engine: Engine, req: GenRequest, frames: Frames) -> Response | Stream:
     if engine.inject_error():
         raise ApiError("injected fault (--error-rate)", status=engine.options.error_status)
-    arrived = time.monotonic()
+    req.arrived = time.monotonic()
     if req.stream:
-        return Stream(_events(engine, req, frames, arrived))
+        return Stream(_events(engine, req, frames))
     engine.acquire()
     plan = None
     completed = False
@@ -65,19 +66,19 @@ def respond(engine: Engine, req: GenRequest, frames: Frames) -> Response | Strea
         if plan is not None:
             engine.finish(plan, plan.completion_tokens if completed else 0, completed)
             if completed:
-                _trace(engine, req, plan, arrived)
+                _trace(engine, req, plan)
         engine.release()
     return Response(200, frames.full(plan))
 
 
-def _trace(engine: Engine, req: GenRequest, plan: Plan, arrived: float) -> None:
+def _trace(engine: Engine, req: GenRequest, plan: Plan) -> None:
     """The finished request's span (replay sim --otlp-endpoint: replay.sim.spans), from the plan's times."""
     if engine.spans is not None and req.engine_request_id is not None:
-        engine.spans.add(req.engine_request_id, arrived, plan.started - arrived, plan.ttft_s, sum(plan.itl_s),
+        engine.spans.add(req.engine_request_id, req.arrived, plan.started - req.arrived, plan.ttft_s, sum(plan.itl_s),
                          plan.prompt_tokens, plan.completion_tokens)
 
 
-def _events(engine: Engine, req: GenRequest, frames: Frames, arrived: float) -> Iterator[bytes]:
+def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
     engine.acquire()
     plan = None
     emitted = 0
@@ -110,7 +111,7 @@ def _events(engine: Engine, req: GenRequest, frames: Frames, arrived: float) -> 
                 engine.counters.dropped += 1
                 raise DropConnection()
         completed = True
-        _trace(engine, req, plan, arrived)
+        _trace(engine, req, plan)
         yield frames.tail(plan)
     finally:
         if plan is not None:
