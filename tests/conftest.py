@@ -49,6 +49,7 @@ SERIAL_GROUPS = {
     "tests/test_server_time_vllm.py": "vllm_qwen2",
     "tests/test_verify_vllm.py": "vllm_llama3_class",
     "tests/test_cache_model_vllm.py": "vllm_small_cache",
+    "tests/test_otlp_vllm.py": "vllm_otlp",
 }
 
 

@@ -8,7 +8,8 @@
    replay.engine.options.prompt_token_limit) and their KV caches (replay.protocol.server_cache:
    block size and pool size, for the cache model), the trace read, validated and spooled into the
    Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows,
-   with none under the prompt limit, or longer than any replay refused.
+   with none under the prompt limit, or longer than any replay refused; --otlp-receiver started
+   (replay.results.otlp_receiver: a port in use is refused here).
 2. `check_servers(spec)`: every endpoint answered and serves the model, or ServersRefused;
    then the verdict of --verify-server (replay.synth.server_check), which the caller hands to
    the Coordinator for the meta file.
@@ -44,8 +45,10 @@ from replay.protocol.table import sends_token_ids
 from replay.protocol.timing_check import SENT as TIMING_SENT
 from replay.protocol.timing_check import ask_server_timing
 from replay.results.metadata import file_sha256, versions
+from replay.results.otlp_receiver import SpanReceiver
 from replay.results.output import claim_output
 from replay.results.records import OVERSIZED
+from replay.rules.run_files import spans_path
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.trace.reader import TraceStream
 
@@ -72,15 +75,20 @@ def load(options: ReplayOptions, host: str | None, others: Sequence[Written] = (
     claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
                          default=options.output is None, inputs=[*declared_inputs(options), *reads],
                          others=others)
+    spans = None
     try:
         options.output = claim.output
-        return _load(options, host, urls, claim)
+        # --otlp-receiver listens from here on (a port in use: refused now, exit 2), its file the run's own
+        spans = SpanReceiver.start(options.otlp_receiver, spans_path(claim.output)) if options.otlp_receiver else None
+        return _load(options, host, urls, claim, spans)
     except BaseException:
+        if spans is not None:
+            spans.stop()
         claim.release()
         raise
 
 
-def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> RunSpec:
+def _load(options: ReplayOptions, host: str | None, urls: list[str], claim, spans: SpanReceiver | None) -> RunSpec:
     # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
     # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
     # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold load
@@ -113,7 +121,7 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         spec = RunSpec(options=options, output=claim.output, run_id=uuid.uuid4().hex[:12], schedule=schedule,
                        trace=facts, max_prompt_tokens=max_prompt_tokens, tokenizer_fingerprint=fingerprint,
                        tokenizer_path=tokenizer,
-                       host=host, claim=claim, served=served, server_cache=server_cache)
+                       host=host, claim=claim, served=served, server_cache=server_cache, spans=spans)
         if not spec.total:  # a run of nothing would "succeed" with no record at all
             length = (f"--probe-duration {options.probe_duration:g}" if options.capacity_search
                       else f"--duration {options.duration}")  # the window a search's probe replays

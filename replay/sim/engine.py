@@ -19,6 +19,7 @@ from gevent.event import Event
 from replay.sim.cache import BlockPool, block_hashes, hit_tokens
 from replay.sim.ledger import Ledger
 from replay.sim.options import SimOptions, false_metrics, false_usage
+from replay.sim.spans import SpanExporter
 from replay.sim.vocab import OutputVocabulary
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.tokenizer_source import resolve_tokenizer
@@ -91,6 +92,7 @@ class Engine:
         self._waiting: deque[Event] = deque()
         self._serial = 0
         self._batch: list[_Turn] | None = None  # --reorder-ms: the requests arrived since the batch opened
+        self.spans: SpanExporter | None = None  # --otlp-endpoint's, set by replay.sim.server.start
 
     # -- identity ---------------------------------------------------------------
     def next_id(self) -> int:

@@ -33,6 +33,7 @@ class GenRequest:
     stream: bool = False
     order: int | None = None  # the number ending its X-Request-Id: the sender's order (--reorder-ms)
     arrived: float = 0.0  # time.monotonic() when the engine got it, before any wait for a slot (its queue time)
+    engine_request_id: str | None = None  # its id in an --otlp-endpoint span: vLLM's prefix + its X-Request-Id
 
 
 class Frames(Protocol):
@@ -67,8 +68,17 @@ def respond(engine: Engine, req: GenRequest, frames: Frames) -> Response | Strea
     finally:
         if plan is not None:
             engine.finish(plan, plan.completion_tokens if completed else 0, completed)
+            if completed:
+                _trace(engine, req, plan)
         engine.release()
     return Response(200, frames.full(plan))
+
+
+def _trace(engine: Engine, req: GenRequest, plan: Plan) -> None:
+    """The finished request's span (replay sim --otlp-endpoint: replay.sim.spans), from the plan's times."""
+    if engine.spans is not None and req.engine_request_id is not None:
+        engine.spans.add(req.engine_request_id, req.arrived, plan.started - req.arrived, plan.ttft_s, sum(plan.itl_s),
+                         plan.prompt_tokens, plan.completion_tokens)
 
 
 def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
@@ -109,6 +119,7 @@ def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
                 engine.counters.dropped += 1
                 raise DropConnection()
         completed = True
+        _trace(engine, req, plan)
         yield frames.tail(plan)
     finally:
         if plan is not None:

@@ -298,6 +298,13 @@ def sender_order(request: Request) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+def vllm_request_id(form: str, request: Request) -> str | None:
+    """The request's id in vLLM's engine (its spans' gen_ai.request.id): `form` around the
+    X-Request-Id (chat: chatcmpl-{}; completions: cmpl-{}-<prompt index>); None without one."""
+    sent = request.headers.get("x-request-id")
+    return form.format(sent) if sent else None
+
+
 # -- endpoints -------------------------------------------------------------------------
 def chat_completions(engine: Engine, request: Request) -> Response | Stream:
     body = parse_body(request)
@@ -305,6 +312,7 @@ def chat_completions(engine: Engine, request: Request) -> Response | Stream:
     prompt_ids = chat_prompt(engine, body)
     gen = generation_params(engine, body, prompt_ids, None, ("max_completion_tokens", "max_tokens"))
     gen.order = sender_order(request)
+    gen.engine_request_id = vllm_request_id("chatcmpl-{}", request)
     frames = ChatFrames(engine, f"chatcmpl-{engine.next_id():032x}", include_usage(body, gen.stream))
     return respond(engine, gen, frames)
 
@@ -315,6 +323,7 @@ def completions(engine: Engine, request: Request) -> Response | Stream:
     prompt_ids = completion_prompt(engine, body)
     gen = generation_params(engine, body, prompt_ids, 16)
     gen.order = sender_order(request)
+    gen.engine_request_id = vllm_request_id("cmpl-{}-0", request)
     frames = CompletionFrames(engine, f"cmpl-{engine.next_id():032x}", include_usage(body, gen.stream))
     return respond(engine, gen, frames)
 

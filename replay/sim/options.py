@@ -39,6 +39,7 @@ class SimOptions:
     reorder_ms: float = 0.0
     per_request_metrics: bool = False
     false_metrics: str | None = None
+    otlp_endpoint: str | None = None
 
 
 HELP = {
@@ -80,6 +81,9 @@ HELP = {
     "false_metrics": "a server whose timing lies: a JSON object whose keys replace figures of the `metrics` object "
                      "(queue_time_ms, time_to_first_token_ms, generation_time_ms, mean_itl_ms, tokens_per_second; "
                      "any JSON value, e.g. '{\"queue_time_ms\": \"12\"}'); implies --per-request-metrics",
+    "otlp_endpoint": "export one vLLM llm_request span per finished request (its queue, prefill and decode times "
+                     "from the sim's model, vLLM's attribute names, seconds) to this OTLP/HTTP trace endpoint, e.g. "
+                     "a replay's --otlp-receiver: http://HOST:PORT/v1/traces",
 }
 
 

@@ -22,6 +22,7 @@ from replay.sim.engine import Engine
 from replay.sim.errors import ApiError
 from replay.sim.http import Connection, Request, Response, Stream
 from replay.sim.options import SimOptions, validate
+from replay.sim.spans import SpanExporter
 
 Handler = Callable[[Engine, Request], "Response | Stream"]
 
@@ -121,6 +122,8 @@ def start(options: SimOptions, engine: Engine | None = None) -> tuple[StreamServ
     """Bind and start serving in the current gevent hub; returns the server and its port."""
     validate(options)
     engine = engine or Engine(options)
+    if options.otlp_endpoint and engine.spans is None:
+        engine.spans = SpanExporter(options.otlp_endpoint)
     app = App(engine)
     ledger = engine.ledger
 
@@ -175,4 +178,6 @@ def serve(options: SimOptions) -> int:
     print(f"replay sim listening on http://{options.host}:{port}", flush=True)
     stop.wait()
     server.stop(timeout=1)
+    if server.engine.spans is not None:
+        server.engine.spans.close()  # the last batch goes out
     return 0
