@@ -163,18 +163,18 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
     holder: dict = {}
 
     def answer(row) -> int:
-        probes = holder["run"].coordinator.probes
+        probes = holder["run"].coordinator.policy
         probe = probes.probes[probes.probe_of(row.request_id)]
         if fault and probe.number in fault:
             return fault[probe.number]
         return 200 if probe.factor <= capacity else 429
 
     def late(row) -> float:
-        probes = holder["run"].coordinator.probes
+        probes = holder["run"].coordinator.policy
         return 0.05 if late_from is not None and probes.probes[probes.probe_of(row.request_id)].factor >= late_from else 0.0
 
     def cpu(client_id: str) -> float:
-        probes = holder["run"].coordinator.probes.probes
+        probes = holder["run"].coordinator.policy.probes
         return 95.0 if cpu_from is not None and probes and probes[-1].factor >= cpu_from else 20.0
 
     if workers == 1:
@@ -306,7 +306,7 @@ def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, caps
 
 def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, search_by="scale")
-    run.until(lambda: len(run.coordinator.probes.probes) >= 2)
+    run.until(lambda: len(run.coordinator.policy.probes) >= 2)
     records = run.end()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert len(records) == 40 * len(report["probes"])
@@ -318,7 +318,7 @@ def test_a_probe_a_stop_cut_off_is_stopped_not_a_fail(tmp_path):
     is under way. That probe is its own kind, neither a pass nor a fail; no capacity is claimed,
     and its goodput is over the rows it sent."""
     run, _ = search_run(tmp_path, capacity=3.0, workers=2, answer_first={1: 20 + 10})
-    run.until(lambda: len(run.coordinator.probes.probes) >= 2 and run.coordinator.probes.probes[1].recorded >= 50)
+    run.until(lambda: len(run.coordinator.policy.probes) >= 2 and run.coordinator.policy.probes[1].recorded >= 50)
     run.end()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [(p["factor"], p["verdict"]) for p in report["probes"]] == [(1.0, PASS), (2.0, STOPPED)]
@@ -357,7 +357,7 @@ def test_error_answers_that_are_not_the_loads_are_server_errors_not_a_capacity(t
 def test_on_outage_retry_repeats_the_probe_once_the_servers_answer_again(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0}, on_outage="retry")
     asked = []
-    run.coordinator.probes.servers_answer = lambda: asked.append(1) or len(asked) >= 3  # back at the third question
+    run.coordinator.policy.servers_answer = lambda: asked.append(1) or len(asked) >= 3  # back at the third question
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     probes = report["probes"]
@@ -370,7 +370,7 @@ def test_on_outage_retry_repeats_the_probe_once_the_servers_answer_again(tmp_pat
 
 def test_on_outage_retry_ends_the_search_when_the_repeat_is_an_outage_too(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0, 2: 0}, on_outage="retry")
-    run.coordinator.probes.servers_answer = lambda: True
+    run.coordinator.policy.servers_answer = lambda: True
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE, OUTAGE]
@@ -380,7 +380,7 @@ def test_on_outage_retry_ends_the_search_when_the_repeat_is_an_outage_too(tmp_pa
 
 def test_on_outage_retry_ends_the_search_when_the_servers_do_not_come_back(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0}, on_outage="retry")
-    run.coordinator.probes.servers_answer = lambda: False
+    run.coordinator.policy.servers_answer = lambda: False
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE]
@@ -484,7 +484,7 @@ def test_an_amplify_search_sends_k_times_the_sessions_at_the_traces_pace(tmp_pat
 def lose_during(run, probe: int, client_id: str) -> None:
     """Cut `client_id` off as probe `probe` opens (its rows of the probe are never answered:
     search_run's `answer_first` holds them)."""
-    run.until(lambda: len(run.coordinator.probes.probes) > probe)
+    run.until(lambda: len(run.coordinator.policy.probes) > probe)
     run.hub.cut.add(client_id)
     run.gone.add(client_id)
 
@@ -514,7 +514,7 @@ def test_a_worker_stopped_by_a_signal_of_its_own_ends_the_search_without_an_answ
     """Not a capacity answer (its rows failing would read as the fleet's), nor a lost worker's
     probe repeated with the workers left: the search ends there, "worker stopped", exit 1."""
     run, fakes = search_run(tmp_path, capacity=3.0, workers=2, answer_first={1: 20})
-    run.until(lambda: len(run.coordinator.probes.probes) > 1)
+    run.until(lambda: len(run.coordinator.policy.probes) > 1)
     fakes[1].stopped(shared=shared)
     run.until(lambda: run.coordinator.finished.is_set())
     run.hub.cut.add("w1")
@@ -535,12 +535,12 @@ def test_a_workers_own_stop_is_not_lost_when_its_probe_fails_early_meanwhile(tmp
     the stronger fact (the probe lost the worker's sends), so the search ends "worker stopped",
     not "server errors", and its rows are not "probe failed early"."""
     run, fakes = search_run(tmp_path, capacity=3.0, workers=2, fault={1: 500}, answer_first={0: 20, 1: 20})
-    run.until(lambda: len(run.coordinator.probes.probes) > 1)  # 20 rows each at 1x: probe 1's are held
+    run.until(lambda: len(run.coordinator.policy.probes) > 1)  # 20 rows each at 1x: probe 1's are held
     fakes[1].stopped(shared=True)
     signalled = run.clock.now()
     run.until(lambda: run.clock.now() >= signalled + 1.0)
     fakes[0].release(100)  # the servers' errors, a second after the signal
-    run.until(lambda: run.coordinator.probes.probes[1].cut)
+    run.until(lambda: run.coordinator.policy.probes[1].cut)
     fakes[1].release(100)  # what it holds of the probe: the rows a cut would record "probe failed early"
     run.until(lambda: run.coordinator.finished.is_set())
     run.hub.cut.add("w1")

@@ -409,7 +409,7 @@ class PartReplay:
         # Everything built so far (tokenizer, vocabulary, rows) lives for the whole run: keep it
         # out of the collector's way, or one full collection stalls dispatch for tens of ms.
         # The young generations' garbage goes first; the old one's is little, and collecting it
-        # means a walk over every object Locust and Flask made (~20 ms).
+        # means a walk over every object Locust and Flask made.
         gc.collect(1)
         gc.freeze()
         rtt_s = self.clock.best_rtt if self.clock.best_rtt != float("inf") else 0.0  # inf: a local run does not ping

@@ -312,7 +312,7 @@ class LiveStats:
             "run": self.run_info(now),
             "servers": self.servers.info(self.coordinator.scrapes),
             "gpus": self.gpus.info(),
-            "capacity": self.coordinator.probes.live() if self.coordinator.probes is not None else None,
+            "capacity": self.coordinator.policy.live(),
         }
 
     def run_ticks(self) -> None:
