@@ -741,3 +741,60 @@ def test_a_worker_frozen_past_the_heartbeat_is_lost_not_its_master(tmp_path, toy
     failed = [r for r in records if not r["ok"]]
     assert failed and all(r["error"] == WORKER_LOST for r in failed), Counter(r["error"] for r in failed)
     assert_worker_files_one_record_per_row(output)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_worker_gone_before_its_plan_ends_the_run(tmp_path, toy_tokenizer_dir, fast_sim, signum):
+    """A worker that connected, then got a signal of its own (or died) while the master still
+    waited for --expect-workers: nothing will replace it (--processes forks its workers once), and
+    the master waited forever. It ends the run: one line naming the worker, every row recorded once
+    as that worker's loss (nothing was sent), exit 1."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
+                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
+                           str(port)], tmp_path, tmp_path / "master.log")
+    worker = spawn_worker(tmp_path, port, "worker0", new_session=True)
+    try:
+        wait_for_text(tmp_path / "master.log", "1 workers connected", master)
+        wait_for_text(tmp_path / "master.log", "--verify-server:", master)  # the preflight is over: it waits
+        worker.send_signal(signum)
+        finish([master, worker], timeout=40)
+    finally:
+        finish([master, worker], timeout=5)
+    log = (tmp_path / "master.log").read_text()
+    assert master.returncode == 1, log[-3000:]
+    assert "Traceback" not in log
+    label = WORKER_STOPPED if signum == signal.SIGTERM else WORKER_LOST
+    lines = [line for line in log.splitlines() if "before the run began" in line]
+    assert len(lines) == 1 and "worker" in lines[0] and label in lines[0], lines
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    assert all(r["error"] == label and r["sent_at"] is None for r in records)
+    assert summary_path(output).exists()
+    assert received_ids(fast_sim.url) == {}
+
+
+def test_a_worker_of_processes_stopped_before_its_plan_ends_the_run(tmp_path, toy_tokenizer_dir, fast_sim):
+    """`kill PID` of one --processes worker as soon as it connected, while the master's preflight
+    runs: the master waited forever for a second worker that never comes back. It ends the run
+    (or, when the plan was out already, the run goes on without it): every row recorded once, the
+    stopped worker's "worker stopped", exit 1."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    proc = spawn_processes(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    try:
+        wait_for_text(tmp_path / "master.log", "1 workers connected", proc)
+        pids = worker_pids(proc)
+        assert len(pids) == 2, pids
+        os.kill(pids[0], signal.SIGTERM)
+        finish([proc], timeout=60)
+    finally:
+        end_group(proc)
+    log = (tmp_path / "master.log").read_text()
+    assert proc.returncode == 1, log[-3000:]
+    assert "Traceback" not in log
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    assert {r["error"] for r in records if not r["ok"]} == {WORKER_STOPPED}, log[-3000:]

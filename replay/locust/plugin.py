@@ -52,6 +52,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each stops a ru
 MASTER_STOP_GRACE_S = 10.0  # a worker in the master's process group waits this long for the master's stop
 MASTER_LOST_S = 6.0  # a worker stops sending when the master has not answered a heartbeat for this long
 QUIT_GRACE_S = 5.0  # a worker whose master left before the plan exits if Locust's quit has not ended it by then
+WORKERS_WATCH_S = 1.0  # how often a master that waits for --expect-workers checks on those connected
 
 
 @dataclass
@@ -205,7 +206,11 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
     runner = runner or environment.runner
     if isinstance(runner, MasterRunner):
         _stop_on_signals(environment)  # before the preflight: a signal during it ends it cleanly
-        _coordinator(environment, RunnerLink(runner))
+        link = RunnerLink(runner)
+        early = _EarlyWorkers(environment, link)  # before the preflight: workers connect meanwhile
+        coordinator = _coordinator(environment, link)
+        if _run_asked(environment):
+            gevent.spawn(_end_on_a_worker_gone_before_the_run, environment, runner, coordinator, early)
     elif isinstance(runner, WorkerRunner):
         link = RunnerLink(runner)
         part = Dispatcher(link, on_request=_request_stats(environment))
@@ -293,6 +298,48 @@ def _stop_on_signals(environment) -> None:
 
     for signum in STOP_SIGNALS:
         gevent.signal_handler(signum, stop, signum)
+
+
+class _EarlyWorkers:
+    """The workers that connect to a master, and those that say a signal of their own stopped
+    them, from before the preflight on (until the Coordinator takes STOPPED, a message no
+    handler takes is dropped)."""
+
+    def __init__(self, environment, link: transport.Link):
+        self.connected: set[str] = set()
+        self.stopped: set[str] = set()
+        environment.events.worker_connect.add_listener(lambda client_id, **kwargs: self.connected.add(client_id))
+        link.on(messages.STOPPED, self._on_stopped)
+
+    def _on_stopped(self, data: messages.Stopped, sender: str) -> None:
+        if not data.get("shared"):
+            self.stopped.add(sender)
+
+
+def _end_on_a_worker_gone_before_the_run(environment, runner: MasterRunner, coordinator: Coordinator,
+                                         early: _EarlyWorkers) -> None:
+    """A worker that connected and is gone before the run began (it quit on a signal of its own,
+    died, or went missing: Locust dropped it or marked it so) while Locust waits for
+    --expect-workers: nothing replaces it (--processes forks its workers once), and Locust's wait
+    has no end. The run ends as a fault instead: one line naming the worker, every row recorded
+    "worker stopped" (it said its own signal stopped it) or "worker lost", never sent; the
+    workers left quit, exit 1. Once the run began (or was stopped), the Coordinator's own
+    supervision has its workers."""
+    hub = gevent.get_hub()
+    while coordinator.store is None and not coordinator.ending:
+        gone = next((client_id for client_id in sorted(early.connected) if _worker_gone(runner, client_id)), None)
+        if gone is None:
+            gevent.sleep(WORKERS_WATCH_S)
+            continue
+        stopped = gone in early.stopped or gone in coordinator.stopped_before_begin
+        label = WORKER_STOPPED if stopped else WORKER_LOST
+        logger.error("replay: worker %d (%s) %s before the run began: ending the run; every row is recorded as %r",
+                     runner.get_worker_index(gone), gone, "was stopped by a signal of its own" if stopped else
+                     "was lost", label)
+        coordinator.abandon(label)
+        runner.quit()  # the workers left quit too
+        hub.handle_system_error(SystemExit, SystemExit(environment.process_exit_code or 1))
+        return
 
 
 def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher) -> None:
