@@ -798,3 +798,26 @@ def test_a_worker_of_processes_stopped_before_its_plan_ends_the_run(tmp_path, to
     records = list(read_records(output))
     assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
     assert {r["error"] for r in records if not r["ok"]} == {WORKER_STOPPED}, log[-3000:]
+
+
+def test_too_few_workers_within_the_max_wait_records_every_row(tmp_path, toy_tokenizer_dir, fast_sim):
+    """--expect-workers-max-wait passed with too few workers: Locust gave up with exit 1 and no
+    record, meta or summary. Every row is recorded as refused before the first send, saying how
+    many workers came, the files written, exit 1; the worker that came quits."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
+                           "--expect-workers", "2", "--expect-workers-max-wait", "3", "--master-bind-host",
+                           "127.0.0.1", "--master-bind-port", str(port)], tmp_path, tmp_path / "master.log")
+    worker = spawn_worker(tmp_path, port, "worker0")
+    finish([master, worker], timeout=60)
+    log = (tmp_path / "master.log").read_text()
+    assert master.returncode == 1, log[-3000:]
+    assert "Traceback" not in log
+    label = "run refused before the first send: 1 of 2 workers connected within --expect-workers-max-wait 3 s"
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    assert all(r["error"] == label and r["sent_at"] is None for r in records), {r["error"] for r in records}
+    assert read_run_metadata(output) is not None and summary_path(output).exists()
+    assert worker.returncode == 0  # told to quit by the master

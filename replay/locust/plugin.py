@@ -210,7 +210,8 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
         early = _EarlyWorkers(environment, link)  # before the preflight: workers connect meanwhile
         coordinator = _coordinator(environment, link)
         if _run_asked(environment):
-            gevent.spawn(_end_on_a_worker_gone_before_the_run, environment, runner, coordinator, early)
+            gevent.spawn(_end_on_a_worker_gone_before_the_run, environment, runner, coordinator, early,
+                         _take_over_max_wait(environment))
     elif isinstance(runner, WorkerRunner):
         link = RunnerLink(runner)
         part = Dispatcher(link, on_request=_request_stats(environment))
@@ -316,26 +317,47 @@ class _EarlyWorkers:
             self.stopped.add(sender)
 
 
+def _take_over_max_wait(environment) -> float:
+    """--expect-workers-max-wait, taken from Locust (returned; 0: none): its own gives up with
+    `sys.exit(1)` from its wait, before any listener of its runs, so nothing of the run was
+    recorded. The watch on the workers (`_end_on_a_worker_gone_before_the_run`) ends it instead."""
+    options = environment.parsed_options
+    max_wait = float(getattr(options, "expect_workers_max_wait", 0) or 0)
+    if max_wait:
+        options.expect_workers_max_wait = 0
+    return max_wait
+
+
 def _end_on_a_worker_gone_before_the_run(environment, runner: MasterRunner, coordinator: Coordinator,
-                                         early: _EarlyWorkers) -> None:
+                                         early: _EarlyWorkers, max_wait: float = 0.0) -> None:
     """A worker that connected and is gone before the run began (it quit on a signal of its own,
     died, or went missing: Locust dropped it or marked it so) while Locust waits for
     --expect-workers: nothing replaces it (--processes forks its workers once), and Locust's wait
     has no end. The run ends as a fault instead: one line naming the worker, every row recorded
     "worker stopped" (it said its own signal stopped it) or "worker lost", never sent; the
-    workers left quit, exit 1. Once the run began (or was stopped), the Coordinator's own
-    supervision has its workers."""
+    workers left quit, exit 1. So does a wait past `max_wait` s (--expect-workers-max-wait) with
+    too few workers: every row "run refused before the first send: N of M workers connected ...".
+    Once the run began (or was stopped), the Coordinator's own supervision has its workers."""
     hub = gevent.get_hub()
+    started = time.monotonic()
+    expected = int(getattr(environment.parsed_options, "expect_workers", 1) or 1)
     while coordinator.store is None and not coordinator.ending:
         gone = next((client_id for client_id in sorted(early.connected) if _worker_gone(runner, client_id)), None)
-        if gone is None:
+        ready = len(runner.clients.ready)
+        if gone is not None:
+            stopped = gone in early.stopped or gone in coordinator.stopped_before_begin
+            label = WORKER_STOPPED if stopped else WORKER_LOST
+            logger.error("replay: worker %d (%s) %s before the run began: ending the run; every row is recorded as "
+                         "%r", runner.get_worker_index(gone), gone, "was stopped by a signal of its own" if stopped
+                         else "was lost", label)
+        elif max_wait and time.monotonic() - started > max_wait and ready < expected:
+            label = (f"{REFUSED}: {ready} of {expected} workers connected within --expect-workers-max-wait "
+                     f"{max_wait:g} s")
+            logger.error("replay: %d of %d workers connected within --expect-workers-max-wait %g s: ending the run; "
+                         "every row is recorded as %r", ready, expected, max_wait, label)
+        else:
             gevent.sleep(WORKERS_WATCH_S)
             continue
-        stopped = gone in early.stopped or gone in coordinator.stopped_before_begin
-        label = WORKER_STOPPED if stopped else WORKER_LOST
-        logger.error("replay: worker %d (%s) %s before the run began: ending the run; every row is recorded as %r",
-                     runner.get_worker_index(gone), gone, "was stopped by a signal of its own" if stopped else
-                     "was lost", label)
         coordinator.abandon(label)
         runner.quit()  # the workers left quit too
         hub.handle_system_error(SystemExit, SystemExit(environment.process_exit_code or 1))
