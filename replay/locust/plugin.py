@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import gevent
@@ -317,6 +318,30 @@ class _EarlyWorkers:
             self.stopped.add(sender)
 
 
+def _forked_workers_missing(environment) -> int:
+    """--processes N: how many of the N workers this master forked are no longer running (a child
+    of this process running this process's command; gevent reaps a child that exits, so there is
+    no exit status to ask for). 0 without --processes, or where /proc does not list children.
+    Before the run begins the master has no other child of its command (the preflight's set-up
+    child runs another, and is waited for)."""
+    processes = getattr(environment.parsed_options, "processes", None)
+    if not processes:
+        return 0
+    try:
+        command = Path("/proc/self/cmdline").read_bytes()
+        children = [pid for task in Path("/proc/self/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+    except OSError:
+        return 0
+    running = 0
+    for pid in children:
+        try:
+            running += Path(f"/proc/{pid}/cmdline").read_bytes() == command
+        except OSError:
+            continue  # it ended meanwhile
+    return max(0, processes - running)
+
+
 def _take_over_max_wait(environment) -> float:
     """--expect-workers-max-wait, taken from Locust (returned; 0: none): its own gives up with
     `sys.exit(1)` from its wait, before any listener of its runs, so nothing of the run was
@@ -335,16 +360,24 @@ def _end_on_a_worker_gone_before_the_run(environment, runner: MasterRunner, coor
     --expect-workers: nothing replaces it (--processes forks its workers once), and Locust's wait
     has no end. The run ends as a fault instead: one line naming the worker, every row recorded
     "worker stopped" (it said its own signal stopped it) or "worker lost", never sent; the
-    workers left quit, exit 1. So does a wait past `max_wait` s (--expect-workers-max-wait) with
+    workers left quit, exit 1. So does a --processes worker that exited before it connected
+    (killed as it started: Locust never knew of it), and a wait past `max_wait` s (--expect-workers-max-wait) with
     too few workers: every row "run refused before the first send: N of M workers connected ...".
     Once the run began (or was stopped), the Coordinator's own supervision has its workers."""
     hub = gevent.get_hub()
     started = time.monotonic()
     expected = int(getattr(environment.parsed_options, "expect_workers", 1) or 1)
+    missing = 0  # forked workers not running, at the last look
     while coordinator.store is None and not coordinator.ending:
         gone = next((client_id for client_id in sorted(early.connected) if _worker_gone(runner, client_id)), None)
         ready = len(runner.clients.ready)
-        if gone is not None:
+        # one that connected and exited is said by Locust's quit (or heartbeat) first: a look later
+        missing, missing_before = _forked_workers_missing(environment), missing
+        if gone is None and missing and missing_before:
+            label = WORKER_LOST
+            logger.error("replay: %d of the --processes workers exited before they connected: ending the run; every "
+                         "row is recorded as %r", missing, label)
+        elif gone is not None:
             stopped = gone in early.stopped or gone in coordinator.stopped_before_begin
             label = WORKER_STOPPED if stopped else WORKER_LOST
             logger.error("replay: worker %d (%s) %s before the run began: ending the run; every row is recorded as "
