@@ -357,7 +357,7 @@ def test_error_answers_that_are_not_the_loads_are_server_errors_not_a_capacity(t
 def test_on_outage_retry_repeats_the_probe_once_the_servers_answer_again(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0}, on_outage="retry")
     asked = []
-    run.coordinator.policy.servers_answer = lambda: asked.append(1) or len(asked) >= 3  # back at the third question
+    run.coordinator.policy.servers_problem = lambda: None if asked.append(1) or len(asked) >= 3 else "HTTP 503"  # back at the third
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     probes = report["probes"]
@@ -370,7 +370,7 @@ def test_on_outage_retry_repeats_the_probe_once_the_servers_answer_again(tmp_pat
 
 def test_on_outage_retry_ends_the_search_when_the_repeat_is_an_outage_too(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0, 2: 0}, on_outage="retry")
-    run.coordinator.policy.servers_answer = lambda: True
+    run.coordinator.policy.servers_problem = lambda: None
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE, OUTAGE]
@@ -380,7 +380,7 @@ def test_on_outage_retry_ends_the_search_when_the_repeat_is_an_outage_too(tmp_pa
 
 def test_on_outage_retry_ends_the_search_when_the_servers_do_not_come_back(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0}, on_outage="retry")
-    run.coordinator.policy.servers_answer = lambda: False
+    run.coordinator.policy.servers_problem = lambda: "HTTP 503"
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE]

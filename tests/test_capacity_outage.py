@@ -22,9 +22,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from replay.protocol.readiness import ready_problem
 from replay.rules.run_files import capacity_path
 from replay.sim.process import SimProcess
 from support.browser import IN_CI
+from support.ports import free_port
 from support.processes import finish, replay_args, spawn_locust
 from support.traces import BLOCK, mooncake_trace
 
@@ -200,3 +202,52 @@ def test_a_server_answering_garbage_at_once_is_server_errors_not_at_least_hi(tmp
     assert [(p["factor"], p["verdict"]) for p in report["probes"]] == [(1.0, "server errors")]
     assert report["probes"][0]["not_load_reasons"].keys() == {"answered ok without an output token"}
     assert report["result"] == "server errors" and report["capacity"] is None
+
+
+def test_on_outage_retry_waits_for_an_answered_request_not_the_model_list(tmp_path, toy_tokenizer_dir):
+    """A sim shedding every generation with HTTP 503 still answers GET /v1/models 200: the retry
+    took that for the servers being back and repeated the probe at once into the same 503s (the
+    search ended "server errors"). It waits for a one-token request answered 200 instead: the
+    repeat comes once the shedding sim is replaced by a healthy one on its port, and passes."""
+    shedding = SimProcess(toy_tokenizer_dir, [*FAST, "--error-rate", "1", "--error-status", "503"])
+    port = shedding.port
+    again = None
+    try:
+        proc, output, log = start_search(tmp_path, toy_tokenizer_dir, shedding.url, "--on-outage", "retry",
+                                         "--search-range", "0.5:1")  # its answer once the repeat passes at 1x
+        wait_for(log, "probe 0 at 1x: server errors", proc)
+        wait_for(log, "for the servers to answer a request again", proc)  # its own request was shed too
+        time.sleep(6)  # past the cooldown and a repeat's lead: no repeat opens meanwhile
+        assert "probe 1 at" not in log.read_text(errors="replace")
+        shedding.stop()
+        again = SimProcess(toy_tokenizer_dir, [*FAST, "--port", str(port)])
+        report, said = ended(proc, output, log)
+    finally:
+        shedding.stop()
+        if again is not None:
+            again.stop()
+    assert proc.returncode == 0, said[-3000:]
+    assert [(p["factor"], p["verdict"], p["repeat_of"]) for p in report["probes"]] == \
+        [(1.0, "server errors", None), (1.0, "pass", 0)]
+    assert report["result"] == "at least HI"
+    assert "the servers answer again" in said
+
+
+def test_readiness_is_a_request_of_the_runs_kind_answered_200(toy_tokenizer_dir):
+    """Each API's own one-token request: answered by a healthy sim (its key sent), refused by one
+    shedding generations with 503 whose /v1/models still answers, and a dead port said as such."""
+    key = {"Authorization": "Bearer k"}
+    shedding = SimProcess(toy_tokenizer_dir, [*FAST, "--error-rate", "1", "--error-status", "503"])
+    healthy = SimProcess(toy_tokenizer_dir, [*FAST, "--require-authorization", "Bearer k"])
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        for api, path in [("openai-chat", "/v1/chat/completions"), ("openai-completions", "/v1/completions"),
+                          ("tgi", "/generate")]:
+            assert ready_problem(healthy.url, api, "sim", key) is None
+            assert ready_problem(healthy.url, api, "sim") == f"{healthy.url}: POST {path} answered HTTP 401"
+            assert ready_problem(shedding.url, api, "sim") == f"{shedding.url}: POST {path} answered HTTP 503"
+        assert ready_problem(dead, "openai-chat", "sim") == \
+            f"{dead}: POST /v1/chat/completions got no answer (connection refused)"
+    finally:
+        shedding.stop()
+        healthy.stop()

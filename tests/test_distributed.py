@@ -36,14 +36,14 @@ from replay.results.records import (
     WORKER_STOPPED,
     read_records,
 )
-from replay.rules.run_files import summary_path
+from replay.rules.run_files import capacity_path, summary_path
 from replay.sim.process import sim_process
 from support.paths import REPO, shared_path
 from support.ports import free_port
 from support.processes import finish, master_and_workers, replay_args, run_locust, spawn_locust, spawn_worker
 from support.records import check_records
 from support.traces import BLOCK, bailian_trace, mooncake_trace, trace_ids
-from support.waiting import wait_for_text
+from support.waiting import wait_for, wait_for_text
 
 SHIP_WINDOW_ROWS = 8 * CHUNK_ROWS  # what a worker holds before acks must flow
 
@@ -741,3 +741,99 @@ def test_a_worker_frozen_past_the_heartbeat_is_lost_not_its_master(tmp_path, toy
     failed = [r for r in records if not r["ok"]]
     assert failed and all(r["error"] == WORKER_LOST for r in failed), Counter(r["error"] for r in failed)
     assert_worker_files_one_record_per_row(output)
+
+
+SEARCH = ("--capacity-search", "--slo", "e2e_ms=5000", "--search-range", "0.5:2", "--probe-duration", "1")
+
+
+@pytest.mark.parametrize(("signum", "extra"), [(signal.SIGTERM, ()), (signal.SIGKILL, ()), (signal.SIGTERM, SEARCH)],
+                         ids=["SIGTERM", "SIGKILL", "SIGTERM, a capacity search"])
+def test_a_worker_gone_before_its_plan_ends_the_run(tmp_path, toy_tokenizer_dir, fast_sim, signum, extra):
+    """A worker that connected, then got a signal of its own (or died) while the master still
+    waited for --expect-workers: nothing will replace it (--processes forks its workers once), and
+    the master waited forever. It ends the run: one line naming the worker, every row recorded once
+    as that worker's loss (nothing was sent), exit 1."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output, *extra), "--master",
+                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
+                           str(port)], tmp_path, tmp_path / "master.log")
+    worker = spawn_worker(tmp_path, port, "worker0", new_session=True)
+    try:
+        wait_for_text(tmp_path / "master.log", "1 workers connected", master)
+        wait_for_text(tmp_path / "master.log", "--verify-server:", master)  # the preflight is over: it waits
+        worker.send_signal(signum)
+        finish([master, worker], timeout=40)
+    finally:
+        finish([master, worker], timeout=5)
+    log = (tmp_path / "master.log").read_text()
+    assert master.returncode == 1, log[-3000:]
+    assert "Traceback" not in log
+    label = WORKER_STOPPED if signum == signal.SIGTERM else WORKER_LOST
+    lines = [line for line in log.splitlines() if "before the run began" in line]
+    assert len(lines) == 1 and "worker" in lines[0] and label in lines[0], lines
+    records = list(read_records(output))
+    if extra:  # a search owes the rows of the probes it opened: none
+        assert records == []
+        report = orjson.loads(capacity_path(output).read_bytes())
+        assert report["capacity"] is None and report["probes"] == []
+    else:
+        assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+        assert all(r["error"] == label and r["sent_at"] is None for r in records)
+    assert summary_path(output).exists()
+    assert received_ids(fast_sim.url) == {}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_worker_of_processes_stopped_before_its_plan_ends_the_run(tmp_path, toy_tokenizer_dir, fast_sim, signum):
+    """`kill PID` of one --processes worker as soon as it connected, while the master's preflight
+    runs (or SIGKILL): the master waited forever for a second worker that never comes back. It
+    ends the run (or, when the plan was out already, the run goes on without it): every row
+    recorded once, the stopped worker's "worker stopped" (killed, or signalled before it could
+    say so: "worker lost"), exit 1; a worker killed before it connected too (Locust never knew it)."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    proc = spawn_processes(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output))
+    try:
+        if signum == signal.SIGKILL:  # as soon as it is forked: most often before it connected
+            pids = wait_for(lambda: len(found := worker_pids(proc)) == 2 and found, "2 workers forked", every=0.005)
+        else:
+            wait_for_text(tmp_path / "master.log", "1 workers connected", proc)
+            pids = worker_pids(proc)
+        assert len(pids) == 2, pids
+        os.kill(pids[0], signum)
+        finish([proc], timeout=60)
+    finally:
+        end_group(proc)
+    log = (tmp_path / "master.log").read_text()
+    assert proc.returncode == 1, log[-3000:]
+    assert "Traceback" not in log
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    # a SIGTERM before the worker set up its handler ends it as a kill would: nothing told the master
+    labels = [{WORKER_STOPPED}, {WORKER_LOST}] if signum == signal.SIGTERM else [{WORKER_LOST}]
+    assert {r["error"] for r in records if not r["ok"]} in labels, log[-3000:]
+
+
+def test_too_few_workers_within_the_max_wait_records_every_row(tmp_path, toy_tokenizer_dir, fast_sim):
+    """--expect-workers-max-wait passed with too few workers: Locust gave up with exit 1 and no
+    record, meta or summary. Every row is recorded as refused before the first send, saying how
+    many workers came, the files written, exit 1; the worker that came quits."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=40)
+    output = tmp_path / "run.jsonl"
+    port = free_port()
+    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
+                           "--expect-workers", "2", "--expect-workers-max-wait", "3", "--master-bind-host",
+                           "127.0.0.1", "--master-bind-port", str(port)], tmp_path, tmp_path / "master.log")
+    worker = spawn_worker(tmp_path, port, "worker0")
+    finish([master, worker], timeout=60)
+    log = (tmp_path / "master.log").read_text()
+    assert master.returncode == 1, log[-3000:]
+    assert "Traceback" not in log
+    label = "run refused before the first send: 1 of 2 workers connected within --expect-workers-max-wait 3 s"
+    records = list(read_records(output))
+    assert sorted(r["request_id"] for r in records) == sorted(trace_ids(trace))
+    assert all(r["error"] == label and r["sent_at"] is None for r in records), {r["error"] for r in records}
+    assert read_run_metadata(output) is not None and summary_path(output).exists()
+    assert worker.returncode == 0  # told to quit by the master

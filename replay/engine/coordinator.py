@@ -296,6 +296,7 @@ class Coordinator:
         self.workers: dict[str, WorkerState] = {}
         # Workers that said HELLO: they can hear replay messages. The local part hears from the start.
         self.heard: set[str] = set(heard) | ({transport.LOCAL_CLIENT} if local_part is not None else set())
+        self.stopped_before_begin: set[str] = set()  # workers whose own signal stopped them before the run began
         self.store: RecordStore | None = None  # every record, on disk; made at the start
         self.epoch: float | None = None
         self.host_at_go: host_load.HostSample | None = None  # the host at the go (the certificate's schedule line)
@@ -538,6 +539,8 @@ class Coordinator:
         SHARED_SIGNAL_GRACE_S (its abort labels the rows), else the worker's own, and the worker
         is told so by an abort that labels them."""
         state = self.workers.get(sender)
+        if state is None and self.store is None and not data.get("shared"):
+            self.stopped_before_begin.add(sender)  # the plugin ends the run once the worker is gone (`abandon`)
         if state is None or state.stopped:
             return
         if data.get("shared"):
@@ -765,6 +768,13 @@ class Coordinator:
         exit code is 2, as for any refusal before the first send."""
         self.refused = True
         self._stop_for(f"{REFUSED}: {reason}")
+        self.cancel()
+
+    def abandon(self, label: str) -> None:
+        """End a run that has not begun for a fault (a worker gone while the master waited for
+        the others, which nothing will replace): every row is recorded as `label`, never sent, the
+        files written as at any end, and the exit code is a failure's."""
+        self._stop_for(label)
         self.cancel()
 
     def _collect_held_records(self, reason: str) -> None:

@@ -34,7 +34,7 @@ from replay.engine.capacity import (
 )
 from replay.engine.rounds import Round
 from replay.protocol.headers import parse_headers
-from replay.protocol.models import ask_served
+from replay.protocol.readiness import ready_problem
 from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID, Record
 from replay.results.report import parse_slo
 from replay.results.server_metrics import GAUGES
@@ -93,9 +93,10 @@ class SearchRun(Protocol):
     def search_over(self) -> None: ...
 
 
-def servers_answer(urls: list[str], api: str, headers: dict[str, str]) -> bool:
-    """Whether every server answers what it serves (its API's model list) again."""
-    return all(served.problem is None for served in ask_served(urls, api, headers, timeout=5 * OUTAGE_POLL_S))
+def servers_problem(urls: list[str], api: str, model: str | None, headers: dict[str, str]) -> str | None:
+    """None when every server answers a one-token request of the run's kind 200 again (its model
+    list is no sign: a server shedding load answers it all the same); else the first one's problem."""
+    return next((problem for url in urls if (problem := ready_problem(url, api, model, headers)) is not None), None)
 
 
 def max_probes(search: Search) -> int:
@@ -138,7 +139,7 @@ class Probes:
         self._next: gevent.Greenlet | None = None
         self.on_outage = options.on_outage
         headers = parse_headers(options.header)
-        self.servers_answer = lambda: servers_answer(run.endpoint_urls(), options.api, headers)
+        self.servers_problem = lambda: servers_problem(run.endpoint_urls(), options.api, options.model, headers)
         run.scrape_listeners.append(self.on_scrape)
 
     def clones(self, factor: float) -> Clones | None:
@@ -292,13 +293,18 @@ class Probes:
         most OUTAGE_WAIT_S), the cooldown, then the probe again at its factor; servers that do
         not come back end the search as the outage it was."""
         clock, deadline = self.c.clock, self.c.clock.now() + OUTAGE_WAIT_S
-        while not self.servers_answer():
+        said = False
+        while (problem := self.servers_problem()) is not None:
             if clock.now() >= deadline:
                 self.ended = probe.verdict
-                logger.error("capacity search: the servers did not answer within %g s of probe %d's end: the search "
-                             "ends here", OUTAGE_WAIT_S, probe.number)
+                logger.error("capacity search: the servers did not answer within %g s of probe %d's end (%s): the "
+                             "search ends here", OUTAGE_WAIT_S, probe.number, problem)
                 self._finish()
                 return
+            if not said:
+                said = True
+                logger.warning("capacity search: waiting up to %g s for the servers to answer a request again (%s)",
+                               OUTAGE_WAIT_S, problem)
             clock.sleep(OUTAGE_POLL_S)
         logger.info("capacity search: the servers answer again: probe %d at %gx is repeated", probe.number,
                     probe.factor)

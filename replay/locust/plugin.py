@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import gevent
@@ -52,6 +53,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each stops a ru
 MASTER_STOP_GRACE_S = 10.0  # a worker in the master's process group waits this long for the master's stop
 MASTER_LOST_S = 6.0  # a worker stops sending when the master has not answered a heartbeat for this long
 QUIT_GRACE_S = 5.0  # a worker whose master left before the plan exits if Locust's quit has not ended it by then
+WORKERS_WATCH_S = 1.0  # how often a master that waits for --expect-workers checks on those connected
 
 
 @dataclass
@@ -205,7 +207,12 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
     runner = runner or environment.runner
     if isinstance(runner, MasterRunner):
         _stop_on_signals(environment)  # before the preflight: a signal during it ends it cleanly
-        _coordinator(environment, RunnerLink(runner))
+        link = RunnerLink(runner)
+        early = _EarlyWorkers(environment, link)  # before the preflight: workers connect meanwhile
+        coordinator = _coordinator(environment, link)
+        if _run_asked(environment):
+            gevent.spawn(_end_on_a_worker_gone_before_the_run, environment, runner, coordinator, early,
+                         _take_over_max_wait(environment))
     elif isinstance(runner, WorkerRunner):
         link = RunnerLink(runner)
         part = Dispatcher(link, on_request=_request_stats(environment))
@@ -293,6 +300,101 @@ def _stop_on_signals(environment) -> None:
 
     for signum in STOP_SIGNALS:
         gevent.signal_handler(signum, stop, signum)
+
+
+class _EarlyWorkers:
+    """The workers that connect to a master, and those that say a signal of their own stopped
+    them, from before the preflight on (until the Coordinator takes STOPPED, a message no
+    handler takes is dropped)."""
+
+    def __init__(self, environment, link: transport.Link):
+        self.connected: set[str] = set()
+        self.stopped: set[str] = set()
+        environment.events.worker_connect.add_listener(lambda client_id, **kwargs: self.connected.add(client_id))
+        link.on(messages.STOPPED, self._on_stopped)
+
+    def _on_stopped(self, data: messages.Stopped, sender: str) -> None:
+        if not data.get("shared"):
+            self.stopped.add(sender)
+
+
+def _forked_workers_missing(environment) -> int:
+    """--processes N: how many of the N workers this master forked are no longer running (a child
+    of this process running this process's command; gevent reaps a child that exits, so there is
+    no exit status to ask for). 0 without --processes, or where /proc does not list children.
+    Before the run begins the master has no other child of its command (the preflight's set-up
+    child runs another, and is waited for)."""
+    processes = getattr(environment.parsed_options, "processes", None)
+    if not processes:
+        return 0
+    try:
+        command = Path("/proc/self/cmdline").read_bytes()
+        children = [pid for task in Path("/proc/self/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+    except OSError:
+        return 0
+    running = 0
+    for pid in children:
+        try:
+            running += Path(f"/proc/{pid}/cmdline").read_bytes() == command
+        except OSError:
+            continue  # it ended meanwhile
+    return max(0, processes - running)
+
+
+def _take_over_max_wait(environment) -> float:
+    """--expect-workers-max-wait, taken from Locust (returned; 0: none): its own gives up with
+    `sys.exit(1)` from its wait, before any listener of its runs, so nothing of the run was
+    recorded. The watch on the workers (`_end_on_a_worker_gone_before_the_run`) ends it instead."""
+    options = environment.parsed_options
+    max_wait = float(getattr(options, "expect_workers_max_wait", 0) or 0)
+    if max_wait:
+        options.expect_workers_max_wait = 0
+    return max_wait
+
+
+def _end_on_a_worker_gone_before_the_run(environment, runner: MasterRunner, coordinator: Coordinator,
+                                         early: _EarlyWorkers, max_wait: float = 0.0) -> None:
+    """A worker that connected and is gone before the run began (it quit on a signal of its own,
+    died, or went missing: Locust dropped it or marked it so) while Locust waits for
+    --expect-workers: nothing replaces it (--processes forks its workers once), and Locust's wait
+    has no end. The run ends as a fault instead: one line naming the worker, every row recorded
+    "worker stopped" (it said its own signal stopped it) or "worker lost", never sent; the
+    workers left quit, exit 1. So does a --processes worker that exited before it connected
+    (killed as it started: Locust never knew of it), and a wait past `max_wait` s (--expect-workers-max-wait) with
+    too few workers: every row "run refused before the first send: N of M workers connected ...".
+    Once the run began (or was stopped), the Coordinator's own supervision has its workers."""
+    hub = gevent.get_hub()
+    started = time.monotonic()
+    expected = int(getattr(environment.parsed_options, "expect_workers", 1) or 1)
+    missing = 0  # forked workers not running, at the last look
+    while coordinator.store is None and not coordinator.ending:
+        gone = next((client_id for client_id in sorted(early.connected) if _worker_gone(runner, client_id)), None)
+        ready = len(runner.clients.ready)
+        # one that connected and exited is said by Locust's quit (or heartbeat) first: a look later
+        missing, missing_before = _forked_workers_missing(environment), missing
+        if gone is None and missing and missing_before:
+            label = WORKER_LOST
+            logger.error("replay: %d of the --processes workers exited before they connected: ending the run; every "
+                         "row is recorded as %r", missing, label)
+        elif gone is not None:
+            stopped = gone in early.stopped or gone in coordinator.stopped_before_begin
+            label = WORKER_STOPPED if stopped else WORKER_LOST
+            logger.error("replay: worker %d (%s) %s before the run began: ending the run; every row is recorded as "
+                         "%r", runner.get_worker_index(gone), gone, "was stopped by a signal of its own" if stopped
+                         else "was lost", label)
+        elif max_wait and time.monotonic() - started > max_wait and ready < expected:
+            label = (f"{REFUSED}: {ready} of {expected} workers connected within --expect-workers-max-wait "
+                     f"{max_wait:g} s")
+            logger.error("replay: %d of %d workers connected within --expect-workers-max-wait %g s: ending the run; "
+                         "every row is recorded as %r", ready, expected, max_wait, label)
+        else:
+            gevent.sleep(WORKERS_WATCH_S)
+            continue
+        coordinator.abandon(label)
+        runner.quit()  # the workers left quit too
+        hub.handle_system_error(SystemExit, SystemExit(environment.process_exit_code or 1))
+        return
 
 
 def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher) -> None:
