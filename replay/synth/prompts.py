@@ -190,6 +190,9 @@ class PromptSynthesizer:
             frame, _, n = self._layout(row)
             if n > 0:
                 return [*frame.before, *self._content_ids(row, n), *frame.after]
+            if self.token_ids:  # shorter than the frame: an empty content (_too_short), known from the set-up
+                return list(self._empty_text_ids)
+            return list((self.short_frame or self.frame).empty_ids)
         return encode_prompt(self.tokenizer, self.prompt(row))
 
     def text_prompt(self, text: str, expected: int) -> Prompt:

@@ -53,7 +53,7 @@ from replay.synth.frames import Frame, Measured
 from replay.synth.tokenizer import ServerTokenizer, fingerprint_of, tokenizer_json
 from replay.synth.vocab import SPACE_MARKERS, SafeVocab
 
-FORMAT = 1
+FORMAT = 2
 ENV = "TRACEREPLAY_CACHE_DIR"
 SPOT_CHECKS = 8  # ~0.3 ms each: a look through tokenizer.json's bytes
 TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joined by NULs: each a space + ASCII letters
@@ -218,7 +218,7 @@ def loaded_before(fingerprint: str, template_specials: dict, api: str) -> bool:
 
 
 def _frame_json(frame: Frame | None) -> list | None:
-    return None if frame is None else [list(frame.before), list(frame.after), frame.empty_tokens]
+    return None if frame is None else [list(frame.before), list(frame.after), list(frame.empty_ids)]
 
 
 def encode_entry(key: dict, measured: Measured) -> bytes:
@@ -289,9 +289,7 @@ def _frame(value, what: str) -> Frame | None:
     if value is None:
         return None
     before, after, empty = value
-    if type(empty) is not int or empty < 0:
-        raise ValueError(f"{what}: bad empty_tokens")
-    return Frame(_ints(before, what), _ints(after, what), empty)
+    return Frame(_ints(before, what), _ints(after, what), _ints(empty, what))
 
 
 def _measured(body: dict) -> Measured:
