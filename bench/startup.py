@@ -191,7 +191,8 @@ def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, 
     problems = []
     if proc.returncode != 0:
         problems.append(f"locust exit {proc.returncode}: {text[-1500:]}")
-    bad = [r for r in records if not r["ok"] or r["prompt_tokens"] != r["input_length"]]
+    # a row shorter than the template's frame is sent as an empty content (replay/synth/prompts.py): not exact
+    bad = [r for r in records if not r["ok"] or (r["prompt_tokens"] != r["input_length"] and r["input_length"] >= 64)]
     if bad:
         problems.append(f"{len(bad)} of {len(records)} records not ok or not exact, e.g. {bad[0]}")
     cpu_s = usage.ru_utime + usage.ru_stime
