@@ -20,7 +20,9 @@
    the wall time from the last answer to the exit, the cache-fidelity follower's CPU (and the
    end's own cache child's), the tree's CPU a request and its peak RSS as the sum of the
    processes alive at once; then a replay of two rows --idle-seconds apart, whose CPU a second
-   while nothing is due is the idle cost. Run it alone, it needs no network:
+   while nothing is due is the idle cost; then a burst of 8 rows of 30,000 tokens due at the same
+   millisecond, alone and among sends every 20 ms, with the first tokenizer. Run it alone, it
+   needs no network:
 
        .venv/bin/python bench/startup.py --costs [--cost-tokenizers qwen2,llama3,DIR] [--rows 250] [--seconds 60]
 
@@ -332,6 +334,50 @@ def bench_costs(names: list[str], apis: list[str], rows: int, seconds: float, ru
     return problems
 
 
+def write_burst_trace(path: Path, rows: int, tokens: int, at_s: float, background_ms: float) -> None:
+    """`rows` rows of `tokens` tokens due at the same millisecond, `at_s` into the trace (past the
+    builder's window at the go, so they are built while the run sends), among short rows
+    `background_ms` apart (0: none), as a busy trace's."""
+    with open(path, "w") as f:
+        f.write(json.dumps({"timestamp": 0.0, "input_length": 2 * BLOCK, "output_length": 5, "hash_ids": [1, 2]}) + "\n")
+        t, k = background_ms, 0
+        while background_ms and t < (at_s + 3.0) * 1000.0:
+            f.write(json.dumps({"timestamp": t, "input_length": BLOCK, "output_length": 5, "hash_ids": [10**7 + k]}) + "\n")
+            t, k = t + background_ms, k + 1
+        for k in range(rows):
+            ids = [10**6 * (k + 1) + j for j in range(-(-tokens // BLOCK))]
+            f.write(json.dumps({"timestamp": at_s * 1000.0, "input_length": tokens, "output_length": 5,
+                                "hash_ids": ids}) + "\n")
+
+
+def bench_burst(name: str, client: int | None, server: int | None, rows: int = 8, tokens: int = 30000,
+                at_s: float = 15.0) -> list[str]:
+    """A burst of `rows` prompts of `tokens` tokens due at the same millisecond (issue 40: all
+    sent within 5 ms of due on an idle core), alone and among sends every 20 ms: each burst row's
+    lag, and the other rows' p99 and max."""
+    tokenizer = tokenizer_dir(name)
+    problems = []
+    print(f"burst: {rows} rows of {tokens} tokens due at {at_s:g} s, {name}, openai-chat, locust on cpu {client}")
+    with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp, \
+            sim_process(tokenizer, "--block-size", str(BLOCK), "--ttft-ms", "20", "--itl-ms", "2",
+                        "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000", cpu=server) as sim:
+        tmp = Path(tmp)
+        for background_ms in (0.0, 20.0):
+            trace = tmp / "burst.jsonl"
+            write_burst_trace(trace, rows, tokens, at_s, background_ms)
+            r = replay_once(tokenizer, sim.url, trace, tmp / "run.jsonl", tmp / "cache", client,
+                            ["--verify-server", "off"], api="openai-chat")
+            problems += r["problems"]
+            records = list(read_records(tmp / "run.jsonl"))
+            burst = sorted(x["drift_ms"] for x in records if x["input_length"] == tokens)
+            others = sorted(x["drift_ms"] for x in records if x["input_length"] != tokens)
+            print(f"  {'alone' if not background_ms else f'among sends every {background_ms:g} ms'}: burst lag ms "
+                  f"{', '.join(f'{d:.2f}' for d in burst)} (max {burst[-1]:.2f}; target <= 5 on an idle core); "
+                  f"other rows p99 {others[int(len(others) * 0.99)]:.2f} max {others[-1]:.2f} ms  "
+                  f"loadavg {os.getloadavg()[0]:.2f}", flush=True)
+    return problems
+
+
 def _named(tree: Path, trees: list[Path]) -> str:
     """`tree` as a run's label where two trees take turns."""
     return "" if len(trees) == 1 else f", {tree_label(tree)}"
@@ -369,6 +415,7 @@ def main() -> int:
     if args.costs:
         problems += bench_costs(args.cost_tokenizers.split(","), args.cost_apis.split(","), args.rows, args.seconds,
                                 args.cost_runs, args.idle_seconds, client, server, shlex.split(args.replay_args))
+        problems += bench_burst(args.cost_tokenizers.split(",")[0], client, server)
         args.no_set_up = args.no_replay = True
     if not args.no_set_up:
         problems += bench_set_up(args.tokenizers.split(","), args.api, args.runs, client)
