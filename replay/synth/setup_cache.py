@@ -62,6 +62,7 @@ TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joi
 # import, however far down, is in the key's code digest.
 SETUP_ENTRIES = ("replay.synth.vocab", "replay.synth.frames", "replay.synth.setup_child_main")
 IMPORT_MEMO = "source-imports.json"  # code_digest's memo of each source's imports (source_graph.ImportMemo)
+IMPORT_MEMO_ENTRIES = 4096  # at most (a checkout's set-up closure is some 30 sources; each checkout keeps its own)
 
 log = logging.getLogger(__name__)
 _in_process: dict[tuple, Measured] = {}  # this process's set-ups (cached(): a second one of the same files is free)
@@ -88,8 +89,8 @@ def code_digest(root: Path = source_graph.ROOT) -> str:
     reads each source but parses only those edited since."""
     memo = source_graph.ImportMemo(_read_import_memo())
     digest = source_graph.source_digest(SETUP_ENTRIES, root, memo)
-    if memo.changed:
-        _write_import_memo(memo.used)
+    if memo.parsed:
+        _write_import_memo(memo.kept(IMPORT_MEMO_ENTRIES))
     return digest
 
 
