@@ -138,12 +138,15 @@ class TreeWatch:
                 cpu += own + reaped
                 rss += kib
                 member = self.members.get(pid)
-                if member is None:
+                root = self.members.get(self.pid, {}).get("cmd")
+                if member is None or (pid != self.pid and member["cmd"] == root):
+                    # a child seen between its spawn and its exec still shows the parent's command line
                     try:
                         cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
                     except OSError:
                         cmd = ""
-                    member = self.members[pid] = {"cmd": cmd, "first": now, "rss_kib": 0}
+                    first, peak = (now, 0) if member is None else (member["first"], member["rss_kib"])
+                    member = self.members[pid] = {"cmd": cmd, "first": first, "rss_kib": peak}
                 member.update(cpu_s=own, last=now, rss_kib=max(member["rss_kib"], kib))
             if self.pid in stats:
                 self.samples.append((now, cpu, rss))

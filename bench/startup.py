@@ -22,7 +22,7 @@
    processes alive at once; then a replay of two rows --idle-seconds apart, whose CPU a second
    while nothing is due is the idle cost; then a burst of 8 rows of 30,000 tokens due at the same
    millisecond, alone and among sends every 20 ms, with the first tokenizer. Run it alone, it
-   needs no network:
+   needs no network (with --against TREE, TREE's replays alternate with this checkout's):
 
        .venv/bin/python bench/startup.py --costs [--cost-tokenizers qwen2,llama3,DIR] [--rows 250] [--seconds 60]
 
@@ -292,7 +292,7 @@ def write_idle_trace(path: Path, seconds: float) -> None:
 
 
 def bench_costs(names: list[str], apis: list[str], rows: int, seconds: float, runs: int, idle_seconds: float,
-                client: int | None, server: int | None, extra: list[str]) -> list[str]:
+                client: int | None, server: int | None, extra: list[str], against: Path | None = None) -> list[str]:
     """Each fixed cost of a run (issue 40), per tokenizer and api: `runs` replays of a `rows`-row,
     `seconds`-s trace, the first with an empty set-up cache (cold), the others warm; the warm runs'
     median is the figure. Then one replay of two rows `idle_seconds` apart for the idle CPU."""
@@ -312,25 +312,28 @@ def bench_costs(names: list[str], apis: list[str], rows: int, seconds: float, ru
             trace, idle_trace = tmp / "trace.jsonl", tmp / "idle.jsonl"
             write_trace(trace, rows, seconds)
             write_idle_trace(idle_trace, idle_seconds)
+            trees = [REPO] if against is None else [REPO, against]
             for api in apis:
-                results = []
+                results: dict[Path, list[dict]] = {tree: [] for tree in trees}
                 for k in range(runs):
-                    r = replay_once(tokenizer, sim.url, trace, tmp / "run.jsonl", tmp / "cache", client, extra,
-                                    api=api, watch=True)
-                    problems += r["problems"]
-                    results.append(r)
-                    print(f"  {name} {api} run {k + 1} ({'cold' if k == 0 else 'warm'}): "
-                          + ", ".join(f"{label} {r.get(key, float('nan')):.3f}" for key, label, _ in COST_COLUMNS)
+                    for t, tree in enumerate(trees):  # alternately, run for run: the host's load falls on both
+                        r = replay_once(tokenizer, sim.url, trace, tmp / "run.jsonl", tmp / f"cache-{t}", client, extra,
+                                        tree, api=api, watch=True)
+                        problems += r["problems"]
+                        results[tree].append(r)
+                        print(f"  {name} {api} run {k + 1} ({'cold' if k == 0 else 'warm'}{_named(tree, trees)}): "
+                              + ", ".join(f"{label} {r.get(key, float('nan')):.3f}" for key, label, _ in COST_COLUMNS)
+                              + f"  loadavg {os.getloadavg()[0]:.2f}", flush=True)
+                for t, tree in enumerate(trees):
+                    idle = replay_once(tokenizer, sim.url, idle_trace, tmp / "idle-run.jsonl", tmp / f"cache-{t}", client,
+                                       extra, tree, api=api, watch=True)
+                    problems += idle["problems"]
+                    warm = results[tree][1:] or results[tree]
+                    figures = {key: statistics.median(r.get(key, float("nan")) for r in warm) for key, _, _ in COST_COLUMNS}
+                    print(f"{name} {api} (warm median{_named(tree, trees)}): " + ", ".join(
+                          f"{label} {figures[key]:.3f}" for key, label, _ in COST_COLUMNS)
+                          + f", idle CPU {idle.get('idle_cpu_ms_s') or float('nan'):.2f} ms/s"
                           + f"  loadavg {os.getloadavg()[0]:.2f}", flush=True)
-                idle = replay_once(tokenizer, sim.url, idle_trace, tmp / "idle-run.jsonl", tmp / "cache", client, extra,
-                                   api=api, watch=True)
-                problems += idle["problems"]
-                warm = results[1:] or results
-                figures = {key: statistics.median(r.get(key, float("nan")) for r in warm) for key, _, _ in COST_COLUMNS}
-                print(f"{name} {api} (warm median): " + ", ".join(f"{label} {figures[key]:.3f}"
-                                                                   for key, label, _ in COST_COLUMNS)
-                      + f", idle CPU {idle.get('idle_cpu_ms_s') or float('nan'):.2f} ms/s"
-                      + f"  loadavg {os.getloadavg()[0]:.2f}", flush=True)
     return problems
 
 
@@ -414,7 +417,8 @@ def main() -> int:
     problems = []
     if args.costs:
         problems += bench_costs(args.cost_tokenizers.split(","), args.cost_apis.split(","), args.rows, args.seconds,
-                                args.cost_runs, args.idle_seconds, client, server, shlex.split(args.replay_args))
+                                args.cost_runs, args.idle_seconds, client, server, shlex.split(args.replay_args),
+                                args.against.resolve() if args.against else None)
         problems += bench_burst(args.cost_tokenizers.split(",")[0], client, server)
         args.no_set_up = args.no_replay = True
     if not args.no_set_up:
