@@ -416,6 +416,7 @@ class Dispatcher:
             except Exception as e:  # a row that cannot be built is a failed request, not a dead worker
                 logger.exception("row %d: cannot build the request", row.request_id)
                 self.bodies[pos] = e
+            steps.done()
             pos += 1
             gevent.sleep(0)
 

@@ -79,9 +79,15 @@ class BuildSteps:
         self._position = position
         self._step_started = time.thread_time()
 
+    def done(self) -> None:
+        """The build ended: its last step (a short row's whole build) counts as one."""
+        self._measure()
+
+    def _measure(self) -> None:
+        self.step_s = 0.8 * self.step_s + 0.2 * (time.thread_time() - self._step_started)
+
     def __call__(self) -> None:
-        took = time.thread_time() - self._step_started
-        self.step_s = 0.8 * self.step_s + 0.2 * took
+        self._measure()
         while self.next_position() != self._position and not self.clear(gap := self.next_due() - time.time()):
             gevent.sleep(max(gap, 0.0) + 0.0002)  # the send goes first, then the build goes on
         self._step_started = time.thread_time()
