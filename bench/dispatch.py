@@ -114,12 +114,13 @@ def runqueue_wait_ms(proc: subprocess.Popen, every: float = 0.05) -> float:
     return waited / 1e6
 
 
-def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None, tree: Path = REPO) -> dict:
-    """One replay of `trace` by `tree`'s locustfile and replay package."""
+def one_run(tokenizer: Path, url: str, trace: Path, out: Path, cpu: int | None, tree: Path = REPO,
+            extra: tuple[str, ...] = ()) -> dict:
+    """One replay of `trace` by `tree`'s locustfile and replay package; `extra`: more of its options."""
     usage = out.with_name(out.name + ".cpu")
     cmd = [sys.executable, "-c", LOCUST, str(usage), "-f", str(tree / "locustfile.py"), "--headless", "--host", url,
            "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
-           "--output", str(out), "--loglevel", "WARNING", "--only-summary"]
+           "--output", str(out), "--loglevel", "WARNING", "--only-summary", *extra]
     noise = timer_noise(cpu)
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     cpu_before = children_cpu()

@@ -2,7 +2,8 @@
 trace straight to a `replay sim` and through the proxy in front of it, alternately, `--runs`
 times each; the added TTFT (p50, p99, medians over the runs) and the proxy's CPU per request
 (the proxy's user+system time, and its recorder child's apart, read from /proc before and after
-the replay).
+the replay), and the time the proxy waited for a CPU (its run queue wait, from
+/proc/PID/schedstat), which is where its tail latency comes from on a busy machine.
 
 The rate is the sample trace's (258 requests over 61 s) times `--scale` (default 4: about 17
 requests/s, streamed); the sim answers as the demo's (TTFT 20 ms, 10 ms a token). The figures
@@ -56,10 +57,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def proxy_cpu(pid: int) -> tuple[float, float]:
-    """(the proxy's CPU seconds, its recorder child's)."""
+def proxy_cpu(pid: int) -> tuple[float, float, float]:
+    """(the proxy's CPU seconds, its recorder child's, the proxy's seconds waiting on a run queue:
+    runnable, not running)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return cpu_seconds(pid), sum(cpu_seconds(int(c)) for c in children)
+    waited = int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    return cpu_seconds(pid), sum(cpu_seconds(int(c)) for c in children), waited
+
+
+def cpu_pressure() -> str:
+    """The machine's load average and CPU pressure (share of time some task waited for a CPU)."""
+    load = os.getloadavg()[0]
+    try:
+        some = Path("/proc/pressure/cpu").read_text().split()[1].split("=")[1]
+    except (OSError, IndexError):
+        some = "?"
+    return f"load {load:.1f}, CPU pressure {some}%"
 
 
 def main() -> None:
@@ -80,20 +93,22 @@ def main() -> None:
                     started = proxy_cpu(proxy.proc.pid)
                     proxied.append(replay(proxy.url, tokenizer, tmp / "proxied.jsonl", args.scale))
                     ended = proxy_cpu(proxy.proc.pid)
-                    used = (ended[0] - started[0], ended[1] - started[1])
+                    used = [e - s for s, e in zip(started, ended)]
                 finally:
                     proxy.proc.send_signal(signal.SIGTERM)
                     proxy.stop()
-                cpu.append((used[0] / proxied[-1][2], used[1] / proxied[-1][2]))
-                print(f"run {run + 1}: direct TTFT p50 {direct[-1][0]:.2f} p99 {direct[-1][1]:.2f} ms; through the "
-                      f"proxy p50 {proxied[-1][0]:.2f} p99 {proxied[-1][1]:.2f} ms; CPU per request: proxy "
-                      f"{cpu[-1][0] * 1000:.2f} ms, recorder {cpu[-1][1] * 1000:.2f} ms", flush=True)
+                cpu.append(tuple(u / proxied[-1][2] for u in used))
+                print(f"run {run + 1} ({cpu_pressure()}): direct TTFT p50 {direct[-1][0]:.2f} p99 {direct[-1][1]:.2f} "
+                      f"ms; through the proxy p50 {proxied[-1][0]:.2f} p99 {proxied[-1][1]:.2f} ms; per request: proxy "
+                      f"CPU {cpu[-1][0] * 1000:.2f} ms, waiting for a CPU {cpu[-1][2] * 1000:.2f} ms, recorder CPU "
+                      f"{cpu[-1][1] * 1000:.2f} ms", flush=True)
     p50 = statistics.median(p[0] - d[0] for d, p in zip(direct, proxied))
     p99 = statistics.median(p[1] - d[1] for d, p in zip(direct, proxied))
     rate = 258 / 61.0 * args.scale
     print(f"at {rate:.1f} requests/s (sample trace x{args.scale:g}, streamed), median of {args.runs} runs: "
           f"added TTFT p50 {p50:+.2f} ms, p99 {p99:+.2f} ms; CPU per request: proxy "
-          f"{statistics.median(c[0] for c in cpu) * 1000:.2f} ms, recorder (off the forwarding path) "
+          f"{statistics.median(c[0] for c in cpu) * 1000:.2f} ms (waiting for a CPU "
+          f"{statistics.median(c[2] for c in cpu) * 1000:.2f} ms), recorder (off the forwarding path) "
           f"{statistics.median(c[1] for c in cpu) * 1000:.2f} ms")
 
 

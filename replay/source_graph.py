@@ -49,7 +49,7 @@ def _is_type_checking(test: ast.expr) -> bool:
 _BODIES = ("body", "orelse", "finalbody", "handlers", "cases")  # where statements hold statements
 
 
-def _statements(tree: ast.Module, in_functions: bool) -> Iterable[ast.stmt]:
+def _statements(tree: ast.Module, in_functions: bool) -> Iterable[ast.Import | ast.ImportFrom]:
     """The import statements that run: not under `if TYPE_CHECKING:`, and, without
     `in_functions`, not inside a function. Only statements are walked (an import is one), not
     the expressions in them: a tenth of the nodes."""

@@ -46,8 +46,10 @@ SERIAL_GROUPS = {
     "tests/test_e2e_vllm.py": "vllm_qwen2",
     "tests/test_vllm_parity.py": "vllm_qwen2",
     "tests/test_record_vllm.py": "vllm_qwen2",
+    "tests/test_server_time_vllm.py": "vllm_qwen2",
     "tests/test_verify_vllm.py": "vllm_llama3_class",
     "tests/test_cache_model_vllm.py": "vllm_small_cache",
+    "tests/test_otlp_vllm.py": "vllm_otlp",
 }
 
 
@@ -151,5 +153,6 @@ def vllm_qwen2(tmp_path_factory) -> Iterator[str]:
         return
     require_vllm()
     model = make_tiny_model(shared_path("tokenizers", "qwen2"), tmp_path_factory.mktemp("tiny-qwen2"))
-    with vllm_server(model, block_size=32, kv_cache_gib=1) as url:
+    # its answers carry vLLM's per-request timing: the records' server_* fields (tests/test_server_time_vllm.py)
+    with vllm_server(model, block_size=32, kv_cache_gib=1, extra_args=("--enable-per-request-metrics",)) as url:
         yield url

@@ -21,6 +21,7 @@ from replay.engine.capacity import (
     PASS,
     Probe,
     Search,
+    capacity_report,
     check_search,
     parse_range,
 )
@@ -162,18 +163,18 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
     holder: dict = {}
 
     def answer(row) -> int:
-        probes = holder["run"].coordinator.probes
+        probes = holder["run"].coordinator.policy
         probe = probes.probes[probes.probe_of(row.request_id)]
         if fault and probe.number in fault:
             return fault[probe.number]
         return 200 if probe.factor <= capacity else 429
 
     def late(row) -> float:
-        probes = holder["run"].coordinator.probes
+        probes = holder["run"].coordinator.policy
         return 0.05 if late_from is not None and probes.probes[probes.probe_of(row.request_id)].factor >= late_from else 0.0
 
     def cpu(client_id: str) -> float:
-        probes = holder["run"].coordinator.probes.probes
+        probes = holder["run"].coordinator.policy.probes
         return 95.0 if cpu_from is not None and probes and probes[-1].factor >= cpu_from else 20.0
 
     if workers == 1:
@@ -305,7 +306,7 @@ def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, caps
 
 def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, search_by="scale")
-    run.until(lambda: len(run.coordinator.probes.probes) >= 2)
+    run.until(lambda: len(run.coordinator.policy.probes) >= 2)
     records = run.end()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert len(records) == 40 * len(report["probes"])
@@ -317,7 +318,7 @@ def test_a_probe_a_stop_cut_off_is_stopped_not_a_fail(tmp_path):
     is under way. That probe is its own kind, neither a pass nor a fail; no capacity is claimed,
     and its goodput is over the rows it sent."""
     run, _ = search_run(tmp_path, capacity=3.0, workers=2, answer_first={1: 20 + 10})
-    run.until(lambda: len(run.coordinator.probes.probes) >= 2 and run.coordinator.probes.probes[1].recorded >= 50)
+    run.until(lambda: len(run.coordinator.policy.probes) >= 2 and run.coordinator.policy.probes[1].recorded >= 50)
     run.end()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [(p["factor"], p["verdict"]) for p in report["probes"]] == [(1.0, PASS), (2.0, STOPPED)]
@@ -356,7 +357,7 @@ def test_error_answers_that_are_not_the_loads_are_server_errors_not_a_capacity(t
 def test_on_outage_retry_repeats_the_probe_once_the_servers_answer_again(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0}, on_outage="retry")
     asked = []
-    run.coordinator.probes.servers_answer = lambda: asked.append(1) or len(asked) >= 3  # back at the third question
+    run.coordinator.policy.servers_answer = lambda: asked.append(1) or len(asked) >= 3  # back at the third question
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     probes = report["probes"]
@@ -369,7 +370,7 @@ def test_on_outage_retry_repeats_the_probe_once_the_servers_answer_again(tmp_pat
 
 def test_on_outage_retry_ends_the_search_when_the_repeat_is_an_outage_too(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0, 2: 0}, on_outage="retry")
-    run.coordinator.probes.servers_answer = lambda: True
+    run.coordinator.policy.servers_answer = lambda: True
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE, OUTAGE]
@@ -379,7 +380,7 @@ def test_on_outage_retry_ends_the_search_when_the_repeat_is_an_outage_too(tmp_pa
 
 def test_on_outage_retry_ends_the_search_when_the_servers_do_not_come_back(tmp_path):
     run, _ = search_run(tmp_path, capacity=3.0, fault={1: 0}, on_outage="retry")
-    run.coordinator.probes.servers_answer = lambda: False
+    run.coordinator.policy.servers_answer = lambda: False
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [p["verdict"] for p in report["probes"]] == [PASS, OUTAGE]
@@ -483,7 +484,7 @@ def test_an_amplify_search_sends_k_times_the_sessions_at_the_traces_pace(tmp_pat
 def lose_during(run, probe: int, client_id: str) -> None:
     """Cut `client_id` off as probe `probe` opens (its rows of the probe are never answered:
     search_run's `answer_first` holds them)."""
-    run.until(lambda: len(run.coordinator.probes.probes) > probe)
+    run.until(lambda: len(run.coordinator.policy.probes) > probe)
     run.hub.cut.add(client_id)
     run.gone.add(client_id)
 
@@ -513,7 +514,7 @@ def test_a_worker_stopped_by_a_signal_of_its_own_ends_the_search_without_an_answ
     """Not a capacity answer (its rows failing would read as the fleet's), nor a lost worker's
     probe repeated with the workers left: the search ends there, "worker stopped", exit 1."""
     run, fakes = search_run(tmp_path, capacity=3.0, workers=2, answer_first={1: 20})
-    run.until(lambda: len(run.coordinator.probes.probes) > 1)
+    run.until(lambda: len(run.coordinator.policy.probes) > 1)
     fakes[1].stopped(shared=shared)
     run.until(lambda: run.coordinator.finished.is_set())
     run.hub.cut.add("w1")
@@ -534,12 +535,12 @@ def test_a_workers_own_stop_is_not_lost_when_its_probe_fails_early_meanwhile(tmp
     the stronger fact (the probe lost the worker's sends), so the search ends "worker stopped",
     not "server errors", and its rows are not "probe failed early"."""
     run, fakes = search_run(tmp_path, capacity=3.0, workers=2, fault={1: 500}, answer_first={0: 20, 1: 20})
-    run.until(lambda: len(run.coordinator.probes.probes) > 1)  # 20 rows each at 1x: probe 1's are held
+    run.until(lambda: len(run.coordinator.policy.probes) > 1)  # 20 rows each at 1x: probe 1's are held
     fakes[1].stopped(shared=True)
     signalled = run.clock.now()
     run.until(lambda: run.clock.now() >= signalled + 1.0)
     fakes[0].release(100)  # the servers' errors, a second after the signal
-    run.until(lambda: run.coordinator.probes.probes[1].cut)
+    run.until(lambda: run.coordinator.policy.probes[1].cut)
     fakes[1].release(100)  # what it holds of the probe: the rows a cut would record "probe failed early"
     run.until(lambda: run.coordinator.finished.is_set())
     run.hub.cut.add("w1")
@@ -564,3 +565,52 @@ def test_a_worker_lost_during_the_repeat_too_ends_the_search_with_exit_code_1(tm
     assert report["result"] == WORKERS_LOST and report["bracket"] == [1.0, None]
     assert run.exit_codes == [1]
     assert "workers were lost during a probe and again during its repeat" in capsys.readouterr().out
+
+
+def _timed(ttft: float, queue: float, prefill: float, rest_ms: float = 1.0) -> dict:
+    """An ok record of a server that tells its own times: client TTFT = queue + prefill + rest."""
+    return {"request_id": 0, "ok": True, "status": 200, "sent_at": 1.0, "output_length": 2, "output_tokens": 2,
+            "ttft_ms": ttft + rest_ms, "tpot_ms": 1.0, "e2e_ms": ttft + rest_ms + 5.0, "drift_ms": 0.1,
+            "server_queue_ms": queue, "server_prefill_ms": prefill, "server_decode_ms": 5.0,
+            "server_ttft_ms": queue + prefill, "server_timing_source": "answer"}
+
+
+@pytest.mark.parametrize("failing, grew", [
+    (lambda: _timed(90.0, 70.0, 20.0), "queue"),  # waited for a slot
+    (lambda: _timed(90.0, 0.0, 90.0), "prefill"),  # slower prefill
+    (lambda: _timed(20.0, 0.0, 20.0, rest_ms=71.0), "neither: client or network"),  # the server as fast as before
+])
+def test_a_failing_probe_says_which_part_of_the_time_grew(failing, grew):
+    """Against the largest passing probe below it, from the servers' own times (replay.results.server_time)."""
+    slo = {"ttft_ms": 50.0}
+    search = Search(1.0, 8.0, 0.05)
+    passed, failed = (Probe(n, factor, rows=10, slo=slo, target=0.9) for n, factor in ((0, 1.0), (1, 2.0)))
+    for _ in range(10):
+        passed.add(_timed(20.0, 0.0, 20.0))
+        failed.add(failing())
+    search.add(1.0, passed.verdict == PASS)
+    search.add(2.0, failed.verdict == PASS)
+    report = capacity_report(search, [passed, failed], slo=slo, target=0.9, search_by="amplify", precision=0.05,
+                             seconds=1.0)
+    why = report["failed_because"]
+    assert why["against_probe"] == 0 and why["figure"] == "ttft_ms" and why["grew_most"] == grew, why
+    assert why["growth_ms"]["client"] == pytest.approx(70.0)
+    assert report["probes"][1]["why_failed"] == why and "why_failed" not in report["probes"][0]
+    part = "rest" if grew.startswith("neither") else grew
+    assert quotable_line({**report, "result": FOUND}).endswith(
+        f"grew most ({why['growth_ms'][part]:+.0f} ms of +70 ms mean TTFT)")
+
+
+def test_a_failing_probe_without_the_servers_times_says_nothing_of_why():
+    slo = {"e2e_ms": 50.0}
+    search = Search(1.0, 8.0, 0.05)
+    passed, failed = (Probe(n, factor, rows=10, slo=slo, target=0.9) for n, factor in ((0, 1.0), (1, 2.0)))
+    for _ in range(10):
+        passed.add({**_timed(20.0, 0.0, 20.0), "server_timing_source": None})
+        failed.add({**_timed(90.0, 70.0, 20.0), "server_timing_source": None})
+    search.add(1.0, True)
+    search.add(2.0, False)
+    report = capacity_report(search, [passed, failed], slo=slo, target=0.9, search_by="amplify", precision=0.05,
+                             seconds=1.0)
+    assert report["failed_because"] is None and report["probes"][1]["why_failed"] is None
+    assert quotable_line({**report, "result": FOUND}).endswith("e2e_ms <= 50 ms")

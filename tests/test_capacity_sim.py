@@ -54,7 +54,8 @@ def client_limited(report: dict) -> None:
 @pytest.fixture(scope="module")
 def slow_sim(toy_tokenizer_dir):
     with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", str(TTFT_MS), "--itl-ms",
-                     str(ITL_MS), "--prefill-ms-per-1k", "0", "--max-num-seqs", str(SEQS)) as server:
+                     str(ITL_MS), "--prefill-ms-per-1k", "0", "--max-num-seqs", str(SEQS),
+                     "--per-request-metrics") as server:  # its queue time in each answer: why a probe failed
         yield server
 
 
@@ -83,6 +84,18 @@ def search(search_run) -> dict:
         client_limited(report)
     assert report["result"] == "found", report
     return report
+
+
+def test_a_failing_probe_says_the_servers_queue_grew(search):
+    """Past --max-num-seqs the sim's requests wait for a slot: the failing end of the bracket
+    failed on the server's queue time, which its answers told (replay sim --per-request-metrics)."""
+    why = search["failed_because"]
+    assert why and why["figure"] == "ttft_ms" and why["grew_most"] == "queue", why
+    assert why["growth_ms"]["queue"] > why["growth_ms"]["prefill"] and why["growth_ms"]["queue"] > 0, why
+    worst = next(p for p in search["probes"] if p["factor"] == search["bracket"][1] and p.get("why_failed"))
+    assert worst["why_failed"] == why and worst["server_timing"]["requests_lacking_server_timing"] == 0
+    passed = next(p for p in search["probes"] if p["probe"] == why["against_probe"])
+    assert passed["verdict"] == "pass" and passed["factor"] == search["bracket"][0]
 
 
 def separate_run(folder, tokenizer, url: str, factor: float) -> float:
@@ -157,6 +170,10 @@ def test_replay_report_reads_what_a_real_search_wrote(folder, search_run, tmp_pa
     assert f'<p id="capacity"><b>{html.escape(line)}</b></p>' in text
     figures = re.findall(r'<figure id="plot-([\w-]+)" class="plot">', text)
     assert figures[0] == "capacity"
+    capacity_plot = text[text.index('<figure id="plot-capacity"') :].split("</figure>")[0]
+    assert "server queue p99" in capacity_plot  # the sim tells its queue time: each probe's is drawn
+    if search_run[0]["result"] == "found":
+        assert "the servers' queue grew most" in line, line
     # the text report leads with the same line and the probes, and says its figures pool them
     head = proc.stdout.split("\n")
     assert head[0] == line, proc.stdout[:2000]

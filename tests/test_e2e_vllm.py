@@ -32,7 +32,7 @@ from replay.synth.prompts import PromptSynthesizer
 from replay.synth.tokenizer import ServerTokenizer
 from support.paths import shared_path
 from support.processes import run_locust
-from support.records import counter_change, server_samples
+from support.records import check_answer_timing, counter_change, server_samples
 from support.traces import mooncake_slice
 from support.vllm import reset_prefix_cache
 
@@ -70,6 +70,8 @@ def replay(url: str, trace: Path, tokenizer_dir: Path, api: str, output: Path, *
     assert sorted(r["request_id"] for r in records) == list(range(ROWS))
     failed = [r for r in records if not r["ok"]]
     assert not failed, failed[:3]
+    for r in records:  # vllm_qwen2 runs with --enable-per-request-metrics: every answer's own times
+        check_answer_timing(r)
     # --verify-server (default auto): vLLM counted the sample exactly as the unchanged tokenizer does
     [check] = read_run_metadata(output)["server_check"]["endpoints"]
     assert check["ok"] and check["method"] == "tokenize" and check["prompts"] >= 20, check

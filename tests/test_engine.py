@@ -18,7 +18,7 @@ from replay.engine.dispatcher import Dispatcher
 from replay.engine.options import ReplayOptions
 from replay.engine.transport import LOCAL_CLIENT, LocalLink
 from replay.results.metadata import read_run_metadata
-from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, read_records
+from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_FAILED, read_records
 from replay.rules.run_files import meta_path, summary_path, worker_path
 from replay.run import driver, preflight
 from support.records import check_records
@@ -90,8 +90,8 @@ def test_a_stop_records_each_request_once(tmp_path, fast_sim, toy_tokenizer_dir)
     coordinator.begin([(LOCAL_CLIENT, 0)])
     assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
     gevent.spawn(coordinator.end).join(timeout=60)
-    part.sends.join(timeout=60)  # every reader has ended; what they recorded goes to the file now
-    part.take_records()
+    part.replay.sends.join(timeout=60)  # every reader has ended; what they recorded goes to the file now
+    part.replay.take_records()
 
     own = list(read_records(worker_path(output, 0)))
     assert sorted(r["request_id"] for r in own) == list(range(rows))
@@ -134,6 +134,40 @@ def test_a_lost_start_message_is_sent_again(tmp_path, sim, toy_tokenizer_dir, lo
     gevent.spawn(coordinator.end).join(timeout=60)
     assert link.lose == ""  # the message was lost once
     check_records(output, trace)
+
+
+class PlanTwice(LocalLink):
+    """LocalLink that delivers each PLAN twice (as when its ack was lost: the master sends it again)."""
+
+    def to_worker(self, client_id: str, msg_type: str, data) -> None:
+        super().to_worker(client_id, msg_type, data)
+        if msg_type == messages.PLAN:
+            super().to_worker(client_id, msg_type, data)
+
+
+def test_a_worker_that_cannot_take_its_plan_fails_its_rows(tmp_path, sim, toy_tokenizer_dir, monkeypatch):
+    """A --header variable the master's host has and a worker's has not: the worker's replay is
+    built from the plan, and cannot be. It says why (READY), once, though the plan comes twice:
+    the master records its rows as the worker's failure, with that line, and does not wait for it."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=10, gap_ms=20)
+    output = tmp_path / "run.jsonl"
+    monkeypatch.setenv("REPLAY_TEST_WORKER_TOKEN", "t")
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output), header=["X-Token: $REPLAY_TEST_WORKER_TOKEN"])
+    link = PlanTwice()
+    readies: list[messages.Ready] = []
+    part = Dispatcher(link, local=True)
+    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=part)
+    on_ready = link.handlers[messages.READY]
+    link.on(messages.READY, lambda data, sender: (readies.append(data), on_ready(data, sender)))
+    monkeypatch.delenv("REPLAY_TEST_WORKER_TOKEN")  # the worker's host
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    assert coordinator.finished.wait(timeout=30), f"{coordinator.recorded} of {coordinator.total} rows recorded"
+    gevent.spawn(coordinator.end).join(timeout=60)
+    assert part.replay is None
+    error = "--header X-Token: $REPLAY_TEST_WORKER_TOKEN is not set on this host"
+    assert readies == [{"worker": 0, "error": error}]
+    assert {r["error"] for r in read_records(output)} == {f"{WORKER_FAILED}: {error}"}
 
 
 def test_a_lost_abort_is_sent_again(tmp_path, sim, toy_tokenizer_dir):

@@ -286,6 +286,10 @@ def test_a_server_lying_about_prompt_tokens_is_found_out_by_its_counters(tmp_pat
     # the summary's note on the difference says it once, and names the false usage, not other traffic
     notes = [line for line in proc.stdout.splitlines() if "prompt tokens against the records" in line]
     assert len(notes) == 1 and "usage is false" in notes[0] and "other traffic" not in notes[0], notes
+    summary = json.loads(summary_path(output).read_text())  # the JSON says what the printed line says
+    server_notes = [e["note"] for e in (*summary["server"]["endpoints"].values(), summary["server"]["total"])]
+    assert any("usage is false" in (n or "") for n in server_notes), server_notes
+    assert not any("other traffic" in (n or "") for n in server_notes), server_notes
 
 
 def test_a_broken_prompt_is_prompt_differs_and_unfaithful(tmp_path, toy_tokenizer_dir, monkeypatch):
@@ -490,3 +494,41 @@ def test_hits_from_other_clients_of_the_server_are_a_shared_server():
                                  "other traffic (300 prompt tokens the run did not send)"]
     alone = certify(records, cache, server=server_section(sent, sent, 96, 96))  # no other traffic: unexplained
     assert alone["verdict"] == UNFAITHFUL and alone["failing"] == ["cache: 2 requests unexplained (needs 0)"]
+
+
+# -- the client's TTFT against the server's own (replay.rules.server_timing) -------------------------
+
+
+def timed_sends(excess_ms: list[float], source: str) -> list[dict]:
+    """On-time sends whose client TTFT is the server's own plus `excess_ms` (the rest)."""
+    out = sends([0.2] * len(excess_ms))
+    for r, excess in zip(out, excess_ms):
+        r.update(ttft_ms=40.0 + excess, server_queue_ms=10.0, server_prefill_ms=30.0, server_ttft_ms=40.0,
+                 server_timing_source=source)
+    return out
+
+
+def test_a_client_ttft_far_over_a_spans_is_the_clients_or_the_networks():
+    near = certify(timed_sends([2.0] * 200, "span"))
+    assert near["verdict"] == FAITHFUL and near["failing"] == [], near["failing"]
+    assert near["server_ttft"] == {"compared": {"span": 200}, "bound_ms": 50.0, "over_bound": {}, "over_worst": [],
+                                   "server_over_client": 0}
+    slow = certify(timed_sends([2.0] * 197 + [80.0, 90.0, 120.0], "span"))  # 3 of 200: over 1%
+    assert slow["verdict"] == UNFAITHFUL
+    assert slow["failing"] == ["server TTFT: 3 of 200 requests' TTFT exceeds the server's own (its trace span's, from "
+                               "its arrival) by > 50 ms (needs <= 1%): their TTFT is the client's or the network's, "
+                               "not the server's"]
+    assert [w["request_id"] for w in slow["server_ttft"]["over_worst"]] == [199, 198, 197]
+    assert certify(timed_sends([2.0] * 199 + [80.0], "span"))["verdict"] == FAITHFUL  # 1 of 200: within 1%
+    text = "\n".join(format_certificate(slow, 50))
+    assert "Client TTFT over server's by > 50 ms:    3 of 200" in text and "request 199: client 160.0 ms" in text
+
+
+def test_an_answers_ttft_leaves_out_the_front_end_so_the_excess_is_not_judged():
+    cert = certify(timed_sends([200.0] * 50, "answer"))  # a front end tokenizing long prompts: not the client
+    assert cert["verdict"] == FAITHFUL and cert["server_ttft"]["over_bound"] == {"answer": 50}
+    assert any(u.startswith("server TTFT: 50 requests' server TTFT is their answers'") for u in cert["unchecked"])
+    impossible = certify(timed_sends([-5.0] * 3 + [1.0] * 10, "answer"))
+    assert impossible["server_ttft"]["server_over_client"] == 3
+    assert any("cannot be true" in u for u in impossible["unchecked"])
+    assert certify(sends([0.2] * 20))["server_ttft"]["compared"] == {}  # no server times: nothing said

@@ -34,7 +34,9 @@ class VariedWorker(FakeWorker):
         for r in records:
             if r["ok"]:
                 i = r["request_id"]
-                r.update(ttft_ms=5.0 + i, tpot_ms=1.0 + i / 10, e2e_ms=10.0 + 2 * i, finished_at=r["sent_at"] + 0.01 * i)
+                r.update(ttft_ms=5.0 + i, tpot_ms=1.0 + i / 10, e2e_ms=10.0 + 2 * i, finished_at=r["sent_at"] + 0.01 * i,
+                         server_queue_ms=i / 2, server_prefill_ms=3.0, server_decode_ms=4.0, server_ttft_ms=i / 2 + 3.0,
+                         server_timing_source="answer")  # the server's own queue grows with the row too
         super()._ship(records)
 
 
@@ -53,6 +55,7 @@ def test_the_finished_view_shows_the_whole_run_as_the_summary(tmp_path):
     stats.tick()
     window_ttft = [5.0 + i for i in range(ROWS // 2, ROWS)]
     assert stats.latest["ttft_p99_ms"] == round(percentile(window_ttft, 99), 3)
+    assert stats.latest["server_queue_p99_ms"] == round(percentile([i / 2 for i in range(ROWS // 2, ROWS)], 99), 3)
     live = stats.snapshot()
     assert live["run"]["latest_over"] == "window"
     (worker, everyone) = tab_rows(live)
@@ -73,6 +76,7 @@ def test_the_finished_view_shows_the_whole_run_as_the_summary(tmp_path):
     assert final["latest"]["ttft_p99_ms"] == round(percentile([5.0 + i for i in range(ROWS)], 99), 3)
     assert final["latest"]["ttft_p99_ms"] != round(percentile(window_ttft, 99), 3)
     assert final["latest"]["in_flight"] == 0
+    assert final["latest"]["server_queue_p50_ms"] == round(percentile([i / 2 for i in range(ROWS)], 50), 3)
     (worker, everyone) = tab_rows(final)
     assert everyone["drift_p99_ms"] == worker["drift_p99_ms"] == final["latest"]["drift_p99_ms"]
     assert everyone["failed"] == worker["failed"] == 0 and everyone["rows_sent"] == worker["rows_sent"] == ROWS

@@ -44,6 +44,15 @@ def test_a_refusal_releases_the_output(tmp_path, toy_tokenizer_dir):
     assert not lock_path(tmp_path / "run.jsonl").exists()
 
 
+def test_a_search_whose_probe_window_is_empty_names_the_probe_duration(tmp_path, toy_tokenizer_dir):
+    """A search's probe replays --probe-duration seconds, not --duration: the refusal names the
+    option the user must change."""
+    options = options_for(tmp_path, toy_tokenizer_dir, capacity_search=True, slo="ttft_ms=100",
+                          probe_duration=1.0, start=3600)
+    with pytest.raises(ValueError, match=r"no rows to replay in the window \(--start 3600.*--probe-duration 1,"):
+        preflight.load(options, "http://127.0.0.1:9")
+
+
 def test_the_server_check_off_asks_nothing(tmp_path, toy_tokenizer_dir):
     """--verify-server off asks no server to count; what each serves is checked all the same."""
     spec = preflight.load(options_for(tmp_path, toy_tokenizer_dir, verify_server="off"), "http://127.0.0.1:9")

@@ -4,12 +4,14 @@ HTTP clients and real replays through it (docs/record.md)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import pytest
 import requests
 from test_disk_full import PAGE, fill, small_disk  # noqa: F401 (small_disk: its fixture, a real full disk)
 
+from replay.results.compare import load_run
+from replay.results.recorded_pair import recorded_pairs
 from replay.results.records import read_records
 from replay.sim.process import sim_process
 from replay.synth.prompts import set_up
@@ -24,7 +28,15 @@ from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.reader import read_trace
 from support.processes import replay_args, run_locust
 from support.record import RecordProcess
-from support.traces import BLOCK, bailian_trace, leading_common, mooncake_slice, mooncake_trace
+from support.traces import (
+    BLOCK,
+    bailian_trace,
+    expected_shared,
+    leading_common,
+    mooncake_slice,
+    mooncake_trace,
+    write_jsonl,
+)
 from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -184,18 +196,6 @@ def test_sigterm_lets_requests_in_flight_finish_and_closes_the_trace(toy_tokeniz
 # -- the round trip -----------------------------------------------------------------------------
 
 
-def expected_shared(ti, tj, before: int, overhead: int) -> int:
-    """The rule when the template frame moves block boundaries: the server's prompts are `before`
-    frame tokens, the rows' contents (their blocks of the trace, cut to input_length - overhead)
-    and the frame's end; they agree on `before` + the shared content, and share the whole blocks
-    of that (all of their ids when the prompts are the same)."""
-    if list(ti.hash_ids) == list(tj.hash_ids) and ti.input_length == tj.input_length:
-        return -(-ti.input_length // BLOCK)
-    content = min(leading_common(ti.hash_ids, tj.hash_ids) * BLOCK, ti.input_length - overhead,
-                  tj.input_length - overhead)
-    return (before + content) // BLOCK
-
-
 def paired(out: Path, rows_in_t: int) -> list[int]:
     """Which T row each T' row is (`--id-header X-Request-Id`: the replay's <run id>-<request id>):
     rows T sends at the same instant may reach the proxy either way round."""
@@ -319,6 +319,78 @@ def test_an_upstream_too_slow_gets_a_504_and_a_marked_row(toy_tokenizer_dir, tmp
     assert row["status"] == 504 and row["error"].startswith("the upstream did not answer: timed out")
 
 
+class NaglingUpstream:
+    """A streaming server as a plain socket server is by default (Nagle on, no TCP_NODELAY): each
+    answer's head at once, its first event `ttft_s` later, then the end. Its first event leaves
+    only once the head is acknowledged, so a receiver that delays its ACKs delays the event."""
+
+    def __init__(self, ttft_s: float):
+        self.ttft_s = ttft_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the recorder's /tokenize calls too, cut when the proxy stops
+            self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        data = b""
+        while True:
+            while b"\r\n\r\n" not in data:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                data += more
+            head, data = data.split(b"\r\n\r\n", 1)
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            while len(data) < length:
+                data += conn.recv(65536)
+            data = data[length:]
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            time.sleep(self.ttft_s)
+            for event in (b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', b"data: [DONE]\n\n"):
+                conn.sendall(b"%x\r\n%b\r\n" % (len(event), event))
+            conn.sendall(b"0\r\n\r\n")
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.alone  # times the first event to a few ms
+def test_the_proxy_acknowledges_at_once_so_an_upstream_s_nagle_adds_nothing(tmp_path):
+    """Requests one after another on one kept-alive connection, through the proxy to a server
+    that streams with Nagle on: each first event arrives its TTFT after the request, not held
+    until the proxy's delayed ACK of the answer's head (up to 40 ms later)."""
+    upstream = NaglingUpstream(ttft_s=0.02)
+    late = []
+    try:
+        with RecordProcess(upstream.url, tmp_path / "t.jsonl", "--block-size", "16") as proxy, \
+                requests.Session() as session:
+            for _ in range(30):
+                started = time.perf_counter()
+                with session.post(proxy.url + COMPLETIONS, json={"model": "m", "prompt": "x", "stream": True},
+                                  stream=True, timeout=10) as answer:
+                    lines = answer.iter_lines()
+                    next(line for line in lines if line.startswith(b"data: {"))
+                    late.append((time.perf_counter() - started - 0.02) * 1000.0)
+                    for _ in lines:
+                        pass
+    finally:
+        upstream.close()
+    late.sort()
+    assert late[len(late) // 2] < 8.0, [round(x, 1) for x in late]  # held for an ACK: every one 20-24 ms late
+
+
 # -- replay trace anonymize ---------------------------------------------------------------------
 
 
@@ -384,6 +456,75 @@ def test_anonymize_refuses_a_log_it_cannot_read_naming_the_line(toy_tokenizer_di
     assert done.stderr.strip() == f"replay trace anonymize: {log}:2: field 'startTime': expected unix seconds, got 'soon'"
     done = anonymize(log, tmp_path / "out.jsonl")
     assert done.returncode == 2 and "--tokenizer or --tokenize-url" in done.stderr
+
+
+def test_anonymize_of_an_openai_batch_gives_the_recorded_trace_but_its_times(sim, tmp_path):
+    """The same requests through the proxy, and as a Batch API job's input and output files (the
+    answers the sim gave them, wrapped as the Batch API returns them, out of order, and a failed
+    request as its error file has it): the same rows but for the arrival times, which a batch has
+    only as each completion's `created`."""
+    first = [{"role": "user", "content": "the first question " * 3}]
+    bodies = {"c1": {"model": "sim", "messages": first, "max_tokens": 5},
+              "c3": {"model": "sim", "prompt": "complete this " * 4, "max_tokens": 3}}
+    salt = tmp_path / "salt"
+    salt.write_bytes(b"b" * 32)
+    recorded = tmp_path / "recorded.jsonl"
+    answers = {}
+    with RecordProcess(sim.url, recorded, "--salt-file", str(salt)) as proxy:
+        answers["c1"] = chat(proxy.url, first, max_tokens=5).json()
+        bodies["c2"] = {"model": "sim", "max_tokens": 4,
+                        "messages": [*first, answers["c1"]["choices"][0]["message"], {"role": "user", "content": "so?"}]}
+        answers["c2"] = chat(proxy.url, bodies["c2"]["messages"], max_tokens=4).json()
+        answers["c3"] = requests.post(proxy.url + COMPLETIONS, json=bodies["c3"], timeout=30).json()
+    batch_input = tmp_path / "batch_input.jsonl"
+    bodies["c4"] = {"model": "sim", "messages": first, "max_tokens": 2}  # c1 again, which failed
+    batch_input.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": CHAT if k != "c3" else
+                                               COMPLETIONS, "body": bodies[k]}) + "\n" for k in ("c1", "c2", "c3", "c4")))
+    created = {"c1": 1_700_000_000, "c2": 1_700_000_002, "c3": 1_700_000_007}
+    output = tmp_path / "batch_output.jsonl"
+    lines = [{"id": f"batch_req_{k}", "custom_id": k, "error": None,
+              "response": {"status_code": 200, "request_id": f"r{k}", "body": {**answers[k], "created": created[k]}}}
+             for k in ("c3", "c1", "c2")]  # a batch's output is in no particular order
+    lines.append({"id": "batch_req_c4", "custom_id": "c4", "response": None,
+                  "error": {"code": "batch_expired", "message": "This request could not be executed"}})
+    output.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "anonymized.jsonl"
+    done = anonymize(output, out, "--batch-input", batch_input, "--tokenize-url", sim.url, "--salt-file", salt)
+    assert done.returncode == 0, done.stderr
+    made, seen = rows(out), rows(recorded)
+    # c4 (failed: no `created`) at the batch's first, after c1 there by the input file's order
+    assert [r["timestamp"] for r in made] == [0.0, 0.0, 2000.0, 7000.0]
+    assert made[1]["error"] == "batch_expired: This request could not be executed" and made[1]["status"] == 500
+    assert made[1]["hash_ids"] == made[0]["hash_ids"] and made[2]["gap_ms"] == 2000.0
+    assert [{k: v for k, v in r.items() if k not in ("timestamp", "gap_ms", "session_id")} for r in made[::2] + made[3:]] \
+        == [{k: v for k, v in r.items() if k not in ("timestamp", "gap_ms", "session_id")} for r in seen]
+    assert [(r["session_id"], r["turn"]) for r in made] == [(0, 0), (1, 0), (0, 1), (2, 0)]
+    assert json.loads(Path(f"{out}.meta.json").read_text())["log_format"] == "openai-batch"
+    assert "question" not in out.read_text()
+
+
+def test_anonymize_of_an_openai_batch_refuses_what_it_cannot_join(sim, tmp_path):
+    batch_input, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    batch_input.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+                           '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n')
+    output.write_text('{"custom_id": "b", "response": null, "error": {"code": "x", "message": "y"}}\n')
+    for extra, message in (
+        ([], "give the batch's input file as --batch-input"),
+        (["--batch-input", batch_input], f"{batch_input}:2: field 'custom_id': 'a' repeats line 1"),
+    ):
+        done = anonymize(output, tmp_path / "t.jsonl", "--tokenize-url", sim.url, *extra)
+        assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, \
+            done.stderr
+    batch_input.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n')
+    done = anonymize(output, tmp_path / "t.jsonl", "--tokenize-url", sim.url, "--batch-input", batch_input)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"replay trace anonymize: {output}:1: field 'custom_id': 'b' is not in {batch_input}"
+    done = anonymize(batch_input, tmp_path / "t.jsonl", "--tokenize-url", sim.url, "--batch-input", batch_input)
+    assert done.returncode == 2 and "a batch's INPUT file" in done.stderr
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"arrival": 1, "answer": {}}\n')
+    done = anonymize(raw, tmp_path / "t.jsonl", "--tokenize-url", sim.url, "--batch-input", batch_input)
+    assert done.returncode == 2 and "--batch-input is for --from openai-batch" in done.stderr
 
 
 # -- refusals and the edges of forwarding -------------------------------------------------------
@@ -481,6 +622,75 @@ def test_sessions_named_by_the_client_win_over_continuation(sim, tmp_path):
         chat(proxy.url, [{"role": "user", "content": "d"}])  # no name: continuation's rule
     assert [(r["session_id"], r["turn"]) for r in rows(out)] == [(0, 0), (1, 0), (0, 1), (2, 0)]
     assert "alice" not in out.read_text()
+
+
+def compare_runs(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay", "compare", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_compare_pairs_a_replay_of_the_recorded_trace_with_the_run_it_was_recorded_from(sim, toy_tokenizer_dir,
+                                                                                           tmp_path):
+    """T's rows are out of time order in its file, so T' (in arrival order) has them in another
+    order: row k of T' is not row k of T. `replay compare` pairs the replay of T' with the replay
+    of T through the recording's client_request_id, with no option, and only then."""
+    rows_in_t = 12
+    lengths = [40 + 9 * i for i in range(rows_in_t)]
+    times = [60.0 * ((5 * i) % rows_in_t) for i in range(rows_in_t)]  # a permutation of 0, 60, ... ms
+    trace = write_jsonl(tmp_path / "t.jsonl", [{"timestamp": times[i], "input_length": lengths[i], "output_length": 3,
+                                                "hash_ids": [1000 * i + k for k in range(-(-lengths[i] // BLOCK))]}
+                                               for i in range(rows_in_t)])
+    runs = {}
+    for name, extra in (("paired", ["--id-header", "X-Request-Id"]), ("unnamed", [])):
+        recorded = tmp_path / f"{name}.jsonl"
+        with RecordProcess(sim.url, recorded, *extra) as proxy:
+            run_locust(replay_args(trace, toy_tokenizer_dir, proxy.url, tmp_path / f"run-t-{name}.jsonl", "--api",
+                                   "openai-completions"), tmp_path)
+        run_locust(replay_args(recorded, toy_tokenizer_dir, sim.url, tmp_path / f"run-t2-{name}.jsonl", "--api",
+                               "openai-completions"), tmp_path)
+        runs[name] = (tmp_path / f"run-t-{name}.jsonl", tmp_path / f"run-t2-{name}.jsonl")
+    assert [json.loads(line)["input_length"] for line in (tmp_path / "paired.jsonl").read_text().splitlines()] \
+        == [lengths[i] for i in sorted(range(rows_in_t), key=times.__getitem__)]  # T' is in another order
+    done = compare_runs(*runs["paired"], "--json", tmp_path / "compare.json")
+    assert done.returncode == 0, done.stderr
+    assert f"{rows_in_t} rows matched" in done.stdout and "paired through the recording: " in done.stdout
+    assert "differs" not in done.stdout
+    # each pair is one request: its prompt tokens (the server's count) agree
+    base, new = load_run(str(runs["paired"][0])), load_run(str(runs["paired"][1]))
+    assert list(recorded_pairs([base, new])) == [1]
+    assert sorted(zip(new.ids, new.prompt)) == sorted(zip(base.ids, base.prompt))
+    # without the replay's ids in T' nothing says which row is which: refused, as any two traces
+    done = compare_runs(*runs["unnamed"])
+    assert done.returncode == 2 and "trace fingerprint (sha256)" in done.stderr, done.stderr
+    # T' at another pace than the recording's is another experiment
+    run_locust(replay_args(tmp_path / "paired.jsonl", toy_tokenizer_dir, sim.url, tmp_path / "run-t2-fast.jsonl",
+                           "--api", "openai-completions", "--scale", "2"), tmp_path)
+    done = compare_runs(runs["paired"][0], tmp_path / "run-t2-fast.jsonl")
+    assert done.returncode == 2 and "at --scale 2.0: only 1 replays the recorded run's pace" in done.stderr, \
+        done.stderr
+
+
+def test_a_recorded_trace_replayed_after_answer_keeps_the_recorded_think_time(sim, toy_tokenizer_dir, tmp_path):
+    """T' replayed by a real `replay run --turn-timing after-answer`: each later turn is due its
+    row's `gap_ms` after its previous turn's answer ended (the arrival gap also holds the answer)."""
+    trace = bailian_trace(tmp_path / "t.jsonl", sessions=3, turns=3, gap_s=0.1)
+    out = tmp_path / "recorded.jsonl"
+    with RecordProcess(sim.url, out, "--session-header", "X-Session-Id") as proxy:
+        run_locust(replay_args(trace, toy_tokenizer_dir, proxy.url, tmp_path / "run-t.jsonl", "--session-header",
+                               "X-Session-Id", "--api", "openai-chat"), tmp_path)
+    recorded = rows(out)
+    run_locust(replay_args(out, toy_tokenizer_dir, sim.url, tmp_path / "run-t2.jsonl", "--api", "openai-chat",
+                           "--turn-timing", "after-answer", "--partition", "session"), tmp_path)
+    records = {r["request_id"]: r for r in read_records(tmp_path / "run-t2.jsonl")}
+    previous: dict[int, int] = {}
+    checked = 0
+    for i, row in enumerate(recorded):
+        if row["session_id"] in previous:
+            before = records[previous[row["session_id"]]]
+            assert records[i]["due_at"] == pytest.approx(before["finished_at"] + row["gap_ms"] / 1000.0, abs=1e-6)
+            checked += 1
+        previous[row["session_id"]] = i
+    assert checked == 6
 
 
 def test_without_tokenize_the_tokenizer_counts_and_without_either_the_row_says_so(toy_tokenizer_dir, tmp_path):

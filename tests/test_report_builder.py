@@ -102,8 +102,44 @@ def old_endpoint_breakdown(records: list[dict]) -> dict:
             entry[key] = {"p50": old_percentile(values, 50), "p99": old_percentile(values, 99)}
         entry["prompt_tokens"] = sum(r.get("prompt_tokens") or 0 for r in recs)
         entry["cached_tokens"] = sum(r.get("cached_tokens") or 0 for r in recs)
+        entry["server_timing"] = old_server_timing(recs)
         out[endpoint] = entry
     return out
+
+
+def old_server_timing(records: list[dict]) -> dict:
+    """replay.results.server_time's section, from the whole list: each split's columns per record."""
+    ok = [r for r in records if r.get("ok")]
+    timed = [r for r in ok if r.get("server_timing_source") is not None]
+    section = {"requests_ok": len(ok), "requests_with_server_timing": len(timed),
+               "requests_lacking_server_timing": len(ok) - len(timed),
+               "by_source": dict(sorted(Counter(r["server_timing_source"] for r in timed).items())),
+               "requests_timing_problem": sum(1 for r in records if r.get("server_timing_problem"))}
+    for figure, parts in (("ttft_ms", ("queue", "prefill", "server_other", "rest")),
+                          ("e2e_ms", ("queue", "prefill", "decode", "server_other", "rest"))):
+        rows = []
+        for r in timed:
+            named = {"queue": r["server_queue_ms"], "prefill": r["server_prefill_ms"]}
+            if figure == "ttft_ms":
+                server = r["server_ttft_ms"]
+            else:
+                named["decode"] = r["server_decode_ms"]
+                server = r["server_e2e_ms"]
+                if server is None and None not in named.values():
+                    server = sum(named.values())
+            if r[figure] is None or server is None or None in named.values():
+                continue
+            rows.append({"client": r[figure], "server": server, **named,
+                         "server_other": server - sum(named.values()), "rest": r[figure] - server})
+        out: dict = {"requests": len(rows)}
+        for name in ("client", "server", *parts):
+            values = sorted(row[name] for row in rows)
+            out[name] = {"mean": sum(values) / len(values) if values else None,
+                         **{f"p{p}": old_percentile(values, p) for p in (50, 90, 99)}}
+        client = sum(sorted(row["client"] for row in rows))
+        out["share"] = {name: sum(sorted(row[name] for row in rows)) / client if client else None for name in parts}
+        section[figure] = out
+    return section
 
 
 def old_build_report(records: list[dict], slo: dict | None = None, cache: dict | None = None) -> dict:
@@ -125,6 +161,7 @@ def old_build_report(records: list[dict], slo: dict | None = None, cache: dict |
         report["requests_good"] = None
         report["goodput_rps"] = None
     report["cache"] = cache
+    report["server_timing"] = old_server_timing(records)
     report["endpoints"] = old_endpoint_breakdown(records)
     report["server"] = None
     return report
@@ -154,6 +191,13 @@ def ok_record(rid: int, rng: random.Random, streamed: bool = True) -> dict:
              prompt_tokens=inp if rng.random() < 0.9 else None, output_tokens=out, cached_tokens=0)  # fmt: skip
     if rid % 11 == 0:  # a server's usage that cannot be true (no draw from rng: the rest stays as it was)
         r["usage_mismatch"] = f"output_tokens {out} > max_tokens {out - 1}"
+    if rid % 4:  # the server's own times (no draw from rng either): from the answer, or a span's too
+        queue, prefill, decode = (rid % 17) * 1.5, rid % 5 + 0.25, (rid % 7) * 3.0
+        r.update(server_queue_ms=queue, server_prefill_ms=prefill, server_decode_ms=decode,
+                 server_ttft_ms=queue + prefill + (rid % 2) * 0.5, server_timing_source="answer" if rid % 3 else "span",
+                 server_e2e_ms=queue + prefill + decode + 1.0 if rid % 3 == 0 else None)
+        if rid % 13 == 0:
+            r.update(server_queue_ms=None, server_timing_problem="metrics queue_time_ms '1' is not a duration")
     return r
 
 

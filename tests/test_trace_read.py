@@ -93,9 +93,10 @@ def test_jsonl_delay_sessions_messages_and_tools(tmp_path):
         {"session_id": "b", "delay": 500, "input_length": 20, "output_length": 5},
         {"session_id": "a", "delay": 1500, "messages": messages, "tools": tools, "output_length": 3},
         {"session_id": "b", "timestamp": 4000, "text_input": "hello", "output_length": 2},
-        {"session_id": "b", "delay": 250, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]},
+        {"session_id": "b", "delay": 250, "input_length": 600, "output_length": 1, "hash_ids": [1, 2], "gap_ms": 120},
     ]
     trace = read_trace(write_jsonl(tmp_path / "a.jsonl", records))
+    assert [r.gap_s for r in trace.rows] == [None, None, None, None, 0.12]  # a recorded think time
     assert (trace.format, trace.block_size) == ("jsonl", 512)
     assert [r.timestamp_s for r in trace.rows] == [0.0, 0.5, 1.5, 4.0, 4.25]
     assert [r.session_id for r in trace.rows] == ["a", "b", "a", "b", "b"]
@@ -232,6 +233,7 @@ def test_jsonl_and_bailian_specific_rules(tmp_path):
         ("jsonl", {"messages": [{"content": "no role"}], "output_length": 1}, "messages"),
         ("jsonl", {"messages": [{"role": "user", "content": "x"}], "tools": {}, "output_length": 1}, "tools"),
         ("jsonl", {"session_id": [1], "input_length": 1, "output_length": 1}, "session_id"),
+        ("jsonl", {"session_id": "a", "gap_ms": "soon", "input_length": 1, "output_length": 1}, "gap_ms"),
         ("bailian", {**bailian_rows()[0], "chat_id": 10}, "chat_id"),  # duplicate of line 1
         ("bailian", {**bailian_rows()[1], "parent_chat_id": -2}, "parent_chat_id"),
         ("bailian", {**bailian_rows()[1], "type": 3}, "type"),

@@ -36,8 +36,9 @@ GAPS_MS = (80.0, 120.0, 100.0)  # between turns 1-2, 2-3, 3-4 of every session
 ANSWER_MS = 250  # the sim's time to first token: every answer outlasts every gap
 
 
-def session_trace(path: Path) -> Path:
-    """jsonl rows with session ids: SESSIONS sessions of TURNS turns, starting 30 ms apart."""
+def session_trace(path: Path, think_ms: tuple[float, ...] | None = None) -> Path:
+    """jsonl rows with session ids: SESSIONS sessions of TURNS turns, starting 30 ms apart;
+    `think_ms`: the later turns' `gap_ms` (between turns 1-2, 2-3, 3-4), as `replay record` writes it."""
     rows = []
     for s in range(SESSIONS):
         time_ms = 30.0 * s
@@ -45,6 +46,8 @@ def session_trace(path: Path) -> Path:
             hashes = [1000 * (s + 1) + k for k in range(2 * (turn + 1))]
             rows.append({"timestamp": time_ms, "session_id": f"s{s}", "input_length": len(hashes) * BLOCK - 3,
                          "output_length": 2, "hash_ids": hashes})
+            if think_ms is not None and turn > 0:
+                rows[-1]["gap_ms"] = think_ms[turn - 1]
             if turn < TURNS - 1:
                 time_ms += GAPS_MS[turn]
     rows.sort(key=lambda r: r["timestamp"])
@@ -66,10 +69,12 @@ def failing_sim(toy_tokenizer_dir):
         yield server
 
 
-def replay(tmp_path: Path, url: str, workers: int = 1, stop_after: int | None = None, **options) -> tuple[list[dict], list[int]]:
-    """The session trace replayed in this process (the local runner, or a master and `workers`
-    workers over a hub): its merged records, in request id order, and the exit codes asked."""
-    trace = session_trace(tmp_path / "trace.jsonl")
+def replay(tmp_path: Path, url: str, workers: int = 1, stop_after: int | None = None,
+           think_ms: tuple[float, ...] | None = None, **options) -> tuple[list[dict], list[int]]:
+    """The session trace (with `think_ms`, session_trace's) replayed in this process (the local
+    runner, or a master and `workers` workers over a hub): its merged records, in request id
+    order, and the exit codes asked."""
+    trace = session_trace(tmp_path / "trace.jsonl", think_ms)
     output = tmp_path / "run.jsonl"
     opts = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(options.pop("tokenizer")), model="sim",
                          output=str(output), partition="session", server_metrics_interval=0, **options)
@@ -168,6 +173,23 @@ def test_after_answer_keeps_the_trace_gaps(tmp_path, slow_sim, toy_tokenizer_dir
     # bench/dispatch.py.
     errors = gaps_after_answers(records)
     assert errors[int(0.99 * (len(errors) - 1))] <= 10.0, errors
+
+
+THINK_MS = (40.0, 10.0, 60.0)  # the rows' gap_ms: unlike the arrival gaps (GAPS_MS)
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("workers", [1, 2])
+def test_after_answer_takes_the_think_time_from_gap_ms(tmp_path, slow_sim, toy_tokenizer_dir, workers):
+    """Rows that carry `gap_ms` (the time from the previous answer's end to the turn's arrival,
+    as recorded) are sent that long after the previous turn's answer, not the arrival gap."""
+    records, exit_codes = replay(tmp_path, slow_sim.url, workers, think_ms=THINK_MS, tokenizer=toy_tokenizer_dir,
+                                 turn_timing="after-answer")
+    assert all(r["ok"] for r in records) and exit_codes == []
+    for turns in by_session(records):
+        for k, (before, after) in enumerate(zip(turns, turns[1:])):
+            assert after["due_at"] == pytest.approx(before["finished_at"] + THINK_MS[k] / 1000.0, abs=1e-6)
+            assert abs((after["sent_at"] - before["finished_at"]) * 1000.0 - THINK_MS[k]) <= 10.0
 
 
 @pytest.mark.parametrize("on_failure", ["continue", "stop-session"])
@@ -343,8 +365,9 @@ def test_a_capacity_search_runs_its_probes_with_the_timing(tmp_path, slow_sim, t
 
 # -- the rule's bookkeeping, without a server -------------------------------------------------------
 
-def row(i: int, time_s: float, session: str | None = "a") -> TraceRow:
-    return TraceRow(request_id=i, timestamp_s=time_s, input_length=10, output_length=2, session_id=session)
+def row(i: int, time_s: float, session: str | None = "a", gap_s: float | None = None) -> TraceRow:
+    return TraceRow(request_id=i, timestamp_s=time_s, input_length=10, output_length=2, session_id=session,
+                    gap_s=gap_s)
 
 
 def test_turns_wait_in_order_and_shift_by_the_trace_gap():
@@ -363,6 +386,18 @@ def test_turns_wait_in_order_and_shift_by_the_trace_gap():
     # answered before the next turn is reached: its time comes from the answer
     assert turns.hold(3, row(3, 14.0), b"3", 102.0, now=106.2) is None and turns.next_due() == 106.5
     assert stopped == []
+
+
+def test_a_row_s_gap_ms_is_its_think_time_after_the_answer():
+    turns = Turns("after-answer", 2.0, False, lambda r, s: None)
+    turns.hold(0, row(0, 10.0), b"", 100.0, now=100.0)
+    turns.hold(1, row(1, 11.0, gap_s=0.4), b"", 100.5, now=100.5)
+    assert turns.ended(row(0, 10.0), at=103.0, ok=True) == 103.2  # its 0.4 s at --scale 2, not the 1 s arrival gap
+    _, _, turn, _, _ = turns.pop()
+    turns.ended(turn, at=104.0, ok=True)
+    assert turns.hold(2, row(2, 14.0, gap_s=-0.3), b"", 102.0, now=104.1) == 104.0  # sent before its answer ended: at once
+    turns.ended(row(2, 14.0), at=105.0, ok=True)
+    assert turns.hold(3, row(3, 15.0), b"", 103.0, now=105.1) is None and turns.next_due() == 105.5  # none: arrival gap
 
 
 def test_not_before_answer_keeps_the_trace_time_when_answered_in_time():

@@ -19,6 +19,7 @@ from replay.bounds import LOAD_FACTOR
 from replay.errors import OptionError
 from replay.results.records import Record, output_tokens_of
 from replay.results.report import meets_slo
+from replay.results.server_time import ServerTimeBuilder, growth, most_grown
 from replay.results.summary import failure_reason, percentile
 from replay.rules.capacity_result import (
     AT_LEAST_HI,
@@ -27,6 +28,7 @@ from replay.rules.capacity_result import (
     CLIENT_DRIFT_P99_MS,
     CLIENT_LIMITED,
     FOUND,
+    GREW_REST,
     OUTAGE,
     SERVER_ERRORS,
     STOPPED,
@@ -181,10 +183,12 @@ class Probe:
     reasons: dict[str, int] = field(default_factory=dict)  # the not-load failures' reasons (failure_reason) -> rows
     values: dict[str, array] = field(default_factory=lambda: {k: array("d") for k in
                                                               ("ttft_ms", "tpot_ms", "e2e_ms", "drift_ms")})
+    server_time: ServerTimeBuilder = field(default_factory=ServerTimeBuilder)  # where its requests' time went
 
     def add(self, record: Record) -> None:
         self.recorded += 1
         self.ok += bool(record["ok"])
+        self.server_time.add(record)
         kind = failure_kind(record, self.slo)
         self.good += kind is None and meets_slo(record, self.slo)
         self.sent += record.get("sent_at") is not None
@@ -273,18 +277,52 @@ class Probe:
         return {"probe": self.number, "factor": self.factor, "rows": self.rows, "ok": self.ok, "good": self.good,
                 "goodput": self.goodput, "verdict": self.verdict, **latency, "drift_p99_ms": self.drift_p99_ms,
                 "seconds": seconds, "repeat_of": self.repeat_of, "cpu_peak_pct": self.cpu_peak, "sent": self.sent,
-                "failed_by": self.failed_by, "not_load_reasons": self.top_reasons()}
+                "failed_by": self.failed_by, "not_load_reasons": self.top_reasons(),
+                "server_timing": self.server_time.section()}
+
+
+def split_judged(slo: Mapping[str, float]) -> str:
+    """Which of a probe's splits (replay.results.server_time) says why it failed: the TTFT's when
+    the SLO limits only TTFT (decode is then no part of the failure), else the E2E's."""
+    return "ttft_ms" if set(slo) == {"ttft_ms"} else "e2e_ms"
+
+
+def why_failed(failed: dict, passed: dict | None, slo: Mapping[str, float]) -> dict | None:
+    """Why a failing probe failed, from the server's own times (to_dict's `server_timing`): the
+    part whose mean grew most from `passed`, the largest passing probe below it, with each
+    part's growth in ms. GREW_REST when the rest grew most: the client, the network or a
+    router, not the server. None without a passing probe below, or without the server's times
+    in both."""
+    if passed is None:
+        return None
+    figure = split_judged(slo)
+    before, after = passed["server_timing"][figure], failed["server_timing"][figure]
+    grown = growth(before, after)
+    if grown is None:
+        return None
+    part = most_grown(before, after)
+    return {"against_probe": passed["probe"], "figure": figure, "grew_most": GREW_REST if part == "rest" else part,
+            "growth_ms": {name: round(value, 3) for name, value in grown.items()}}
 
 
 def capacity_report(search: Search, probes: list[Probe], *, slo: dict[str, float], target: float, search_by: str,
                     precision: float, seconds: float | None, ended: str | None = None) -> dict:
     """OUTPUT.capacity.json's content (docs/capacity.md). `ended`: what ended the search before
-    it had its answer (CLIENT_LIMITED, WORKERS_LOST); None: the search itself, or a stop."""
+    it had its answer (CLIENT_LIMITED, WORKERS_LOST); None: the search itself, or a stop. Each
+    failing probe says why it failed (`why_failed`), and the search says it of the bracket's
+    failing end (`failed_because`)."""
     best, worst = search.bracket
     result = ended or search.result or STOPPED
+    judged = [p.to_dict() for p in probes]
+    for entry in judged:
+        if entry["verdict"] in (FAIL, FAIL_EARLY):
+            below = [q for q in judged if q["verdict"] == PASS and q["factor"] < entry["factor"]]
+            entry["why_failed"] = why_failed(entry, max(below, key=lambda q: q["factor"], default=None), slo)
+    failing_end = [p for p in judged if p.get("why_failed") and p["factor"] == worst]
     return {
         "slo": slo, "goodput_target": target, "search_by": search_by, "range": [search.lo, search.hi],
-        "precision": precision, "probes": [p.to_dict() for p in probes],
+        "precision": precision, "probes": judged,
         "capacity": best if result in (FOUND, AT_LEAST_HI) else None,  # claimed only by a search that ended itself
         "bracket": [best, worst], "result": result, "seconds": seconds,
+        "failed_because": failing_end[-1]["why_failed"] if failing_end else None,
     }

@@ -33,6 +33,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Protocol
 
 import gevent
 from gevent.event import Event
@@ -145,9 +146,103 @@ def _ignore_exit_code(code: int) -> None:
     pass
 
 
-def _probes(coordinator: Coordinator):
-    """A capacity search's driver, imported here: a run without a search never pays for the
-    search's modules (its probes, their rounds' amplification)."""
+class RunPolicy(Protocol):
+    """What decides a run's rounds of rows and when it has its answer: a plain run's one round
+    (PlainRun, below) or a capacity search's probes (replay.engine.probes.Probes, which acts on
+    the run through the Coordinator's SearchRun methods). The Coordinator tells it what happens."""
+
+    rounds: list[Round | None]  # the rounds so far, which every worker's Part reads (None: the trace's rows as they are)
+    more_rounds: bool  # rounds may follow the first: the workers wait for them, or to hear none will
+
+    @property
+    def between(self) -> bool:
+        """No row is owed an answer now (a search between probes): no drain timeout runs."""
+        ...
+
+    def begin(self) -> None:
+        """The run begins: its first round, if not known from the start, is opened."""
+
+    def label(self, records: list[Record]) -> None:
+        """Records about to be stored: what the policy writes into them."""
+
+    def tally(self, fresh: list[Record]) -> None:
+        """Records new to the store while the run goes on: the policy may end or stop it."""
+
+    def tick(self) -> None:
+        """The supervisor's turn (every TICK_S)."""
+
+    def worker_lost(self, state: WorkerState) -> None:
+        """A worker was lost, before its rows get their records."""
+
+    def worker_stopped(self, index: int) -> None:
+        """A worker got a stop signal of its own."""
+
+    def stop(self) -> None:
+        """The run ends (by itself or stopped)."""
+
+    def report(self) -> dict | None:
+        """The run's capacity result (OUTPUT.capacity.json); None: not a search."""
+
+    def live(self) -> dict | None:
+        """The Replay view's capacity panel; None: not a search."""
+
+
+class PlainRun:
+    """A run without a capacity search: one round, the trace's rows as they are, known from the
+    start. It ends once every row has a record, and stops when the servers fail more than
+    --max-error-rate of their answers (replay.engine.error_rate)."""
+
+    more_rounds = False
+    between = False
+
+    def __init__(self, run: Coordinator):
+        self.run = run
+        self.rounds: list[Round | None] = [None]
+        self.error_rate = ErrorRate(run.options.max_error_rate, run.clock)
+
+    def begin(self) -> None:
+        pass
+
+    def label(self, records: list[Record]) -> None:
+        pass
+
+    def tally(self, fresh: list[Record]) -> None:
+        run = self.run
+        if run.records.count >= run.total:
+            run._end_by_itself("complete")
+        elif not run.finished.is_set() and self.error_rate.add(fresh):  # once it ended, nothing stops it
+            label = error_rate_label(self.error_rate.limit)
+            logger.error("replay: %d of the last %d answers failed, more than --max-error-rate %g (over the last "
+                         "%g s and at least %d answers): stopping the run; the rows left are recorded as %r",
+                         self.error_rate.failed, self.error_rate.answers, self.error_rate.limit, WINDOW_S,
+                         MIN_ANSWERS, label)
+            run._stop_for(label)
+
+    def tick(self) -> None:
+        if self.run.records.count >= self.run.total:  # rows recorded by the master (a lost worker's, say)
+            self.run._end_by_itself("complete")
+
+    def worker_lost(self, state: WorkerState) -> None:
+        pass
+
+    def worker_stopped(self, index: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def report(self) -> None:
+        return None
+
+    def live(self) -> None:
+        return None
+
+
+def _policy(coordinator: Coordinator) -> RunPolicy:
+    """A capacity search's probes (imported here: a run without a search never pays for the
+    search's modules, its probes and their rounds' amplification), or a plain run's one round."""
+    if not coordinator.options.capacity_search:
+        return PlainRun(coordinator)
     from replay.engine.probes import Probes
 
     return Probes(coordinator)
@@ -195,7 +290,6 @@ class Coordinator:
         # the label of the rows left when the master stopped the run for a fault (an output error,
         # the error rate, a refusal); None: it ended by itself, or the user stopped it
         self.fault_label: str | None = None
-        self.error_rate = ErrorRate(self.options.max_error_rate, clock)
         self.refused = False  # the servers could not take the run (`refuse`): nothing was sent
         self.signalled_at: float | None = None  # when this process got a stop signal (`stop_signal_received`)
         self.incomplete: dict[str, str] = {}  # file -> why it is not whole (a write that failed)
@@ -215,18 +309,17 @@ class Coordinator:
         self.scrape_listeners: list = []  # handed to the scraper: called with each round (the live Replay view)
         self.exporter_listeners: list = []  # the same, with the --metrics-endpoint exporters' samples
         self.listeners: list = []  # called with each batch of new records (the live Replay view)
-        # called at the go of a run that replays its trace's rows (not a search's probes) with the
-        # facts so far and the first request id (the driver's cache section follower)
+        # called at the go with the facts so far and the first request id (the driver's cache
+        # section follower)
         self.go_listeners: list[Callable[[RunFacts, int], None]] = []
         self.final_listeners: list = []  # called with every record of the merged file, at the end
         self.summary_listeners: list = []  # called with the run's summary (OUTPUT.summary.json's), at the end
         self.server_check = Verdict(skipped="not checked").to_dict()  # the preflight's verdict, for the meta file
         # A capacity search (docs/capacity.md): its probes, run as rounds of the window's rows; a
         # run without one is one round of the rows as the trace has them.
-        self.probes = _probes(self) if self.options.capacity_search else None
-        self.rounds: list[Round | None] = [None] if self.probes is None else []
+        self.policy = _policy(self)
         # every row of the window, for the rows no worker was given (no worker at all)
-        self.whole = Part(self.schedule, array("q", range(len(self.schedule))), self.rounds, CHUNK_ROWS)
+        self.whole = Part(self.schedule, array("q", range(len(self.schedule))), self.policy.rounds, CHUNK_ROWS)
         link.on(messages.ROWS_ACK, self.on_rows_ack)
         link.on(messages.PING, lambda data, sender: answer_ping(link, data, sender, clock))
         link.on(messages.READY, self.on_ready)
@@ -289,11 +382,10 @@ class Coordinator:
             self.scraper.listeners.extend(self.scrape_listeners)
             self.scraper.exporter_listeners.extend(self.exporter_listeners)
             self.scraper.start()
-        if self.probes is not None:
-            self.rounds.append(self.probes.first_round())
+        self.policy.begin()
         parts = self.schedule.partition(len(workers), self.options.partition)
         for (client_id, index), positions in zip(sorted(workers, key=lambda w: w[1]), parts):
-            part = Part(self.schedule, positions, self.rounds, CHUNK_ROWS)
+            part = Part(self.schedule, positions, self.policy.rounds, CHUNK_ROWS)
             window = transport.Window(self._sender(client_id, messages.ROWS), source=part.round_chunks(0),
                                       limit=part.chunks_below(transport.HOLD_ROWS))
             plan_window = transport.Window(self._sender(client_id, messages.PLAN), size=1, resend_s=PLAN_RESEND_S)
@@ -309,9 +401,8 @@ class Coordinator:
                 tokenizer_fingerprint=self.spec.tokenizer_fingerprint,
                 master_node=platform.node(),
                 master_pgid=os.getpgrp(),
+                more=self.policy.more_rounds,
             )
-            if self.probes is not None:
-                plan["more"] = True
             go_window = transport.Window(self._sender(client_id, messages.GO), size=1, resend_s=GO_RESEND_S)
             round_window = transport.Window(self._sender(client_id, messages.ROUND), size=1, resend_s=PLAN_RESEND_S)
             state = self.workers[client_id] = WorkerState(client_id, index, positions, part, window, plan,
@@ -362,9 +453,9 @@ class Coordinator:
         return [w for w in self.workers.values() if not w.lost]
 
     def new_round(self, round_: Round) -> None:
-        """A search's next probe: its rows are shipped to every live worker, each told its part grew."""
-        self.rounds.append(round_)
-        r = len(self.rounds) - 1
+        """A search's next probe, the last of its rounds: its rows are shipped to every live
+        worker, each told its part grew."""
+        r = len(self.policy.rounds) - 1
         assert self.epoch is not None  # a search opens its next probe after the go
         self.last_due = self.epoch + round_.offset_s + self.window_seconds() / round_.speedup
         for w in self.workers.values():
@@ -387,6 +478,12 @@ class Coordinator:
                 continue
             w.round_window.put(messages.Round(rows=len(w.part), more=True, skip_to=len(w.part),  # type: ignore[typeddict-item]
                                               skip_reason=reason))
+
+    def hand_over(self, state: WorkerState) -> None:
+        """A lost worker's rows of the rounds to come go to the live worker with the fewest (a
+        search goes on with the workers left)."""
+        if heirs := self.live_workers():
+            state.part.hand_over(min(heirs, key=lambda w: len(w.part.positions)).part)
 
     def owe(self, total: int, last_request_id: int) -> None:
         """A search's probe opened: the run now owes `total` records, of request ids up to
@@ -476,8 +573,7 @@ class Coordinator:
         logger.error("worker %d was stopped by a signal of its own%s: its unanswered rows fail as %r",
                      state.index, why, WORKER_STOPPED)
         state.stopped = True
-        if self.probes is not None:
-            self.probes.worker_stopped(state.index)
+        self.policy.worker_stopped(state.index)
 
     def on_hello(self, data: messages.Hello, sender: str) -> None:
         """The worker can hear replay messages now (Locust acks its connection before it has
@@ -521,16 +617,15 @@ class Coordinator:
         if not force and self.scraper is not None and not self.scraper.first_round.is_set():
             return  # the servers' counters are read once before the first send
         self.epoch = self.clock.now() + GO_LEAD_S
-        first = self.rounds[0]
+        first = self.policy.rounds[0]
         speedup = first.speedup if first is not None else 1.0  # a search's first probe; a plain run's trace
         self.last_due = self.epoch + self.window_seconds() / speedup
         for w in live:
             w.go_window.put(messages.Go(epoch=self.epoch))  # type: ignore[typeddict-item]  # the window adds the seq
         logger.info("replay starts at %.3f; last send due in %.1f s", self.epoch, self.last_due - self.clock.now())
         self.host_at_go = host_load.sample()
-        if self.probes is None:  # a search's probes are rows of their own, which no trace holds
-            for listener in self.go_listeners:
-                listener(self.facts(), self.records.first)
+        for listener in self.go_listeners:
+            listener(self.facts(), self.records.first)
 
     # -- records ------------------------------------------------------------------------------------
 
@@ -571,8 +666,7 @@ class Coordinator:
         self.finished.set()
 
     def ingest(self, records: list[Record], placeholder: bool = False) -> None:
-        if self.probes is not None:
-            self.probes.label(records)
+        self.policy.label(records)
         fresh = self.records.add(records, placeholder)
         by_index: dict[int | None, WorkerState] = {w.index: w for w in self.workers.values()}
         for record in fresh:
@@ -583,17 +677,7 @@ class Coordinator:
             listener(fresh)
         if self._ending is not None:
             return  # answers that arrive while the run ends change nothing of how it ended
-        if self.probes is not None:  # a probe's failures are the search's, never an error-rate stop
-            self.probes.tally(fresh)
-        elif self.records.count >= self.total:
-            self._end_by_itself("complete")
-        elif not self.finished.is_set() and self.error_rate.add(fresh):  # once it ended, nothing stops it
-            label = error_rate_label(self.error_rate.limit)
-            logger.error("replay: %d of the last %d answers failed, more than --max-error-rate %g (over the last "
-                         "%g s and at least %d answers): stopping the run; the rows left are recorded as %r",
-                         self.error_rate.failed, self.error_rate.answers, self.error_rate.limit, WINDOW_S,
-                         MIN_ANSWERS, label)
-            self._stop_for(label)
+        self.policy.tally(fresh)  # a probe's failures are the search's, never an error-rate stop
 
     def _fill(self, part: Part, indices: Iterable[int], worker: int | None, reason: str,
               placeholder: bool = False) -> int:
@@ -618,10 +702,7 @@ class Coordinator:
             if not state.lost and self.worker_gone(state.client_id):
                 state.lost = True
                 state.close()
-                if self.probes is not None:  # the probe under way is invalid; later ones go to the workers left
-                    self.probes.worker_lost(state.index)
-                    if heirs := self.live_workers():
-                        state.part.hand_over(min(heirs, key=lambda w: len(w.part.positions)).part)
+                self.policy.worker_lost(state)  # a search's probe under way is invalid
                 # placeholders: replaced if the worker's own records still arrive
                 label = state.unrecorded_label()
                 lost = self._fill(state.part, range(len(state.part)), state.index, label, placeholder=True)
@@ -634,16 +715,13 @@ class Coordinator:
         while not self.finished.is_set():
             self.clock.sleep(TICK_S)
             self._check_workers()
-            if self.probes is not None:
-                self.probes.sample_cpu()
             if self.epoch is None and self.clock.now() - (self.started_at or 0.0) > READY_TIMEOUT_S:  # set by begin
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)
                 self._maybe_go(force=True)
             self._maybe_go()
-            if self.probes is None and self.records.count >= self.total:
-                self._end_by_itself("complete")
+            self.policy.tick()
             if (self.last_due is not None and self.clock.now() > self.last_due + self.options.drain_timeout + DRAIN_GRACE_S
-                    and not (self.probes is not None and self.probes.between)):  # a search waiting to open its next probe
+                    and not self.policy.between):  # a search waiting to open its next probe
                 logger.warning("drain timeout: ending the run with %d rows unanswered", self.total - self.records.count)
                 self._end_by_itself(DRAIN_TIMEOUT)
 
@@ -729,9 +807,8 @@ class Coordinator:
         logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
                     self.end_reason or "stopped", self.records.count, self.total)
         never_sent = RUN_STOPPED if user_stopped else self.fault_label or NO_RECORD
-        if self.probes is not None:
-            self.probes.stop()
-        if self.records.count < self.total or self.probes is not None:
+        self.policy.stop()
+        if self.records.count < self.total or self.policy.more_rounds:  # its workers wait for rounds
             self._collect_held_records(RUN_STOPPED if user_stopped else self.fault_label or DRAIN_TIMEOUT)
         for state in self.workers.values():
             everything = range(len(state.part))
@@ -744,7 +821,7 @@ class Coordinator:
         if self.scraper is not None:
             self.scraper.stop()  # its last round is after the last answer; the file is complete
         outcome = Outcome(self.spec, self.records, self.facts(), self.incomplete,
-                          capacity=self.probes.report() if self.probes is not None else None,
+                          capacity=self.policy.report(),
                           least_code=REFUSED_EXIT_CODE if self.refused else 0)
         code = self.on_end(outcome)
         if code or outcome.capacity is not None:  # a search's 0 too: its failing probes' rows are no run's failure

@@ -17,7 +17,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import gevent
@@ -77,7 +77,7 @@ class RowBuffer:
     """A worker's rows by position in its part, holding only those not yet sent: the master
     ships them a bounded distance ahead (transport.HOLD_ROWS), and sent ones are let go."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._rows: list[TraceRow] = []
         self._base = 0  # position of self._rows[0]
 
@@ -88,7 +88,7 @@ class RowBuffer:
     def __getitem__(self, position: int) -> TraceRow:
         return self._rows[position - self._base]
 
-    def extend(self, rows) -> None:
+    def extend(self, rows: Iterable[TraceRow]) -> None:
         self._rows.extend(rows)
 
     def tail(self, position: int) -> list[TraceRow]:
@@ -119,6 +119,7 @@ class BodyBuilder:
         from replay.synth.tokenizer_source import resolve_tokenizer
 
         if tokenizer_path is None:
+            assert options.tokenizer is not None  # options.check() refused a run without
             tokenizer_path = resolve_tokenizer(options.tokenizer)
         tokenizer = ServerTokenizer.load(tokenizer_path, options.chat_template, lazy=True)
         self._build_body = build_body
@@ -131,7 +132,7 @@ class BodyBuilder:
                 raise OptionError(f"${BREAK_BLOCK_ENV} {broken!r}: expected a hash id (a whole number)")
             self.synth.break_block(int(broken))
         self.options = options
-        self.fingerprints: dict[int, list] = {}  # request id -> its prompt's fingerprint, until its record takes it
+        self.fingerprints: dict[int, list | None] = {}  # request id -> its prompt's fingerprint, until its record takes it
 
     def body(self, row: TraceRow, pause: Callable[[], None] | None = None) -> bytes:
         """`pause`: called between the steps of a long prompt (replay.engine.lookahead.BuildSteps)."""
@@ -151,8 +152,9 @@ class BodyBuilder:
 
 
 def _checked_builder(options: ReplayOptions, block_size: int | None, fingerprint: str | None,
-                     tokenizer_path: str | None) -> BodyBuilder:
+                     tokenizer_path: str | Path | None) -> BodyBuilder:
     if tokenizer_path is None:  # resolved on this host, proved the master's before the set-up
+        assert options.tokenizer is not None  # options.check() refused a run without
         tokenizer_path = check_worker_tokenizer(options.tokenizer, options.chat_template, fingerprint)
     return BodyBuilder(options, block_size, tokenizer_path)
 
@@ -177,11 +179,20 @@ def untrack_greenlet_tree() -> None:
     gevent.config.track_greenlet_tree = False
 
 
+def _cannot_start(link: transport.Link, index: int, error: Exception) -> None:
+    """Tell the master this worker cannot replay its part, or it would wait for it forever."""
+    if isinstance(error, OutputError):  # its own file cannot be made: one line says it all
+        logger.error("worker %s cannot start: %s", index, error)
+    else:
+        logger.exception("worker %s cannot start", index)
+    reason = str(error) if isinstance(error, (OptionError, OutputError)) else f"{type(error).__name__}: {error}"  # one line
+    link.to_master(messages.READY, messages.Ready(worker=index, error=reason))
+
+
 class Dispatcher:
-    """The worker side: receives its part of the trace, builds bodies ahead, sends each row on
-    time, records every outcome. The send loop (`run`) starts on the master's go, in a greenlet
-    of its own: no Locust user owns it, so a rebalance that moves or stops users never stops a
-    replay."""
+    """The worker side: answers the master's messages, and from its plan on replays its part of
+    the trace (PartReplay, built whole from the plan). Before the plan it holds nothing of a run:
+    a stop then has nothing to record."""
 
     def __init__(self, link: transport.Link, local: bool = False,
                  on_request: Callable[[Record], None] | None = None):
@@ -191,45 +202,11 @@ class Dispatcher:
         self.on_request = on_request
         self.link = link
         self.local = local
-        self.index: int | None = None
-        self.options: ReplayOptions | None = None
-        self.rows = RowBuffer()
-        self._wanted = 0  # rows asked of the master so far (its flow control)
-        self.total = 0
-        self.more = False  # a capacity search: more rounds of rows may follow `total` (messages.Round)
-        self.skip_to = 0  # rows numbered below it not yet sent are recorded as `skip_reason`, never sent
-        self.skip_reason = ""
-        self._next_round = 0  # the next ROUND's seq: each applied once, in order
-        self.origin = 0.0
-        self.epoch = 0.0
-        self.offset = 0.0  # master clock - local clock, seconds
-        self.bodies = Bodies()  # by position; a row that could not be built: why
-        self.dispatch_pos = 0  # index (in self.rows) of the next row to send
-        self.next_due = float("inf")  # local time of the next send, for the builder to keep clear of
-        # request id -> (row, scheduled, due, endpoint url, sent_at, reader)
-        self.in_flight: dict[int, tuple[TraceRow, float, float, str, float, gevent.Greenlet]] = {}
-        self.turns: Turns | None = None  # a closed-loop --turn-timing's sessions; None: every row at its trace time
-        self.last_send = 0.0  # local time of the latest send
-        self.sends = Group()
-        self.outbox: list[Record] = []
-        self.sent = 0
-        self.failed = 0
-        self.writer: RecordWriter | None = None
-        self.write_fault: OutputError | None = None  # its own file could not be written (said once)
-        self.primed = Event()
-        self.warmed = Event()
-        self.go = Event()
-        self.finished = Event()
-        self._to_flush = Event()  # set by a record or a send: the flush loop has work (records, rows to ask for)
-        self.run_id: str | None = None  # None: no X-Request-Id header
-        self.with_master = False  # in the master's process group on its host: a signal here may have reached it too
-        self._stopped = False
-        self.stop_reason: str | None = None  # the label of its unanswered rows, once stopped (abort)
-        self._chunks: dict[int, list] = {}
-        self._next_chunk = 0
-        self.alarm = Alarm()  # the dispatcher's wake-up, rung early by stream readers
         self.clock = ClockSync(link)
-        self.record_window = transport.Window(lambda payload: link.to_master(messages.RECORDS, payload))
+        self.go = Event()  # the master's go reached its replay
+        self.finished = Event()  # its replay is over: drained, or stopped
+        self.planned = False  # a plan came (its replay may still have been refused: READY said why)
+        self.replay: PartReplay | None = None  # this worker's part of the run, from the master's plan on
         link.on(messages.PLAN, self.on_plan)
         link.on(messages.ROWS, self.on_rows)
         link.on(messages.PONG, self.clock.on_pong)
@@ -239,26 +216,136 @@ class Dispatcher:
         link.on(messages.IDLE, self.on_idle)
         link.on(messages.ROUND, self.on_round)
 
-    # -- messages from the master -------------------------------------------------------------
+    # -- messages from the master: the plan builds the replay, which takes the rest ----------------
 
     def on_plan(self, data: messages.Plan, sender: str) -> None:
         self.link.to_master(messages.PLAN_ACK, messages.PlanAck(seq=data["seq"]))
-        if self.options is not None:  # resent: the ack was lost or late
+        if self.planned:  # resent: the ack was lost or late
             return
-        self.options = ReplayOptions.from_dict(data["options"])
-        self.index = data["worker"]
-        self.total = data["rows"]
-        self.more = data.get("more", False)
-        self.origin = data["origin"]
-        self.block_size = data["block_size"]
-        self.output = data["output"]
-        self.endpoint_urls = data["endpoints"]  # resolved on the master: --host may not have reached us yet
-        self.run_id = data["run_id"] if self.options.request_id_header else None
-        self.master_fingerprint = data["tokenizer_fingerprint"]  # checked in _set_up
-        self.with_master = data["master_node"] == platform.node() and data["master_pgid"] == os.getpgrp()
-        gevent.spawn(self._prepare)
+        self.planned = True
+        try:
+            replay = PartReplay(data, self.link, self.clock, self.go, self.finished, local=self.local,
+                                on_request=self.on_request)
+        except Exception as e:  # this host cannot take the plan (a --header's variable unset here)
+            _cannot_start(self.link, data["worker"], e)
+            return
+        self.replay = replay
+        gevent.spawn(replay.prepare)
 
     def on_rows(self, data: messages.Rows, sender: str) -> None:
+        if self.replay is not None:  # else left unacknowledged: the master records them as never sent
+            self.replay.on_rows(data)
+
+    def on_go(self, data: messages.Go, sender: str) -> None:
+        if self.replay is not None:
+            self.replay.on_go(data)
+
+    def on_round(self, data: messages.Round, sender: str) -> None:
+        if self.replay is not None:
+            self.replay.on_round(data)
+
+    def on_records_ack(self, data: messages.RecordsAck, sender: str) -> None:
+        if self.replay is not None:
+            self.replay.record_window.ack(data["seq"])
+
+    def on_abort(self, data: messages.Abort, sender: str) -> None:
+        self.abort(data["reason"])
+
+    def on_idle(self, data: messages.Idle, sender: str) -> None:
+        logger.warning("this worker idles: %s", data["reason"])
+
+    # -- what its runner reads and does ---------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """The run is being stopped (PartReplay.abort); before a plan there is nothing to record."""
+        if self.replay is not None:
+            self.replay.abort(reason)
+
+    @property
+    def stopping(self) -> bool:
+        """A stop reached this worker (abort): it sends nothing more."""
+        return self.replay is not None and self.replay.stopping
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The label of its unanswered rows, once stopped."""
+        return None if self.replay is None else self.replay.stop_reason
+
+    @property
+    def with_master(self) -> bool:
+        """In the master's process group on its host: a signal here may have reached it too."""
+        return self.replay is not None and self.replay.with_master
+
+
+class PartReplay:
+    """One worker's replay of its part, built whole from the master's plan: receives the rows,
+    builds bodies ahead, sends each row on time, records every outcome. The send loop (`run`)
+    starts on the master's go, in a greenlet of its own: no Locust user owns it, so a rebalance
+    that moves or stops users never stops a replay."""
+
+    def __init__(self, plan: messages.Plan, link: transport.Link, clock: ClockSync, go: Event, finished: Event, *,
+                 local: bool, on_request: Callable[[Record], None] | None):
+        """`go` and `finished`: its Dispatcher's, set here. Raises what this host cannot take of
+        the plan (OptionError: a --header's variable unset here)."""
+        self.on_request = on_request
+        self.link = link
+        self.local = local
+        self.options = options = ReplayOptions.from_dict(plan["options"])
+        self.index = plan["worker"]
+        self.rows = RowBuffer()
+        self._wanted = 0  # rows asked of the master so far (its flow control)
+        self.total = plan["rows"]
+        self.more = plan.get("more", False)  # a capacity search: more rounds of rows may follow `total` (messages.Round)
+        self.skip_to = 0  # rows numbered below it not yet sent are recorded as `skip_reason`, never sent
+        self.skip_reason = ""
+        self._next_round = 0  # the next ROUND's seq: each applied once, in order
+        self.origin = plan["origin"]
+        self.block_size = plan["block_size"]
+        self.output = plan["output"]
+        self.master_fingerprint = plan["tokenizer_fingerprint"]  # checked in _set_up
+        self.with_master = plan["master_node"] == platform.node() and plan["master_pgid"] == os.getpgrp()
+        self.run_id = plan["run_id"] if options.request_id_header else None  # None: no X-Request-Id header
+        self.api = get_api(options.api)
+        self.headers = {"Content-Type": "application/json", **parse_headers(options.header)}
+        self.endpoints = [Endpoint(url) for url in plan["endpoints"]]  # resolved on the master: --host may not have reached us yet
+        self.route = make_router(options.routing, self.endpoints)
+        # a closed-loop --turn-timing's sessions; None: every row at its trace time
+        self.turns = (None if options.turn_timing == "trace" else
+                      Turns(options.turn_timing, options.scale, options.on_turn_failure == "stop-session",
+                            self._record_unsent_turn))
+        self.epoch = 0.0
+        self.offset = 0.0  # master clock - local clock, seconds
+        self.bodies = Bodies()  # by position; a row that could not be built: why
+        # request id -> its prompt's fingerprint, until its record takes it: the body builder's, once set up
+        self.fingerprints: dict[int, list | None] = {}
+        self.dispatch_pos = 0  # index (in self.rows) of the next row to send
+        self.next_due = float("inf")  # local time of the next send, for the builder to keep clear of
+        # request id -> (row, scheduled, due, endpoint url, sent_at, reader)
+        self.in_flight: dict[int, tuple[TraceRow, float, float, str, float, gevent.Greenlet]] = {}
+        self.last_send = 0.0  # local time of the latest send
+        self.sends = Group()
+        self.outbox: list[Record] = []
+        self.sent = 0
+        self.failed = 0
+        # its own file, opened by the set-up; None before (records made meanwhile, by a stop, are shipped only)
+        self.writer: RecordWriter | None = None
+        self.write_fault: OutputError | None = None  # its own file could not be written (said once)
+        self.primed = Event()
+        self.warmed = Event()
+        self.go = go
+        self.finished = finished
+        self._to_flush = Event()  # set by a record or a send: the flush loop has work (records, rows to ask for)
+        self._stopped = False
+        self.stop_reason: str | None = None  # the label of its unanswered rows, once stopped (abort)
+        self._chunks: dict[int, list] = {}
+        self._next_chunk = 0
+        self.alarm = Alarm()  # the dispatcher's wake-up, rung early by stream readers
+        self.clock = clock
+        self.record_window = transport.Window(lambda payload: link.to_master(messages.RECORDS, payload))
+
+    # -- messages from the master (through its Dispatcher) ---------------------------------------
+
+    def on_rows(self, data: messages.Rows) -> None:
         # Chunks may come twice (resent) or out of order (one resent after later ones): apply
         # each once, in sequence order.
         seq = data["seq"]
@@ -284,7 +371,7 @@ class Dispatcher:
         if self.dispatch_pos + transport.HOLD_ROWS - self._wanted >= transport.HOLD_ROWS // 8:
             self.link.to_master(messages.ROWS_ACK, messages.RowsAck(seq=None, want=self._want()))
 
-    def on_go(self, data: messages.Go, sender: str) -> None:
+    def on_go(self, data: messages.Go) -> None:
         self.link.to_master(messages.GO_ACK, messages.GoAck(seq=data["seq"]))
         if self.go.is_set():  # resent: the ack was lost or late
             return
@@ -292,7 +379,7 @@ class Dispatcher:
         self.go.set()
         gevent.spawn(self.run)
 
-    def on_round(self, data: messages.Round, sender: str) -> None:
+    def on_round(self, data: messages.Round) -> None:
         """A capacity search's news: the part grew (its rows follow as ROWS), a probe was cut
         short (`skip_to`), or no more rounds follow."""
         self.link.to_master(messages.ROUND_ACK, messages.RoundAck(seq=data["seq"]))
@@ -307,58 +394,39 @@ class Dispatcher:
         gevent.get_hub().loop.run_callback(self.alarm.ring)  # a message's greenlet: the hub wakes the sender
         self._to_flush.set()  # asks for the new rows
 
-    def on_records_ack(self, data: messages.RecordsAck, sender: str) -> None:
-        self.record_window.ack(data["seq"])
-
-    def on_abort(self, data: messages.Abort, sender: str) -> None:
-        self.abort(data["reason"])
-
-    def on_idle(self, data: messages.Idle, sender: str) -> None:
-        logger.warning("this worker idles: %s", data["reason"])
-
     # -- preparation ------------------------------------------------------------------------------
 
-    def _prepare(self) -> None:
+    def prepare(self) -> None:
         try:
-            self._set_up()
+            builder = self._set_up()
         except Exception as e:  # tell the master, or it would wait for this worker forever
-            if isinstance(e, OutputError):  # its own file cannot be made: one line says it all
-                logger.error("worker %s cannot start: %s", self.index, e)
-            else:
-                logger.exception("worker %s cannot start", self.index)
-            error = str(e) if isinstance(e, (OptionError, OutputError)) else f"{type(e).__name__}: {e}"  # one line
-            self.link.to_master(messages.READY, messages.Ready(worker=self.index, error=error))
+            _cannot_start(self.link, self.index, e)
             return
+        gevent.spawn(self._build_ahead, builder)
+        gevent.spawn(self._flush_loop)
+        gevent.spawn(self._keep_connections)
         self.primed.wait()
         self.warmed.wait(10.0)
         # Everything built so far (tokenizer, vocabulary, rows) lives for the whole run: keep it
         # out of the collector's way, or one full collection stalls dispatch for tens of ms.
         # The young generations' garbage goes first; the old one's is little, and collecting it
-        # means a walk over every object Locust and Flask made (~20 ms).
+        # means a walk over every object Locust and Flask made.
         gc.collect(1)
         gc.freeze()
         rtt_s = self.clock.best_rtt if self.clock.best_rtt != float("inf") else 0.0  # inf: a local run does not ping
         ready = messages.Ready(worker=self.index, clock_offset_ms=self.offset * 1000.0, rtt_ms=rtt_s * 1000.0)
         self.link.to_master(messages.READY, ready)
 
-    def _set_up(self) -> None:
-        opts = self.options
-        self.api = get_api(opts.api)
-        self.headers = {"Content-Type": "application/json", **parse_headers(opts.header)}
-        self.endpoints = [Endpoint(url) for url in self.endpoint_urls]
-        self.route = make_router(opts.routing, self.endpoints)
-        if opts.turn_timing != "trace":
-            self.turns = Turns(opts.turn_timing, opts.scale, opts.on_turn_failure == "stop-session",
-                               self._record_unsent_turn)
+    def _set_up(self) -> BodyBuilder:
+        """The body builder, this worker's file and its clock's offset: what takes time or may fail."""
         # in a thread: the tokenizer check against the master's, then the set-up
-        self.builder = build_off_loop(opts, self.block_size, self.master_fingerprint)
+        builder = build_off_loop(self.options, self.block_size, self.master_fingerprint)
+        self.fingerprints = builder.fingerprints
         # open for the process's life (records come until a stop is over); each batch is flushed
         self.writer = RecordWriter(worker_path(self.output, self.index), self.output)
         if not self.local:
             self.offset = self.clock.measure()
-        gevent.spawn(self._build_ahead)
-        gevent.spawn(self._flush_loop)
-        gevent.spawn(self._keep_connections)
+        return builder
 
     def due(self, row: TraceRow) -> float:
         """Scheduled time in master clock (unix seconds)."""
@@ -374,7 +442,7 @@ class Dispatcher:
             gevent.sleep(0.001)
         return self.rows[pos]
 
-    def _build_ahead(self) -> None:
+    def _build_ahead(self, builder: BodyBuilder) -> None:
         pos = 0
         steps = BuildSteps(lambda: self.next_due, lambda: self.dispatch_pos)
         scale = self.options.scale
@@ -409,7 +477,7 @@ class Dispatcher:
                     gevent.sleep(min(BUILD_IDLE_S, max(ahead_s - AHEAD_S, 0.001)))
             steps.start(pos)
             try:
-                self.bodies[pos] = self.builder.body(row, steps)
+                self.bodies[pos] = builder.body(row, steps)
             except ChatTemplateError as e:  # the row's own messages and the template disagree: say so, no traceback
                 logger.error("cannot build the request: %s", e.about(f"row {row.request_id} (trace line {row.line})"))
                 self.bodies[pos] = e
@@ -498,7 +566,7 @@ class Dispatcher:
                 if pos < self.skip_to:  # of a probe cut short: recorded, never sent; its session moves on
                     self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
                                                reason=self.skip_reason))
-                    self._turn_ended(row, now + self.offset, True)
+                    self._turn_ended(turns, row, now + self.offset, True)
                 else:
                     self._go(row, body, scheduled, due)
                 continue
@@ -523,9 +591,10 @@ class Dispatcher:
             self.dispatch_pos = pos + 1
             due = scheduled
             if turns is not None and row.session_id is not None:
-                due = turns.hold(pos, row, body, scheduled, now + self.offset)
-                if due is None:  # parked until its previous turn's answer (or stopped)
+                held = turns.hold(pos, row, body, scheduled, now + self.offset)
+                if held is None:  # parked until its previous turn's answer (or stopped)
                     continue
+                due = held
             self._go(row, body, scheduled, due)
         self.next_due = turns.next_due() - self.offset if turns else float("inf")
         return self.next_due
@@ -536,7 +605,7 @@ class Dispatcher:
             self._record(unsent_record(row, worker=self.index, api=self.options.api, scheduled_at=scheduled,
                                        due_at=due, reason=f"cannot build request: {body}"))
             if self.turns is not None and row.session_id is not None:  # a failed turn
-                self._turn_ended(row, time.time() + self.offset, False)
+                self._turn_ended(self.turns, row, time.time() + self.offset, False)
             return
         endpoint = self.route(row)
         request_id = None if self.run_id is None else f"{self.run_id}-{row.request_id}"
@@ -555,10 +624,10 @@ class Dispatcher:
         self.in_flight[row.request_id] = (row, scheduled, due, endpoint.url, sent_at, greenlet)
         self._to_flush.set()  # the sends moved on: the flush loop asks for the rows that now fit
 
-    def _turn_ended(self, row: TraceRow, at: float, ok: bool) -> None:
+    def _turn_ended(self, turns: Turns, row: TraceRow, at: float, ok: bool) -> None:
         """A session's turn was answered or failed at `at` (master clock): its next turn may be
         released; the send loop is woken for it (from the hub, where the alarm may be rung)."""
-        due = self.turns.ended(row, at, ok, self.skip_to)
+        due = turns.ended(row, at, ok, self.skip_to)
         if due is not None and due - self.offset < self.next_due:
             self.next_due = due - self.offset
             gevent.get_hub().loop.run_callback(self.alarm.ring)
@@ -580,10 +649,10 @@ class Dispatcher:
             outcome.token_times = [t + self.offset for t in outcome.token_times]
         record = sent_record(row, worker=self.index, endpoint=endpoint.url, api=self.options.api,
                              scheduled_at=scheduled, due_at=due, outcome=outcome,
-                             prompt_fingerprint=self.builder.fingerprints.pop(row.request_id, None))
+                             prompt_fingerprint=self.fingerprints.pop(row.request_id, None))
         self._record(record)
         if self.turns is not None and row.session_id is not None:
-            self._turn_ended(row, outcome.finished_at or time.time() + self.offset, outcome.ok)
+            self._turn_ended(self.turns, row, outcome.finished_at or time.time() + self.offset, outcome.ok)
         if self.on_request is not None:
             self.on_request(record)
 
@@ -627,8 +696,8 @@ class Dispatcher:
             endpoint.close()
 
     def _record(self, record: Record) -> None:
-        if record["prompt_fingerprint"] is None and (builder := getattr(self, "builder", None)) is not None:
-            builder.fingerprints.pop(record["request_id"], None)  # never answered: built for nothing
+        if record["prompt_fingerprint"] is None:
+            self.fingerprints.pop(record["request_id"], None)  # never answered: built for nothing
         self.outbox.append(record)
         self._to_flush.set()
         if not record["ok"]:
@@ -663,7 +732,7 @@ class Dispatcher:
         """The run is being stopped: every row not yet answered gets its record now: `reason`
         for rows never sent, and for requests in flight the same, or `STOPPED_IN_FLIGHT` when
         the user stopped the run."""
-        if self._stopped or self.options is None:
+        if self._stopped:
             return
         self._stopped, self.stop_reason = True, reason
         self.next_due = float("inf")

@@ -49,7 +49,7 @@ IDEAL_MAX_ROWS = 500_000  # windows up to this many rows get the ideal cache lin
 LATEST_KEYS = (
     "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tokens_per_s",
     "input_tokens_per_s", "in_flight", "drift_p50_ms", "drift_p99_ms", "cache_hit_ratio", "ideal_cache_hit_ratio",
-    "servers", "gpus",
+    "servers", "gpus", "server_queue_p50_ms", "server_queue_p99_ms",
 )  # fmt: skip
 # the whole run's figures once it has ended: LATEST_KEYS -> where the summary (replay.results.report) has them
 SUMMARY_FIGURES = {
@@ -57,6 +57,9 @@ SUMMARY_FIGURES = {
     "e2e_p50_ms": ("e2e_ms", "p50"), "e2e_p99_ms": ("e2e_ms", "p99"), "output_tokens_per_s": ("output_token_throughput",),
     "input_tokens_per_s": ("input_token_throughput",), "drift_p50_ms": ("drift_ms", "p50"),
     "drift_p99_ms": ("drift_ms", "p99"),
+    # the server's own queue time (replay.results.server_time's E2E split: every ok record with the server's times)
+    "server_queue_p50_ms": ("server_timing", "e2e_ms", "queue", "p50"),
+    "server_queue_p99_ms": ("server_timing", "e2e_ms", "queue", "p99"),
 }  # fmt: skip
 
 
@@ -66,9 +69,10 @@ def worker_report(part) -> messages.Live:
                          failed=part.failed)
 
 
-def report_loop(part) -> None:
-    """Worker side: once a second from the start of the run to its end, then once more."""
-    part.go.wait()
+def report_loop(worker) -> None:
+    """Worker side (a Dispatcher): once a second from the start of the run to its end, then once more."""
+    worker.go.wait()
+    part = worker.replay  # built by the plan, before the go
     while True:
         done = part.dispatch_pos >= part.total and not part.more and not part.in_flight
         part.link.to_master(messages.LIVE, worker_report(part))
@@ -180,6 +184,7 @@ class LiveStats:
             return sorted(v for v in found if v is not None)
 
         ttft, e2e, drift = values("ttft_ms", ok), values("e2e_ms", ok), values("drift_ms", window)
+        queue = values("server_queue_ms", ok)  # the servers' own word (replay.rules.server_timing), where they gave it
         by_worker: dict[int | None, list[float]] = {}
         for r in window:
             if r["drift_ms"] is not None:
@@ -197,11 +202,13 @@ class LiveStats:
             "ideal_cache_hit_ratio": _round(_ratio(self.ideal_cached, self.ideal_prompt), 4),
             "servers": self.servers.latest(),
             "gpus": self.gpus.latest(),
+            "server_queue_p50_ms": _round(percentile(queue, 50)), "server_queue_p99_ms": _round(percentile(queue, 99)),
         }  # fmt: skip
 
     def _in_flight(self) -> int:
         if self.local_part is not None:
-            return len(self.local_part.in_flight)
+            replay = self.local_part.replay  # None before its plan
+            return 0 if replay is None else len(replay.in_flight)
         live = {s.client_id for s in self.coordinator.workers.values() if not s.lost}
         return sum(r.in_flight for cid, r in self.reported.items() if cid in live)
 
@@ -254,7 +261,9 @@ class LiveStats:
 
     def _reported(self, client_id: str) -> Reported:
         if self.local_part is not None:
-            p = self.local_part
+            p = self.local_part.replay  # None before its plan
+            if p is None:
+                return Reported(socket.gethostname())
             return Reported(socket.gethostname(), p.sent, len(p.in_flight), p.failed)
         return self.reported.get(client_id, Reported())
 
@@ -303,7 +312,7 @@ class LiveStats:
             "run": self.run_info(now),
             "servers": self.servers.info(self.coordinator.scrapes),
             "gpus": self.gpus.info(),
-            "capacity": self.coordinator.probes.live() if self.coordinator.probes is not None else None,
+            "capacity": self.coordinator.policy.live(),
         }
 
     def run_ticks(self) -> None:

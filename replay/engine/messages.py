@@ -86,7 +86,7 @@ class Plan(Chunk):
     run_id: str  # X-Request-Id: <run id>-<request_id>
     endpoints: list[str]  # the servers, resolved on the master
     options: dict[str, Any]  # ReplayOptions.to_dict()
-    tokenizer_fingerprint: str  # the master's tokenizer: a worker with other files refuses to run
+    tokenizer_fingerprint: str | None  # the master's tokenizer: a worker with other files refuses to run; None: no check
     master_node: str  # the master's host name and process group: a worker in the same group got
     master_pgid: int  # a signal the master got too (a terminal's Ctrl-C, --processes), so it is not a stop of its own
     more: NotRequired[bool]  # a capacity search: more rounds of rows may follow `rows` (ROUND); absent: no

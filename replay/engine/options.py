@@ -57,6 +57,7 @@ GOODPUT_TARGET = Bound(0.01, 1.0)  # a probe judged by under 1% of its rows says
 SEARCH_PRECISION = Bound(0.001, 1.0, why="a bracket narrower than 0.1% is noise between probes")
 PROBE_DURATION = Bound(0.001, WEEK_S, unit="trace seconds")
 COOLDOWN = Bound(0.0, HOUR_S, unit="seconds")
+OTLP_WAIT = Bound(0.0, HOUR_S, unit="seconds")  # a server's exporter sends its batch every few seconds
 
 
 def _option(default: Any = None, help: str | None = None, *, parser_default: Any = None, bound: Bound | None = None,
@@ -165,6 +166,11 @@ class ReplayOptions:
     reset_server_cache: bool = _option(False, "empty every endpoint's prefix cache (POST /reset_prefix_cache: vLLM "
                                               "with VLLM_SERVER_DEV_MODE=1, replay sim) before the first send, so "
                                               "the run starts cold; a server that refuses: exit 2")
+    check_server_timing: bool = _option(False, "before the first send, ask each endpoint with one request (one output "
+                                             "token) whether its answers carry its own per-request timing (vLLM's "
+                                             "--enable-per-request-metrics) and say so; off by default, because that "
+                                             "request reaches the server (a recording proxy records it). The records "
+                                             "keep what the answers carry either way")
     capacity_search: bool = _option(False, "replay the window at a sequence of load factors and report the largest "
                                            "that meets --slo (docs/capacity.md)")
     goodput_target: float = _option(0.99, "a search's probe passes when this share of its rows is ok and meets every "
@@ -183,6 +189,14 @@ class ReplayOptions:
     on_outage: str = _option("stop", "when a search's probe fails because the servers stopped answering or answered "
                                      "errors, not because of the load: stop the search (exit 1), or retry the probe "
                                      "once they answer again (docs/capacity.md)", choices=ON_OUTAGE)
+    otlp_receiver: str | None = _option(help="receive the servers' OTLP/HTTP trace spans on HOST:PORT (POST "
+                                             "/v1/traces; vLLM: --otlp-traces-endpoint http://THIS_HOST:PORT/v1/"
+                                             "traces) and join each request's span to its record by X-Request-Id: "
+                                             "the server's queue, prefill and decode times (docs/otlp.md)",
+                                        metavar="HOST:PORT")
+    otlp_wait: float = _option(15.0, "with --otlp-receiver, at the end, wait at most S seconds for the spans of the "
+                                     "ok records that have none yet (default 15: exporters send every few seconds)",
+                               metavar="S", bound=OTLP_WAIT)
 
     @classmethod
     def from_parsed(cls, parsed) -> ReplayOptions:

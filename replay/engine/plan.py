@@ -199,14 +199,14 @@ def encode_row(row: TraceRow) -> list:
     return [
         row.request_id, row.timestamp_s, row.input_length, row.output_length,
         list(row.hash_ids) if row.hash_ids is not None else None,
-        row.session_id, row.messages, row.tools, row.turn, row.line,
+        row.session_id, row.messages, row.tools, row.turn, row.line, row.gap_s,
     ]  # fmt: skip
 
 
 def decode_row(data: list) -> TraceRow:
-    rid, ts, inp, out, hashes, session, messages, tools, turn, line = data
+    rid, ts, inp, out, hashes, session, messages, tools, turn, line, gap_s = data
     return TraceRow(
         request_id=rid, timestamp_s=ts, input_length=inp, output_length=out,
         hash_ids=tuple(hashes) if hashes is not None else None,
-        session_id=session, messages=messages, tools=tools, turn=turn, line=line,
+        session_id=session, messages=messages, tools=tools, turn=turn, line=line, gap_s=gap_s,
     )  # fmt: skip

@@ -4,10 +4,11 @@ short once it can no longer meet the target, judges it once every row has a reco
 cooldown, and opens the next probe the search asks for (replay.engine.capacity), until the
 search is over and the run ends.
 
-It drives the run through `SearchRun`, which the Coordinator (replay.engine.coordinator)
-implements, on its clock: it ships nothing itself, but asks the run to (`new_round`,
-`cut_round`), tells it how many records it now owes (`owe`), and ends it (`stop_search`,
-`search_over`); it touches none of the Coordinator's own state.
+It is the run's policy (the Coordinator's RunPolicy, replay.engine.coordinator): it holds the
+run's rounds and is told what happens. It drives the run through `SearchRun`, which the
+Coordinator implements, on its clock: it ships nothing itself, but asks the run to (`new_round`,
+`cut_round`, `hand_over`), tells it how many records it now owes (`owe`), and ends it
+(`stop_search`, `search_over`); it touches none of the Coordinator's own state.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class SearchRun(Protocol):
     schedule: Schedule
     origin: float
     epoch: float | None  # the run's go (master clock); None before
-    rounds: list[Round | None]
     worker_cpu: Callable[[str], float | None]
     cpu_lag_s: float  # a worker's CPU figure covers this long before it is read
     scrape_listeners: list  # called with each round of the servers' /metrics
@@ -83,6 +83,8 @@ class SearchRun(Protocol):
     def new_round(self, round_: Round) -> None: ...
 
     def cut_round(self, reason: str) -> None: ...
+
+    def hand_over(self, state: WorkerState) -> None: ...
 
     def owe(self, total: int, last_request_id: int) -> None: ...
 
@@ -106,8 +108,13 @@ def max_probes(search: Search) -> int:
 
 
 class Probes:
+    """A capacity search's probes, each a round of the window's rows at its factor."""
+
+    more_rounds = True  # each probe is a round, opened once the last is judged
+
     def __init__(self, run: SearchRun):
         self.c = run
+        self.rounds: list[Round | None] = []  # a round per probe opened, in order
         options = run.options
         lo, hi = parse_range(options.search_range)
         self.search = Search(lo, hi, options.search_precision)
@@ -148,16 +155,16 @@ class Probes:
         slot = (request_id - self.first_id) // self.stride
         return bisect_right(self.slots, slot) - 1 if slot >= 0 else -1
 
-    def first_round(self) -> Round:
+    def begin(self) -> None:
+        """The run begins: the first probe opens, due at the go."""
         self.started_at = self.c.clock.now()
         factor = self.search.next_factor()
         assert factor is not None  # a search with no probe yet has a first factor
-        round_ = self._open(factor, 0.0)
-        return round_
+        self._open(factor, 0.0)
 
     def _open(self, factor: float, offset_s: float, repeat_of: int | None = None) -> Round:
-        """Probe `factor`'s round, its rows (those over the prompt limit are recorded once, never
-        sent) counted and its request ids' slots taken."""
+        """Probe `factor`'s round, added to the rounds, its rows (those over the prompt limit are
+        recorded once, never sent) counted and its request ids' slots taken."""
         clones = self.clones(factor)
         rows = clones.rows() if clones is not None else len(self.c.schedule)
         slot = self.next_slot
@@ -167,6 +174,7 @@ class Probes:
         probe = Probe(len(self.probes), factor, rows, self.slo, self.target, started_at=self.c.clock.now(),
                       repeat_of=repeat_of)
         self.probes.append(probe)
+        self.rounds.append(round_)
         self.c.owe(len(self.c.schedule.oversized) + sum(p.rows for p in self.probes),
                    self.first_id + (slot + round_.slots) * self.stride - 1)
         logger.info("capacity search: probe %d at %gx this trace's load (%d rows)", probe.number, factor, probe.rows)
@@ -200,6 +208,10 @@ class Probes:
         if current.complete:
             self._judge(current)
 
+    def tick(self) -> None:
+        """The run's supervisor's turn: the workers' CPU, for the probe under way."""
+        self.sample_cpu()
+
     def sample_cpu(self) -> None:
         """The live workers' CPU use into the probe under way's peak, once it has sent for the
         runner's sampling interval (`cpu_lag_s`: before, the figure still covers the building of
@@ -208,7 +220,7 @@ class Probes:
         c = self.c
         if self.over or not self.probes or self.probes[-1].ended_at is not None or c.epoch is None:
             return
-        last = c.rounds[-1]
+        last = self.rounds[-1]
         assert last is not None  # a search's rounds are its probes'
         if c.clock.now() < c.epoch + last.offset_s + c.cpu_lag_s:
             return
@@ -292,10 +304,14 @@ class Probes:
                     probe.factor)
         self._after_cooldown(probe.factor, probe.number)
 
-    def worker_lost(self, index: int) -> None:
+    def worker_lost(self, state: WorkerState) -> None:
         """A worker was lost (told before its rows get their records): the probe under way, if
         any, is invalid; its rows not yet sent are recorded as PROBE_INVALID, and it is judged
         (and repeated) once every row has a record. Later probes go to the workers left."""
+        self._invalidate(state.index)
+        self.c.hand_over(state)
+
+    def _invalidate(self, index: int) -> None:
         if self.over or not self.probes or self.probes[-1].ended_at is not None:
             return
         current = self.probes[-1]

@@ -22,6 +22,7 @@ from replay.rules.send_time import replay_seconds
 if TYPE_CHECKING:
     from replay.engine.plan import Schedule
     from replay.protocol.models import Served
+    from replay.results.otlp_receiver import SpanReceiver
     from replay.results.output import OutputClaim
     from replay.results.store import RecordStore
 
@@ -51,6 +52,7 @@ class RunSpec:
     served: tuple[Served, ...] = ()  # what each endpoint said it serves (replay.protocol.models); (): not asked
     server_cache: dict | None = None  # each endpoint's KV cache (replay.protocol.server_cache); None: not asked
     claim: OutputClaim | None = field(default=None, compare=False, repr=False)  # the output's lock, this process's
+    spans: SpanReceiver | None = field(default=None, compare=False, repr=False)  # --otlp-receiver's, this process's
 
     @property
     def total(self) -> int:

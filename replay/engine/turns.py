@@ -35,6 +35,16 @@ class _Session:
         self.stopped = False  # --on-turn-failure stop-session, after a failed turn
 
 
+def _think_time(row: TraceRow, session: _Session) -> float:
+    """The trace's gap between the session's previous turn and `row` that after-answer keeps:
+    the row's recorded think time (`gap_ms`, from the previous answer's end to its arrival) where
+    the trace has it, else arrival to arrival. A negative think time (the turn was sent before the
+    previous answer ended) is none: the turn goes as soon as the answer ends."""
+    if row.gap_s is not None:
+        return max(0.0, row.gap_s)
+    return row.timestamp_s - session.last_time_s
+
+
 class Turns:
     """The sessions of one worker's part (one round's sessions are named apart from another's:
     replay.engine.rounds), and the turns parked until the rule lets them go."""
@@ -63,8 +73,7 @@ class Turns:
             session.waiting.append((0.0, pos, row, body, scheduled))
             self.waiting += 1
             return None
-        due = turn_send_time(self.timing, scheduled, session.answered_at, row.timestamp_s - session.last_time_s,
-                             self.scale)
+        due = turn_send_time(self.timing, scheduled, session.answered_at, _think_time(row, session), self.scale)
         session.busy, session.last_time_s = True, row.timestamp_s
         if due <= now:
             return due
@@ -91,7 +100,7 @@ class Turns:
             return None
         _, pos, turn, body, scheduled = session.waiting.popleft()
         self.waiting -= 1
-        due = turn_send_time(self.timing, scheduled, at, turn.timestamp_s - session.last_time_s, self.scale)
+        due = turn_send_time(self.timing, scheduled, at, _think_time(turn, session), self.scale)
         if pos < cut_below:
             due = 0.0
         session.last_time_s = turn.timestamp_s

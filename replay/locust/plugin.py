@@ -311,7 +311,7 @@ def _stop_worker_on_signals(environment, link: transport.Link, part: Dispatcher)
     deciding: gevent.Greenlet | None = None
 
     def stopped_alone(name: str) -> None:
-        if part.options is None:
+        if part.replay is None:
             logger.error("%s: this worker stops before it got its part of the run", name)
         else:
             logger.error("%s: this worker stops; its unanswered rows are recorded as %r", name, WORKER_STOPPED)
@@ -373,7 +373,7 @@ def _watch_master(environment, runner: WorkerRunner, part: Dispatcher) -> None:
     while True:
         gevent.sleep(1.0)
         stalled, turn = time.monotonic() - turn, time.monotonic()
-        if stalled >= MASTER_LOST_S and part.options is not None and not part.finished.is_set():
+        if stalled >= MASTER_LOST_S and part.replay is not None and not part.finished.is_set():
             logger.error("this worker did not run for %.0f s (stopped, or its host paused): the master counts it "
                          "lost; its unanswered rows are recorded as %r", stalled, WORKER_LOST)
             environment.process_exit_code = 1
@@ -386,7 +386,7 @@ def _watch_master(environment, runner: WorkerRunner, part: Dispatcher) -> None:
         if part.finished.is_set():
             return
         environment.process_exit_code = 1
-        if part.options is None:
+        if part.replay is None:
             _quit_before_the_plan(runner, time.time() - last)
             return
         logger.error("no heartbeat from the master for %.0f s: stopping this worker's replay", time.time() - last)

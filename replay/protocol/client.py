@@ -41,6 +41,7 @@ from replay.protocol.gevent_pool import PoolInternals
 from replay.protocol.sse import DONE, sse_data
 from replay.protocol.table import Api
 from replay.protocol.urls import host_and_port, shown, with_credentials
+from replay.rules.server_timing import answer_fields
 from replay.rules.usage import is_count
 
 POOL_SIZE = 100_000  # geventhttpclient's own cap: never the limit (see above)
@@ -261,6 +262,8 @@ class Outcome:
     cached_tokens: int | None = None
     streamed: bool = True
     usage_notes: list[str] | None = None  # usage figures dropped: not counts (replay.rules.usage)
+    server_timing: dict | None = None  # the answer's own times, as the record's fields (replay.rules.server_timing)
+    server_timing_problems: list[str] | None = None  # its figures dropped: not durations
 
     @property
     def ok(self) -> bool:
@@ -306,6 +309,16 @@ class Outcome:
             else:
                 note = f"usage {key} {value!r:.40} is not a count"
                 self.usage_notes = [*(self.usage_notes or ()), note]
+
+
+    def apply_metrics(self, metrics: object) -> None:
+        """Take the server's per-request timing from its answer's `metrics` object (None: it sent
+        none); a figure that is not a duration is left out and noted, never a failure."""
+        if metrics is None:
+            return
+        self.server_timing, problems = answer_fields(metrics)
+        if problems:
+            self.server_timing_problems = [*(self.server_timing_problems or ()), *problems]
 
 
 def _exception_text(e: Exception) -> str:
@@ -417,6 +430,7 @@ def _read_stream(response, api: Api, outcome: Outcome, on_read=_nothing) -> None
             outcome.token_times.append(times[mark])
             outcome.events_tokens += count
         outcome.apply_usage(usage)
+        outcome.apply_metrics(api.read_metrics(obj))
 
 
 def close_with_reset(sock) -> None:
@@ -459,6 +473,7 @@ def _answer(endpoint: Endpoint, api: Api, stream: bool, outcome: Outcome, respon
             outcome.events_tokens = count
             outcome.error = error
             outcome.apply_usage(usage)
+            outcome.apply_metrics(api.read_metrics(obj))
     except Exception as e:  # network errors, resets, timeouts, bad JSON: all become the record's error
         outcome.error = _exception_text(e)
         if not outcome.status and isinstance(e, OSError):

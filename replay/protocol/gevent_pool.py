@@ -155,8 +155,8 @@ class PoolInternals:
 def _idle_and_open(sock) -> bool:
     """The library's liveness check (_is_socket_alive): an idle kept-alive connection has
     nothing to read; readable means the server closed it or sent something unasked. By one
-    poll(2) call: the library's gevent select takes a watcher and a turn of the event loop,
-    ~60 us a request. poll, unlike select(2), takes any descriptor number."""
+    poll(2) call: the library's gevent select takes a watcher and a turn of the event loop
+    for each request. poll, unlike select(2), takes any descriptor number."""
     try:
         fd = sock.fileno()
         if fd < 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from replay.protocol.reading import Models, Read, Usage, error_text, token_limit
+from replay.rules.server_timing import ANSWER_METRICS_FIELD
 
 if TYPE_CHECKING:
     from replay.protocol.prompt import Prompt
@@ -117,6 +118,12 @@ def _usage(obj: dict) -> Usage | None:
         "output_tokens": usage.get("completion_tokens"),
         "cached_tokens": details.get("cached_tokens"),
     }
+
+
+def read_metrics(obj: dict) -> object:
+    """vLLM's per-request timing (`--enable-per-request-metrics`): a `metrics` object beside the
+    usage of a whole reply and of a stream's final usage event; read by replay.rules.server_timing."""
+    return obj.get(ANSWER_METRICS_FIELD)
 
 
 # -- what is served -----------------------------------------------------------------------------

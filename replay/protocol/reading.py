@@ -25,3 +25,8 @@ def error_text(obj: dict) -> str | None:
 def token_limit(value: object) -> int | None:
     """A server's stated limit in tokens: a positive integer, else None (not said)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def no_metrics(obj: dict) -> None:
+    """The per-request timing reader of an API whose replies carry none (TGI)."""
+    return None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from replay.protocol import openai, tgi
-from replay.protocol.reading import Models, Read
+from replay.protocol.reading import Models, Read, no_metrics
 
 if TYPE_CHECKING:
     from replay.protocol.prompt import Prompt
@@ -37,6 +37,9 @@ class Api:
     read_body: Callable[[dict], Read]  # a whole non-streamed reply
     models_path: str  # GET: what the server serves, asked before the first send (replay.protocol.models)
     read_models: Callable[[object], Models | None]  # its answer read
+    # a reply's (or stream event's) per-request timing object, unread (replay.rules.server_timing
+    # reads it); None: it has none, or the API never sends one
+    read_metrics: Callable[[dict], object] = no_metrics
 
     def path(self, stream: bool) -> str:
         return self.stream_path if stream else self.body_path
@@ -48,11 +51,11 @@ APIS: dict[str, Api] = {
         Api("openai-chat", "/v1/chat/completions", "/v1/chat/completions", chat=True, token_ids=False,
             usage_counts_prompt=True, body=openai.chat_body, tokenize_body=openai.chat_tokenize_body,
             read_event=openai.read_chat_event, read_body=openai.read_chat_body,
-            models_path="/v1/models", read_models=openai.read_models),
+            models_path="/v1/models", read_models=openai.read_models, read_metrics=openai.read_metrics),
         Api("openai-completions", "/v1/completions", "/v1/completions", chat=False, token_ids=True,
             usage_counts_prompt=True, body=openai.completions_body, tokenize_body=openai.completions_tokenize_body,
             read_event=openai.read_completions_event, read_body=openai.read_completions_body,
-            models_path="/v1/models", read_models=openai.read_models),
+            models_path="/v1/models", read_models=openai.read_models, read_metrics=openai.read_metrics),
         Api("tgi", "/generate_stream", "/generate", chat=False, token_ids=False,
             usage_counts_prompt=False, body=tgi.generate_body, tokenize_body=tgi.tokenize_body,
             read_event=tgi.read_event, read_body=tgi.read_body,

@@ -1,14 +1,16 @@
 """`replay trace anonymize IN OUT`: the trace `replay record` would have written, made from a
 log of requests that already happened, with the same hashing, sessions and privacy rules.
 
-Two log shapes, one JSON object a line (`--from`, detected from the first line):
+Three log shapes, one JSON object a line (`--from`, detected from the first line):
 
 - `record`: `replay record --raw-log`'s lines: `arrival`, `end` (unix s), `path`, `status`,
   `error`, `session_name`, `client_id`, `request` (the body), `answer` (`output_tokens`,
   `prompt_tokens`, `counted`, `message`, `text`, `error`);
 - `litellm`: LiteLLM's StandardLoggingPayload: `startTime`, `endTime`, `call_type`, `model`,
   `messages`, `model_parameters`, `response`, `prompt_tokens`, `completion_tokens`, `status`,
-  `error_str`, `end_user`.
+  `error_str`, `end_user`;
+- `openai-batch`: an OpenAI Batch API job's output file, joined by `custom_id` to its input file
+  (`--batch-input`): replay/record/batch.py.
 
 Lines may come in any order (LiteLLM logs a request when it ends): they are sorted by arrival
 on disk (replay/trace/sorted_spool.py), so memory stays bounded by a chunk of lines and the
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import orjson
 
+from replay.record import batch
 from replay.record.hashing import BlockHasher
 from replay.record.recorder import new_file
 from replay.record.rows import CHAT, COMPLETIONS, Answer, Exchange, PromptTokens, RowMaker
@@ -29,7 +32,7 @@ from replay.results.files import AppendFile, write_atomically
 from replay.rules.run_files import meta_path
 from replay.trace.sorted_spool import SortedSpool
 
-LOG_FORMATS = ("auto", "record", "litellm")
+LOG_FORMATS = ("auto", "record", "litellm", "openai-batch")
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 TEXT_CALLS = ("text_completion", "atext_completion")
 
@@ -43,8 +46,13 @@ def detect(first: dict) -> str:
         return "record"
     if "startTime" in first:
         return "litellm"
-    raise LogError("neither replay record's raw log (arrival, answer) nor LiteLLM's StandardLoggingPayload "
-                   "(startTime): give --from")
+    if batch.looks_like_output(first):
+        return "openai-batch"
+    if batch.looks_like_input(first):
+        raise LogError("a batch's INPUT file (custom_id, body): give the batch's output file as IN and this one as "
+                       "--batch-input")
+    raise LogError("neither replay record's raw log (arrival, answer), LiteLLM's StandardLoggingPayload "
+                   "(startTime) nor an OpenAI batch output file (custom_id, response): give --from")
 
 
 def _number(record: dict, key: str, where: str) -> float:
@@ -91,10 +99,12 @@ def _text_of(messages) -> str:
 
 
 def anonymize(source: str | Path, out: str | Path, *, log_format: str, tokens: PromptTokens, hasher: BlockHasher,
-              session_names: bool, keep_text: bool, meta: dict) -> dict:
-    """Write OUT (and OUT.meta.json); returns the meta. Raises LogError, OutputError."""
+              session_names: bool, keep_text: bool, meta: dict, batch_input: str | Path | None = None) -> dict:
+    """Write OUT (and OUT.meta.json); returns the meta. `batch_input`: an OpenAI batch's input
+    file, with its output file as `source`. Raises LogError, OutputError."""
     rows = RowMaker(tokens, hasher, "name" if session_names else None, keep_text, session_user=session_names)
     source = Path(source)
+    not_in_output: list[int] = []
     with SortedSpool(tempfile.gettempdir()) as spool:
         fmt = None if log_format == "auto" else log_format
         with open(source, "rb") as f:
@@ -113,8 +123,23 @@ def anonymize(source: str | Path, out: str | Path, *, log_format: str, tokens: P
                         fmt = detect(record)
                     except LogError as e:
                         raise LogError(f"{where}: {e}") from None
+                if fmt == "openai-batch":
+                    break  # read with its input file, below
                 line = normalized(record, fmt, where)
                 spool.add(line["arrival"], number, orjson.dumps(line) + b"\n")
+        if (fmt == "openai-batch") != (batch_input is not None):
+            raise LogError("--batch-input is for --from openai-batch (an OpenAI batch's output file as IN)"
+                           if batch_input is not None else
+                           f"{source}: an OpenAI batch's output file: give the batch's input file as --batch-input "
+                           "(the requests are there)")
+        if batch_input is not None:
+            try:
+                joined = batch.join(source, batch_input)
+                for number, line in joined.lines:  # ties (one `created` second) keep the input file's order
+                    spool.add(line["arrival"], number, orjson.dumps(line) + b"\n")
+            except batch.BatchError as e:
+                raise LogError(str(e)) from None
+            not_in_output = joined.not_in_output
         written = failed = 0
         origin = None
         file = AppendFile(out, fd=new_file(out))
@@ -134,6 +159,10 @@ def anonymize(source: str | Path, out: str | Path, *, log_format: str, tokens: P
             file.close()
     meta = {**meta, "log_format": fmt, "rows": written, "rows_marked_failed": failed, "tokens": tokens.method,
             "complete": True}
+    if fmt == "openai-batch":
+        meta["batch_input"] = Path(batch_input).name if batch_input is not None else None
+        meta["arrival"] = "each completion's created (unix s); a failed request at the batch's first created"
+        meta["not_in_output"] = len(not_in_output)
     write_atomically(meta_path(out), orjson.dumps(meta, option=orjson.OPT_INDENT_2) + b"\n")
     return meta
 

@@ -11,6 +11,7 @@ and nowhere else: the recorder never sees a header but the session header it is 
 
 from __future__ import annotations
 
+import socket
 import time
 from urllib.parse import urlsplit
 
@@ -29,6 +30,22 @@ READ_SIZE = 65536
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "transfer-encoding", "upgrade", "host", "content-length"})
 RECORDER_STOPPED = object()
+QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux only
+
+
+def _acknowledge_now(sock) -> None:
+    """Acknowledge what the upstream sent at once (Linux's TCP_QUICKACK, which the kernel turns
+    off again by itself, so it is set before every read). A server that streams without
+    TCP_NODELAY writes an answer's head, then its first token a TTFT later: Nagle holds that
+    token until the head is acknowledged, and a receiver that delays its ACKs (Linux does, up to
+    40 ms, on a connection that a busy proxy reuses at once) delays the token as long. A direct
+    client, whose connections idle between its requests, is acknowledged sooner; the proxy must
+    not be slower."""
+    if QUICKACK is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
+        except OSError:
+            pass
 
 
 def _bad_gateway(message: str, status: int) -> bytes:
@@ -146,6 +163,7 @@ class Forwarder:
                 if response.message_complete or sock is None:
                     finished = True
                     return
+                _acknowledge_now(sock)
                 data = sock.recv(READ_SIZE)
                 if not data:
                     raise ConnectionError("the upstream closed the connection before the end of the answer")

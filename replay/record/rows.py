@@ -138,7 +138,8 @@ def read_answer(api: str, response: bytes, streamed: bool) -> Answer:
     events = 0
     usage = None
     error = None
-    content, calls = [], []
+    content: list[str] = []
+    calls: list[dict] = []
     for obj in objects:
         if not isinstance(obj, dict):
             continue
@@ -156,7 +157,7 @@ def read_answer(api: str, response: bytes, streamed: bool) -> Answer:
                 content.append(str(part.get("content") or ""))
                 calls.extend(part.get("tool_calls") or ())
     text = "".join(content)
-    message = {"role": "assistant", "content": text}
+    message: dict[str, str | list[dict]] = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
     if usage and isinstance(usage.get("output_tokens"), int):

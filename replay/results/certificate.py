@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TypedDict
+from collections.abc import Mapping
+from typing import Any, TypedDict, cast
 
 from replay.results.arrivals import ArrivalComparison
 from replay.results.fidelity import scheduled
 from replay.results.host_load import busy_host, client_limited, describe
 from replay.results.records import Record
+from replay.rules.server_timing import FROM_ANSWER, FROM_SPAN, SERVER_TIMING_SOURCE, SERVER_TTFT_MS
 from replay.rules.usage import max_tokens_asked, output_tokens_believed
 
 WORST = 10
@@ -41,6 +43,12 @@ ON_TIME_SHARE_MIN = 0.99  # the verdict: at least this share of the sends on tim
 LATE_MS = 10.0  # a send later than this is listed
 PROMPTS_EXACT_MIN = 1.0  # the verdict: every prompt the server counted has the trace's length
 QUEUED_SHARE = 0.5  # late sends this share of which waited for other sends: the replay's pace, not the host
+# The client's TTFT against the server's own (replay.rules.server_timing): a client TTFT over a trace
+# span's (from the server's arrival) by more than this is the client's or the network's, not the server's;
+# the verdict fails when more than CLIENT_EXCESS_SHARE of the requests compared are.
+CLIENT_EXCESS_MS = 50.0
+CLIENT_EXCESS_SHARE = 0.01
+SERVER_OVER_CLIENT_MS = 1.0  # a server TTFT over the client's by more than this cannot be true
 FAITHFUL, UNFAITHFUL = "faithful", "unfaithful"
 WARM_CACHE = "warm-cache"  # hits came from prompts the server's cache held before the run
 SHARED_SERVER = "shared-server"  # hits came from other clients' prompts the server served during the run
@@ -127,6 +135,10 @@ class CertificateBuilder:
         self.outputs = {"exact": 0, "early stop allowed": 0, "server cut": 0, "error": 0, "no count": 0}
         self.sent_tokens: dict[str, int] = {}  # per endpoint: input_length of the requests the server took in
         self.cached_counted = 0  # ok records whose usage has cached_tokens
+        self.ttft_compared: dict[str, int] = {}  # by server_timing_source: ok records with both TTFTs
+        self.ttft_over: dict[str, int] = {}  # of those, the client's over the server's by > CLIENT_EXCESS_MS
+        self._ttft_over: list = []
+        self.server_over_client = 0  # the server's TTFT over the client's: not true
 
     def add(self, record: Record) -> None:
         self.rows += 1
@@ -156,7 +168,25 @@ class CertificateBuilder:
             _push(self._late, (lag, -record["request_id"]),
                   {"request_id": record["request_id"], "worker": record.get("worker"), "lag_ms": lag})
 
+    def _add_server_ttft(self, record: Record) -> None:
+        """The client's TTFT against the server's own, where the server told it."""
+        fields = cast(Mapping[str, Any], record)  # a field named by a constant
+        client, server = fields.get("ttft_ms"), fields.get(SERVER_TTFT_MS)
+        if not _finite(client) or not _finite(server):
+            return
+        source = str(fields.get(SERVER_TIMING_SOURCE))
+        self.ttft_compared[source] = self.ttft_compared.get(source, 0) + 1
+        excess = client - server
+        if excess < -SERVER_OVER_CLIENT_MS:
+            self.server_over_client += 1
+        elif excess > CLIENT_EXCESS_MS:
+            self.ttft_over[source] = self.ttft_over.get(source, 0) + 1
+            _push(self._ttft_over, (excess, -record["request_id"]),
+                  {"request_id": record["request_id"], "source": source, "ttft_ms": client, "server_ttft_ms": server,
+                   "excess_ms": round(excess, 3)})
+
     def _add_prompt(self, record: Record) -> None:
+        self._add_server_ttft(record)
         self.ok += 1
         self.cached_counted += record.get("cached_tokens") is not None
         counted = record.get("prompt_tokens")
@@ -228,8 +258,14 @@ class CertificateBuilder:
             "exact_share": _share(self.outputs["exact"], answered),
             "others": {reason: n for reason, n in self.outputs.items() if reason != "exact"},
         }
-        cert = {"schedule": schedule, "prompts": prompts, "outputs": outputs,
-                "usage": usage_check(server, self.sent_tokens, self.cached_counted > 0), "cache": cache_lines(cache, cache_skipped)}
+        server_ttft = {"compared": dict(sorted(self.ttft_compared.items())), "bound_ms": CLIENT_EXCESS_MS,
+                       "over_bound": dict(sorted(self.ttft_over.items())), "over_worst": _worst(self._ttft_over),
+                       "server_over_client": self.server_over_client}
+        cert: dict[str, Any] = {
+            "schedule": schedule, "prompts": prompts, "outputs": outputs,
+            "usage": usage_check(server, self.sent_tokens, self.cached_counted > 0),
+            "cache": cache_lines(cache, cache_skipped), "server_ttft": server_ttft,
+        }  # fmt: skip
         if smaller := smaller_than_declared(server, cert["cache"]["misses"]):
             cert["cache"]["smaller_than_declared"] = smaller
         cert["verdict"], cert["failing"], cert["unchecked"], cert["remedies"] = verdict(cert)
@@ -427,10 +463,40 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
         warm = (misses["causes"].get("warm-at-start") or {}).get("requests") or 0
         if warm:
             failing.append((WARM_CACHE, f"cache: {warm} requests hit prompts cached before this run (warm-at-start)"))
+    ttft_failing, ttft_unchecked = _server_ttft_lines(cert.get("server_ttft"))
+    failing += ttft_failing
+    unchecked += ttft_unchecked
     kinds = {kind for kind, _ in failing}
     found = next((kind for kind in VERDICTS[1:] if kind in kinds), FAITHFUL)
     remedies = [REMEDIES[kind] for kind in VERDICTS[1:] if kind in kinds and kind in REMEDIES]
     return found, [text for _, text in failing], unchecked, remedies
+
+
+def _server_ttft_lines(section: dict | None) -> tuple[list[tuple[str, str]], list[str]]:
+    """(failing, unchecked) of the client's TTFT against the server's own. A trace span's counts
+    from the server's arrival: a client over it by more than CLIENT_EXCESS_MS was slow to send or
+    to read, or its network was: the run's TTFT is then not the server's, which fails it (more
+    than CLIENT_EXCESS_SHARE of the spans' requests). An answer's counts from its engine's queue,
+    after the server's front end (its parsing and tokenization, which a busy server queues too),
+    so the excess is not judged from answers alone. A server TTFT over the client's is no truth."""
+    if not section or not section["compared"]:
+        return [], []
+    failing, unchecked = [], []
+    spans, over = section["compared"].get(FROM_SPAN, 0), section["over_bound"].get(FROM_SPAN, 0)
+    if spans and over > CLIENT_EXCESS_SHARE * spans:
+        failing.append((UNFAITHFUL, f"server TTFT: {over} of {spans} requests' TTFT exceeds the server's own (its trace "
+                                    f"span's, from its arrival) by > {section['bound_ms']:g} ms (needs <= "
+                                    f"{100 * CLIENT_EXCESS_SHARE:g}%): their TTFT is the client's or the network's, "
+                                    "not the server's"))
+    answers = section["compared"].get(FROM_ANSWER, 0)
+    if answers and not spans:
+        unchecked.append(f"server TTFT: {answers} requests' server TTFT is their answers' (queue + prefill), which "
+                         "leaves out the server's front end: the client's excess over it is not judged (trace spans "
+                         "time the front end: --otlp-receiver)")
+    if section["server_over_client"]:
+        unchecked.append(f"server TTFT: {section['server_over_client']} requests' server TTFT exceeds the client's by "
+                         f"> {SERVER_OVER_CLIENT_MS:g} ms, which cannot be true: the server's timing is not evidence")
+    return failing, unchecked
 
 
 def _ms(value) -> str:
@@ -502,6 +568,13 @@ def format_certificate(cert: dict, width: int) -> list[str]:
                                                               if fingerprints["without"] else "")))
         for e in fingerprints["examples"][:5]:
             out.append(f"  request {e['request_id']}: agreed only through token {e['agreed_tokens']}")
+    ttft = cert.get("server_ttft") or {}
+    if compared := sum((ttft.get("compared") or {}).values()):
+        over = sum((ttft.get("over_bound") or {}).values())
+        out.append(line(f"Client TTFT over server's by > {ttft['bound_ms']:g} ms:", f"{over} of {compared}"))
+        for w in ttft["over_worst"][:3]:
+            out.append(f"  request {w['request_id']}: client {w['ttft_ms']:.1f} ms, server {w['server_ttft_ms']:.1f} ms "
+                       f"({w['source']})")
     out.append(line("Outputs of exact length:", f"{_pct(o['exact_share'])} of {o['sent']}"))
     for reason, n in o["others"].items():
         if n:

@@ -19,7 +19,7 @@ from replay.results.metadata import RUN, read_run_metadata
 from replay.results.outputs import write_outputs
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
-from replay.results.server_metrics import read_samples, read_server_section
+from replay.results.server_metrics import judge_usage, read_samples, read_server_section
 from replay.rules.capacity_result import probe_table, quotable_line
 from replay.rules.run_files import capacity_path, metrics_path
 from replay.synth.tokenizer_source import TOKENIZER_HELP
@@ -102,6 +102,7 @@ def run(args) -> int:
     report["server"] = read_server_section(args.results, report["endpoints"], extra)
     report["fidelity"] = fidelity.certificate(report["drift_ms"], report["cache"], report["server"],
                                               (meta or {}).get("host_load"), cache_skipped(meta))
+    judge_usage(report["server"], report["fidelity"].get("usage"))
     if capacity is not None and capacity.get("probes"):
         print(f"{quotable_line(capacity)}\n{probe_table(capacity)}\n"
               "(a capacity search: the figures below pool every probe, and the pauses between them)")

@@ -26,11 +26,11 @@ from __future__ import annotations
 import math
 import random
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from replay.results.bootstrap import Draw, Share, Total, Weighted, block_rows, draw, interval, sample, std
-from replay.results.compare_runs import OK, UNANSWERED, RunRows, read_run
+from replay.results.compare_runs import OK, SERVER_PARTS, UNANSWERED, RunRows, read_run
 from replay.results.report import parse_slo
 
 BETTER, WORSE, SAME, NOT_TESTED = "better", "worse", "no detectable difference", "not tested"
@@ -57,13 +57,22 @@ class Metric:
     tested: bool = True
 
 
-def metric_table(slo: bool) -> list[Metric]:
-    """Every figure compared, in the table's order."""
+# The server's own parts (replay.results.compare_runs.server_parts), compared when a run has them.
+SERVER_LABELS = {"queue": "server queue", "prefill": "server prefill", "decode": "server decode",
+                 "rest": "TTFT rest (network, client)"}
+
+
+def metric_table(slo: bool, server: bool = False) -> list[Metric]:
+    """Every figure compared, in the table's order; `server`: the servers' own parts too."""
     out = []
     for lat in LATENCIES:
         for p in QUANTILES:
             out.append(Metric(f"{lat}_p{p}", f"{lat.upper()} p{p}", "ms", True, quantile=p))
         out.append(Metric(f"{lat}_mean", f"{lat.upper()} mean", "ms", True))
+    for part in SERVER_PARTS if server else ():
+        for p in QUANTILES:
+            out.append(Metric(f"{part}_p{p}", f"{SERVER_LABELS[part]} p{p}", "ms", True, quantile=p))
+        out.append(Metric(f"{part}_mean", f"{SERVER_LABELS[part]} mean", "ms", True))
     if slo:
         out.append(Metric("goodput", "goodput (share meeting --slo)", "share", False))
     out.append(Metric("failure_rate", "failure rate", "share", True))
@@ -98,8 +107,15 @@ COMPARED_META: tuple[tuple[str, Callable[[dict], object]], ...] = (
 )  # fmt: skip
 
 
-def differences(runs: list[RunRows]) -> list[str]:
-    """How each run differs from the first in what makes runs comparable, one line each."""
+# What a run recorded from another (replay.results.recorded_pair) need not share with it.
+RECORDED_DIFFER = ("trace fingerprint (sha256)", "trace window (start, duration, max requests, rows)", "scale")
+
+
+def differences(runs: list[RunRows], recorded: Mapping[int, int] | None = None) -> list[str]:
+    """How each run differs from the first in what makes runs comparable, one line each.
+    `recorded`: run -> the run its trace was recorded from (by index in `runs`): the two traces
+    differ by construction, and only --scale 1 replays the recording's pace."""
+    recorded = recorded or {}
     first = runs[0]
     out = []
     for run in runs:
@@ -110,10 +126,16 @@ def differences(runs: list[RunRows]) -> list[str]:
             out.append(f"{run.path} is a capacity search: its probes' rows are at the load factors its outcomes "
                        f"chose, so row by row they pair rows of other loads (its {run.path}.capacity.json has "
                        f"its result)")
-    for run in runs[1:]:
+    for k, run in enumerate(runs):
+        if k in recorded and run.meta is not None and run.meta.get("scale") != 1.0:
+            out.append(f"scale: {run.path} replays a recorded trace (the recording's own times) at --scale "
+                       f"{run.meta.get('scale')!r}: only 1 replays the recorded run's pace")
+    for k, run in enumerate(runs[1:], 1):
         if first.meta is None or run.meta is None:
             continue
         for name, get in COMPARED_META:
+            if (recorded.get(k) == 0 or recorded.get(0) == k) and name in RECORDED_DIFFER:
+                continue
             a, b = get(first.meta), get(run.meta)
             if a != b:
                 out.append(f"{name}: {first.path} has {a!r}, {run.path} has {b!r}")
@@ -169,10 +191,12 @@ def match(runs: list[RunRows]) -> Matched:
 class Side:
     """One side's values as the resampling needs them, over the compared rows (0..n-1)."""
 
-    def __init__(self, runs: list[RunRows], matched: Matched, slo: dict[str, float] | None, block: int) -> None:
+    def __init__(self, runs: list[RunRows], matched: Matched, slo: dict[str, float] | None, block: int,
+                 server: bool = False) -> None:
+        """`server`: the servers' own parts too (compare_runs.SERVER_PARTS)."""
         n = len(matched.ids)
         low, row_of = matched.low, matched.row_of
-        values = {lat: (array("d"), array("q")) for lat in ("ttft", "tpot", "e2e")}
+        values = {lat: (array("d"), array("q")) for lat in ("ttft", "tpot", "e2e", *(SERVER_PARTS if server else ()))}
         gaps, gap_rows, gap_weights = array("d"), array("q"), array("d")
         zeros = bytes(8 * n)
         requests, failed, good = array("d", zeros), array("d", zeros), array("d", zeros)
@@ -189,7 +213,8 @@ class Side:
                 if run.state[i] != OK:
                     failed[row] += 1
                     continue
-                for lat, column in (("ttft", run.ttft), ("tpot", run.tpot), ("e2e", run.e2e)):
+                for lat, column in (("ttft", run.ttft), ("tpot", run.tpot), ("e2e", run.e2e),
+                                    *((part, run.server[part]) for part in SERVER_PARTS if server)):
                     v = column[i]
                     if v == v:  # not nan: the record has it
                         values[lat][0].append(v)
@@ -298,8 +323,10 @@ def compare(base: list[RunRows], new: list[RunRows], *, slo: dict[str, float] | 
     if block is not None and block > n:
         raise CompareError(f"--block-rows {block}: more than the {n} rows compared (1 to {n})")
     block = block or block_rows(n)
-    sides = Side(base, matched, slo, block), Side(new, matched, slo, block)
-    metrics = metric_table(bool(slo))
+    # the servers' own parts are compared where any run has them: both sides then have the columns
+    server = any(run.server_timed for run in (*base, *new))
+    sides = Side(base, matched, slo, block, server), Side(new, matched, slo, block, server)
+    metrics = metric_table(bool(slo), server)
     tested = [m for m in metrics if m.tested]
     diffs: dict[str, list[float]] = {m.name: [] for m in tested}
     rels: dict[str, list[float]] = {m.name: [] for m in tested}

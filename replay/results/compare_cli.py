@@ -14,6 +14,7 @@ from replay.results.compare import NOT_TESTED, SAME, CompareError, compare, diff
 from replay.results.gates import evaluate, parse_gate
 from replay.results.metadata import RUN, read_run_metadata
 from replay.results.outputs import write_outputs
+from replay.results.recorded_pair import recorded_pairs
 from replay.results.report import ReportError, parse_slo
 
 # Fewer draws than this put a 95% interval's ends on a handful of them; more only take longer.
@@ -74,7 +75,8 @@ def run(args) -> int:
         base_paths, new_paths = _sides(args)
         slo = slo_of([_meta(p) for p in (*base_paths, *new_paths)], parse_slo(args.slo) if args.slo else None)
         base, new = [load_run(p, slo) for p in base_paths], [load_run(p, slo) for p in new_paths]
-        different = differences([*base, *new])
+        recorded = recorded_pairs([*base, *new])
+        different = differences([*base, *new], {k: source for k, (source, _) in recorded.items()})
         if different and not args.allow_different:
             raise CompareError("the runs are not comparable: " + "; ".join(different)
                                + " (--allow-different compares them anyway)")
@@ -85,6 +87,7 @@ def run(args) -> int:
                                + " (--allow-incomplete compares the rows every run answered)")
         result = compare(base, new, slo=slo, resamples=args.resamples, seed=args.seed, block=args.block_rows)
         result["differences"] = different
+        result["recorded_from"] = [line for _, line in recorded.values()]
         result["gates"] = [evaluate(g, result) for g in gates]
     except (CompareError, ReportError) as e:
         print(f"replay compare: {e}", file=sys.stderr)
@@ -163,6 +166,8 @@ def format_compare(result: dict) -> str:
         if run["incomplete"]:
             out.append(f"INCOMPLETE (--allow-incomplete): {run['side']} {run['path']}: {'; '.join(run['incomplete'])}")
     out.append(rows_line(result))
+    for line in result.get("recorded_from") or ():
+        out.append(f"paired through the recording: {line}")
     for d in result.get("differences") or ():
         out.append(f"differs (--allow-different): {d}")
     header = ("metric", "BASE", "NEW", "change", "95% interval", "verdict")

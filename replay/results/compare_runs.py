@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from replay.results.metadata import read_run_metadata
 from replay.results.records import (
@@ -32,6 +33,13 @@ from replay.results.records import (
 )
 from replay.results.report import ReportBuilder, meets_slo
 from replay.results.server_metrics import read_server_section
+from replay.rules.server_timing import (
+    SERVER_DECODE_MS,
+    SERVER_PREFILL_MS,
+    SERVER_QUEUE_MS,
+    SERVER_TIMING_SOURCE,
+    SERVER_TTFT_MS,
+)
 
 ITL_CAP = 20_000  # inter-token gaps a run keeps (each request's evenly spaced order statistics)
 OK, FAILED, UNANSWERED = 0, 1, 2  # a record's state: answered ok, answered not ok, no answer
@@ -81,6 +89,9 @@ class RunRows:
         self.state = bytearray()
         self.good = bytearray()
         self.ttft, self.tpot, self.e2e = array("d"), array("d"), array("d")
+        # the server's own parts of an ok record's time (replay.results.server_time), nan where it did not say
+        self.server = {part: array("d") for part in SERVER_PARTS}
+        self.server_timed = 0  # ok records with the server's own times
         self.scheduled = array("d")  # scheduled_at, for the HTML's plot over trace time
         self.cached, self.prompt = array("q"), array("q")  # cached -1: not reported
         self.itl_sum, self.itl_count = array("d"), array("q")
@@ -114,6 +125,10 @@ class RunRows:
         ok = state == OK
         for column, key in ((self.ttft, "ttft_ms"), (self.tpot, "tpot_ms"), (self.e2e, "e2e_ms")):
             column.append(_float(record.get(key)) if ok else math.nan)
+        parts = server_parts(record) if ok else {}
+        self.server_timed += bool(parts)
+        for part, column in self.server.items():
+            column.append(_float(parts.get(part)))
         cached = record.get("cached_tokens") if ok else None
         self.cached.append(-1 if cached is None else cached)
         self.prompt.append(prompt_tokens_of(record) if ok else 0)
@@ -178,6 +193,21 @@ class RunRows:
             out.append(f"{sum(stops.values())} of {len(self)} rows unanswered: "
                        + ", ".join(f"{n} {label!r}" for label, n in sorted(stops.items(), key=lambda x: -x[1])))
         return out
+
+
+SERVER_PARTS = ("queue", "prefill", "decode", "rest")  # compared row by row, as the latencies
+
+
+def server_parts(record: Mapping[str, Any]) -> dict[str, float | None]:
+    """The parts of a record's time `replay compare` compares: the server's queue, prefill and
+    decode, and the rest of its TTFT (the client's less the server's: network, client, router);
+    empty when the server told none."""
+    if record.get(SERVER_TIMING_SOURCE) is None:
+        return {}
+    ttft, server_ttft = record.get("ttft_ms"), record.get(SERVER_TTFT_MS)
+    return {"queue": record.get(SERVER_QUEUE_MS), "prefill": record.get(SERVER_PREFILL_MS),
+            "decode": record.get(SERVER_DECODE_MS),
+            "rest": None if ttft is None or server_ttft is None else ttft - server_ttft}
 
 
 def count_lines(path: str | Path) -> int:

@@ -33,7 +33,7 @@ def parse_gate(text: str) -> Gate:
         raise CompareError(f"--fail-on {text!r}: expected METRIC>BOUND or METRIC<BOUND with a unit of %, ms or pt, "
                            "e.g. ttft_p99>+5% or goodput<-1pt")  # fmt: skip
     name, sign, number, unit = match.groups()
-    metrics = {m.name: m for m in metric_table(slo=True)}
+    metrics = {m.name: m for m in metric_table(slo=True, server=True)}
     metric = metrics.get(name)
     if metric is None:
         raise CompareError(f"--fail-on {text!r}: no metric {name!r}; one of {', '.join(metrics)}")
@@ -49,7 +49,10 @@ def parse_gate(text: str) -> Gate:
 
 def evaluate(gate: Gate, result: dict) -> dict:
     """{gate, held, why}: whether the gate held on the comparison `result` (compare's document)."""
-    entry = next(e for e in result["metrics"] if e["metric"] == gate.metric)
+    entry = next((e for e in result["metrics"] if e["metric"] == gate.metric), None)
+    if entry is None:  # a server part's, and no run has the servers' own times
+        raise CompareError(f"--fail-on {gate.text!r}: no run has the servers' own times (their records' server_* "
+                           "fields are null: vLLM without --enable-per-request-metrics)")
     ci = entry["relative_ci"] if gate.unit == "%" else entry["ci"]
     if ci is None:
         why = "goodput needs an SLO (--slo, or the runs' own)" if gate.metric == "goodput" and not result["slo"] \

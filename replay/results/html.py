@@ -17,6 +17,7 @@ from replay.results.files import write_atomically
 from replay.results.gpu_metrics import DCGM, gpus
 from replay.results.report import format_report
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
+from replay.results.server_time import E2E_PARTS, PART_LABELS, split
 from replay.rules.capacity_result import quotable_line
 
 EXTRA_HINT = "pip install 'tracereplay[report]'"
@@ -30,6 +31,8 @@ PLOTS = (
 )
 
 
+SERVER_TIME_PLOT = ("server-time", "Where the time went: mean end-to-end latency split into the server's queue, "
+                                   "prefill and decode and the rest (by scheduled send)")
 CAPACITY_PLOT = ("capacity", "Capacity search: goodput and latency against load factor")
 TURN_WAITS_PLOT = ("turn-waits", "Session turns sent after their trace time: wait for the previous answer (waited_ms)")
 
@@ -175,6 +178,12 @@ def capacity_figure(Figure, capacity: dict):
         points = [(p["factor"], p[key]["p99"]) for p in ordered if p[key]["p99"] is not None]
         if points:
             b.plot(*zip(*points), marker="o", label=label)
+    # the servers' own queue, where they tell it (replay.results.server_time): the part a load past capacity grows
+    queue = [(p["factor"], split["queue"]["p99"]) for p in ordered
+             if (split := (p.get("server_timing") or {}).get("e2e_ms") or {}).get("requests")
+             and split["queue"]["p99"]]  # fmt: skip  # a log axis: no 0
+    if queue:
+        b.plot(*zip(*queue), marker="s", ls=":", label="server queue p99")
     for key, limit in capacity["slo"].items():
         b.axhline(limit, color="grey", lw=1, ls="--", label=f"{key} <= {limit:g}")
     b.set(xlabel="load factor (x this trace's load)", ylabel="ms", title="Latency p99", yscale="log")
@@ -198,6 +207,37 @@ def capacity_figure(Figure, capacity: dict):
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     b.yaxis.set_major_formatter(plain)
     b.yaxis.set_minor_formatter(plain)
+    return fig
+
+
+def server_time_figure(Figure, ok: list[dict], t0: float, scale: float):
+    """The E2E split of the ok records with the server's own times (replay.results.server_time),
+    averaged per bin of trace time and stacked: queue, prefill, decode, server other, rest.
+    Means add up, so each bin's stack is the mean client E2E of its requests. None when no
+    record has them."""
+    points = [(((r.get("scheduled_at") or r["sent_at"]) - t0) * scale, parts) for r in ok
+              if (parts := split(r, "e2e_ms")) is not None]
+    if not points:
+        return None
+    width = _bin_width(max(x for x, _ in points))
+    bins: dict[int, list[dict]] = {}
+    for x, parts in points:
+        bins.setdefault(int(x / width), []).append(parts)
+    xs = [(i + 0.5) * width for i in sorted(bins)]
+    names = [name for name in E2E_PARTS if name != "server_other" or any(abs(p["server_other"]) > 1e-6 for _, p in points)]
+    stacks = [[sum(p[name] for p in bins[i]) / len(bins[i]) for i in sorted(bins)] for name in names]
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    ax = fig.subplots()
+    if len(xs) == 1:  # one bin: a bar, a stack of nothing wide is invisible
+        bottom = 0.0
+        for name, values in zip(names, stacks):
+            ax.bar(xs, values, width=width * 0.8, bottom=bottom, label=PART_LABELS[name])
+            bottom += values[0]
+    else:
+        ax.stackplot(xs, *stacks, labels=[PART_LABELS[name] for name in names], step="mid")
+    ax.set(xlabel=f"trace time (s){'' if scale == 1 else f', run time x {scale:g}'}", ylabel="mean E2E (ms)")
+    ax.legend(loc="upper left", fontsize="small")
+    ax.grid(alpha=0.3)
     return fig
 
 
@@ -238,6 +278,8 @@ def render_figures(records: list[dict], report: dict, checks=None, meta: dict | 
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     figures["latency-time"] = fig
+    if (fig := server_time_figure(Figure, ok, t0, scale)) is not None:
+        figures[SERVER_TIME_PLOT[0]] = fig
 
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     ax = fig.subplots()
@@ -360,7 +402,7 @@ def render_html(records: list[dict], report: dict, checks=None, meta: dict | Non
     figures = figures or render_figures(records, report, checks, meta, capacity=capacity)
     parts = []
     for name, fig in figures.items():
-        caption = dict((*PLOTS, CAPACITY_PLOT, TURN_WAITS_PLOT)).get(name) or fig.get_label()
+        caption = dict((*PLOTS, CAPACITY_PLOT, TURN_WAITS_PLOT, SERVER_TIME_PLOT)).get(name) or fig.get_label()
         parts.append(f'<figure id="plot-{name}" class="plot"><figcaption>{html.escape(caption)}</figcaption>\n'
                      f"{figure_svg(fig)}</figure>")  # fmt: skip
     meta = meta or {}

@@ -15,6 +15,8 @@ import orjson
 from replay.errors import OutputError
 from replay.results.files import AppendFile
 from replay.results.output import fresh_fd
+from replay.rules.server_timing import SERVER_TIMING_PROBLEM
+from replay.rules.server_timing import empty as empty_server_timing
 from replay.rules.usage import disagreements, output_tokens_believed
 
 
@@ -50,6 +52,15 @@ class Record(TypedDict):
     probe: int | None  # a capacity search's probe (docs/capacity.md), in the merged file; null: no search
     factor: float | None  # that probe's load factor
     prompt_fingerprint: list[list[int]] | None  # the prompt as sent: [[tokens, crc32], ...] (replay.rules.prompt_fingerprint)
+    # The server's own times (replay.rules.server_timing, whose names these are): ms, null when unknown.
+    server_queue_ms: float | None
+    server_prefill_ms: float | None
+    server_decode_ms: float | None
+    server_ttft_ms: float | None
+    server_e2e_ms: float | None
+    server_mean_itl_ms: float | None
+    server_timing_source: str | None  # "answer" | "span" | null
+    server_timing_problem: str | None  # the answer's timing figures dropped (not durations), "; "-joined
 
 
 RECORD_FIELDS = tuple(Record.__annotations__)
@@ -139,6 +150,8 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "probe": None,
         "factor": None,
         "prompt_fingerprint": prompt_fingerprint,
+        **(outcome.server_timing or empty_server_timing()),  # type: ignore[typeddict-item]  # its keys: the fields above
+        SERVER_TIMING_PROBLEM: "; ".join(outcome.server_timing_problems or ()) or None,
     }
 
 

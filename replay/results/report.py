@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from replay.results.certificate import format_certificate
 from replay.results.records import Record, output_tokens_of
 from replay.results.server_metrics import format_server
+from replay.results.server_time import ServerTimeBuilder, Timing, format_server_time, timing_of
 from replay.results.summary import SummaryBuilder, percentile, sorted_array
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
@@ -80,8 +81,11 @@ class EndpointStats:
         self.e2e = array("d")
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.server_time = ServerTimeBuilder()
 
-    def add(self, record: Record) -> None:
+    def add(self, record: Record, timing: Timing | None | bool = True) -> None:
+        """`timing`: the record's server timing, as ReportBuilder read it (replay.results.server_time.timing_of)."""
+        self.server_time.add(record, timing)
         self.requests += 1
         self.prompt_tokens += record.get("prompt_tokens") or 0
         self.cached_tokens += record.get("cached_tokens") or 0
@@ -99,6 +103,7 @@ class EndpointStats:
             entry[key] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
         entry["prompt_tokens"] = self.prompt_tokens
         entry["cached_tokens"] = self.cached_tokens
+        entry["server_timing"] = self.server_time.section()  # type: ignore[assignment]  # as the others above
         return entry
 
 
@@ -115,15 +120,18 @@ class ReportBuilder:
     def __init__(self, slo: dict[str, float] | None = None) -> None:
         self.slo = dict(slo) if slo else None
         self.summary = SummaryBuilder()
+        self.server_time = ServerTimeBuilder()
         self.requests_good = 0
         self.endpoints: dict[str, EndpointStats] = {}
 
     def add(self, record: Record) -> None:
         self.summary.add(record)
+        timing = timing_of(record)  # read once, for the run's section and its endpoint's
+        self.server_time.add(record, timing)
         if self.slo and meets_slo(record, self.slo):
             self.requests_good += 1
         if record.get("endpoint"):
-            self.endpoints.setdefault(record["endpoint"], EndpointStats()).add(record)
+            self.endpoints.setdefault(record["endpoint"], EndpointStats()).add(record, timing)
 
     def report(self, cache: dict | None = None) -> dict:
         """The summary keys (docs/reports.md), the totals vLLM prints, failure breakdowns, goodput, the
@@ -146,6 +154,7 @@ class ReportBuilder:
             report["requests_good"] = None
             report["goodput_rps"] = None
         report["cache"] = cache
+        report["server_timing"] = self.server_time.section()  # where the time went (replay.results.server_time)
         report["endpoints"] = {endpoint: self.endpoints[endpoint].entry() for endpoint in sorted(self.endpoints)}
         report["server"] = None  # the run's server-metrics samples, when it has some (see above)
         return report
@@ -212,8 +221,9 @@ def format_report(report: dict) -> str:
         out.extend(format_cache(cache))
     if report.get("endpoints"):
         out.extend(format_endpoints(report["endpoints"]))
+    out.extend(format_server_time(report.get("server_timing") or {}, WIDTH, report.get("endpoints")))
     if report.get("server"):
-        out.extend(format_server(report["server"], WIDTH, (report.get("fidelity") or {}).get("usage")))
+        out.extend(format_server(report["server"], WIDTH))
     if report.get("fidelity"):
         out.extend(format_certificate(report["fidelity"], WIDTH))
     out.append("=" * WIDTH)

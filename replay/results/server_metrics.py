@@ -287,6 +287,7 @@ def server_section(samples: Iterable[dict], endpoints: dict[str, dict] | None = 
     if total["prompt_tokens"] is not None and total["records_prompt_tokens"] is not None:
         diff = total["prompt_tokens"] - total["records_prompt_tokens"]
     total["prompt_tokens_difference"] = diff
+    total["note"] = OTHER_TRAFFIC.format(diff=diff) if diff else None
     total["endpoints_without_metrics"] = [url for url, e in entries.items() if e["samples"] == e["samples_failed"]]
     section = {"endpoints": entries, "total": total}
     if exporters:
@@ -313,16 +314,20 @@ def _num(value, digits: int = 0) -> str:
     return f"{value:.{digits}f}" if digits else f"{int(value)}"
 
 
-def format_server(section: dict, width: int = 50, usage: dict | None = None) -> list[str]:
-    """The summary's lines for the server's side. `usage`: the certificate's check of the usage
-    against the counters; where it found the usage false, a prompt-token difference is said to
-    be that, not other traffic."""
-    out = ["{s:-^{n}}".format(s="Server Metrics (Prometheus)", n=width)]
-    false_usage = ((usage or {}).get("prompt_tokens") or {}).get("status") == "disagrees"
+def judge_usage(section: dict | None, usage: dict | None) -> None:
+    """Reword the section's prompt-token notes by the certificate's check of the usage against
+    the counters (`usage`): where it found the usage false, a difference is that, not other
+    traffic. The summary's JSON and its printed lines read the same notes."""
+    if section is None or ((usage or {}).get("prompt_tokens") or {}).get("status") != "disagrees":
+        return
+    for entry in (*section["endpoints"].values(), section["total"]):
+        if entry.get("prompt_tokens_difference"):
+            entry["note"] = FALSE_USAGE.format(diff=entry["prompt_tokens_difference"])
 
-    def note(e: dict) -> str | None:
-        diff = e.get("prompt_tokens_difference")
-        return FALSE_USAGE.format(diff=diff) if false_usage and diff else e["note"]
+
+def format_server(section: dict, width: int = 50) -> list[str]:
+    """The summary's lines for the server's side."""
+    out = ["{s:-^{n}}".format(s="Server Metrics (Prometheus)", n=width)]
 
     def lines(e: dict) -> None:
         ratio = e["prefix_cache_hit_ratio"]
@@ -345,15 +350,14 @@ def format_server(section: dict, width: int = 50, usage: dict | None = None) -> 
             continue
         out.append(f"{url}{kind}: {e['samples'] - e['samples_failed']} samples")
         lines(e)
-        if note(e):
-            out.append(f"  note: {note(e)}")
+        if e["note"]:
+            out.append(f"  note: {e['note']}")
     total = section["total"]
     if len(section["endpoints"]) - len(total["endpoints_without_metrics"]) > 1:  # one: its own lines said it
         out.append("all endpoints with metrics:")
         lines(total)
-        if total.get("prompt_tokens_difference"):
-            out.append("  note: " + (FALSE_USAGE if false_usage else OTHER_TRAFFIC).format(
-                diff=total["prompt_tokens_difference"]))
+        if total.get("note"):
+            out.append(f"  note: {total['note']}")
     if section.get("exporters"):
 
         out.extend(format_exporters(section["exporters"]))

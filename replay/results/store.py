@@ -52,6 +52,7 @@ class RecordStore:
         self._state = bytearray(size)
         self._offsets = array("q", bytes(8 * size))
         self._lengths = array("I", bytes(4 * size))
+        self.answered = bytearray(size)  # 1: the row's record is ok (the rows whose server span the end waits for)
         self.count = 0  # request ids with a record of either kind
         self.unwritten = 0  # of them, rows whose record could not be written (a full disk)
         self.finished = False  # the sorted file is written: records that come later are not taken
@@ -63,6 +64,7 @@ class RecordStore:
             self._state.extend(bytes(more))
             self._offsets.extend(array("q", bytes(8 * more)))
             self._lengths.extend(array("I", bytes(4 * more)))
+            self.answered.extend(bytes(more))
 
     def state(self, request_id: int) -> int:
         return self._state[request_id - self.first]
@@ -94,6 +96,7 @@ class RecordStore:
             elif self._lengths[index]:
                 replaced[index] = (self._offsets[index], self._lengths[index])
             self._state[index] = PLACEHOLDER if placeholder else REAL
+            self.answered[index] = record.get("ok") is True
             line = orjson.dumps(record) + b"\n"
             self._offsets[index] = offset
             self._lengths[index] = len(line)
@@ -117,11 +120,14 @@ class RecordStore:
             self._file.overwrite(old_offset, b" " * (old_length - 1) + b"\n")
         return fresh
 
-    def finish(self, each: Callable[[Record], None] | None = None) -> int:
+    def finish(self, each: Callable[[Record], None] | None = None,
+               fill: Callable[[dict], bool] | None = None) -> int:
         """Rewrite the file sorted by request_id (each row's latest record); returns how many.
         `each` sees every record in that order (the end-of-run summary), also when the
         rewrite cannot be written: the appended file is then kept as it is (one line per
-        row, unsorted), and the fault handler hears why."""
+        row, unsorted), and the fault handler hears why. `fill` adds to a record before
+        `each` sees it and it is written (True: it changed; the server's spans,
+        replay.results.span_join)."""
         self.finished = True
         if self._file is None:
             return 0
@@ -151,7 +157,13 @@ class RecordStore:
                 continue
             line = read(offsets[index], lengths[index])  # a seek would refill 8 KB per line
             count += 1
-            if each is not None:
+            if fill is not None:
+                record = orjson.loads(line)
+                if fill(record):
+                    line = orjson.dumps(record) + b"\n"
+                if each is not None:
+                    each(record)
+            elif each is not None:
                 each(orjson.loads(line))
             if out is not None:
                 pending += line

@@ -52,7 +52,7 @@ def sorted_array(values: array) -> array:
 
 def _merge_runs(values: array) -> array:
     """Merge the sorted runs of `values` in rounds, each over a window at the head of every run
-    (heapq.merge goes value by value in Python: 2-4x slower). t, the least of the windows' last
+    (heapq.merge goes value by value in Python: slower). t, the least of the windows' last
     values, bounds a round: all values below t are in the windows (runs are sorted), so they,
     sorted together, come next; then every value equal to t, run after run, as a stable sort
     puts them (0.0 and -0.0 are equal, not the same); what is left is above t. The run whose

@@ -16,6 +16,12 @@ FOUND, BELOW_LO, AT_LEAST_HI = "found", "below LO", "at least HI"
 WORKERS_LOST = "workers lost"  # a probe and its repeat were both invalid: the search ended there
 STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer; also the probe's verdict
 WORKER_SIGNALLED = "worker stopped"  # a worker got a stop signal of its own (not the user's stop): the search ended there
+# Why a failing probe failed, when the servers tell their own times (replay.engine.capacity.why_failed):
+# the server's part that grew most from the largest passing probe, or GREW_REST: none of them did.
+GREW_REST = "neither: client or network"
+WHY_FAILED = {"queue": "the servers' queue", "prefill": "their prefill", "decode": "their decode",
+              "server_other": "their time outside queue, prefill and decode",
+              GREW_REST: "none of the servers' parts but the rest (the client, the network or a router)"}
 NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED, WORKER_SIGNALLED, OUTAGE, SERVER_ERRORS)  # results whose exit code is 1
 
 
@@ -49,7 +55,18 @@ def quotable_line(report: dict) -> str:
                 f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
     if best is None or worst is None:
         return f"Capacity: not known (the search was {result}) {at}"
-    return f"Capacity: {best:.3g}x this trace's load ({best:.3g}x passes, {worst:.3g}x fails) {at}"
+    return f"Capacity: {best:.3g}x this trace's load ({best:.3g}x passes, {worst:.3g}x fails) {at}{_because(report)}"
+
+
+def _because(report: dict) -> str:
+    """'; at 4x the servers' queue grew most (+372 ms mean TTFT)', or nothing without the servers' times."""
+    why = report.get("failed_because")
+    if not why or why.get("grew_most") is None:
+        return ""
+    part, figure = why["grew_most"], "TTFT" if why["figure"] == "ttft_ms" else "E2E"
+    grown = why["growth_ms"]["rest" if part == GREW_REST else part]
+    return (f"; at {report['bracket'][1]:.3g}x {WHY_FAILED.get(part, part)} grew most "
+            f"({grown:+.0f} ms of {why['growth_ms']['client']:+.0f} ms mean {figure})")
 
 
 def probe_table(report: dict) -> str:

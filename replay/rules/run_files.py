@@ -8,6 +8,7 @@ them, the report and `replay compare` read them; each asks here, so they cannot 
 - OUTPUT.fidelity.json: the run's fidelity certificate (docs/fidelity.md);
 - OUTPUT.server-metrics.jsonl: the servers' scraped metrics;
 - OUTPUT.capacity.json: a capacity search's probes and answer (docs/capacity.md);
+- OUTPUT.spans.jsonl: the spans the servers exported to --otlp-receiver (docs/otlp.md);
 - OUTPUT.worker-N.jsonl: worker N's own copy of its records;
 - OUTPUT.lock: held while a run writes OUTPUT;
 - FILE.tmp: a file being written, renamed over FILE when whole.
@@ -23,6 +24,7 @@ SUMMARY_SUFFIX = ".summary.json"
 FIDELITY_SUFFIX = ".fidelity.json"
 METRICS_SUFFIX = ".server-metrics.jsonl"
 CAPACITY_SUFFIX = ".capacity.json"
+SPANS_SUFFIX = ".spans.jsonl"
 LOCK_SUFFIX = ".lock"
 TMP_SUFFIX = ".tmp"
 
@@ -43,6 +45,10 @@ def capacity_path(output: str | Path) -> Path:
     return Path(f"{output}{CAPACITY_SUFFIX}")
 
 
+def spans_path(output: str | Path) -> Path:
+    return Path(f"{output}{SPANS_SUFFIX}")
+
+
 def metrics_path(output: str | Path) -> Path:
     return Path(f"{output}{METRICS_SUFFIX}")
 
@@ -61,7 +67,8 @@ def run_files(output: str | Path) -> list[Path]:
     """Every file of a run on `output` but the lock and the temporary ones: the records, the
     files beside them, and the workers' copies that exist now (any N)."""
     out = Path(output)
-    files = [out, meta_path(out), summary_path(out), fidelity_path(out), metrics_path(out), capacity_path(out)]
+    files = [out, meta_path(out), summary_path(out), fidelity_path(out), metrics_path(out), capacity_path(out),
+             spans_path(out)]
     pattern = worker_name_pattern(out)
     if out.parent.is_dir():
         files += sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))

@@ -17,8 +17,8 @@ TEXT_ADD_SPECIAL_TOKENS = True
 
 def are_token_ids(value) -> bool:
     """Whether `value` is a list of non-negative ints, checked at C speed: an array of C ints
-    takes only ints that fit in 31 bits and a sign (~0.1 ms for a vocabulary's 41k ids, against
-    ~4 ms element by element)."""
+    takes only ints that fit in 31 bits and a sign (a vocabulary's ids in a fraction of the time
+    a check element by element takes)."""
     try:
         return isinstance(value, list) and (not value or min(array("i", value)) >= 0)
     except (TypeError, OverflowError, ValueError):

@@ -121,7 +121,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"{path}:{line}: not UTF-8: byte 0x{data[e.start]:02x}") from None
-    import yaml  # here, not at the top: only a run with a config file pays its import (~10 ms)
+    import yaml  # here, not at the top: only a run with a config file pays its import
 
     loader = yaml.SafeLoader(text)
     try:

@@ -40,5 +40,6 @@ def start(spec: RunSpec, link: Link, clock: Clock = SYSTEM_CLOCK, **runner: Any)
                       capacity=outcome.capacity, cache_stream=followers[0] if followers else None)
 
     coordinator = Coordinator(spec, link, clock, on_end=end, **runner)
-    coordinator.go_listeners.append(follow_cache)
+    if not spec.options.capacity_search:  # a search's probes are rows of their own, which no trace holds
+        coordinator.go_listeners.append(follow_cache)
     return coordinator

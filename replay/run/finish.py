@@ -28,10 +28,12 @@ from replay.results.certificate import FAITHFUL, CertificateBuilder
 from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
 from replay.results.records import Record, is_failure
 from replay.results.report import ReportBuilder, format_report, parse_slo
-from replay.results.server_metrics import read_server_section
+from replay.results.server_metrics import judge_usage, read_server_section
+from replay.results.span_join import format_section
 from replay.results.store import RecordStore
 from replay.rules.capacity_result import NO_ANSWER, quotable_line
 from replay.rules.run_files import meta_path, tmp_path
+from replay.run.spans import join_spans
 
 logger = logging.getLogger(__name__)
 CACHE_FOLLOW_ENV = "TRACEREPLAY_CACHE_FOLLOW"
@@ -65,16 +67,20 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
         for listener in listeners:
             listener(record)
 
-    count = store.finish(each)
+    spans = join_spans(spec, store)  # --otlp-receiver's: each record's server fields filled from its span
+    count = store.finish(each, fill=spans.fill if spans is not None else None)
     spec.schedule.close()
     whole = not incomplete and not store.unwritten  # every record in the appended file the stream read
     report = builder.report(_cache_section(spec, facts, cache_stream if whole else None))
     if cache_stream is not None:
         cache_stream.stop()
+    if spans is not None:
+        report["spans"] = spans.section()
     report["server"] = read_server_section(spec.output, report["endpoints"], spec.options.server_metric or ())
     report["fidelity"] = certificate = fidelity.certificate(report["drift_ms"], report["cache"], report["server"],
                                                             facts.host_load,
                                                             cache_skipped({"options": spec.options.to_dict()}))
+    judge_usage(report["server"], certificate.get("usage"))
     for listener in summary_listeners:
         listener(report)
     for write, document in ((write_summary, report), (write_fidelity, certificate)):
@@ -90,8 +96,9 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
         except OutputError as e:
             on_fault(e)
         tail = quotable_line(capacity) + "\n"
+    spans_lines = format_section(report["spans"], spans.path) if spans is not None else ""
     sys.stdout.write(format_report(report) + f"\nrecords: {count} -> {spec.output}\n" + _trace_notes(spec, store)
-                     + tail)
+                     + spans_lines + tail)
     sys.stdout.flush()
     code = max(_write_last_meta(spec, store, facts, incomplete), least_code)
     if capacity is not None:

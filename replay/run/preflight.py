@@ -8,7 +8,8 @@
    replay.engine.options.prompt_token_limit) and their KV caches (replay.protocol.server_cache:
    block size and pool size, for the cache model), the trace read, validated and spooled into the
    Schedule (replay.engine.plan), its hash, the bad lines logged, and a window with no rows,
-   with none under the prompt limit, or longer than any replay refused.
+   with none under the prompt limit, or longer than any replay refused; --otlp-receiver started
+   (replay.results.otlp_receiver: a port in use is refused here).
 2. `check_servers(spec)`: every endpoint answered and serves the model, or ServersRefused;
    then the verdict of --verify-server (replay.synth.server_check), which the caller hands to
    the Coordinator for the meta file.
@@ -41,9 +42,13 @@ from replay.protocol.headers import parse_headers
 from replay.protocol.models import Served, ask_served, only_model, prompt_limit, refusal
 from replay.protocol.server_cache import CacheNotReset, reset_prefix_caches, server_caches
 from replay.protocol.table import sends_token_ids
+from replay.protocol.timing_check import SENT as TIMING_SENT
+from replay.protocol.timing_check import ask_server_timing
 from replay.results.metadata import file_sha256, versions
+from replay.results.otlp_receiver import SpanReceiver
 from replay.results.output import claim_output
 from replay.results.records import OVERSIZED
+from replay.rules.run_files import spans_path
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.trace.reader import TraceStream
 
@@ -70,15 +75,20 @@ def load(options: ReplayOptions, host: str | None, others: Sequence[Written] = (
     claim = claim_output(options.output or default_output(), overwrite=options.overwrite,
                          default=options.output is None, inputs=[*declared_inputs(options), *reads],
                          others=others)
+    spans = None
     try:
         options.output = claim.output
-        return _load(options, host, urls, claim)
+        # --otlp-receiver listens from here on (a port in use: refused now, exit 2), its file the run's own
+        spans = SpanReceiver.start(options.otlp_receiver, spans_path(claim.output)) if options.otlp_receiver else None
+        return _load(options, host, urls, claim, spans)
     except BaseException:
+        if spans is not None:
+            spans.stop()
         claim.release()
         raise
 
 
-def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> RunSpec:
+def _load(options: ReplayOptions, host: str | None, urls: list[str], claim, spans: SpanReceiver | None) -> RunSpec:
     # Loaded here (unless this host's set-up cache shows it loaded before), so an unloadable
     # --tokenizer is refused before any worker starts; the fingerprint goes in the plan, for
     # each worker to prove it has the same (same_tokenizer). Off the event loop: a cold load
@@ -111,10 +121,12 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim) -> R
         spec = RunSpec(options=options, output=claim.output, run_id=uuid.uuid4().hex[:12], schedule=schedule,
                        trace=facts, max_prompt_tokens=max_prompt_tokens, tokenizer_fingerprint=fingerprint,
                        tokenizer_path=tokenizer,
-                       host=host, claim=claim, served=served, server_cache=server_cache)
+                       host=host, claim=claim, served=served, server_cache=server_cache, spans=spans)
         if not spec.total:  # a run of nothing would "succeed" with no record at all
+            length = (f"--probe-duration {options.probe_duration:g}" if options.capacity_search
+                      else f"--duration {options.duration}")  # the window a search's probe replays
             raise ValueError(f"{trace.path}: no rows to replay in the window (--start {options.start}, "
-                             f"--duration {options.duration}, --max-requests {options.max_requests}; "
+                             f"{length}, --max-requests {options.max_requests}; "
                              f"the trace has {schedule.trace_rows} rows)")
         if not len(schedule):  # every row over the prompt limit: the run would send nothing
             raise _nothing_under_the_limit(options, schedule, max_prompt_tokens, served)
@@ -193,11 +205,29 @@ def check_servers(spec: RunSpec) -> dict:
             raise ServersRefused(str(e)) from None
         for cache in (spec.server_cache or {}).values():
             cache["reset"] = True
+    timing = {"server_timing": server_timing(urls, options)} if options.check_server_timing else {}
     skipped = skip_reason(options.verify_server, sends_token_ids(options.prompt_format))
     if skipped or not urls:
-        return Verdict(skipped=skipped or "no server").to_dict()
+        return {**Verdict(skipped=skipped or "no server").to_dict(), **timing}
     synth = build_off_loop(options, spec.trace.block_size, tokenizer_path=spec.tokenizer_path).synth
     assert options.tokenizer is not None  # a spec's options were checked: they name one
-    return verify_servers(urls, synth, spec.tokenizer_path or options.tokenizer, mode=options.verify_server, model=options.model,
-                          headers=parse_headers(options.header), lengths=spec.schedule.input_lengths,
-                          max_len=prompt_limit(spec.served, options.model) or spec.max_prompt_tokens).to_dict()
+    verdict = verify_servers(urls, synth, spec.tokenizer_path or options.tokenizer, mode=options.verify_server,
+                             model=options.model, headers=parse_headers(options.header),
+                             lengths=spec.schedule.input_lengths,
+                             max_len=prompt_limit(spec.served, options.model) or spec.max_prompt_tokens).to_dict()
+    return {**verdict, **timing}
+
+
+def server_timing(urls: list[str], options: ReplayOptions) -> dict[str, str]:
+    """--check-server-timing: whether each endpoint tells its own per-request timing
+    (replay.protocol.timing_check), logged; one that does not leaves its records' server fields
+    null, never a refused run."""
+    said = ask_server_timing(urls, options.api, options.model, parse_headers(options.header))
+    for endpoint, answer in said.items():
+        if answer == TIMING_SENT:
+            logger.info("%s sends its per-request timing: the records get its queue, prefill and decode times",
+                        endpoint)
+        else:
+            logger.warning("%s per-request timing: %s; its records' server_* fields stay null (vLLM: start it "
+                           "with --enable-per-request-metrics)", endpoint, answer)
+    return said

@@ -18,7 +18,8 @@ from gevent.event import Event
 
 from replay.sim.cache import BlockPool, block_hashes, hit_tokens
 from replay.sim.ledger import Ledger
-from replay.sim.options import SimOptions, false_usage
+from replay.sim.options import SimOptions, false_metrics, false_usage
+from replay.sim.spans import SpanExporter
 from replay.sim.vocab import OutputVocabulary
 from replay.synth.tokenizer import ServerTokenizer
 from replay.synth.tokenizer_source import resolve_tokenizer
@@ -38,6 +39,11 @@ class Plan:
     drop_at: int | None  # close the stream after this many tokens (fault injection)
     seed: int
     blocks: list[int] = field(default_factory=list)  # the pool's blocks it holds (prompt and output), its order
+    # time.monotonic() of its arrival (before it waited for a slot), its first and its last token,
+    # as the generation timed them: its per-request metrics (--per-request-metrics)
+    arrived: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
 
     @property
     def completion_tokens(self) -> int:
@@ -75,6 +81,7 @@ class Engine:
     def __init__(self, options: SimOptions, tokenizer: ServerTokenizer | None = None):
         self.options = options
         self.false_usage = false_usage(options) if options.false_usage is not None else None
+        self.false_metrics = false_metrics(options) if options.false_metrics is not None else None
         self.tokenizer = tokenizer or ServerTokenizer.load(resolve_tokenizer(options.tokenizer), options.chat_template)
         self.vocab = OutputVocabulary(self.tokenizer)
         self.cache = BlockPool(options.block_size, options.cache_blocks)
@@ -85,6 +92,7 @@ class Engine:
         self._waiting: deque[Event] = deque()
         self._serial = 0
         self._batch: list[_Turn] | None = None  # --reorder-ms: the requests arrived since the batch opened
+        self.spans: SpanExporter | None = None  # --otlp-endpoint's, set by replay.sim.server.start
 
     # -- identity ---------------------------------------------------------------
     def next_id(self) -> int:

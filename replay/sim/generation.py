@@ -32,6 +32,8 @@ class GenRequest:
     min_tokens: int = 0
     stream: bool = False
     order: int | None = None  # the number ending its X-Request-Id: the sender's order (--reorder-ms)
+    arrived: float = 0.0  # time.monotonic() when the engine got it, before any wait for a slot (its queue time)
+    engine_request_id: str | None = None  # its id in an --otlp-endpoint span: vLLM's prefix + its X-Request-Id
 
 
 class Frames(Protocol):
@@ -50,6 +52,7 @@ def _sleep_until(deadline: float) -> None:
 def respond(engine: Engine, req: GenRequest, frames: Frames) -> Response | Stream:
     if engine.inject_error():
         raise ApiError("injected fault (--error-rate)", status=engine.options.error_status)
+    req.arrived = time.monotonic()
     if req.stream:
         return Stream(_events(engine, req, frames))
     engine.acquire()
@@ -57,13 +60,25 @@ def respond(engine: Engine, req: GenRequest, frames: Frames) -> Response | Strea
     completed = False
     try:
         plan = engine.schedule_in_turn(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens, order=req.order)
+        plan.arrived = req.arrived
         _sleep_until(plan.finished_at)
+        plan.last_token_at = time.monotonic()  # a whole answer's tokens are timed by the model: due, not sent
+        plan.first_token_at = min(plan.started + plan.ttft_s, plan.last_token_at)
         completed = True
     finally:
         if plan is not None:
             engine.finish(plan, plan.completion_tokens if completed else 0, completed)
+            if completed:
+                _trace(engine, req, plan)
         engine.release()
     return Response(200, frames.full(plan))
+
+
+def _trace(engine: Engine, req: GenRequest, plan: Plan) -> None:
+    """The finished request's span (replay sim --otlp-endpoint: replay.sim.spans), from the plan's times."""
+    if engine.spans is not None and req.engine_request_id is not None:
+        engine.spans.add(req.engine_request_id, req.arrived, plan.started - req.arrived, plan.ttft_s, sum(plan.itl_s),
+                         plan.prompt_tokens, plan.completion_tokens)
 
 
 def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
@@ -74,6 +89,7 @@ def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
     try:
         plan = engine.schedule_in_turn(req.prompt_ids, req.max_tokens, req.ignore_eos, req.min_tokens, stream=True,
                                        order=req.order)
+        plan.arrived = req.arrived
         n = plan.completion_tokens
         drop_at = plan.drop_at
         itl = plan.itl_s
@@ -91,14 +107,19 @@ def _events(engine: Engine, req: GenRequest, frames: Frames) -> Iterator[bytes]:
             if drop_at is not None and end >= drop_at:
                 end = drop_at
             data = frames.tokens(plan, emitted, end)
+            sent = time.monotonic()
             if emitted == 0:
                 data = frames.first(plan) + data
+                plan.first_token_at = sent
+            if end == n:
+                plan.last_token_at = sent
             emitted = end
             yield data
             if drop_at is not None and emitted >= drop_at:
                 engine.counters.dropped += 1
                 raise DropConnection()
         completed = True
+        _trace(engine, req, plan)
         yield frames.tail(plan)
     finally:
         if plan is not None:

@@ -170,6 +170,30 @@ def usage(engine: Engine, plan: Plan) -> dict:
     return answer
 
 
+def per_request_metrics(engine: Engine, plan: Plan) -> dict | None:
+    """vLLM's per-request `metrics` object (build_per_request_timing_metrics) from the sim's own
+    timing of the request, or None without --per-request-metrics. As vLLM's:
+    time_to_first_token_ms counts from scheduling (the prefill), generation_time_ms from the
+    first token to the last, tokens_per_second over scheduling to the last token; mean_itl_ms
+    only with two tokens or more. --false-metrics replaces the figures it names."""
+    opts = engine.options
+    if not opts.per_request_metrics and engine.false_metrics is None:
+        return None
+    n = plan.completion_tokens
+    metrics: dict[str, object] = {
+        "time_to_first_token_ms": (plan.first_token_at - plan.started) * 1000.0,
+        "generation_time_ms": (plan.last_token_at - plan.first_token_at) * 1000.0,
+        "queue_time_ms": (plan.started - plan.arrived) * 1000.0,
+    }
+    if n > 1:
+        metrics["mean_itl_ms"] = (plan.last_token_at - plan.first_token_at) * 1000.0 / (n - 1)
+    if plan.last_token_at > plan.started:
+        metrics["tokens_per_second"] = n / (plan.last_token_at - plan.started)
+    if engine.false_metrics:
+        metrics.update(engine.false_metrics)
+    return metrics
+
+
 # -- frames ----------------------------------------------------------------------------
 class _Frames:
     """Fixed byte frames with the token text spliced in: serializing 50k events/s in JSON would not keep up."""
@@ -198,6 +222,9 @@ class _Frames:
         if not self.with_usage:
             return DONE
         answer = orjson.dumps(usage(self.engine, plan))
+        metrics = per_request_metrics(self.engine, plan)
+        if metrics is not None:
+            answer += b',"metrics":' + orjson.dumps(metrics)
         return b"data: " + self.header + b',"choices":[],"usage":' + answer + b"}\n\n" + DONE
 
 
@@ -229,6 +256,7 @@ class ChatFrames(_Frames):
             }],
             "usage": usage(self.engine, plan),
             "prompt_logprobs": None,
+            **_metrics_field(self.engine, plan),
         })
 
 
@@ -254,13 +282,27 @@ class CompletionFrames(_Frames):
                 "finish_reason": plan.finish_reason, "stop_reason": None, "prompt_logprobs": None,
             }],
             "usage": usage(self.engine, plan),
+            **_metrics_field(self.engine, plan),
         })
+
+
+def _metrics_field(engine: Engine, plan: Plan) -> dict:
+    """A whole answer's `metrics` field, or nothing (vLLM leaves an unset field out)."""
+    metrics = per_request_metrics(engine, plan)
+    return {} if metrics is None else {"metrics": metrics}
 
 
 def sender_order(request: Request) -> int | None:
     """The number an `X-Request-Id: <run id>-<request id>` ends with (the replay's row), or None."""
     tail = (request.headers.get("x-request-id") or "").rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else None
+
+
+def vllm_request_id(form: str, request: Request) -> str | None:
+    """The request's id in vLLM's engine (its spans' gen_ai.request.id): `form` around the
+    X-Request-Id (chat: chatcmpl-{}; completions: cmpl-{}-<prompt index>); None without one."""
+    sent = request.headers.get("x-request-id")
+    return form.format(sent) if sent else None
 
 
 # -- endpoints -------------------------------------------------------------------------
@@ -270,6 +312,7 @@ def chat_completions(engine: Engine, request: Request) -> Response | Stream:
     prompt_ids = chat_prompt(engine, body)
     gen = generation_params(engine, body, prompt_ids, None, ("max_completion_tokens", "max_tokens"))
     gen.order = sender_order(request)
+    gen.engine_request_id = vllm_request_id("chatcmpl-{}", request)
     frames = ChatFrames(engine, f"chatcmpl-{engine.next_id():032x}", include_usage(body, gen.stream))
     return respond(engine, gen, frames)
 
@@ -280,6 +323,7 @@ def completions(engine: Engine, request: Request) -> Response | Stream:
     prompt_ids = completion_prompt(engine, body)
     gen = generation_params(engine, body, prompt_ids, 16)
     gen.order = sender_order(request)
+    gen.engine_request_id = vllm_request_id("cmpl-{}-0", request)
     frames = CompletionFrames(engine, f"cmpl-{engine.next_id():032x}", include_usage(body, gen.stream))
     return respond(engine, gen, frames)
 

@@ -37,6 +37,9 @@ class SimOptions:
     require_authorization: str | None = None
     false_usage: str | None = None
     reorder_ms: float = 0.0
+    per_request_metrics: bool = False
+    false_metrics: str | None = None
+    otlp_endpoint: str | None = None
 
 
 HELP = {
@@ -72,6 +75,15 @@ HELP = {
                   "end, the last sent first (by the number ending their X-Request-Id; without one, the last to "
                   "arrive first): a scheduler that takes concurrent requests in another order than they were sent; "
                   "0: in arrival order",
+    "per_request_metrics": "add vLLM's per-request `metrics` object (its --enable-per-request-metrics) to every "
+                           "OpenAI answer and to a stream's final usage event: the queue, prefill and decode "
+                           "times of the request as the sim timed them",
+    "false_metrics": "a server whose timing lies: a JSON object whose keys replace figures of the `metrics` object "
+                     "(queue_time_ms, time_to_first_token_ms, generation_time_ms, mean_itl_ms, tokens_per_second; "
+                     "any JSON value, e.g. '{\"queue_time_ms\": \"12\"}'); implies --per-request-metrics",
+    "otlp_endpoint": "export one vLLM llm_request span per finished request (its queue, prefill and decode times "
+                     "from the sim's model, vLLM's attribute names, seconds) to this OTLP/HTTP trace endpoint, e.g. "
+                     "a replay's --otlp-receiver: http://HOST:PORT/v1/traces",
 }
 
 
@@ -125,6 +137,8 @@ def validate(options: SimOptions) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value}: {problem}")
     if options.false_usage is not None:
         false_usage(options)
+    if options.false_metrics is not None:
+        false_metrics(options)
 
 
 FALSE_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -138,4 +152,19 @@ def false_usage(options: SimOptions) -> dict:
         raise ValueError(f"--false-usage: not JSON: {e}") from None
     if not isinstance(value, dict) or not set(value) <= set(FALSE_USAGE_KEYS):
         raise ValueError(f"--false-usage: expected a JSON object of {', '.join(FALSE_USAGE_KEYS)}")
+    return value
+
+
+FALSE_METRICS_KEYS = ("queue_time_ms", "time_to_first_token_ms", "generation_time_ms", "mean_itl_ms",
+                      "tokens_per_second")
+
+
+def false_metrics(options: SimOptions) -> dict:
+    """--false-metrics read: {key: value} for some of FALSE_METRICS_KEYS (ValueError otherwise)."""
+    try:
+        value = json.loads(options.false_metrics or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--false-metrics: not JSON: {e}") from None
+    if not isinstance(value, dict) or not set(value) <= set(FALSE_METRICS_KEYS):
+        raise ValueError(f"--false-metrics: expected a JSON object of {', '.join(FALSE_METRICS_KEYS)}")
     return value

@@ -32,6 +32,7 @@ class SimProcess:
     def _wait_ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         out = self.proc.stdout
+        assert out is not None  # stdout=PIPE
         while time.monotonic() < deadline:
             ready, _, _ = select.select([out], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from replay.sim.engine import Engine
 from replay.sim.errors import ApiError
 from replay.sim.http import Connection, Request, Response, Stream
 from replay.sim.options import SimOptions, validate
+from replay.sim.spans import SpanExporter
 
 Handler = Callable[[Engine, Request], "Response | Stream"]
 
@@ -120,12 +122,18 @@ def start(options: SimOptions, engine: Engine | None = None) -> tuple[StreamServ
     """Bind and start serving in the current gevent hub; returns the server and its port."""
     validate(options)
     engine = engine or Engine(options)
+    if options.otlp_endpoint and engine.spans is None:
+        engine.spans = SpanExporter(options.otlp_endpoint)
     app = App(engine)
     ledger = engine.ledger
 
     def handle(sock, address) -> None:
         ledger.connections_accepted += 1
         ledger.connections_open += 1
+        # Each event goes out when written, as vLLM's (uvicorn's asyncio transports set
+        # TCP_NODELAY): with Nagle on, a first token written a TTFT after the answer's head waits
+        # for the client's delayed ACK of the head, up to 40 ms.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             Connection(sock, app, app.internal_error).serve()
         finally:
@@ -170,4 +178,6 @@ def serve(options: SimOptions) -> int:
     print(f"replay sim listening on http://{options.host}:{port}", flush=True)
     stop.wait()
     server.stop(timeout=1)
+    if server.engine.spans is not None:
+        server.engine.spans.close()  # the last batch goes out
     return 0

@@ -1,6 +1,6 @@
 """Prompt token ids by vLLM's rules, without freezing the server on long prompts.
 
-A 40k-token prompt takes ~100 ms to encode; done inline it would stall every stream the
+A prompt of tens of thousands of tokens takes a while to encode; done inline it would stall every stream the
 sim is pacing (visible as a fake ITL spike in the replay's records). Long texts are encoded
 in gevent's thread pool with encode_batch, which releases the GIL, so the hub keeps
 serving. The special-token rule is replay.rules.tokens', as ServerTokenizer's (tests check the

@@ -1,6 +1,6 @@
 """A tokenizer's set-up (safe vocabulary + frames) kept on disk, so that a process's second
-start costs milliseconds, not the seconds of CPU the build takes (qwen2: ~1 s on one core,
-more on a loaded machine, long enough for a worker to miss Locust heartbeats).
+start costs milliseconds, not the CPU the build takes (a second or more for a real tokenizer,
+long enough on a loaded machine for a worker to miss Locust heartbeats).
 
 The set-up is a pure function of its inputs, and the key names all of them: the tokenizer
 and template fingerprint (sha256 of tokenizer.json's bytes and of the template source), the
@@ -55,7 +55,7 @@ from replay.synth.vocab import SPACE_MARKERS, SafeVocab
 
 FORMAT = 2
 ENV = "TRACEREPLAY_CACHE_DIR"
-SPOT_CHECKS = 8  # ~0.3 ms each: a look through tokenizer.json's bytes
+SPOT_CHECKS = 8  # each a look through tokenizer.json's bytes
 TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joined by NULs: each a space + ASCII letters
 # Where the cached value is computed: the safe vocabulary (vocab), the frames (frames), the child
 # that builds and writes them (setup_child_main). Every replay module they
@@ -333,7 +333,7 @@ def _in_vocab(data: bytes, tokens: list[str], token_id: int) -> bool:
 
 def spot_check(vocab: SafeVocab, tokenizer_bytes: bytes) -> None:
     """SPOT_CHECKS words spread over the cached vocabulary are this tokenizer.json's tokens
-    under the cached ids (a ~10 ms look at the file instead of loading the tokenizer)."""
+    under the cached ids (a look at the file, much cheaper than loading the tokenizer)."""
     count = len(vocab)
     for k in range(SPOT_CHECKS):
         i = k * (count - 1) // max(1, SPOT_CHECKS - 1)

@@ -62,7 +62,7 @@ def word_tokens(tokenizer: Tokenizer) -> list[tuple[int, str]]:
 
 def _encode_batch(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
     """Ids only, ENCODE_CHUNK texts at a time: an Encoding also holds offsets, masks and
-    token strings, and 80k of them at once (a real vocabulary's probes) were ~50 MB of peak RSS."""
+    token strings, and a real vocabulary's probes all at once made the peak RSS swell."""
     ids = []
     for start in range(0, len(texts), ENCODE_CHUNK):
         ids += [e.ids for e in tokenizer.encode_batch(texts[start : start + ENCODE_CHUNK], add_special_tokens=False)]
@@ -104,7 +104,7 @@ def build_safe_vocab(tokenizer: Tokenizer, name: str = "tokenizer") -> SafeVocab
             sequences.append(seq)
         # the first word goes bare, as it opens a prompt
         encoded = _encode_batch(tokenizer, ["".join(w[1] for w in seq)[1:] for seq in sequences])
-        bad = set()
+        bad: set[int] = set()
         for seq, ids in zip(sequences, encoded):
             expected = [seq[0][2]] + [w[0] for w in seq[1:]]
             if ids != expected:

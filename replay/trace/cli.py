@@ -52,12 +52,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats.set_defaults(func=run_stats)
 
     anonymize = commands.add_parser("anonymize", help="a salted hash-id trace from a log of requests (replay record's "
-                                    "--raw-log, LiteLLM's StandardLoggingPayload): docs/record.md")
+                                    "--raw-log, LiteLLM's StandardLoggingPayload, an OpenAI batch): docs/record.md")
     anonymize.add_argument("input", type=INPUT, metavar="IN")
     anonymize.add_argument("output", type=TRACE, metavar="OUT", help="the trace (jsonl); OUT.meta.json beside it")
-    anonymize.add_argument("--from", dest="shape", choices=("auto", "record", "litellm"), default="auto",
-                           help="IN's shape: replay record's --raw-log, or LiteLLM's StandardLoggingPayload "
-                                "(default: from its first line)")
+    anonymize.add_argument("--from", dest="shape", choices=("auto", "record", "litellm", "openai-batch"),
+                           default="auto", help="IN's shape: replay record's --raw-log, LiteLLM's "
+                           "StandardLoggingPayload, or an OpenAI batch's output file (default: from its first line)")
+    anonymize.add_argument("--batch-input", type=INPUT, metavar="FILE",
+                           help="with an OpenAI batch's output file as IN: the batch's input file (the request "
+                                "bodies), joined to IN by custom_id")
     anonymize.add_argument("--tokenizer", type=INPUT, help="the served model's tokenizer (or --tokenize-url)")
     anonymize.add_argument("--chat-template", type=INPUT, help="the served chat template, with --tokenizer")
     anonymize.add_argument("--tokenize-url", metavar="URL", help="a server whose POST /tokenize counts the prompts")
@@ -266,12 +269,15 @@ def run_anonymize(args: argparse.Namespace) -> int:
                 "hash_ids": "salted (blake2b keyed), renumbered in order of first use"}
         done = anonymize(args.input, args.output, log_format=args.shape,
                          tokens=PromptTokens(args.tokenize_url, tokenizer), hasher=BlockHasher(salt, args.block_size),
-                         session_names=args.session_names, keep_text=args.keep_text, meta=meta)
+                         session_names=args.session_names, keep_text=args.keep_text, meta=meta,
+                         batch_input=args.batch_input)
     except (LogError, ValueError, FileNotFoundError) as e:
         print(f"replay trace anonymize: {e}", file=sys.stderr)
         return 2
     except OutputError as e:
         print(f"replay trace anonymize: {e}", file=sys.stderr)
         return 1
-    print(f"replay trace anonymize: {done['rows']} rows ({done['rows_marked_failed']} marked failed) to {args.output}")
+    never_ran = f", {done['not_in_output']} requests of --batch-input never ran" if done.get("not_in_output") else ""
+    print(f"replay trace anonymize: {done['rows']} rows ({done['rows_marked_failed']} marked failed{never_ran}) to "
+          f"{args.output}")
     return 0

@@ -25,6 +25,9 @@ class TraceRow:
     tools: list | None = None
     turn: int | None = None
     line: int = 0  # 1-based line number in the source file, for error messages
+    # A session turn's think time: from the previous turn's answer end to this turn's arrival, as
+    # `replay record` measures it (jsonl's `gap_ms`); None where the trace does not say.
+    gap_s: float | None = None
 
 
 @dataclass(slots=True)

@@ -159,10 +159,11 @@ def find_sessions(stream_of: Callable[[], TraceStream | Iterable[TraceRow]],
     }
     del index, owner, first_row, unnamed_rows
 
-    names_by_number = [None] * len(numbers)
+    names_by_number: list[str | None] = [None] * len(numbers)
     for name, number in numbers.items():
         names_by_number[number] = name
-    starts, ends, names = array("d"), array("d"), []
+    starts, ends = array("d"), array("d")
+    names: list[str | None] = []
     dense = array("i", [-1]) * rows  # per root row: its session's number
     inferred = False
     for position in range(rows):

@@ -19,7 +19,7 @@ def select_rows(
     """
     begin = 0.0 if start is None else start
     end = None if duration is None else begin + duration
-    chosen = []
+    chosen: list[TraceRow] = []
     for row in rows:
         if max_rows is not None and len(chosen) >= max_rows:
             break

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 from replay.results.records import RECORD_FIELDS, read_records
+from replay.rules.server_timing import ANSWER_TTFT_SUM_BOUND_MS
 from support.traces import trace_ids
 
 T0 = 1_700_000_000.0
@@ -69,3 +70,15 @@ def counter_change(samples: list[dict], endpoint: str, name: str) -> float:
     values = [s["metrics"][name] for s in samples if s["endpoint"] == endpoint and s["ok"]]
     assert len(values) >= 2, f"{endpoint}: {len(values)} samples of {name}"
     return values[-1] - values[0]
+
+
+def check_answer_timing(r: dict) -> None:
+    """An ok streamed record of a server that tells its per-request timing in its answers (vLLM
+    with --enable-per-request-metrics, `replay sim --per-request-metrics`): every field, the
+    server's TTFT its queue + prefill (replay.rules.server_timing's bound) and within the client's."""
+    assert r["ok"] and r["server_timing_source"] == "answer" and r["server_timing_problem"] is None, r
+    assert None not in (r["server_queue_ms"], r["server_prefill_ms"], r["server_decode_ms"]), r
+    assert abs(r["server_ttft_ms"] - (r["server_queue_ms"] + r["server_prefill_ms"])) <= ANSWER_TTFT_SUM_BOUND_MS, r
+    assert r["server_ttft_ms"] <= r["ttft_ms"], r
+    assert r["server_ttft_ms"] + r["server_decode_ms"] <= r["e2e_ms"], r
+    assert r["server_e2e_ms"] is None  # a trace span's, never an answer's

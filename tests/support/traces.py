@@ -54,14 +54,15 @@ def trace_ids(trace: Path) -> set[int]:
     return set(range(sum(1 for line in open(trace) if line.strip())))
 
 
-def bailian_trace(path: Path, sessions: int = 8, turns: int = 3, gap_s: float = 0.1) -> Path:
-    """Bailian rows: follow-up turns reference their parent chat and extend its hash ids."""
+def bailian_trace(path: Path, sessions: int = 8, turns: int = 3, gap_s: float = 0.1, blocks_per_turn: int = 2) -> Path:
+    """Bailian rows: follow-up turns reference their parent chat and extend its hash ids by
+    `blocks_per_turn` blocks."""
     rows = []
     chat = 0
     for s in range(sessions):
         parent, hashes = -1, []
         for turn in range(1, turns + 1):
-            hashes = hashes + [10_000 * (s + 1) + 100 * turn + k for k in range(2)]
+            hashes = hashes + [10_000 * (s + 1) + 100 * turn + k for k in range(blocks_per_turn)]
             rows.append({"chat_id": chat, "parent_chat_id": parent, "timestamp": round((s + turn * sessions) * gap_s, 3),
                          "input_length": len(hashes) * 16 - 3, "output_length": 4, "type": "text", "turn": turn,
                          "hash_ids": hashes})
@@ -212,3 +213,16 @@ def leading_common(a: list, b: list) -> int:
             break
         n += 1
     return n
+
+
+def expected_shared(ti, tj, before: int, overhead: int, server_block: int = BLOCK, block: int = BLOCK) -> int:
+    """How many leading blocks of `server_block` tokens the server's prompts of trace rows `ti` and
+    `tj` (of `block`-token hash ids) share when a template frame moves block boundaries: the
+    server's prompts are `before` frame tokens, the rows' contents (their blocks, cut to
+    input_length - overhead) and the frame's end; they agree on `before` + the shared content, and
+    share the whole blocks of that (all of them when the prompts are the same)."""
+    if list(ti.hash_ids) == list(tj.hash_ids) and ti.input_length == tj.input_length:
+        return -(-ti.input_length // server_block)
+    content = min(leading_common(ti.hash_ids, tj.hash_ids) * block, ti.input_length - overhead,
+                  tj.input_length - overhead)
+    return (before + content) // server_block
