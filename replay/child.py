@@ -11,6 +11,7 @@ accounting of the reaped child (wait4), so callers can report it.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,12 +25,15 @@ def run_module(module: str, args: list[str], errors: Path) -> tuple[int | str, i
     return wait_module(start_module(module, args, errors))
 
 
-def start_module(module: str, args: list[str], errors: Path, own_group: bool = False) -> int:
+def start_module(module: str, args: list[str], errors: Path, own_group: bool = False,
+                 blocked: tuple[signal.Signals, ...] = ()) -> int:
     """Start `python -m module *args` (stdout and stderr to `errors`, stdin /dev/null): its pid,
     for wait_module. `own_group`: in a process group of its own, so that a signal to this
     process's group (a terminal's Ctrl-C, which a run takes as a stop and then ignores while it
     writes its results) does not end the child: this process decides when it ends (a child that
-    outlives it must watch for that). Raises OSError when no child could be started."""
+    outlives it must watch for that). `blocked`: signals the child starts with blocked, so that
+    one sent before it is ready to wait for it is kept pending, not its death. Raises OSError
+    when no child could be started."""
     argv = [sys.executable, "-m", module, *args]
     spawn = os.posix_spawn
     monkey = sys.modules.get("gevent.monkey")
@@ -39,8 +43,10 @@ def start_module(module: str, args: list[str], errors: Path, own_group: bool = F
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                (os.POSIX_SPAWN_OPEN, 1, str(errors), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
                (os.POSIX_SPAWN_DUP2, 1, 2)]
-    group = {"setpgroup": 0} if own_group else {}  # 0: a group of its own, numbered by its pid
-    return spawn(argv[0], argv, env, file_actions=actions, **group)
+    extra: dict = {"setpgroup": 0} if own_group else {}  # 0: a group of its own, numbered by its pid
+    if blocked:
+        extra["setsigmask"] = blocked
+    return spawn(argv[0], argv, env, file_actions=actions, **extra)
 
 
 def wait_module(pid: int) -> tuple[int | str, int]:

@@ -91,9 +91,17 @@ class ImportMemo:
         return found
 
     @property
-    def changed(self) -> bool:
-        """Whether `used` differs from `known` (a source parsed, or an entry no longer needed)."""
-        return self.used.keys() != self.known.keys()
+    def parsed(self) -> bool:
+        """Whether a source was parsed: `used` holds an entry `known` did not."""
+        return not self.used.keys() <= self.known.keys()
+
+    def kept(self, limit: int) -> dict[str, list[str]]:
+        """What is worth keeping: every entry used, and those known from earlier that were not
+        (another checkout's sources on this host, whose runs would otherwise parse them again
+        after each of this one's), `limit` entries at most, the oldest known dropped first."""
+        kept = {key: found for key, found in self.known.items() if key not in self.used}
+        kept.update(self.used)
+        return dict(list(kept.items())[-limit:])
 
 
 def _import_targets(name: str, source: bytes, path: Path, in_functions: bool) -> list[str]:

@@ -148,6 +148,56 @@ def test_the_tail_hands_out_in_send_order_once_no_earlier_send_can_come(tmp_path
     tail.close()
 
 
+def test_the_tail_prepares_each_record_as_it_comes(tmp_path):
+    """A request's own work (its prompt made again) is done as its record comes, while the run
+    replays, not when the horizon lets it out: a short run's end is left only the checks."""
+    path, end = tmp_path / "records.jsonl", tmp_path / "end"
+    path.write_bytes(b"".join(_tail_record(k, k / 10) for k in (1, 0, 2)))
+    prepared: list[int] = []
+
+    def prepare(record: dict) -> tuple[int, str]:
+        prepared.append(record["request_id"])
+        return record["request_id"], "prepared"
+
+    tail = RecordTail(str(path), end, horizon_s=100.0, poll_s=0.005, prepare=prepare)
+    assert tail._read()  # what the tail does between waits: nothing is handed out within the horizon
+    assert prepared == [1, 0, 2]
+    end.touch()
+    assert list(tail) == [(0, "prepared"), (1, "prepared"), (2, "prepared")]  # in send order
+    tail.close()
+
+
+END_SIGNAL_SCRIPT = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from replay.results.cache_child import END_SIGNAL, RecordTail
+signal.pthread_sigmask(signal.SIG_BLOCK, [END_SIGNAL])  # as the follower starts (start_module's `blocked`)
+path, end = Path(sys.argv[1]), Path(sys.argv[2])
+path.write_bytes(b"")
+tail = RecordTail(str(path), end, horizon_s=100.0, poll_s=60.0)
+def the_end():
+    time.sleep(0.3)
+    end.touch()
+    os.kill(os.getpid(), END_SIGNAL)
+threading.Thread(target=the_end).start()
+started = time.monotonic()
+assert list(tail) == []
+print(f"{time.monotonic() - started:.3f}")
+"""
+
+
+def test_the_end_signal_ends_the_tails_wait(tmp_path):
+    """The run touches the end marker and sends END_SIGNAL: the follower reads on at once, not
+    at its next poll (POLL_S of wall time added to every run's end)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", END_SIGNAL_SCRIPT, str(tmp_path / "r.jsonl"), str(tmp_path / "end")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 5.0  # 0.3 s, and never the 60 s poll
+
+
 def _followers() -> dict[int, str]:
     """{pid: its command line} of the cache followers running now."""
     found = {}

@@ -264,3 +264,15 @@ def test_garbage_huge_and_foreign_bodies_are_answered_and_counted(exporting_sim,
     assert "server spans ignored: 1 of another run, 1 not a replay's request" in proc.stdout
     assert "OTLP bodies refused: 2 too large (413), 2 not OTLP (400)" in proc.stdout
     assert spans_path(output).stat().st_size < 1 << 20  # what was refused is a line, not its body
+
+
+def test_a_replay_without_the_receiver_imports_no_protobuf():
+    """A replay's process imports its start and end (preflight, finish) without protobuf and the
+    OTLP messages: they are imported where a body is read or written."""
+    import subprocess
+    import sys
+
+    code = ("import sys, replay.run.preflight, replay.run.finish, replay.results.span_join; "
+            "assert 'google.protobuf' not in sys.modules, 'protobuf imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

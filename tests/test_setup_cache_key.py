@@ -97,7 +97,30 @@ def test_an_edit_after_the_memo_is_read_from_the_source(package_copy, cache):
     assert after == edited == parsed_digest(package_copy) != before
     memo = source_graph.ImportMemo(orjson.loads((cache / setup_cache.IMPORT_MEMO).read_bytes()))
     assert "replay.results.html" in source_graph.import_closure(setup_cache.SETUP_ENTRIES, package_copy, memo=memo)
-    assert not memo.changed  # the memo written after the edit holds the edited closure, and only it
+    assert not memo.parsed  # the memo written after the edit holds the edited closure
+
+
+def test_another_checkouts_runs_keep_this_ones_memo(package_copy, cache, monkeypatch, tmp_path):
+    """Two checkouts on one host (a branch beside main, a benchmark's --against TREE) whose
+    set-up sources differ take turns: each one's entries stay in the memo, so neither parses
+    its sources again after the other's run (each did, when a memo held one checkout's only)."""
+    other = tmp_path / "other"
+    shutil.copytree(package_copy / "replay", other / "replay")
+    tokens = other / "replay" / "rules" / "tokens.py"
+    tokens.write_text(tokens.read_text() + "\n# another checkout's edit\n")
+    mine, theirs = digest(package_copy), digest(other)
+    assert mine != theirs
+    no_parsing(monkeypatch)
+    assert digest(package_copy) == mine and digest(other) == theirs
+
+
+def test_the_memo_is_bounded(package_copy, cache, monkeypatch):
+    monkeypatch.setattr(setup_cache, "IMPORT_MEMO_ENTRIES", 5)
+    cache.mkdir()
+    (cache / setup_cache.IMPORT_MEMO).write_bytes(orjson.dumps({f"old{k}": [] for k in range(10)}))
+    digest(package_copy)
+    memo = orjson.loads((cache / setup_cache.IMPORT_MEMO).read_bytes())
+    assert len(memo) == 5 and not any(key.startswith("old") for key in memo)  # the used ones, the old dropped first
 
 
 @pytest.mark.parametrize("content", [b"", b"{", b"[]", b"null", b'{"k": 1}', b'{"k": [1]}', b'{"k": "replay"}',

@@ -26,6 +26,7 @@ from gevent.pool import Group
 
 from replay.engine import messages, transport
 from replay.engine.clock import ClockSync
+from replay.engine.lookahead import Bodies, BuildSteps
 from replay.engine.options import ReplayOptions
 from replay.engine.plan import decode_row
 from replay.engine.routing import make_router
@@ -56,7 +57,6 @@ from replay.trace.record import TraceRow
 
 logger = logging.getLogger(__name__)
 
-GUARD_FACTOR = 3.0  # the builder starts no body closer to a send than this many build times
 AHEAD_S = 10.0  # build bodies up to this far (wall seconds) ahead of their send
 BUILD_IDLE_S = 0.5  # the builder's longest sleep when it is AHEAD_S ahead (a check costs CPU; 0.5 s of 10 nothing)
 AHEAD_ROWS = 2000  # and at most this many rows ahead
@@ -134,11 +134,12 @@ class BodyBuilder:
         self.options = options
         self.fingerprints: dict[int, list | None] = {}  # request id -> its prompt's fingerprint, until its record takes it
 
-    def body(self, row: TraceRow) -> bytes:
+    def body(self, row: TraceRow, pause: Callable[[], None] | None = None) -> bytes:
+        """`pause`: called between the steps of a long prompt (replay.engine.lookahead.BuildSteps)."""
         tokenizer = self.synth.tokenizer
         if row.messages is not None and not tokenizer.loaded:  # counted by encoding: load it, off the loop
             off_loop(lambda: tokenizer.tokenizer)
-        prompt = self.synth.prompt(row)
+        prompt = self.synth.prompt(row, pause)
         self.fingerprints[row.request_id] = prompt.fingerprint
         return self._build_body(
             self.options.api,
@@ -314,7 +315,7 @@ class PartReplay:
                             self._record_unsent_turn))
         self.epoch = 0.0
         self.offset = 0.0  # master clock - local clock, seconds
-        self.bodies: dict[int, bytes | Exception] = {}  # a row that could not be built: why
+        self.bodies = Bodies()  # by position; a row that could not be built: why
         # request id -> its prompt's fingerprint, until its record takes it: the body builder's, once set up
         self.fingerprints: dict[int, list | None] = {}
         self.dispatch_pos = 0  # index (in self.rows) of the next row to send
@@ -443,7 +444,7 @@ class PartReplay:
 
     def _build_ahead(self, builder: BodyBuilder) -> None:
         pos = 0
-        build_s = 0.001  # recent build time (moving average)
+        steps = BuildSteps(lambda: self.next_due, lambda: self.dispatch_pos)
         scale = self.options.scale
         while True:
             row = self._row(pos)
@@ -461,29 +462,29 @@ class PartReplay:
                     ahead_s = self.due(row) - self.offset - time.time()
                 else:
                     ahead_s = send_offset_s(row.timestamp_s, self.origin, scale)
-                if ahead_rows < AHEAD_ROWS and ahead_s < AHEAD_S:
+                if ahead_rows < AHEAD_ROWS and ahead_s < AHEAD_S and not self.bodies.full:
                     gap = self.next_due - time.time()
-                    # Near a send whose body is ready: let it go out first. "Near" is a few
-                    # times what a build has been taking, so dense traces still get built.
-                    if gap >= GUARD_FACTOR * build_s or self.dispatch_pos == pos:
+                    # Near a send: let it go out first. "Near" is a few steps of a build
+                    # (replay.engine.lookahead), so dense traces still get built.
+                    if steps.clear(gap) or self.dispatch_pos == pos:
                         break
                     gevent.sleep(max(gap, 0.0) + 0.0002)
                     continue
                 self.primed.set()
-                if ahead_rows >= AHEAD_ROWS:  # held back by rows: sends free them at the trace's rate
+                if ahead_rows >= AHEAD_ROWS or self.bodies.full:  # held back: sends free them at the trace's rate
                     gevent.sleep(0.05)
                 else:  # held back by time: nothing to build until the next row is AHEAD_S from its send
                     gevent.sleep(min(BUILD_IDLE_S, max(ahead_s - AHEAD_S, 0.001)))
-            started = time.perf_counter()
+            steps.start(pos)
             try:
-                self.bodies[pos] = builder.body(row)
+                self.bodies[pos] = builder.body(row, steps)
             except ChatTemplateError as e:  # the row's own messages and the template disagree: say so, no traceback
                 logger.error("cannot build the request: %s", e.about(f"row {row.request_id} (trace line {row.line})"))
                 self.bodies[pos] = e
             except Exception as e:  # a row that cannot be built is a failed request, not a dead worker
                 logger.exception("row %d: cannot build the request", row.request_id)
                 self.bodies[pos] = e
-            build_s = 0.8 * build_s + 0.2 * (time.perf_counter() - started)
+            steps.done()
             pos += 1
             gevent.sleep(0)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from locust import LoadTestShape
 
+END_WAIT_S = 0.95  # within Locust's tick of 1 s, which it shortens by the time a tick took
+
 
 class ReplayShape(LoadTestShape):
     use_common_options = False
@@ -25,4 +27,9 @@ class ReplayShape(LoadTestShape):
         if self._users is None:
             # fixed at the first tick: the workers that take part are those present at the start
             self._users = max(1, getattr(self.runner, "worker_count", 1))
+            return (self._users, self._users)
+        # Locust ticks again a second after this tick began: the run's end is waited for meanwhile,
+        # so that it stops as soon as every row has its record, not up to a second later
+        if replay.coordinator.finished.wait(END_WAIT_S):
+            return None
         return (self._users, self._users)

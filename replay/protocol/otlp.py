@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
-from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+if TYPE_CHECKING:
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+# The messages are imported where a body is read or written, not with this module: its names
+# (the span attributes) are read by every run's end (replay.results.span_join), and protobuf and
+# the messages are tens of ms of CPU that a replay without --otlp-receiver would pay at its start.
 
 TRACES_PATH = "/v1/traces"
 PROTOBUF = "application/x-protobuf"
@@ -74,6 +75,10 @@ def decode(body: bytes, content_type: str | None) -> list[dict]:
     """The spans of an ExportTraceServiceRequest body: [{"name", "start_ns", "end_ns",
     "attributes": {gen_ai.* name: value}}]. BadBody when it is not one (or its type is neither
     protobuf nor JSON)."""
+    from google.protobuf import json_format
+    from google.protobuf.message import DecodeError
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
     kind = (content_type or "").split(";")[0].strip().lower()
     message = ExportTraceServiceRequest()
     try:
@@ -105,6 +110,8 @@ def _attributes(pairs: Iterable[KeyValue]) -> dict[str, Value]:
 
 
 def _value(value: Value) -> AnyValue:
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
     if isinstance(value, bool):
         return AnyValue(bool_value=value)
     if isinstance(value, int):
@@ -117,6 +124,11 @@ def _value(value: Value) -> AnyValue:
 def export_body(spans: Iterable[Mapping], service: str) -> bytes:
     """An ExportTraceServiceRequest (protobuf) of `spans` as `decode` returns them, from one
     resource named `service`: each a SERVER span with a fresh trace and span id."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+    from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
     out = []
     for span in spans:
         out.append(Span(trace_id=os.urandom(16), span_id=os.urandom(8), name=span["name"], kind=Span.SPAN_KIND_SERVER,

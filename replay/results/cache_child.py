@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import struct
 import sys
 import tempfile
@@ -71,6 +72,7 @@ NONE = -1  # a number the record does not have
 # many seconds after it, or twice the longest a record came after a later-sent one, if longer.
 HORIZON_S = 120.0
 POLL_S = 0.5  # the tail's wait when the file has nothing new
+END_SIGNAL = signal.SIGUSR1  # the run's word that the end marker is there: the tail reads on at once
 TAIL_READ = 1 << 20
 SPOOL_BUFFER = 1 << 20
 # The child makes every sent prompt of the run in one process, so it meets every shared prefix the
@@ -278,6 +280,16 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
     return _section(job, api, token_ids, tally, model, stream.block_size, ideal, fingerprints)
 
 
+def wait_for_end_signal(timeout_s: float) -> None:
+    """Sleep `timeout_s`, or until END_SIGNAL comes. The follower is started with it blocked
+    (replay.child.start_module's `blocked`), so one sent before this wait is kept pending and
+    ends the next wait at once; where it is not blocked (another caller), a plain sleep."""
+    if END_SIGNAL in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        signal.sigtimedwait([END_SIGNAL], timeout_s)
+    else:
+        time.sleep(timeout_s)
+
+
 class StreamBroken(Exception):
     """The run's records cannot be checked while it runs (a record came after requests sent
     later than it were checked, or a line could not be read): the end computes the section."""
@@ -296,14 +308,20 @@ class RecordTail:
     tail (StreamBroken): the order it gave would not be send order.
 
     The file ends when `end_marker` exists (the run writes it once every record is appended);
-    until then an empty read waits `poll_s`, and a run gone (this process's parent is no longer
-    `parent`, the run's process) raises ParentGone."""
+    until then an empty read waits `poll_s`, or less when END_SIGNAL comes (the run sends it
+    with the marker, so the end waits for no poll), and a run gone (this process's parent is no
+    longer `parent`, the run's process) raises ParentGone.
+
+    `prepare` (record -> what is handed out in its place) runs as each record comes, not when
+    the horizon lets it out: the work of each request (its prompt made again) is done while
+    the run replays, and only the checks in send order wait."""
 
     def __init__(self, path: str, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: float = POLL_S,
-                 on_unscheduled=None, parent: int | None = None) -> None:
+                 on_unscheduled=None, parent: int | None = None, prepare=None) -> None:
         self.path, self.end_marker = path, end_marker
         self.horizon_s, self.poll_s = horizon_s, poll_s
         self.on_unscheduled = on_unscheduled  # called with the request id of a record the server did not take in
+        self.prepare = prepare
         self.parent = os.getppid() if parent is None else parent  # the run's process
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._offset = self._line = 0
@@ -348,7 +366,7 @@ class RecordTail:
             self._latest_sent = key[0]
         else:
             self._lateness = max(self._lateness, self._latest_sent - key[0])
-        heapq.heappush(self._heap, (key[0], key[1], record))
+        heapq.heappush(self._heap, (key[0], key[1], record if self.prepare is None else self.prepare(record)))
 
     def _horizon(self) -> float:
         return max(self.horizon_s, 2.0 * self._lateness)
@@ -374,7 +392,7 @@ class RecordTail:
             elif os.getppid() != self.parent:
                 raise ParentGone()
             else:
-                time.sleep(self.poll_s)
+                wait_for_end_signal(self.poll_s)
 
 
 class TraceCursor:
@@ -456,16 +474,22 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
     starts = StartEstimates() if job.get("servers") is not None else None
     fingerprints = FingerprintTally(job.get("fingerprints_unchecked"))
 
-    def prompts():
+    def prepare(record: dict) -> tuple:
+        """A request's own work, done as its record comes: its prompt made again, hashed."""
         nonlocal synth
-        for record in tail:
-            row, ideal = cursor.take(record["request_id"])
-            if synth is None:
-                synth = _synthesizer(_tokenizer(job), job, api, token_ids, stream.block_size)
-            ids = synth.server_ids(row)
-            agreed = _agreed(record, synth, row) if fingerprints.compared else None
-            fingerprints.add(record["request_id"], agreed)
-            yield _sent_prompt(record, block_hashes(ids, server_block), len(ids), ideal, starts, agreed)
+        row, ideal = cursor.take(record["request_id"])
+        if synth is None:
+            synth = _synthesizer(_tokenizer(job), job, api, token_ids, stream.block_size)
+        ids = synth.server_ids(row)
+        agreed = _agreed(record, synth, row) if fingerprints.compared else None
+        fingerprints.add(record["request_id"], agreed)
+        return record, array("q", block_hashes(ids, server_block)), len(ids), ideal, agreed
+
+    tail.prepare = prepare
+
+    def prompts():
+        for record, hashes, length, ideal, agreed in tail:
+            yield _sent_prompt(record, hashes.tolist(), length, ideal, starts, agreed)
 
     try:
         tally, model = _checked(prompts(), job, None)

@@ -14,6 +14,7 @@ ReportError the child names.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,6 +29,7 @@ from typing import TextIO
 import orjson
 
 from replay.child import last_line, run_module, start_module, wait_module
+from replay.results.cache_child import END_SIGNAL
 from replay.results.cache_model import server_caches, start_counters
 from replay.results.fidelity import CacheCheck
 from replay.results.metadata import file_sha256
@@ -233,7 +235,8 @@ class CacheStream:
             (folder / "job.json").write_bytes(orjson.dumps(fields))
             self.pid = start_module(CHILD_MODULE, ["--follow", *(str(folder / name) for name in
                                                                  ("job.json", "result.json", "end"))],
-                                    folder / "stderr", own_group=True)  # a Ctrl-C is the run's to handle
+                                    folder / "stderr", own_group=True,  # a Ctrl-C is the run's to handle
+                                    blocked=(END_SIGNAL,))
             self.job = job
         except OSError as e:
             log.debug("the cache section is not computed while the run replays (%s)", e)
@@ -259,6 +262,8 @@ class CacheStream:
             log.info("the cache section is computed at the end (%s)", e)
             self.stop()
             return None
+        with contextlib.suppress(OSError):  # ended already: nothing to wake
+            os.kill(self.pid, END_SIGNAL)  # its tail reads on now, not at its next poll
         started = time.perf_counter()
         pid, self.pid = self.pid, None
         status, peak_mib = wait_module(pid)

@@ -35,11 +35,18 @@ class Frame:
 
     before: tuple[int, ...]
     after: tuple[int, ...]
-    empty_tokens: int  # what an empty content really counts (templates may strip or merge)
+    # an empty content's prompt as the server encodes it (templates may strip or merge): a row
+    # shorter than the frame is sent so, and its ids are known without loading the tokenizer
+    empty_ids: tuple[int, ...]
 
     @property
     def overhead(self) -> int:
         return len(self.before) + len(self.after)
+
+    @property
+    def empty_tokens(self) -> int:
+        """What an empty content really counts."""
+        return len(self.empty_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +101,7 @@ def measure_frame(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab, layout
     start = _find(encoded, ids)
     if start < 0:
         raise PromptError(f"{what}: the content's tokens change when framed by the server; cannot build exact prompts")
-    frame = Frame(tuple(encoded[:start]), tuple(encoded[start + len(ids) :]), len(encode("")))
+    frame = Frame(tuple(encoded[:start]), tuple(encoded[start + len(ids) :]), tuple(encode("")))
     for length in PROBE_LENGTHS[1:]:
         text, ids = probe(vocab, rng, length)
         if encode(text) != [*frame.before, *ids, *frame.after]:
@@ -116,8 +123,8 @@ def _estimated_frame(tokenizer: ServerTokenizer, api: str, vocab: SafeVocab) -> 
     prompt its row's length, and the replay would send every one of them the template's."""
     encode = server_encoder(tokenizer, api, USER_ONLY)
     text, ids = probe(vocab, random.Random(PROBE_SEED), PROBE_LENGTHS[0])
-    framed, empty = len(encode(text)), len(encode(""))
-    if framed == empty:
+    framed, empty = len(encode(text)), tuple(encode(""))
+    if framed == len(empty):
         raise PromptError(f"the chat template renders none of the messages' content "
                           f"({_what(tokenizer, api, USER_ONLY)}); no prompt can be given its row's length")
     return Frame((), (0,) * max(0, framed - len(ids)), empty)

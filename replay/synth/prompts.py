@@ -25,6 +25,7 @@ import copy
 import logging
 import weakref
 from array import array
+from collections.abc import Callable, Iterator
 
 import orjson
 
@@ -48,6 +49,20 @@ RESEEDED_CACHE_BLOCKS = 256  # a reseeded synthesizer makes a few dozen prompts
 BREAK_BLOCK_ENV = "TRACEREPLAY_TEST_BREAK_BLOCK"
 
 log = logging.getLogger(__name__)
+PAUSE_BLOCKS = 32  # a long content is made in runs of this many blocks (~0.5 ms), `pause` called between
+
+
+def _paused(blocks: Iterator[tuple], pause: Callable[[], None] | None) -> Iterator[tuple]:
+    """`blocks`, with `pause()` called after every PAUSE_BLOCKS of them (none: as they are)."""
+    if pause is None:
+        yield from blocks
+        return
+    for k, block in enumerate(blocks, 1):
+        yield block
+        if k % PAUSE_BLOCKS == 0:
+            pause()
+
+
 _vocab_cache: weakref.WeakKeyDictionary[ServerTokenizer, SafeVocab] = weakref.WeakKeyDictionary()
 
 
@@ -148,7 +163,10 @@ class PromptSynthesizer:
             return self.short_frame, EMPTY_SYSTEM, row.input_length - self.short_frame.overhead
         return self.frame, USER_ONLY, n
 
-    def prompt(self, row: TraceRow) -> Prompt:
+    def prompt(self, row: TraceRow, pause: Callable[[], None] | None = None) -> Prompt:
+        """`row`'s prompt. `pause`: called after each PAUSE_BLOCKS blocks of a content made from
+        blocks, so that a caller on an event loop lets sends go between parts of a long prompt
+        (replay.engine.lookahead); the prompt is the same."""
         if row.messages is not None:
             prompt = self._given(row)
             prompt.fingerprint = whole_fingerprint(orjson.dumps([row.messages, prompt.tools]), prompt.expected_tokens)
@@ -159,20 +177,20 @@ class PromptSynthesizer:
             prompt.fingerprint = whole_fingerprint(b"", prompt.expected_tokens)
             return prompt
         if layout is EMPTY_SYSTEM:
-            text, fingerprint = self._content(row, n, len(frame.before))
+            text, fingerprint = self._content(row, n, len(frame.before), pause)
             prompt = Prompt(chat_messages(EMPTY_SYSTEM, text), None, None, row.input_length)
         elif self.verified:
             prompt = self._fixed_up(row, n)
             fingerprint = whole_fingerprint(self._sent_text(prompt).encode(), prompt.expected_tokens)
         elif self.token_ids:
-            content = self._content_ids(row, n)
+            content = self._content_ids(row, n, pause)
             fingerprint = ids_fingerprint(content, len(frame.before), self.blocks.block_size)
             ids = array(TOKEN_ID, frame.before)
             ids += content
             ids.extend(frame.after)
             prompt = Prompt(None, None, ids.tolist(), len(ids))
         else:
-            text, fingerprint = self._content(row, n, len(frame.before))
+            text, fingerprint = self._content(row, n, len(frame.before), pause)
             prompt = self.text_prompt(text, row.input_length)
         prompt.fingerprint = fingerprint
         return prompt
@@ -190,6 +208,9 @@ class PromptSynthesizer:
             frame, _, n = self._layout(row)
             if n > 0:
                 return [*frame.before, *self._content_ids(row, n), *frame.after]
+            if self.token_ids:  # shorter than the frame: an empty content (_too_short), known from the set-up
+                return list(self._empty_text_ids)
+            return list((self.short_frame or self.frame).empty_ids)
         return encode_prompt(self.tokenizer, self.prompt(row))
 
     def text_prompt(self, text: str, expected: int) -> Prompt:
@@ -249,26 +270,28 @@ class PromptSynthesizer:
                 block = self.blocks.unique(row.request_id, index)
             yield block, size if index < full else part
 
-    def _content_parts(self, row: TraceRow, n: int) -> list[str]:
+    def _content_parts(self, row: TraceRow, n: int, pause: Callable[[], None] | None = None) -> list[str]:
         """The content's text, one part per trace block."""
         size = self.blocks.block_size
         prefix_text = self.blocks.prefix_text
-        parts = [block.text if used == size else prefix_text(block, used) for block, used in self._row_blocks(row, n)]
+        parts = [block.text if used == size else prefix_text(block, used)
+                 for block, used in _paused(self._row_blocks(row, n), pause)]
         parts[0] = parts[0][1:]  # the first word goes bare: templates strip, sentencepiece re-adds the space
         return parts
 
     def _content_text(self, row: TraceRow, n: int) -> str:
         return "".join(self._content_parts(row, n))
 
-    def _content(self, row: TraceRow, n: int, offset: int) -> tuple[str, list]:
+    def _content(self, row: TraceRow, n: int, offset: int,
+                 pause: Callable[[], None] | None = None) -> tuple[str, list]:
         """The content's text and its fingerprint (`offset`: the frame's tokens before it)."""
-        parts = self._content_parts(row, n)
+        parts = self._content_parts(row, n, pause)
         return "".join(parts), text_fingerprint(parts, offset, self.blocks.block_size, n)
 
-    def _content_ids(self, row: TraceRow, n: int) -> array:
+    def _content_ids(self, row: TraceRow, n: int, pause: Callable[[], None] | None = None) -> array:
         ids = array(TOKEN_ID)
         lead = None
-        for block, used in self._row_blocks(row, n):
+        for block, used in _paused(self._row_blocks(row, n), pause):
             if lead is None:
                 lead = self.blocks.lead_id(block)
             ids += self.blocks.ids(block, used)

@@ -53,7 +53,7 @@ from replay.synth.frames import Frame, Measured
 from replay.synth.tokenizer import ServerTokenizer, fingerprint_of, tokenizer_json
 from replay.synth.vocab import SPACE_MARKERS, SafeVocab
 
-FORMAT = 1
+FORMAT = 2
 ENV = "TRACEREPLAY_CACHE_DIR"
 SPOT_CHECKS = 8  # each a look through tokenizer.json's bytes
 TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joined by NULs: each a space + ASCII letters
@@ -62,6 +62,7 @@ TEXTS = re.compile(r" [A-Za-z]+(?:\0 [A-Za-z]+)*")  # the vocabulary's texts joi
 # import, however far down, is in the key's code digest.
 SETUP_ENTRIES = ("replay.synth.vocab", "replay.synth.frames", "replay.synth.setup_child_main")
 IMPORT_MEMO = "source-imports.json"  # code_digest's memo of each source's imports (source_graph.ImportMemo)
+IMPORT_MEMO_ENTRIES = 4096  # at most (a checkout's set-up closure is some 30 sources; each checkout keeps its own)
 
 log = logging.getLogger(__name__)
 _in_process: dict[tuple, Measured] = {}  # this process's set-ups (cached(): a second one of the same files is free)
@@ -88,8 +89,8 @@ def code_digest(root: Path = source_graph.ROOT) -> str:
     reads each source but parses only those edited since."""
     memo = source_graph.ImportMemo(_read_import_memo())
     digest = source_graph.source_digest(SETUP_ENTRIES, root, memo)
-    if memo.changed:
-        _write_import_memo(memo.used)
+    if memo.parsed:
+        _write_import_memo(memo.kept(IMPORT_MEMO_ENTRIES))
     return digest
 
 
@@ -218,7 +219,7 @@ def loaded_before(fingerprint: str, template_specials: dict, api: str) -> bool:
 
 
 def _frame_json(frame: Frame | None) -> list | None:
-    return None if frame is None else [list(frame.before), list(frame.after), frame.empty_tokens]
+    return None if frame is None else [list(frame.before), list(frame.after), list(frame.empty_ids)]
 
 
 def encode_entry(key: dict, measured: Measured) -> bytes:
@@ -289,9 +290,7 @@ def _frame(value, what: str) -> Frame | None:
     if value is None:
         return None
     before, after, empty = value
-    if type(empty) is not int or empty < 0:
-        raise ValueError(f"{what}: bad empty_tokens")
-    return Frame(_ints(before, what), _ints(after, what), empty)
+    return Frame(_ints(before, what), _ints(after, what), _ints(empty, what))
 
 
 def _measured(body: dict) -> Measured:
