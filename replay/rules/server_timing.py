@@ -29,7 +29,7 @@ Field meanings (docs/records.md states them for users):
   A record whose answer gave any field says "answer" even where a span filled the rest.
 
 A figure a server sends that is not a duration (a string, a bool, a negative or non-finite
-number) is dropped: its field stays null and the record's `server_timing_problem` names it, the
+number, one over a week) is dropped: its field stays null and the record's `server_timing_problem` names it, the
 way `usage_mismatch` names a usage claim dropped. It never fails a request.
 """
 
@@ -72,13 +72,21 @@ ANSWER_METRICS_FIELD = "metrics"
 # From an answer they are the same figures (only the records' rounding to 0.001 ms between);
 # from a span the TTFT also holds the front end's time before the engine's queue.
 ANSWER_TTFT_SUM_BOUND_MS = 0.01
+# A server's time for a request over the client's own measure of it (its TTFT, its E2E) by more
+# than this cannot be true (the client's clock starts before the server's and stops after it):
+# those times are not evidence of where the time went.
+SERVER_OVER_CLIENT_MS = 1.0
+# The longest duration a server figure can be: no request waits or runs a week. A figure over it
+# (1e300, a clock's epoch sent for a duration) is dropped as not a duration, not summed.
+MAX_DURATION_MS = 7 * 24 * 3600 * 1000.0
 
 ServerTiming = dict[str, float | str | None]
 
 
 def is_duration(value: object) -> bool:
-    """A server figure that can be a duration in ms: a finite, non-negative int or float (no bool)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    """A server figure that can be a duration in ms: an int or float (no bool) from 0 to MAX_DURATION_MS."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 <= value <= MAX_DURATION_MS)
 
 
 def empty() -> ServerTiming:
