@@ -38,8 +38,8 @@ from replay.rules.server_timing import (
     FROM_ANSWER,
     FROM_SPAN,
     SERVER_OVER_CLIENT_MS,
-    SERVER_TIMING_SOURCE,
     SERVER_TTFT_MS,
+    ttft_source,
 )
 from replay.rules.usage import max_tokens_asked, output_tokens_believed
 
@@ -179,7 +179,7 @@ class CertificateBuilder:
         client, server = fields.get("ttft_ms"), fields.get(SERVER_TTFT_MS)
         if not _finite(client) or not _finite(server):
             return
-        source = str(fields.get(SERVER_TIMING_SOURCE))
+        source = str(ttft_source(fields))
         self.ttft_compared[source] = self.ttft_compared.get(source, 0) + 1
         excess = client - server
         if excess < -SERVER_OVER_CLIENT_MS:
