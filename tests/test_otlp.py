@@ -115,6 +115,12 @@ def test_garbage_and_bombs_are_refused():
         unzip(b"not gzip", "gzip", 100)
     with pytest.raises(TooLarge):
         unzip(gzip.compress(b"\0" * 10_000), "gzip", 1000)  # refused inflating, not after
+    whole = gzip.compress(export_body([span("chatcmpl-0123456789ab-1")], "sim"))
+    for cut in (10, len(whole) // 2, len(whole) - 4):  # a body cut short: its spans lost, never an empty export
+        with pytest.raises(BadBody):
+            unzip(whole[:cut], "gzip", 1 << 20)
+    with pytest.raises(BadBody):
+        unzip(whole + b"trailing", "gzip", 1 << 20)
 
 
 # -- the join --------------------------------------------------------------------------------
