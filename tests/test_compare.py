@@ -433,3 +433,17 @@ def test_a_servers_times_over_the_clients_are_not_compared():
     result = compare([base], [new], resamples=100)
     assert all(e["metric"] not in ("queue_p50", "rest_p50") or e["new"] is None or e["new"] < 1000
                for e in result["metrics"]), [entry(result, "queue_p50"), entry(result, "rest_p50")]
+
+
+def test_the_servers_parts_are_compared_on_the_rows_every_run_timed():
+    """BASE's server timed every row, NEW's (half its fleet without metrics) every other one:
+    comparing BASE's all with NEW's half would be two sets of requests, not a change. On the
+    rows both timed, the queue is the same."""
+    records = synthetic_records(1)
+    base = timed(records, 5.0)
+    for r in base[1::2]:
+        r.update(server_queue_ms=15.0, server_prefill_ms=r["server_prefill_ms"] - 10.0)  # another queue, same TTFT
+    new = timed(records, 5.0, every=2)
+    result = compare([run_of_records("base", None, base)], [run_of_records("new", None, new)], resamples=100)
+    queue = entry(result, "queue_mean")
+    assert queue["base"] == pytest.approx(5.0) and queue["new"] == pytest.approx(5.0), queue
