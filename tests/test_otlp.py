@@ -210,7 +210,10 @@ def test_a_port_in_use_is_refused_before_the_run(fast_sim, toy_tokenizer_dir, tm
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"replay: --otlp-receiver 127.0.0.1:{port}: cannot listen there: Address already in use" in proc.stderr
     assert not output.exists()  # nothing sent, no record
+    assert not spans_path(output).exists()  # nor a spans file that would refuse the rerun as "an earlier run's"
     assert requests.get(fast_sim.url + "/debug/requests", timeout=5).json()["total"] == 0
+    again = run_replay(replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), tmp_path)  # the port freed
+    assert again.returncode == 0, again.stderr[-2000:]
 
 
 def test_spans_that_never_come_leave_null_fields_counted(fast_sim, toy_tokenizer_dir, tmp_path):
