@@ -273,3 +273,16 @@ def test_garbage_huge_and_foreign_bodies_are_answered_and_counted(exporting_sim,
     assert "server spans ignored: 1 of another run, 1 not a replay's request" in proc.stdout
     assert "OTLP bodies refused: 2 too large (413), 2 not OTLP (400)" in proc.stdout
     assert spans_path(output).stat().st_size < 1 << 20  # what was refused is a line, not its body
+
+
+def test_a_spans_figure_no_request_can_take_is_left_null(tmp_path):
+    """Seconds in a span, the bound in ms: 1e7 s (four months) is no request's queue."""
+    path = tmp_path / "spans.jsonl"
+    line = span("chatcmpl-0123456789ab-10", **{"gen_ai.latency.time_in_queue": 1e7,
+                                                "gen_ai.latency.time_in_model_prefill": 0.1})
+    path.write_text(json.dumps(line) + "\n")
+    table = SpanTable(path, "0123456789ab", 10, bytearray([1]), lambda request_id: request_id == 10)
+    table.read()
+    record = {"request_id": 10}
+    table.fill(record)
+    assert record["server_queue_ms"] is None and record["server_prefill_ms"] == 100.0, record

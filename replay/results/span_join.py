@@ -140,7 +140,7 @@ class SpanTable:
         tally["joined_ok"] += self.answered[index]
         for name, attribute in SPAN_SECONDS:
             seconds = attributes.get(attribute)
-            if isinstance(seconds, int | float) and is_duration(seconds):  # a string, a negative: stays null
+            if isinstance(seconds, int | float) and is_duration(seconds * 1000.0):  # a string, a negative: null
                 self.values[name][index] = seconds * 1000.0
         tokens = attributes.get(COMPLETION_TOKENS)
         if isinstance(tokens, int) and not isinstance(tokens, bool):
