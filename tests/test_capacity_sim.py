@@ -28,6 +28,7 @@ from replay.sim.process import sim_process
 from replay.trace.amplify import amplify_trace
 from replay.trace.reader import TraceStream
 from support.browser import IN_CI, need
+from support.ports import free_port
 from support.processes import finish, master_and_workers, replay_args, run_locust
 from support.traces import BLOCK, mooncake_trace
 
@@ -84,6 +85,28 @@ def search(search_run) -> dict:
         client_limited(report)
     assert report["result"] == "found", report
     return report
+
+
+def test_a_failing_probe_says_the_queue_grew_from_trace_spans_alone(folder, toy_tokenizer_dir, tmp_path):
+    """The same server telling its times only in trace spans (--otlp-endpoint, no metrics in its
+    answers): the spans are joined at the end of the run, after the probes were judged, and the
+    probes' splits and why_failed must still be theirs."""
+    port = free_port()
+    output = tmp_path / "search.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", str(TTFT_MS), "--itl-ms",
+                     str(ITL_MS), "--prefill-ms-per-1k", "0", "--max-num-seqs", str(SEQS),
+                     "--otlp-endpoint", f"http://127.0.0.1:{port}/v1/traces") as sim:
+        run_locust(replay_args(folder / "trace.jsonl", toy_tokenizer_dir, sim.url, output, *COMMON, *SEARCH,
+                               "--otlp-receiver", f"127.0.0.1:{port}", "--otlp-wait", "5"),
+                   tmp_path, timeout=240, exit_code=None)
+    report = orjson.loads(capacity_path(output).read_bytes())
+    if report["result"] == "client-limited":
+        client_limited(report)
+    assert report["result"] == "found", report
+    for probe in report["probes"]:
+        assert probe["server_timing"]["requests_with_server_timing"] == probe["server_timing"]["requests_ok"], probe
+    why = report["failed_because"]
+    assert why and why["grew_most"] == "queue", why
 
 
 def test_a_failing_probe_says_the_servers_queue_grew(search):

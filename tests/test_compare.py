@@ -411,3 +411,39 @@ def test_the_command_is_wired(capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--help"])
     assert "--fail-on" in capsys.readouterr().out
+
+
+def timed(records: list[dict], queue_ms: float, every: int = 1) -> list[dict]:
+    """`records` with the server's own times on every `every`-th row: `queue_ms` queued, the
+    rest of the TTFT its prefill but 2 ms (the network), the decode the rest of the E2E."""
+    out = [dict(r) for r in records]
+    for r in out[::every]:
+        prefill = max(r["ttft_ms"] - 2.0 - min(queue_ms, r["ttft_ms"] - 2.0), 0.0)
+        r.update(server_queue_ms=queue_ms, server_prefill_ms=prefill, server_ttft_ms=queue_ms + prefill,
+                 server_decode_ms=r["e2e_ms"] - r["ttft_ms"], server_timing_source="answer")
+    return out
+
+
+def test_a_servers_times_over_the_clients_are_not_compared():
+    """NEW's server says it queued each request 5 s while its client had the first token in
+    ~200 ms: no evidence of a queue regression, so its rows leave the server's parts out."""
+    records = synthetic_records(1)
+    base = run_of_records("base", None, timed(records, 5.0))
+    new = run_of_records("new", None, timed(records, 5000.0))
+    result = compare([base], [new], resamples=100)
+    assert all(e["metric"] not in ("queue_p50", "rest_p50") or e["new"] is None or e["new"] < 1000
+               for e in result["metrics"]), [entry(result, "queue_p50"), entry(result, "rest_p50")]
+
+
+def test_the_servers_parts_are_compared_on_the_rows_every_run_timed():
+    """BASE's server timed every row, NEW's (half its fleet without metrics) every other one:
+    comparing BASE's all with NEW's half would be two sets of requests, not a change. On the
+    rows both timed, the queue is the same."""
+    records = synthetic_records(1)
+    base = timed(records, 5.0)
+    for r in base[1::2]:
+        r.update(server_queue_ms=15.0, server_prefill_ms=r["server_prefill_ms"] - 10.0)  # another queue, same TTFT
+    new = timed(records, 5.0, every=2)
+    result = compare([run_of_records("base", None, base)], [run_of_records("new", None, new)], resamples=100)
+    queue = entry(result, "queue_mean")
+    assert queue["base"] == pytest.approx(5.0) and queue["new"] == pytest.approx(5.0), queue

@@ -532,3 +532,14 @@ def test_an_answers_ttft_leaves_out_the_front_end_so_the_excess_is_not_judged():
     assert impossible["server_ttft"]["server_over_client"] == 3
     assert any("cannot be true" in u for u in impossible["unchecked"])
     assert certify(sends([0.2] * 20))["server_ttft"]["compared"] == {}  # no server times: nothing said
+
+
+def test_an_answers_record_whose_ttft_a_span_gave_is_judged_as_a_spans():
+    """Both sources: the answer's queue and prefill kept, the span's TTFT (from the server's
+    arrival) in server_ttft_ms; the excess is judged, never sent back to --otlp-receiver."""
+    records = timed_sends([80.0] * 10 + [2.0] * 10, "answer")
+    for r in records:
+        r.update(server_ttft_ms=45.0, ttft_ms=r["ttft_ms"] + 5.0, server_e2e_ms=90.0)  # 5 ms of front end
+    cert = certify(records)
+    assert cert["server_ttft"]["compared"] == {"span": 20} and cert["server_ttft"]["over_bound"] == {"span": 10}
+    assert cert["verdict"] == UNFAITHFUL and not any("--otlp-receiver" in u for u in cert["unchecked"])

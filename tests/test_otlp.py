@@ -115,6 +115,12 @@ def test_garbage_and_bombs_are_refused():
         unzip(b"not gzip", "gzip", 100)
     with pytest.raises(TooLarge):
         unzip(gzip.compress(b"\0" * 10_000), "gzip", 1000)  # refused inflating, not after
+    whole = gzip.compress(export_body([span("chatcmpl-0123456789ab-1")], "sim"))
+    for cut in (10, len(whole) // 2, len(whole) - 4):  # a body cut short: its spans lost, never an empty export
+        with pytest.raises(BadBody):
+            unzip(whole[:cut], "gzip", 1 << 20)
+    with pytest.raises(BadBody):
+        unzip(whole + b"trailing", "gzip", 1 << 20)
 
 
 # -- the join --------------------------------------------------------------------------------
@@ -204,7 +210,10 @@ def test_a_port_in_use_is_refused_before_the_run(fast_sim, toy_tokenizer_dir, tm
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"replay: --otlp-receiver 127.0.0.1:{port}: cannot listen there: Address already in use" in proc.stderr
     assert not output.exists()  # nothing sent, no record
+    assert not spans_path(output).exists()  # nor a spans file that would refuse the rerun as "an earlier run's"
     assert requests.get(fast_sim.url + "/debug/requests", timeout=5).json()["total"] == 0
+    again = run_replay(replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), tmp_path)  # the port freed
+    assert again.returncode == 0, again.stderr[-2000:]
 
 
 def test_spans_that_never_come_leave_null_fields_counted(fast_sim, toy_tokenizer_dir, tmp_path):
@@ -276,3 +285,16 @@ def test_a_replay_without_the_receiver_imports_no_protobuf():
             "assert 'google.protobuf' not in sys.modules, 'protobuf imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_spans_figure_no_request_can_take_is_left_null(tmp_path):
+    """Seconds in a span, the bound in ms: 1e7 s (four months) is no request's queue."""
+    path = tmp_path / "spans.jsonl"
+    line = span("chatcmpl-0123456789ab-10", **{"gen_ai.latency.time_in_queue": 1e7,
+                                                "gen_ai.latency.time_in_model_prefill": 0.1})
+    path.write_text(json.dumps(line) + "\n")
+    table = SpanTable(path, "0123456789ab", 10, bytearray([1]), lambda request_id: request_id == 10)
+    table.read()
+    record = {"request_id": 10}
+    table.fill(record)
+    assert record["server_queue_ms"] is None and record["server_prefill_ms"] == 100.0, record

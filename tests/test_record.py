@@ -418,6 +418,35 @@ def test_anonymize_of_the_raw_log_gives_the_recorded_trace(sim, toy_tokenizer_di
     assert json.loads(Path(f"{again}.meta.json").read_text())["tokens"] == "tokenizer"
 
 
+def test_anonymize_of_a_raw_log_of_chats_that_send_their_answers_back_keeps_their_sessions(real_tokenizer_dir,
+                                                                                          tmp_path):
+    """Sessions by continuation, no header: chats (one streamed, one not) that send each answer
+    back, through the proxy in front of a sim with a real tokenizer and template; anonymize of
+    the raw log, without --session-names, is the recorded trace line for line."""
+    salt = tmp_path / "salt"
+    salt.write_bytes(b"s" * 32)
+    out, raw = tmp_path / "recorded.jsonl", tmp_path / "raw.jsonl"
+    with sim_process(real_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "5", "--itl-ms", "1") as server, \
+            RecordProcess(server.url, out, "--salt-file", str(salt), "--raw-log", str(raw)) as proxy:
+        conversations = [[{"role": "system", "content": f"You are helper {s}."}] for s in range(2)]
+        for turn in range(3):
+            for s, messages in enumerate(conversations):
+                messages.append({"role": "user", "content": f"question {turn} of session {s}: llamas? " * (turn + 1)})
+                if s == 0:
+                    text = chat(proxy.url, messages).json()["choices"][0]["message"]["content"]
+                else:
+                    answer = chat(proxy.url, messages, stream=True, stream_options={"include_usage": True})
+                    chunks = [json.loads(line[6:]) for line in answer.text.splitlines()
+                              if line.startswith("data: {")]
+                    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+                messages.append({"role": "assistant", "content": text})
+    assert [(r["session_id"], r["turn"]) for r in rows(out)] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    again = tmp_path / "anonymized.jsonl"
+    done = anonymize(raw, again, "--tokenizer", real_tokenizer_dir, "--salt-file", salt)
+    assert done.returncode == 0, done.stderr
+    assert again.read_text() == out.read_text()
+
+
 def test_anonymize_reads_litellm_logs_in_any_order(toy_tokenizer_dir, tmp_path):
     tok = ServerTokenizer.load(toy_tokenizer_dir)
     first = [{"role": "user", "content": "the first question"}]

@@ -115,10 +115,22 @@ def old_server_timing(records: list[dict]) -> dict:
                "requests_lacking_server_timing": len(ok) - len(timed),
                "by_source": dict(sorted(Counter(r["server_timing_source"] for r in timed).items())),
                "requests_timing_problem": sum(1 for r in records if r.get("server_timing_problem"))}
+
+    def over_client(r: dict) -> bool:  # its server's time over the client's by more than 1 ms: in no split
+        parts = (r["server_queue_ms"], r["server_prefill_ms"], r["server_decode_ms"])
+        work = r["server_e2e_ms"] if r["server_e2e_ms"] is not None else (
+            None if None in parts else sum(parts))
+        return any(client is not None and server is not None and None not in parts[:2] and server - client > 1.0
+                   for client, server in ((r["ttft_ms"], r["server_ttft_ms"]),
+                                          (r["e2e_ms"], work if None not in parts else None)))
+
+    section["requests_server_over_client"] = sum(1 for r in timed if over_client(r))
     for figure, parts in (("ttft_ms", ("queue", "prefill", "server_other", "rest")),
                           ("e2e_ms", ("queue", "prefill", "decode", "server_other", "rest"))):
         rows = []
         for r in timed:
+            if over_client(r):
+                continue
             named = {"queue": r["server_queue_ms"], "prefill": r["server_prefill_ms"]}
             if figure == "ttft_ms":
                 server = r["server_ttft_ms"]

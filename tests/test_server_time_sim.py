@@ -146,6 +146,28 @@ def test_timing_figures_of_the_wrong_type_are_dropped_never_the_row(tmp_path, to
     assert summary["server_timing"]["ttft_ms"]["requests"] == 0
 
 
+def test_a_server_whose_queue_exceeds_the_clients_ttft_is_not_blamed(tmp_path, toy_tokenizer_dir):
+    """A server that says it queued a request 5 s when its client had the first token in ~50 ms
+    lies: its times are not evidence, so the split leaves them out and says how many, instead
+    of blaming a 5 s queue (a share of thousands of percent, a negative rest)."""
+    records, summary, proc, _ = replay(tmp_path, toy_tokenizer_dir, ("--false-metrics", '{"queue_time_ms": 5000}'),
+                                       rows=6, gap_ms=20)
+    assert all(r["ok"] and r["server_queue_ms"] == 5000.0 for r in records)  # the record keeps what was sent
+    section = summary["server_timing"]
+    assert section["requests_server_over_client"] == 6
+    assert section["ttft_ms"]["requests"] == 0 and section["e2e_ms"]["requests"] == 0
+    assert "6 of 6 ok requests' server times exceed the client's own" in proc.stdout + proc.stderr
+
+
+def test_a_duration_no_request_can_take_is_dropped_and_named(tmp_path, toy_tokenizer_dir):
+    records, summary, _, _ = replay(tmp_path, toy_tokenizer_dir, ("--false-metrics", '{"queue_time_ms": 1e300}'),
+                                    rows=3, gap_ms=20)
+    for r in records:
+        assert r["ok"] and r["server_queue_ms"] is None and r["server_ttft_ms"] is None, r
+        assert r["server_timing_problem"] == "metrics queue_time_ms 1e+300 is not a duration", r
+    assert summary["server_timing"]["requests_timing_problem"] == 3
+
+
 def compare_runs(tmp_path, tokenizer, sims: dict[str, tuple[str, ...]]) -> dict[str, Path]:
     """One real run of one trace per sim: 40 rows every 20 ms, each served in about 40 + 9 x 5 ms."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=20, output_length=(10, 10))

@@ -14,6 +14,7 @@ from replay.rules.server_timing import (
     fill_missing,
     server_work_ms,
     span_fields,
+    ttft_source,
 )
 
 
@@ -51,9 +52,13 @@ def test_a_span_fills_only_what_the_answer_left_null():
     record = {**empty(), **answer_fields({"queue_time_ms": 1.0, "time_to_first_token_ms": 2.0})[0]}
     span = span_fields(queue_ms=9.0, prefill_ms=9.0, decode_ms=7.0, ttft_ms=20.0, e2e_ms=30.0)
     assert fill_missing(record, span)
-    assert (record["server_queue_ms"], record["server_ttft_ms"]) == (1.0, 3.0)  # the answer's kept
+    assert (record["server_queue_ms"], record["server_prefill_ms"]) == (1.0, 2.0)  # the answer's kept
+    # the answer states no TTFT (only its queue + prefill, after the front end): the span's, from arrival
+    assert record["server_ttft_ms"] == 20.0 and ttft_source(record) == "span"
     assert (record["server_decode_ms"], record["server_e2e_ms"]) == (7.0, 30.0)
     assert record["server_timing_source"] == "answer"
+    answer_only = {**empty(), **answer_fields({"queue_time_ms": 1.0, "time_to_first_token_ms": 2.0})[0]}
+    assert ttft_source(answer_only) == "answer" and ttft_source(empty()) is None
     alone = empty()
     assert fill_missing(alone, span) and alone["server_timing_source"] == "span"
     assert not fill_missing(alone, empty())

@@ -314,15 +314,32 @@ def capacity_report(search: Search, probes: list[Probe], *, slo: dict[str, float
     best, worst = search.bracket
     result = ended or search.result or STOPPED
     judged = [p.to_dict() for p in probes]
-    for entry in judged:
-        if entry["verdict"] in (FAIL, FAIL_EARLY):
-            below = [q for q in judged if q["verdict"] == PASS and q["factor"] < entry["factor"]]
-            entry["why_failed"] = why_failed(entry, max(below, key=lambda q: q["factor"], default=None), slo)
-    failing_end = [p for p in judged if p.get("why_failed") and p["factor"] == worst]
     return {
         "slo": slo, "goodput_target": target, "search_by": search_by, "range": [search.lo, search.hi],
         "precision": precision, "probes": judged,
         "capacity": best if result in (FOUND, AT_LEAST_HI) else None,  # claimed only by a search that ended itself
         "bracket": [best, worst], "result": result, "seconds": seconds,
-        "failed_because": failing_end[-1]["why_failed"] if failing_end else None,
+        "failed_because": explain_failures(judged, worst, slo),
     }
+
+
+def explain_failures(judged: list[dict], worst: float | None, slo: Mapping[str, float]) -> dict | None:
+    """Set each failing probe's `why_failed` (of `judged`, to_dict's) and return the bracket's
+    failing end's (`worst`: its factor), or None."""
+    for entry in judged:
+        if entry["verdict"] in (FAIL, FAIL_EARLY):
+            below = [q for q in judged if q["verdict"] == PASS and q["factor"] < entry["factor"]]
+            entry["why_failed"] = why_failed(entry, max(below, key=lambda q: q["factor"], default=None), slo)
+    failing_end = [p for p in judged if p.get("why_failed") and p["factor"] == worst]
+    return failing_end[-1]["why_failed"] if failing_end else None
+
+
+def with_server_timing(report: dict, sections: Mapping[int, dict]) -> dict:
+    """`report` (capacity_report's) with its probes' server_timing replaced by `sections`
+    (probe number -> replay.results.server_time's section, from the records as written) and
+    why each failed said again. Trace spans are joined to the records at the end of the run,
+    after the probes were judged: without this a search whose servers tell their times only in
+    spans would say nothing of why a probe failed."""
+    judged = [{**entry, "server_timing": sections.get(entry["probe"], entry["server_timing"])}
+              for entry in report["probes"]]
+    return {**report, "probes": judged, "failed_because": explain_failures(judged, report["bracket"][1], report["slo"])}

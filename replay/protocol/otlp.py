@@ -55,7 +55,9 @@ class TooLarge(ValueError):
 
 def unzip(body: bytes, encoding: str | None, limit: int) -> bytes:
     """`body` as sent (`encoding`: its Content-Encoding), uncompressed within `limit` bytes: a
-    small gzip body that would inflate past it is refused as TooLarge before it is held."""
+    small gzip body that would inflate past it is refused as TooLarge before it is held; one cut
+    short, or with bytes after its end, as BadBody (what inflated of it would parse as an empty
+    export, its spans lost without a count)."""
     encoding = (encoding or "identity").strip().lower()
     if encoding == "identity":
         return body
@@ -68,6 +70,10 @@ def unzip(body: bytes, encoding: str | None, limit: int) -> bytes:
         raise BadBody(f"not gzip: {e}") from None
     if len(data) > limit or inflater.unconsumed_tail:
         raise TooLarge(f"gzip content over {limit} bytes")
+    if not inflater.eof:  # cut short: what inflated is part of a message, never an empty export
+        raise BadBody("gzip content cut short")
+    if inflater.unused_data:
+        raise BadBody(f"{len(inflater.unused_data)} bytes after the gzip content")
     return data
 
 

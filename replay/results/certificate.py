@@ -34,7 +34,13 @@ from replay.results.arrivals import ArrivalComparison
 from replay.results.fidelity import scheduled
 from replay.results.host_load import busy_host, client_limited, describe
 from replay.results.records import Record
-from replay.rules.server_timing import FROM_ANSWER, FROM_SPAN, SERVER_TIMING_SOURCE, SERVER_TTFT_MS
+from replay.rules.server_timing import (
+    FROM_ANSWER,
+    FROM_SPAN,
+    SERVER_OVER_CLIENT_MS,
+    SERVER_TTFT_MS,
+    ttft_source,
+)
 from replay.rules.usage import max_tokens_asked, output_tokens_believed
 
 WORST = 10
@@ -48,7 +54,6 @@ QUEUED_SHARE = 0.5  # late sends this share of which waited for other sends: the
 # the verdict fails when more than CLIENT_EXCESS_SHARE of the requests compared are.
 CLIENT_EXCESS_MS = 50.0
 CLIENT_EXCESS_SHARE = 0.01
-SERVER_OVER_CLIENT_MS = 1.0  # a server TTFT over the client's by more than this cannot be true
 FAITHFUL, UNFAITHFUL = "faithful", "unfaithful"
 WARM_CACHE = "warm-cache"  # hits came from prompts the server's cache held before the run
 SHARED_SERVER = "shared-server"  # hits came from other clients' prompts the server served during the run
@@ -174,7 +179,7 @@ class CertificateBuilder:
         client, server = fields.get("ttft_ms"), fields.get(SERVER_TTFT_MS)
         if not _finite(client) or not _finite(server):
             return
-        source = str(fields.get(SERVER_TIMING_SOURCE))
+        source = str(ttft_source(fields))
         self.ttft_compared[source] = self.ttft_compared.get(source, 0) + 1
         excess = client - server
         if excess < -SERVER_OVER_CLIENT_MS:

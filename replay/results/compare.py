@@ -192,8 +192,9 @@ class Side:
     """One side's values as the resampling needs them, over the compared rows (0..n-1)."""
 
     def __init__(self, runs: list[RunRows], matched: Matched, slo: dict[str, float] | None, block: int,
-                 server: bool = False) -> None:
-        """`server`: the servers' own parts too (compare_runs.SERVER_PARTS)."""
+                 server: bool = False, timed: Mapping[str, bytearray] | None = None) -> None:
+        """`server`: the servers' own parts too (compare_runs.SERVER_PARTS), on the rows `timed`
+        marks per part (`timed_rows`)."""
         n = len(matched.ids)
         low, row_of = matched.low, matched.row_of
         values = {lat: (array("d"), array("q")) for lat in ("ttft", "tpot", "e2e", *(SERVER_PARTS if server else ()))}
@@ -216,7 +217,7 @@ class Side:
                 for lat, column in (("ttft", run.ttft), ("tpot", run.tpot), ("e2e", run.e2e),
                                     *((part, run.server[part]) for part in SERVER_PARTS if server)):
                     v = column[i]
-                    if v == v:  # not nan: the record has it
+                    if v == v and (timed is None or lat not in timed or timed[lat][row]):  # not nan: the record has it
                         values[lat][0].append(v)
                         values[lat][1].append(row)
                 if run.cached[i] >= 0:
@@ -302,6 +303,23 @@ def verdict(metric: Metric, ci: tuple[float, float] | None, problem: str | None)
     return SAME
 
 
+def timed_rows(runs: list[RunRows], matched: Matched) -> dict[str, bytearray]:
+    """Per server part, the compared rows every run's ok record has it for (1) or not (0). A part
+    is compared on those rows only: a run whose server timed half its rows (a fleet with one
+    server without metrics) against one that timed all would compare two sets of requests."""
+    n = len(matched.ids)
+    timed = {part: bytearray(b"\1" * n) for part in SERVER_PARTS}
+    for run in runs:
+        for i, rid in enumerate(run.ids):
+            row = matched.row_of[rid - matched.low]
+            if row < 0 or run.state[i] != OK:
+                continue
+            for part, mask in timed.items():
+                if run.server[part][i] != run.server[part][i]:  # nan: this run's record lacks it
+                    mask[row] = 0
+    return timed
+
+
 def run_entry(run: RunRows, side: str, matched: Matched) -> dict:
     """What compare says about one run: its records, what it left unanswered, whether it is whole."""
     return {"path": run.path, "side": side, "records": len(run), "answered": len(run) - run.state.count(UNANSWERED),
@@ -325,7 +343,8 @@ def compare(base: list[RunRows], new: list[RunRows], *, slo: dict[str, float] | 
     block = block or block_rows(n)
     # the servers' own parts are compared where any run has them: both sides then have the columns
     server = any(run.server_timed for run in (*base, *new))
-    sides = Side(base, matched, slo, block, server), Side(new, matched, slo, block, server)
+    timed = timed_rows([*base, *new], matched) if server else None
+    sides = Side(base, matched, slo, block, server, timed), Side(new, matched, slo, block, server, timed)
     metrics = metric_table(bool(slo), server)
     tested = [m for m in metrics if m.tested]
     diffs: dict[str, list[float]] = {m.name: [] for m in tested}

@@ -33,11 +33,11 @@ from replay.results.records import (
 )
 from replay.results.report import ReportBuilder, meets_slo
 from replay.results.server_metrics import read_server_section
+from replay.results.server_time import timing_of
 from replay.rules.server_timing import (
     SERVER_DECODE_MS,
     SERVER_PREFILL_MS,
     SERVER_QUEUE_MS,
-    SERVER_TIMING_SOURCE,
     SERVER_TTFT_MS,
 )
 
@@ -201,8 +201,10 @@ SERVER_PARTS = ("queue", "prefill", "decode", "rest")  # compared row by row, as
 def server_parts(record: Mapping[str, Any]) -> dict[str, float | None]:
     """The parts of a record's time `replay compare` compares: the server's queue, prefill and
     decode, and the rest of its TTFT (the client's less the server's: network, client, router);
-    empty when the server told none."""
-    if record.get(SERVER_TIMING_SOURCE) is None:
+    empty when the server told none, or times over the client's own (replay.results.server_time:
+    no evidence, which a queue "regression" of a lying server would otherwise be)."""
+    timing = timing_of(record)
+    if timing is None or timing[3]:
         return {}
     ttft, server_ttft = record.get("ttft_ms"), record.get(SERVER_TTFT_MS)
     return {"queue": record.get(SERVER_QUEUE_MS), "prefill": record.get(SERVER_PREFILL_MS),

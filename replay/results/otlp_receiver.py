@@ -80,10 +80,12 @@ class SpanReceiver:
             if _ended(pid):
                 why = last_line(log)
                 log.unlink(missing_ok=True)
+                spans_path.unlink(missing_ok=True)  # no run: no file of one (a rerun would be refused as an earlier run's)
                 raise OptionError(f"--otlp-receiver {listen}: {why}")
             time.sleep(0.02)  # a monkey-patched process: the event loop turns meanwhile
         _terminate(pid)
         log.unlink(missing_ok=True)
+        spans_path.unlink(missing_ok=True)
         raise OptionError(f"--otlp-receiver {listen}: the receiver did not start within {START_TIMEOUT_S:g} s")
 
     def stop(self) -> None:

@@ -18,7 +18,10 @@ compare` attribute a change to.
 
 Only ok records with every part of a split count in it (a request not streamed has no client
 TTFT: it counts in the E2E split only); the section counts the ok records that lacked the
-server's fields altogether.
+server's fields altogether. A record whose server times exceed the client's own (its TTFT or
+its E2E, by more than SERVER_OVER_CLIENT_MS) counts in neither split: a server whose figures
+cannot be true is no evidence of where the time went, and blaming its queue would be a
+confident wrong answer; the section counts those records too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from replay.results.summary import percentile, sorted_array
 from replay.rules.server_timing import (
     SERVER_DECODE_MS,
+    SERVER_OVER_CLIENT_MS,
     SERVER_PREFILL_MS,
     SERVER_QUEUE_MS,
     SERVER_TIMING_PROBLEM,
@@ -49,9 +53,10 @@ PART_LABELS = {"queue": "server queue", "prefill": "server prefill", "decode": "
                "server_other": "server other", "rest": "rest (network, client, router)"}
 
 
-# A record's timing, read once (`timing_of`): its source, and each split's values in its columns'
-# order (client, server, then the parts), None where a part is unknown.
-Timing = tuple[str, tuple[float, ...] | None, tuple[float, ...] | None]
+# A record's timing, read once (`timing_of`): its source, each split's values in its columns'
+# order (client, server, then the parts), None where a part is unknown, and whether the server's
+# times exceed the client's (then both splits are None: not evidence).
+Timing = tuple[str, tuple[float, ...] | None, tuple[float, ...] | None, bool]
 
 
 def timing_of(record: Mapping[str, Any]) -> Timing | None:
@@ -68,7 +73,9 @@ def timing_of(record: Mapping[str, Any]) -> Timing | None:
     e2e_split = None
     if e2e is not None and work is not None and queue is not None and prefill is not None and decode is not None:
         e2e_split = (e2e, work, queue, prefill, decode, work - (queue + prefill + decode), e2e - work)
-    return source, ttft_split, e2e_split
+    if any(s is not None and s[-1] < -SERVER_OVER_CLIENT_MS for s in (ttft_split, e2e_split)):
+        return source, None, None, True
+    return source, ttft_split, e2e_split, False
 
 
 def split(record: Mapping[str, Any], figure: str) -> dict[str, float] | None:
@@ -116,6 +123,7 @@ class ServerTimeBuilder:
         self.requests_ok = 0
         self.sources: Counter[str] = Counter()
         self.problems = 0
+        self.over_client = 0
         self.ttft, self.e2e = _Split(TTFT_PARTS), _Split(E2E_PARTS)
 
     def add(self, record: Mapping[str, Any], timing: Timing | None | bool = True) -> None:
@@ -129,8 +137,9 @@ class ServerTimeBuilder:
             timing = timing_of(record)
         if not timing:
             return
-        source, ttft_split, e2e_split = timing
+        source, ttft_split, e2e_split, over_client = timing
         self.sources[source] += 1
+        self.over_client += over_client
         if ttft_split is not None:
             self.ttft.add(ttft_split)
         if e2e_split is not None:
@@ -144,6 +153,7 @@ class ServerTimeBuilder:
             "requests_lacking_server_timing": self.requests_ok - timed,
             "by_source": dict(sorted(self.sources.items())),
             "requests_timing_problem": self.problems,
+            "requests_server_over_client": self.over_client,
             "ttft_ms": self.ttft.section(),
             "e2e_ms": self.e2e.section(),
         }
@@ -200,6 +210,9 @@ def format_server_time(section: dict, width: int, endpoints: dict[str, dict] | N
     lacking = section["requests_lacking_server_timing"]
     if lacking:
         out.append(f"  {lacking} of {section['requests_ok']} ok requests lacked the server's times")
+    if section.get("requests_server_over_client"):
+        out.append(f"  {section['requests_server_over_client']} of {section['requests_ok']} ok requests' server times "
+                   "exceed the client's own, which cannot be true: left out")
     if section.get("requests_timing_problem"):
         out.append(f"  {section['requests_timing_problem']} answers sent timing figures that are not durations "
                    "(see server_timing_problem)")

@@ -18,7 +18,7 @@ counted too. Nothing is dropped silently: every count is in the summary's "spans
 
 A record's server fields (replay.rules.server_timing) come from its answer first (the server's
 per-request `metrics` object); a span fills only those still null, and the span-only ones
-(e2e): `server_timing_source` stays "answer" when the answer gave any, else becomes "span".
+(e2e), and replaces a TTFT that was the answer's queue + prefill: `server_timing_source` stays "answer" when the answer gave any, else becomes "span".
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class SpanTable:
         tally["joined_ok"] += self.answered[index]
         for name, attribute in SPAN_SECONDS:
             seconds = attributes.get(attribute)
-            if isinstance(seconds, int | float) and is_duration(seconds):  # a string, a negative: stays null
+            if isinstance(seconds, int | float) and is_duration(seconds * 1000.0):  # a string, a negative: null
                 self.values[name][index] = seconds * 1000.0
         tokens = attributes.get(COMPLETION_TOKENS)
         if isinstance(tokens, int) and not isinstance(tokens, bool):

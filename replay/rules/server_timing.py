@@ -13,7 +13,10 @@ so a run can say where the time went. Two sources fill them:
   the record by its X-Request-Id at the end of the run (`span_fields`).
 
 The answer's values are kept; a span fills only what is still null (`fill_missing`), so a run
-with both sources has one value per field, never two that disagree.
+with both sources has one value per field, never two that disagree. The one exception is
+`server_ttft_ms`: an answer states no TTFT (its queue + prefill leave out the server's front
+end), so a span's TTFT, from the server's arrival, replaces that sum; `ttft_source` says which
+a record's TTFT is.
 
 Field meanings (docs/records.md states them for users):
 
@@ -29,7 +32,7 @@ Field meanings (docs/records.md states them for users):
   A record whose answer gave any field says "answer" even where a span filled the rest.
 
 A figure a server sends that is not a duration (a string, a bool, a negative or non-finite
-number) is dropped: its field stays null and the record's `server_timing_problem` names it, the
+number, one over a week) is dropped: its field stays null and the record's `server_timing_problem` names it, the
 way `usage_mismatch` names a usage claim dropped. It never fails a request.
 """
 
@@ -72,13 +75,21 @@ ANSWER_METRICS_FIELD = "metrics"
 # From an answer they are the same figures (only the records' rounding to 0.001 ms between);
 # from a span the TTFT also holds the front end's time before the engine's queue.
 ANSWER_TTFT_SUM_BOUND_MS = 0.01
+# A server's time for a request over the client's own measure of it (its TTFT, its E2E) by more
+# than this cannot be true (the client's clock starts before the server's and stops after it):
+# those times are not evidence of where the time went.
+SERVER_OVER_CLIENT_MS = 1.0
+# The longest duration a server figure can be: no request waits or runs a week. A figure over it
+# (1e300, a clock's epoch sent for a duration) is dropped as not a duration, not summed.
+MAX_DURATION_MS = 7 * 24 * 3600 * 1000.0
 
 ServerTiming = dict[str, float | str | None]
 
 
 def is_duration(value: object) -> bool:
-    """A server figure that can be a duration in ms: a finite, non-negative int or float (no bool)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    """A server figure that can be a duration in ms: an int or float (no bool) from 0 to MAX_DURATION_MS."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 <= value <= MAX_DURATION_MS)
 
 
 def empty() -> ServerTiming:
@@ -143,6 +154,9 @@ def fill_missing(record: dict, fields: Mapping[str, float | str | None]) -> bool
     record has (its answer's). The source becomes `fields`' only where the record had none.
     Returns whether any field was filled."""
     filled = False
+    span_ttft = fields.get(SERVER_TTFT_MS) if fields.get(SERVER_TIMING_SOURCE) == FROM_SPAN else None
+    if span_ttft is not None and ttft_source(record) == FROM_ANSWER:
+        record[SERVER_TTFT_MS] = None  # the answer's queue + prefill: the span's arrival-based TTFT replaces it
     for name in SERVER_DURATION_FIELDS:
         value = fields.get(name)
         if value is not None and record.get(name) is None:
@@ -151,6 +165,21 @@ def fill_missing(record: dict, fields: Mapping[str, float | str | None]) -> bool
     if filled and record.get(SERVER_TIMING_SOURCE) is None:
         record[SERVER_TIMING_SOURCE] = fields.get(SERVER_TIMING_SOURCE)
     return filled
+
+
+def ttft_source(record: Mapping) -> str | None:
+    """Where the record's server_ttft_ms came from: FROM_ANSWER when it is its answer's queue +
+    prefill (which leaves out the server's front end), FROM_SPAN when a span's (from the server's
+    arrival), None without one. An answer's record whose span gave its TTFT is a span's."""
+    ttft, source = record.get(SERVER_TTFT_MS), record.get(SERVER_TIMING_SOURCE)
+    if ttft is None or source is None:
+        return None
+    if source == FROM_ANSWER:
+        queue, prefill = record.get(SERVER_QUEUE_MS), record.get(SERVER_PREFILL_MS)
+        if queue is not None and prefill is not None and abs(ttft - (queue + prefill)) <= ANSWER_TTFT_SUM_BOUND_MS:
+            return FROM_ANSWER
+        return FROM_SPAN
+    return str(source)
 
 
 def has_server_timing(record: Mapping) -> bool:

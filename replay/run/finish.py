@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from replay.engine.capacity import with_server_timing
 from replay.engine.spec import RunFacts, RunSpec
 from replay.engine.threads import off_loop
 from replay.errors import OutputError
@@ -29,6 +30,7 @@ from replay.results.metadata import write_capacity, write_fidelity, write_run_me
 from replay.results.records import Record, is_failure
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.server_metrics import judge_usage, read_server_section
+from replay.results.server_time import ServerTimeBuilder
 from replay.results.span_join import format_section
 from replay.results.store import RecordStore
 from replay.rules.capacity_result import NO_ANSWER, quotable_line
@@ -68,7 +70,18 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
             listener(record)
 
     spans = join_spans(spec, store)  # --otlp-receiver's: each record's server fields filled from its span
+    probe_times: dict[int, ServerTimeBuilder] = {}  # a search's probes' splits, spans' fields included
+
+    def add_probe_time(record: Record) -> None:
+        probe = record.get("probe")
+        if probe is not None:
+            probe_times.setdefault(probe, ServerTimeBuilder()).add(record)
+
+    if capacity is not None and spans is not None:
+        listeners = [*listeners, add_probe_time]
     count = store.finish(each, fill=spans.fill if spans is not None else None)
+    if probe_times and capacity is not None:
+        capacity = with_server_timing(capacity, {probe: b.section() for probe, b in probe_times.items()})
     spec.schedule.close()
     whole = not incomplete and not store.unwritten  # every record in the appended file the stream read
     report = builder.report(_cache_section(spec, facts, cache_stream if whole else None))
