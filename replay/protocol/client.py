@@ -429,8 +429,9 @@ def _read_stream(response, api: Api, outcome: Outcome, on_read=_nothing) -> None
         if count:
             outcome.token_times.append(times[mark])
             outcome.events_tokens += count
-        outcome.apply_usage(usage)
-        outcome.apply_metrics(api.read_metrics(obj))
+        if usage is not None:  # the final usage event, where vLLM's `metrics` rides: no work on a token's event
+            outcome.apply_usage(usage)
+            outcome.apply_metrics(api.read_metrics(obj))
 
 
 def close_with_reset(sock) -> None:
