@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
 import threading
 import time
@@ -298,3 +299,18 @@ def test_a_spans_figure_no_request_can_take_is_left_null(tmp_path):
     record = {"request_id": 10}
     table.fill(record)
     assert record["server_queue_ms"] is None and record["server_prefill_ms"] == 100.0, record
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 cores and affinity calls")
+def test_a_replay_pinned_to_a_core_leaves_it_to_its_sends(tmp_path):
+    """The receiver child of a process pinned to core 0 runs on the other cores."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        receiver = SpanReceiver.start("127.0.0.1:0", tmp_path / "spans.jsonl")
+    finally:
+        os.sched_setaffinity(0, before)
+    try:
+        assert 0 not in os.sched_getaffinity(receiver.pid)
+    finally:
+        receiver.stop()

@@ -203,6 +203,18 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
 
+def _off_the_senders_cores() -> None:
+    """A replay pinned to some cores (taskset, a benchmark) keeps them for its sends: the receiver
+    takes the host's other cores where it may run on any. A replay free to run anywhere leaves the
+    choice to the kernel's scheduler."""
+    try:
+        others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+        if others:
+            os.sched_setaffinity(0, others)
+    except (AttributeError, OSError):  # no affinity calls (macOS), or a cpuset that allows none of them
+        pass
+
+
 def serve(host: str, port: int, spans_path: Path, parent: int) -> int:
     """The child: listen, write spans until SIGTERM or the parent is gone; 2 when it cannot bind."""
     try:
@@ -212,6 +224,7 @@ def serve(host: str, port: int, spans_path: Path, parent: int) -> int:
         return 2
     _Handler.spans = _Spans(spans_path)
     os.nice(NICE)
+    _off_the_senders_cores()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run's stop is the master's to tell
