@@ -1,6 +1,6 @@
 """The end of a run computes the cache fidelity section from the run's files, in a child process
-(replay/results/cache_section.py): the same section `replay report --server-block-size N`
-prints; the asking process never loads the tokenizer; a child that fails or is killed is one
+(replay/results/cache_section.py), or in its own for a short single-process run: the same
+section `replay report --server-block-size N` prints; the asking process never loads the tokenizer; a child that fails or is killed is one
 error line and a summary without the section, never a hang."""
 
 from __future__ import annotations
@@ -39,9 +39,19 @@ def finished_run(tmp_path_factory, toy_tokenizer_dir) -> Path:
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=20)
     output = tmp_path / "run.jsonl"
     with sim_process(toy_tokenizer_dir, *SIM_ARGS) as sim:
-        run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--server-block-size", str(SERVER_BLOCK),
-                               "--only-summary"), tmp_path)
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--server-block-size",
+                                      str(SERVER_BLOCK), "--only-summary"), tmp_path)
+    (tmp_path / "run.log").write_text(proc.stderr)
     return output
+
+
+def test_a_short_single_process_run_computes_it_in_its_own_process(finished_run):
+    """A single-process run of a few rows starts no cache child at all, neither a follower nor
+    the end's: its worker's set-up is in its process already, and a child's memory would add to
+    the run's while both live. The section is still `replay report`'s (the next test)."""
+    log = finished_run.with_name("run.log").read_text()
+    assert "cache fidelity computed in the run's own process" in log, log[-3000:]
+    assert "computed in a child process" not in log and "while the run replayed" not in log
 
 
 def test_the_end_of_run_section_is_replay_reports(finished_run, tmp_path):
