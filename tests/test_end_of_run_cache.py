@@ -131,6 +131,19 @@ def test_a_faulty_child_is_one_error(finished_run, tmp_path, monkeypatch, body, 
     assert "\n" not in str(caught.value)
 
 
+def test_a_failure_computing_it_in_the_runs_process_is_one_error(finished_run, monkeypatch):
+    """Computed in the run's own process (a short single-process run's end), what would have
+    crashed a child is one error (the run logs it and ends without the section), not the end's crash."""
+    def broken(job, checks_path=None):
+        raise RuntimeError("the computation broke\nsecond line")
+
+    monkeypatch.setattr(cache_module, "compute", broken)
+    job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK)
+    with pytest.raises(CacheChildError, match=r"RuntimeError: the computation broke\); no cache section") as caught:
+        cache_module.cache_section_here(job)
+    assert "\n" not in str(caught.value)
+
+
 def test_a_bad_input_is_the_childs_one_line_error(finished_run, tmp_path):
     trace = mooncake_trace(tmp_path / "short.jsonl", rows=5, gap_ms=20)  # the run's records name rows 5..39
     job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK, trace=str(trace),

@@ -186,7 +186,7 @@ def cache_section_here(job: CacheJob) -> dict:
     run's tokenizer and set-up (a single-process run's end: its worker made the same prompts
     here): a child would load them a second time, and its memory would add to this process's,
     alive at the same time. The section is `cache_section`'s (the same `compute`). Raises
-    ReportError for a bad input."""
+    ReportError for a bad input, CacheChildError for any other failure (a child's crash)."""
     prompts_log = logging.getLogger("replay.synth.prompts")
     level = prompts_log.level
     prompts_log.setLevel(logging.ERROR)  # the run already warned about rows too short for the template
@@ -195,6 +195,9 @@ def cache_section_here(job: CacheJob) -> dict:
         section = compute(dataclasses.asdict(job))
     except (ValueError, OSError) as e:  # as the child says it (cache_child.main)
         raise ReportError(str(e)) from None
+    except Exception as e:  # what would have ended a child ends only the section, as a child's end does
+        raise CacheChildError(f"computing it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                              "no cache section") from None
     finally:
         prompts_log.setLevel(level)
     log.info("cache fidelity computed in the run's own process in %.2f s of CPU", time.thread_time() - started)
