@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +21,7 @@ from replay.results import cache_section as cache_module
 from replay.results.cache_section import CacheChildError, cache_job, cache_section
 from replay.results.metadata import read_run_metadata
 from replay.results.report import ReportError
+from replay.run.finish import CACHE_FOLLOW_ENV, CACHE_HERE_ROWS, cache_here
 from replay.sim.process import sim_process
 from replay.synth import prompts as prompts_module
 from replay.synth import tokenizer as tokenizer_module
@@ -129,6 +131,21 @@ def test_a_faulty_child_is_one_error(finished_run, tmp_path, monkeypatch, body, 
     with pytest.raises(CacheChildError, match=said) as caught:
         cache_section(job)
     assert "\n" not in str(caught.value)
+
+
+def test_only_a_short_run_of_short_prompts_computes_it_in_its_own_process(monkeypatch):
+    """The end's work grows with the prompts' tokens: a run of long ones leaves it to the
+    follower, which makes them while the run sends; so does a run with --processes workers."""
+    def spec(rows: int, longest: int):
+        return SimpleNamespace(total=rows, schedule=SimpleNamespace(input_lengths=(1, longest)))
+
+    monkeypatch.delenv(CACHE_FOLLOW_ENV, raising=False)
+    assert cache_here(spec(250, 1280), single_process=True)
+    assert not cache_here(spec(250, 1280), single_process=False)
+    assert not cache_here(spec(CACHE_HERE_ROWS + 1, 10), single_process=True)
+    assert not cache_here(spec(40, 30_000), single_process=True)  # 1.2 million tokens to make again
+    monkeypatch.setenv(CACHE_FOLLOW_ENV, "1")
+    assert not cache_here(spec(250, 1280), single_process=True)
 
 
 def test_a_failure_computing_it_in_the_runs_process_is_one_error(finished_run, monkeypatch):

@@ -47,6 +47,7 @@ CACHE_FOLLOW_ENV = "TRACEREPLAY_CACHE_FOLLOW"
 # A single-process run of at most this many rows computes its cache section at its end, in its
 # own process (`cache_here`): a fraction of a second of work with the worker's set-up at hand.
 CACHE_HERE_ROWS = 500
+CACHE_HERE_TOKENS = 1_000_000  # and of at most this many prompt tokens (rows x the longest): a second or less
 
 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
@@ -135,10 +136,14 @@ def _cache_job(spec: RunSpec, facts: RunFacts, *, check_trace: bool = True) -> C
 def cache_here(spec: RunSpec, single_process: bool) -> bool:
     """Whether the run's end computes the cache section in this process, with no follower and no
     child: a single-process run (its worker's tokenizer and set-up are in this process already)
-    of at most CACHE_HERE_ROWS rows. A child would load them again, and its memory would add to
-    this process's while both live (the run's peak); the end's work is a fraction of a second.
-    $TRACEREPLAY_CACHE_FOLLOW=1 starts the follower whatever the run (its tests)."""
-    return single_process and spec.total <= CACHE_HERE_ROWS and os.environ.get(CACHE_FOLLOW_ENV) != "1"
+    of at most CACHE_HERE_ROWS rows and CACHE_HERE_TOKENS prompt tokens. A child would load them
+    again, and its memory would add to this process's while both live (the run's peak); the
+    end's work is a fraction of a second. Longer prompts are made again by the follower while
+    the run sends, not at its end. $TRACEREPLAY_CACHE_FOLLOW=1 starts the follower whatever the
+    run (its tests)."""
+    longest = spec.schedule.input_lengths[1] if spec.schedule.input_lengths else 0
+    return (single_process and spec.total <= CACHE_HERE_ROWS and spec.total * longest <= CACHE_HERE_TOKENS
+            and os.environ.get(CACHE_FOLLOW_ENV) != "1")
 
 
 def start_cache_stream(spec: RunSpec, facts: RunFacts, first_request_id: int) -> CacheStream | None:
