@@ -100,6 +100,7 @@ class TreeWatch:
         self.pid, self.interval = pid, interval
         self.samples: list[tuple[float, float, int]] = []  # (time.time(), tree CPU s, tree RSS KiB)
         self.members: dict[int, dict] = {}  # pid -> {"cmd", "cpu_s", "first", "last", "rss_kib"}
+        self.at_peak: list[tuple[str, int]] = []  # (command line, RSS KiB) of each member at the peak sample
         self._tick = os.sysconf("SC_CLK_TCK")
         self._page_kib = os.sysconf("SC_PAGE_SIZE") // 1024
         self._done = threading.Event()
@@ -149,6 +150,8 @@ class TreeWatch:
                     member = self.members[pid] = {"cmd": cmd, "first": first, "rss_kib": peak}
                 member.update(cpu_s=own, last=now, rss_kib=max(member["rss_kib"], kib))
             if self.pid in stats:
+                if rss > self.peak_rss_kib():
+                    self.at_peak = [(self.members[pid]["cmd"], stats[pid][3]) for pid in tree if pid in stats]
                 self.samples.append((now, cpu, rss))
             self._done.wait(self.interval)
 

@@ -19,7 +19,7 @@
    tree sampled from /proc (common.TreeWatch): the tree's CPU before the first send, its CPU and
    the wall time from the last answer to the exit, the cache-fidelity follower's CPU (and the
    end's own cache child's), the tree's CPU a request and its peak RSS as the sum of the
-   processes alive at once; then a replay of two rows --idle-seconds apart, whose CPU a second
+   processes alive at once (each run's line names the processes that made it up); then a replay of two rows --idle-seconds apart, whose CPU a second
    while nothing is due is the idle cost; then a burst of 8 rows of 30,000 tokens due at the same
    millisecond, alone and among sends every 20 ms, with the first tokenizer. Run it alone, it
    needs no network (with --against TREE, TREE's replays alternate with this checkout's):
@@ -227,7 +227,16 @@ def fixed_costs(watch: TreeWatch, records: list[dict], cpu_s: float, exited_at: 
             "end_cache_child_cpu_s": watch.cpu_of("cache_child") - watch.cpu_of("--follow"),
             "set_up_child_cpu_s": watch.cpu_of("setup_child"),
             "tree_peak_rss_mib": watch.peak_rss_kib() / 1024,
+            "at_peak": ", ".join(f"{_short(cmd)} {kib / 1024:.0f}" for cmd, kib in watch.at_peak),
             "idle_cpu_ms_s": None if idle is None else idle * 1000.0}
+
+
+def _short(cmd: str) -> str:
+    """A member's command line, told apart in a few words: the module it runs, or locust."""
+    words = cmd.split()
+    if "-m" in words[:-1]:
+        return " ".join(words[words.index("-m") + 1:][:2])
+    return "locust" if "locust" in cmd else " ".join(words[:2])[-40:]
 
 
 def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | None, server: int | None,
@@ -323,7 +332,7 @@ def bench_costs(names: list[str], apis: list[str], rows: int, seconds: float, ru
                         results[tree].append(r)
                         print(f"  {name} {api} run {k + 1} ({'cold' if k == 0 else 'warm'}{_named(tree, trees)}): "
                               + ", ".join(f"{label} {r.get(key, float('nan')):.3f}" for key, label, _ in COST_COLUMNS)
-                              + f"  loadavg {os.getloadavg()[0]:.2f}", flush=True)
+                              + f" (at the peak, MiB: {r.get('at_peak')})  loadavg {os.getloadavg()[0]:.2f}", flush=True)
                 for t, tree in enumerate(trees):
                     idle = replay_once(tokenizer, sim.url, idle_trace, tmp / "idle-run.jsonl", tmp / f"cache-{t}", client,
                                        extra, tree, api=api, watch=True)

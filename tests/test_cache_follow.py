@@ -23,6 +23,7 @@ from replay.results.cache_child import RecordTail, StreamBroken
 from replay.results.cache_section import CacheStream, cache_job, cache_section
 from replay.results.metadata import read_run_metadata
 from replay.rules.run_files import summary_path
+from replay.run.finish import CACHE_FOLLOW_ENV
 from replay.sim.process import sim_process
 from support.cache_model import SIM_BLOCK, reuse_trace
 from support.processes import replay_args, run_locust, spawn_locust
@@ -39,7 +40,8 @@ def evicting_run(tmp_path_factory, toy_tokenizer_dir) -> Path:
     tmp_path = tmp_path_factory.mktemp("run")
     trace = reuse_trace(tmp_path / "trace.jsonl")
     output = tmp_path / "run.jsonl"
-    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim:
+    with sim_process(toy_tokenizer_dir, *FAST_SIM, "--cache-blocks", "30") as sim, pytest.MonkeyPatch.context() as env:
+        env.setenv(CACHE_FOLLOW_ENV, "1")  # a short single-process run computes its section at its end otherwise
         proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--only-summary"), tmp_path)
     assert "cache fidelity computed while the run replayed" in proc.stderr, proc.stderr[-3000:]
     return output
@@ -237,6 +239,7 @@ def _replay_under_way(tmp_path, tokenizer_dir, monkeypatch, gap_ms: float, *sim_
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setenv(CACHE_FOLLOW_ENV, "1")
     trace = reuse_trace(tmp_path / "trace.jsonl", gap_ms=gap_ms)
     output, log = tmp_path / "run.jsonl", tmp_path / "run.log"
     with sim_process(tokenizer_dir, *FAST_SIM, *sim_args) as sim:

@@ -23,6 +23,7 @@ from replay.results.metadata import read_run_metadata
 from replay.results.records import OUTPUT_ERROR, RECORD_FIELDS, read_records
 from replay.results.store import RecordStore
 from replay.run import driver
+from replay.run.finish import CACHE_FOLLOW_ENV
 from support.ports import free_port
 from support.processes import finish, master_and_workers, replay_args, run_replay, spawn_locust, spawn_worker
 from support.records import ok_record
@@ -441,6 +442,7 @@ def test_full_while_the_cache_child_writes(tmp_path, small_disk, toy_tokenizer_d
     disk = small_disk(64, "tmp")
     fill(disk, leave=pages * PAGE)
     monkeypatch.setenv("TMPDIR", str(disk))
+    monkeypatch.setenv(CACHE_FOLLOW_ENV, "1")  # the follower, not the end's computation in the run's process
     output = tmp_path / "run.jsonl"
     proc = run(replay_args(SAMPLE, toy_tokenizer_dir, sim.url, output, "--scale", "30", "--max-requests", "40"),
                tmp_path)

@@ -1,6 +1,6 @@
 """The end of a run computes the cache fidelity section from the run's files, in a child process
-(replay/results/cache_section.py): the same section `replay report --server-block-size N`
-prints; the asking process never loads the tokenizer; a child that fails or is killed is one
+(replay/results/cache_section.py), or in its own for a short single-process run: the same
+section `replay report --server-block-size N` prints; the asking process never loads the tokenizer; a child that fails or is killed is one
 error line and a summary without the section, never a hang."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +21,7 @@ from replay.results import cache_section as cache_module
 from replay.results.cache_section import CacheChildError, cache_job, cache_section
 from replay.results.metadata import read_run_metadata
 from replay.results.report import ReportError
+from replay.run.finish import CACHE_FOLLOW_ENV, CACHE_HERE_ROWS, cache_here
 from replay.sim.process import sim_process
 from replay.synth import prompts as prompts_module
 from replay.synth import tokenizer as tokenizer_module
@@ -39,9 +41,19 @@ def finished_run(tmp_path_factory, toy_tokenizer_dir) -> Path:
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=20)
     output = tmp_path / "run.jsonl"
     with sim_process(toy_tokenizer_dir, *SIM_ARGS) as sim:
-        run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--server-block-size", str(SERVER_BLOCK),
-                               "--only-summary"), tmp_path)
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--server-block-size",
+                                      str(SERVER_BLOCK), "--only-summary"), tmp_path)
+    (tmp_path / "run.log").write_text(proc.stderr)
     return output
+
+
+def test_a_short_single_process_run_computes_it_in_its_own_process(finished_run):
+    """A single-process run of a few rows starts no cache child at all, neither a follower nor
+    the end's: its worker's set-up is in its process already, and a child's memory would add to
+    the run's while both live. The section is still `replay report`'s (the next test)."""
+    log = finished_run.with_name("run.log").read_text()
+    assert "cache fidelity computed in the run's own process" in log, log[-3000:]
+    assert "computed in a child process" not in log and "while the run replayed" not in log
 
 
 def test_the_end_of_run_section_is_replay_reports(finished_run, tmp_path):
@@ -118,6 +130,34 @@ def test_a_faulty_child_is_one_error(finished_run, tmp_path, monkeypatch, body, 
     job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK)
     with pytest.raises(CacheChildError, match=said) as caught:
         cache_section(job)
+    assert "\n" not in str(caught.value)
+
+
+def test_only_a_short_run_of_short_prompts_computes_it_in_its_own_process(monkeypatch):
+    """The end's work grows with the prompts' tokens: a run of long ones leaves it to the
+    follower, which makes them while the run sends; so does a run with --processes workers."""
+    def spec(rows: int, longest: int):
+        return SimpleNamespace(total=rows, schedule=SimpleNamespace(input_lengths=(1, longest)))
+
+    monkeypatch.delenv(CACHE_FOLLOW_ENV, raising=False)
+    assert cache_here(spec(250, 1280), single_process=True)
+    assert not cache_here(spec(250, 1280), single_process=False)
+    assert not cache_here(spec(CACHE_HERE_ROWS + 1, 10), single_process=True)
+    assert not cache_here(spec(40, 30_000), single_process=True)  # 1.2 million tokens to make again
+    monkeypatch.setenv(CACHE_FOLLOW_ENV, "1")
+    assert not cache_here(spec(250, 1280), single_process=True)
+
+
+def test_a_failure_computing_it_in_the_runs_process_is_one_error(finished_run, monkeypatch):
+    """Computed in the run's own process (a short single-process run's end), what would have
+    crashed a child is one error (the run logs it and ends without the section), not the end's crash."""
+    def broken(job, checks_path=None):
+        raise RuntimeError("the computation broke\nsecond line")
+
+    monkeypatch.setattr(cache_module, "compute", broken)
+    job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK)
+    with pytest.raises(CacheChildError, match=r"RuntimeError: the computation broke\); no cache section") as caught:
+        cache_module.cache_section_here(job)
     assert "\n" not in str(caught.value)
 
 

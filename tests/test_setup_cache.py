@@ -338,3 +338,28 @@ def test_a_warm_worker_loads_its_tokenizer_only_for_rows_with_messages(cache, to
     body = orjson.loads(builder.body(TraceRow(99, 0.0, 0, 5, None, messages=messages)))
     assert tokenizer.loaded
     assert body["messages"] == messages
+
+
+WARM_WORKER = """
+import sys
+import locust.main  # gevent patched first, as the locust command does
+import locustfile  # all a single-process run imports, the plugin included
+from replay.engine.dispatcher import BodyBuilder
+from replay.engine.options import ReplayOptions
+from replay.trace.record import TraceRow
+builder = BodyBuilder(ReplayOptions(trace="unused", tokenizer=sys.argv[1], model="m"), 16)
+builder.body(TraceRow(0, 0.0, 200, 10, (1, 2, 3)))
+assert builder.synth.set_up_from_cache
+print(sorted(name for name in sys.modules if name.split(".")[0] == "tokenizers"))
+"""
+
+
+def test_a_warm_worker_never_imports_the_tokenizers_library(cache, toy_tokenizer_dir):
+    """A run whose set-up comes from the cache builds its prompts without the tokenizer, so it
+    does not import the library either: its import is CPU before the first send and memory
+    held for the whole run."""
+    synth(toy_tokenizer_dir)  # the cache entry
+    proc = subprocess.run([sys.executable, "-c", WARM_WORKER, str(toy_tokenizer_dir)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]"]

@@ -7,7 +7,9 @@ attribution under "misses" (replay/results/cache_model.py, read by the certifica
 
 The work (re-synthesizing every sent prompt, which needs the tokenizer) runs in a child process
 (replay/results/cache_child.py), so the process that asks, a run's master most of all, never
-loads the tokenizer and its memory does not grow with the run. A child that fails or is killed
+loads the tokenizer and its memory does not grow with the run; a single-process run's short end,
+whose process holds the tokenizer's set-up already, computes it in that process instead
+(`cache_section_here`). A child that fails or is killed
 is one error here (CacheChildError); a bad input (a trace that does not fit the records) is the
 ReportError the child names.
 """
@@ -29,7 +31,7 @@ from typing import TextIO
 import orjson
 
 from replay.child import last_line, run_module, start_module, wait_module
-from replay.results.cache_child import END_SIGNAL
+from replay.results.cache_child import END_SIGNAL, compute
 from replay.results.cache_model import server_caches, start_counters
 from replay.results.fidelity import CacheCheck
 from replay.results.metadata import file_sha256
@@ -177,6 +179,29 @@ def _model_servers(results: str | Path, caches: dict, cache_blocks: int | None) 
                           "served_before": server.served_before and not caches[endpoint].get("reset")}
                for endpoint, server in server_caches(caches, counters).items()}  # fmt: skip
     return servers, ""
+
+
+def cache_section_here(job: CacheJob) -> dict:
+    """The cache section of `job` computed in this process, for a process that already holds the
+    run's tokenizer and set-up (a single-process run's end: its worker made the same prompts
+    here): a child would load them a second time, and its memory would add to this process's,
+    alive at the same time. The section is `cache_section`'s (the same `compute`). Raises
+    ReportError for a bad input, CacheChildError for any other failure (a child's crash)."""
+    prompts_log = logging.getLogger("replay.synth.prompts")
+    level = prompts_log.level
+    prompts_log.setLevel(logging.ERROR)  # the run already warned about rows too short for the template
+    started = time.thread_time()
+    try:
+        section = compute(dataclasses.asdict(job))
+    except (ValueError, OSError) as e:  # as the child says it (cache_child.main)
+        raise ReportError(str(e)) from None
+    except Exception as e:  # what would have ended a child ends only the section, as a child's end does
+        raise CacheChildError(f"computing it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                              "no cache section") from None
+    finally:
+        prompts_log.setLevel(level)
+    log.info("cache fidelity computed in the run's own process in %.2f s of CPU", time.thread_time() - started)
+    return section
 
 
 def cache_section(job: CacheJob, *, checks: bool = False) -> tuple[dict, list[CacheCheck] | None]:

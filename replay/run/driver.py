@@ -20,7 +20,7 @@ from replay.engine.coordinator import Coordinator
 from replay.engine.spec import Outcome, RunFacts, RunSpec
 from replay.engine.transport import Link
 from replay.results.cache_section import CacheStream
-from replay.run.finish import finish, start_cache_stream
+from replay.run.finish import cache_here, finish, start_cache_stream
 
 
 def start(spec: RunSpec, link: Link, clock: Clock = SYSTEM_CLOCK, **runner: Any) -> Coordinator:
@@ -28,6 +28,7 @@ def start(spec: RunSpec, link: Link, clock: Clock = SYSTEM_CLOCK, **runner: Any)
     `runner`: what the Coordinator takes of its runner (local_part, heard, worker_gone,
     worker_host, on_exit_code, worker_cpu)."""
     followers: list[CacheStream] = []
+    here = cache_here(spec, single_process=runner.get("local_part") is not None)
 
     def follow_cache(facts: RunFacts, first_request_id: int) -> None:
         stream = start_cache_stream(spec, facts, first_request_id)
@@ -37,9 +38,10 @@ def start(spec: RunSpec, link: Link, clock: Clock = SYSTEM_CLOCK, **runner: Any)
     def end(outcome: Outcome) -> int:
         return finish(outcome.spec, outcome.store, outcome.facts, outcome.incomplete, coordinator.on_output_error,
                       coordinator.final_listeners, coordinator.summary_listeners, least_code=outcome.least_code,
-                      capacity=outcome.capacity, cache_stream=followers[0] if followers else None)
+                      capacity=outcome.capacity, cache_stream=followers[0] if followers else None,
+                      cache_here=here)
 
     coordinator = Coordinator(spec, link, clock, on_end=end, **runner)
-    if not spec.options.capacity_search:  # a search's probes are rows of their own, which no trace holds
+    if not spec.options.capacity_search and not here:  # a search's probes are rows of their own, which no trace holds
         coordinator.go_listeners.append(follow_cache)
     return coordinator

@@ -24,7 +24,14 @@ from replay.engine.capacity import with_server_timing
 from replay.engine.spec import RunFacts, RunSpec
 from replay.engine.threads import off_loop
 from replay.errors import OutputError
-from replay.results.cache_section import CacheJob, CacheStream, cache_job, cache_section, cache_skipped
+from replay.results.cache_section import (
+    CacheJob,
+    CacheStream,
+    cache_job,
+    cache_section,
+    cache_section_here,
+    cache_skipped,
+)
 from replay.results.certificate import FAITHFUL, CertificateBuilder
 from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
 from replay.results.records import Record, is_failure
@@ -39,12 +46,16 @@ from replay.run.spans import join_spans
 
 logger = logging.getLogger(__name__)
 CACHE_FOLLOW_ENV = "TRACEREPLAY_CACHE_FOLLOW"
+# A single-process run of at most this many rows computes its cache section at its end, in its
+# own process (`cache_here`): a fraction of a second of work with the worker's set-up at hand.
+CACHE_HERE_ROWS = 500
+CACHE_HERE_TOKENS = 1_000_000  # and of at most this many prompt tokens (rows x the longest): a second or less
 
 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
            on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[Record], None]] = (),
            summary_listeners: Iterable[Callable[[dict], None]] = (), least_code: int = 0,
-           capacity: dict | None = None, cache_stream: CacheStream | None = None) -> int:
+           capacity: dict | None = None, cache_stream: CacheStream | None = None, cache_here: bool = False) -> int:
     """End the run whose every row has a record in `store`; returns the exit code: 1 when any
     row failed for a reason other than the user's stop, or a file of the run is not whole, else 0;
     never under `least_code` (2: a run refused before the first send, whose rows all fail).
@@ -56,7 +67,8 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     OUTPUT.capacity.json and the summary's last line; its exit code is the search's (1: no
     capacity found: below LO, client-limited, workers lost, outage, server errors, stopped), not
     its rows' (a failing probe's rows fail by design). With --require-faithful, a certificate
-    not faithful makes it 1 too."""
+    not faithful makes it 1 too. `cache_here`: the cache section is computed in this process
+    (`cache_here` below), not in a child."""
     builder = ReportBuilder(parse_slo(spec.options.slo))
     fidelity = CertificateBuilder(ignore_eos=not spec.options.no_ignore_eos)
     failed = 0
@@ -84,7 +96,7 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
         capacity = with_server_timing(capacity, {probe: b.section() for probe, b in probe_times.items()})
     spec.schedule.close()
     whole = not incomplete and not store.unwritten  # every record in the appended file the stream read
-    report = builder.report(_cache_section(spec, facts, cache_stream if whole else None))
+    report = builder.report(_cache_section(spec, facts, cache_stream if whole else None, cache_here))
     if cache_stream is not None:
         cache_stream.stop()
     if spans is not None:
@@ -134,6 +146,19 @@ def _cache_job(spec: RunSpec, facts: RunFacts, *, check_trace: bool = True) -> C
                      server_cache_blocks=spec.options.server_cache_blocks, check_trace=check_trace, out=None)
 
 
+def cache_here(spec: RunSpec, single_process: bool) -> bool:
+    """Whether the run's end computes the cache section in this process, with no follower and no
+    child: a single-process run (its worker's tokenizer and set-up are in this process already)
+    of at most CACHE_HERE_ROWS rows and CACHE_HERE_TOKENS prompt tokens. A child would load them
+    again, and its memory would add to this process's while both live (the run's peak); the
+    end's work is a fraction of a second. Longer prompts are made again by the follower while
+    the run sends, not at its end. $TRACEREPLAY_CACHE_FOLLOW=1 starts the follower whatever the
+    run (its tests)."""
+    longest = spec.schedule.input_lengths[1] if spec.schedule.input_lengths else 0
+    return (single_process and spec.total <= CACHE_HERE_ROWS and spec.total * longest <= CACHE_HERE_TOKENS
+            and os.environ.get(CACHE_FOLLOW_ENV) != "1")
+
+
 def start_cache_stream(spec: RunSpec, facts: RunFacts, first_request_id: int) -> CacheStream | None:
     """Start computing the run's cache section while it replays (replay.results.cache_section.
     CacheStream), called at the go: its records file is open and the servers' first counters
@@ -154,20 +179,23 @@ def start_cache_stream(spec: RunSpec, facts: RunFacts, first_request_id: int) ->
     return stream
 
 
-def _cache_section(spec: RunSpec, facts: RunFacts, stream: CacheStream | None = None) -> dict | None:
+def _cache_section(spec: RunSpec, facts: RunFacts, stream: CacheStream | None = None,
+                   here: bool = False) -> dict | None:
     """The Prefix Cache Fidelity section, with the cache model's miss attribution, as `replay
     report` makes it, from the merged file in a child process (replay.results.cache_section:
     this process never loads the tokenizer, and the event loop turns meanwhile), whenever the
     server's block size is known (what its /metrics said before the run, or
     --server-block-size); a failure to compute it is logged and leaves the summary without it.
     The run's metadata it reads is made only then. `stream`'s section (computed while the run
-    replayed) is taken when it is the same job's."""
+    replayed) is taken when it is the same job's; `here`: computed in this process (`cache_here`)."""
     try:
         job = _cache_job(spec, facts)
         if job is None:
             return None
         if stream is not None and (section := off_loop(stream.section, job)) is not None:
             return section
+        if here:
+            return off_loop(cache_section_here, job)
         return off_loop(cache_section, job)[0]
     except (ValueError, OSError) as e:
         logger.error("cache fidelity: %s", e)

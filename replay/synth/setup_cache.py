@@ -33,6 +33,7 @@ workers starting together on one host never read half a file.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import logging
 import os
 import platform
@@ -44,7 +45,6 @@ from pathlib import Path
 
 import jinja2
 import orjson
-import tokenizers
 
 from replay import source_graph
 from replay.rules.tokens import are_token_ids
@@ -116,6 +116,13 @@ def _write_import_memo(entries: dict[str, list[str]]) -> None:
         log.debug("set-up cache: the import memo cannot be written (%s)", e)
 
 
+@cache
+def _tokenizers_version() -> str:
+    """The tokenizers library's version, from its metadata: importing it (to read __version__)
+    costs a run whose set-up comes from this cache its time and memory, for nothing else."""
+    return importlib.metadata.version("tokenizers")
+
+
 def cache_key(fingerprint: str, template_specials: dict, api: str) -> dict:
     """Everything the cached set-up depends on."""
     specials = orjson.dumps(template_specials, option=orjson.OPT_SORT_KEYS)
@@ -124,7 +131,7 @@ def cache_key(fingerprint: str, template_specials: dict, api: str) -> dict:
         "fingerprint": fingerprint,
         "template_special_tokens": hashlib.sha256(specials).hexdigest(),
         "api": api,
-        "tokenizers": tokenizers.__version__,
+        "tokenizers": _tokenizers_version(),
         "jinja2": jinja2.__version__,
         "python": ".".join(platform.python_version_tuple()[:2]),
         "code": code_digest(),

@@ -15,11 +15,13 @@ import json
 import threading
 from functools import cached_property
 from pathlib import Path
-
-from tokenizers import Tokenizer
+from typing import TYPE_CHECKING
 
 from replay.rules.tokens import CHAT_ADD_SPECIAL_TOKENS, TEXT_ADD_SPECIAL_TOKENS
 from replay.synth.chat_template import DEFAULT, ChatTemplate, ChatTemplateError
+
+if TYPE_CHECKING:  # the library is imported where a tokenizer is loaded: a set-up from the cache needs none
+    from tokenizers import Tokenizer
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "ServerTokenizer", "load_chat_template", "load_tokenizer"]
 
@@ -168,6 +170,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     identity = (str(file), stat.st_size, stat.st_mtime_ns)
     if _loaded is not None and _loaded[0] == identity:
         return _loaded[1]
+    from tokenizers import Tokenizer
+
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse

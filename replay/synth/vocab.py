@@ -13,8 +13,10 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer
+if TYPE_CHECKING:  # only a tokenizer's methods are called here: the library is imported where one is loaded
+    from tokenizers import Tokenizer
 
 SPACE_MARKERS = ("Ġ", "▁")
 WORD = re.compile(r"[A-Za-z]+")
