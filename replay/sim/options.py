@@ -146,13 +146,7 @@ FALSE_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 
 def false_usage(options: SimOptions) -> dict:
     """--false-usage read: {key: value} for some of FALSE_USAGE_KEYS (ValueError otherwise)."""
-    try:
-        value = json.loads(options.false_usage or "{}")
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--false-usage: not JSON: {e}") from None
-    if not isinstance(value, dict) or not set(value) <= set(FALSE_USAGE_KEYS):
-        raise ValueError(f"--false-usage: expected a JSON object of {', '.join(FALSE_USAGE_KEYS)}")
-    return value
+    return _json_object("--false-usage", options.false_usage, FALSE_USAGE_KEYS)
 
 
 FALSE_METRICS_KEYS = ("queue_time_ms", "time_to_first_token_ms", "generation_time_ms", "mean_itl_ms",
@@ -161,10 +155,15 @@ FALSE_METRICS_KEYS = ("queue_time_ms", "time_to_first_token_ms", "generation_tim
 
 def false_metrics(options: SimOptions) -> dict:
     """--false-metrics read: {key: value} for some of FALSE_METRICS_KEYS (ValueError otherwise)."""
+    return _json_object("--false-metrics", options.false_metrics, FALSE_METRICS_KEYS)
+
+
+def _json_object(flag: str, text: str | None, keys: tuple[str, ...]) -> dict:
+    """A JSON object option whose keys are some of `keys` (none given: {}); ValueError naming `flag`."""
     try:
-        value = json.loads(options.false_metrics or "{}")
+        value = json.loads(text or "{}")
     except json.JSONDecodeError as e:
-        raise ValueError(f"--false-metrics: not JSON: {e}") from None
-    if not isinstance(value, dict) or not set(value) <= set(FALSE_METRICS_KEYS):
-        raise ValueError(f"--false-metrics: expected a JSON object of {', '.join(FALSE_METRICS_KEYS)}")
+        raise ValueError(f"{flag}: not JSON: {e}") from None
+    if not isinstance(value, dict) or not set(value) <= set(keys):
+        raise ValueError(f"{flag}: expected a JSON object of {', '.join(keys)}")
     return value
