@@ -26,6 +26,7 @@ import orjson
 
 from replay.record import batch
 from replay.record.hashing import BlockHasher
+from replay.record.json_lines import json_objects
 from replay.record.recorder import new_file
 from replay.record.rows import CHAT, COMPLETIONS, Answer, Exchange, PromptTokens, RowMaker
 from replay.results.files import AppendFile, write_atomically
@@ -107,26 +108,17 @@ def anonymize(source: str | Path, out: str | Path, *, log_format: str, tokens: P
     not_in_output: list[int] = []
     with SortedSpool(tempfile.gettempdir()) as spool:
         fmt = None if log_format == "auto" else log_format
-        with open(source, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                where = f"{source}:{number}"
+        for number, record in json_objects(source, LogError):
+            where = f"{source}:{number}"
+            if fmt is None:
                 try:
-                    record = orjson.loads(raw)
-                except orjson.JSONDecodeError as e:
-                    raise LogError(f"{where}: not JSON: {e}") from None
-                if not isinstance(record, dict):
-                    raise LogError(f"{where}: expected a JSON object")
-                if fmt is None:
-                    try:
-                        fmt = detect(record)
-                    except LogError as e:
-                        raise LogError(f"{where}: {e}") from None
-                if fmt == "openai-batch":
-                    break  # read with its input file, below
-                line = normalized(record, fmt, where)
-                spool.add(line["arrival"], number, orjson.dumps(line) + b"\n")
+                    fmt = detect(record)
+                except LogError as e:
+                    raise LogError(f"{where}: {e}") from None
+            if fmt == "openai-batch":
+                break  # read with its input file, below
+            line = normalized(record, fmt, where)
+            spool.add(line["arrival"], number, orjson.dumps(line) + b"\n")
         if (fmt == "openai-batch") != (batch_input is not None):
             raise LogError("--batch-input is for --from openai-batch (an OpenAI batch's output file as IN)"
                            if batch_input is not None else

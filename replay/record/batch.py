@@ -24,6 +24,7 @@ from pathlib import Path
 
 import orjson
 
+from replay.record.json_lines import json_objects
 from replay.record.rows import api_of
 from replay.trace.sorted_spool import SortedSpool
 
@@ -52,20 +53,6 @@ def _digest(custom_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(custom_id.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "big")
 
 
-def _objects(path: Path) -> Iterator[tuple[int, dict]]:
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                raise BatchError(f"{path}:{number}: not JSON: {e}") from None
-            if not isinstance(record, dict):
-                raise BatchError(f"{path}:{number}: expected a JSON object")
-            yield number, record
-
-
 def _custom_id(record: dict, where: str) -> str:
     value = record.get("custom_id")
     if not isinstance(value, str) or not value:
@@ -84,7 +71,7 @@ def join(output: str | Path, batch_input: str | Path) -> Joined:
 def _joined(output: Path, batch_input: Path, not_in_output: list[int]) -> Iterator[tuple[int, dict]]:
     first_created: float | None = None
     with SortedSpool(tempfile.gettempdir(), key_type=int) as spool:
-        for number, record in _objects(batch_input):
+        for number, record in json_objects(batch_input, BatchError):
             where = f"{batch_input}:{number}"
             custom_id = _custom_id(record, where)
             if looks_like_output(record):
@@ -95,7 +82,7 @@ def _joined(output: Path, batch_input: Path, not_in_output: list[int]) -> Iterat
             if not isinstance(record.get("url"), str):
                 raise BatchError(f"{where}: field 'url': expected the request's path, got {record.get('url')!r}")
             spool.add(_digest(custom_id), 2 * number, orjson.dumps([number, custom_id, record["url"], record["body"]]) + b"\n")
-        for number, record in _objects(output):
+        for number, record in json_objects(output, BatchError):
             where = f"{output}:{number}"
             custom_id = _custom_id(record, where)
             created = _created(record, where)
