@@ -28,6 +28,7 @@ from replay.synth.tokenizer import ServerTokenizer
 from replay.trace.reader import read_trace
 from support.processes import replay_args, run_locust
 from support.record import RecordProcess
+from support.streams import first_token_lateness_ms
 from support.traces import (
     BLOCK,
     bailian_trace,
@@ -372,22 +373,13 @@ def test_the_proxy_acknowledges_at_once_so_an_upstream_s_nagle_adds_nothing(tmp_
     that streams with Nagle on: each first event arrives its TTFT after the request, not held
     until the proxy's delayed ACK of the answer's head (up to 40 ms later)."""
     upstream = NaglingUpstream(ttft_s=0.02)
-    late = []
     try:
         with RecordProcess(upstream.url, tmp_path / "t.jsonl", "--block-size", "16") as proxy, \
                 requests.Session() as session:
-            for _ in range(30):
-                started = time.perf_counter()
-                with session.post(proxy.url + COMPLETIONS, json={"model": "m", "prompt": "x", "stream": True},
-                                  stream=True, timeout=10) as answer:
-                    lines = answer.iter_lines()
-                    next(line for line in lines if line.startswith(b"data: {"))
-                    late.append((time.perf_counter() - started - 0.02) * 1000.0)
-                    for _ in lines:
-                        pass
+            late = first_token_lateness_ms(session, proxy.url + COMPLETIONS,
+                                           {"model": "m", "prompt": "x", "stream": True}, 0.02)
     finally:
         upstream.close()
-    late.sort()
     assert late[len(late) // 2] < 8.0, [round(x, 1) for x in late]  # held for an ACK: every one 20-24 ms late
 
 

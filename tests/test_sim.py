@@ -19,6 +19,7 @@ import requests
 from replay.sim.process import sim_process
 from replay.synth.tokenizer import ServerTokenizer
 from support.hf_cache import cache_revision
+from support.streams import first_token_lateness_ms
 from support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -402,19 +403,10 @@ def test_a_first_token_is_not_held_for_the_client_s_ack(toy_tokenizer_dir):
     """Streamed requests one after another on one kept-alive connection: the first token goes out
     its TTFT after the request, as vLLM's (TCP_NODELAY) does. With Nagle on, it waited for the
     client's delayed ACK of the answer's head (up to 40 ms on Linux: every request 24 ms late)."""
-    late = []
     with sim_process(toy_tokenizer_dir, "--block-size", "16", "--ttft-ms", "20", "--itl-ms", "0",
                      "--prefill-ms-per-1k", "0") as server, requests.Session() as session:
-        for _ in range(30):
-            started = time.perf_counter()
-            with session.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "stream": True},
-                              stream=True, timeout=10) as answer:
-                lines = answer.iter_lines()
-                next(line for line in lines if line.startswith(b"data: {"))
-                late.append((time.perf_counter() - started - 0.02) * 1000.0)
-                for _ in lines:
-                    pass
-    late.sort()
+        late = first_token_lateness_ms(session, server.url + "/v1/completions",
+                                       {"prompt": [5, 6], "max_tokens": 2, "stream": True}, 0.02)
     assert late[len(late) // 2] < 8.0, [round(x, 1) for x in late]  # held for an ACK: every one 20-24 ms late
 
 
