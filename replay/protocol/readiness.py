@@ -19,17 +19,23 @@ READY_TIMEOUT_S = 10.0  # one output token of a tiny prompt, from a server with 
 READY_TEXT = "Hello"
 
 
+def one_token_request(api_name: str, model: str | None, text: str) -> tuple[str, dict]:
+    """(path, body) of a request of `api_name`'s own form (replay.protocol.table) for one output
+    token of `text` as the user's message or the prompt, not streamed: a question put to a server
+    before or between a run's sends (readiness here, its timing in replay.protocol.timing_check)."""
+    api = get_api(api_name)
+    prompt = Prompt(messages=[{"role": "user", "content": text}], text=text, token_ids=None, expected_tokens=0)
+    return api.body_path, api.body(prompt, model=model, max_tokens=1, stream=False, ignore_eos=False)
+
+
 def ready_problem(url: str, api: str, model: str | None, headers: dict[str, str] | None = None,
                   timeout: float = READY_TIMEOUT_S) -> str | None:
     """None when `url` answers a one-token `api` request 200; else why not, in one line
     naming the server ('http://host:8000: POST /v1/chat/completions answered HTTP 503')."""
-    spec = get_api(api)
-    prompt = Prompt(messages=[{"role": "user", "content": READY_TEXT}], text=READY_TEXT, token_ids=None,
-                    expected_tokens=0)
-    body = spec.body(prompt, model=model, max_tokens=1, stream=False, ignore_eos=False)
-    asked = f"POST {spec.body_path}"
+    path, body = one_token_request(api, model, READY_TEXT)
+    asked = f"POST {path}"
     try:
-        status, _ = ask(url.rstrip("/") + spec.body_path, body, headers, timeout)
+        status, _ = ask(url.rstrip("/") + path, body, headers, timeout)
     except Unanswered as e:
         return f"{shown(url)}: {asked} got no answer ({e.reason})"
     return None if status == 200 else f"{shown(url)}: {asked} answered HTTP {status}"

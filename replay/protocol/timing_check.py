@@ -11,7 +11,7 @@ A server without it is never a refused run: its records keep null server fields
 from __future__ import annotations
 
 from replay.protocol.ask import Unanswered, ask_json
-from replay.protocol.prompt import Prompt
+from replay.protocol.readiness import one_token_request
 from replay.protocol.table import get_api
 from replay.protocol.urls import shown
 from replay.rules.server_timing import answer_fields, has_server_timing
@@ -23,12 +23,9 @@ QUESTION_TEXT = "Say hi."  # short: a block's worth of tokens or less, so it cac
 
 def timing_question(api_name: str, model: str | None) -> tuple[str, dict] | None:
     """(path, body) of the question for `api_name`, or None when its answers never carry timing."""
-    api = get_api(api_name)
-    if api.read_metrics({"metrics": {}}) is None:  # the API's table entry reads no timing object (TGI)
+    if get_api(api_name).read_metrics({"metrics": {}}) is None:  # the API's table entry reads no timing object (TGI)
         return None
-    prompt = Prompt(messages=[{"role": "user", "content": QUESTION_TEXT}] if api.chat else None,
-                    text=None if api.chat else QUESTION_TEXT, token_ids=None, expected_tokens=0)
-    return api.body_path, api.body(prompt, model=model, max_tokens=1, stream=False, ignore_eos=False)
+    return one_token_request(api_name, model, QUESTION_TEXT)
 
 
 def ask_server_timing(urls: list[str], api_name: str, model: str | None,
