@@ -87,6 +87,7 @@ def search(search_run) -> dict:
     return report
 
 
+@pytest.mark.heavy  # the replay, its OTLP receiver and a sim exporting spans: more than a core
 def test_a_failing_probe_says_the_queue_grew_from_trace_spans_alone(folder, toy_tokenizer_dir, tmp_path):
     """The same server telling its times only in trace spans (--otlp-endpoint, no metrics in its
     answers): the spans are joined at the end of the run, after the probes were judged, and the
