@@ -30,7 +30,7 @@ from replay.engine.options import add_arguments
 from replay.engine.progress import ProgressLine
 from replay.engine.spec import RunSpec
 from replay.errors import OptionError
-from replay.locust import webauth, webui
+from replay.locust import stop_caller, webauth, webui
 from replay.locust.link import RunnerLink, flush_on_exit
 from replay.locust.outputs import config_input, locust_outputs
 from replay.protocol.urls import shown
@@ -48,6 +48,7 @@ from replay.run.config import replay_options
 from replay.trace.record import TraceError
 
 logger = logging.getLogger(__name__)
+stop_caller.install()  # Runner.stop's debug line without reading every frame's source
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each stops a run (SIGHUP: its terminal closed)
 MASTER_STOP_GRACE_S = 10.0  # a worker in the master's process group waits this long for the master's stop

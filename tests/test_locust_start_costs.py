@@ -1,0 +1,86 @@
+"""What `replay run` spares Locust's start and stop: one read of the installed distributions'
+entry points while importing Locust (replay.locust.cli.entry_points_read_once), and a stop whose
+debug line names its caller without reading source files (replay.locust.stop_caller)."""
+
+import importlib.metadata
+import inspect
+import logging
+import re
+import subprocess
+import sys
+
+import gevent
+import locust.runners
+from locust import User, task
+from locust.env import Environment
+
+from replay.locust import stop_caller
+from replay.locust.cli import entry_points_read_once
+
+IMPORT_LOCUST = """
+import importlib.metadata as metadata
+import sys
+from replay.locust.cli import entry_points_read_once
+standard, reads, asked = metadata.entry_points, [], []
+metadata.distributions = (lambda real: lambda *a, **k: reads.append(1) or real(*a, **k))(metadata.distributions)
+with entry_points_read_once():
+    memo = metadata.entry_points
+    metadata.entry_points = lambda **params: asked.append(params) or memo(**params)
+    import locust.main
+    metadata.entry_points = memo
+import socket, gevent.socket
+assert socket.socket is gevent.socket.socket, "gevent patched the standard library"
+assert metadata.entry_points is standard, "the standard function again after the import"
+print(len(asked), len(reads))
+"""
+
+
+def test_importing_locust_reads_the_entry_points_once_and_restores_the_standard_function():
+    done = subprocess.run([sys.executable, "-c", IMPORT_LOCUST], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    asked, reads = map(int, done.stdout.split())
+    assert asked > 5  # gevent's plugin look-ups, before and after each module it patches
+    assert reads == 1
+
+
+def test_the_memo_answers_as_the_standard_function():
+    def names(entry_points) -> set[tuple[str, str, str]]:
+        return {(ep.group, ep.name, ep.value) for ep in entry_points}
+
+    standard = importlib.metadata.entry_points
+    expected = names(standard(group="console_scripts"))
+    assert ("console_scripts", "replay", "replay.cli:main") in expected
+    with entry_points_read_once():
+        assert importlib.metadata.entry_points is not standard
+        assert names(importlib.metadata.entry_points(group="console_scripts")) == expected
+        assert names(importlib.metadata.entry_points(group="console_scripts", name="replay")) == {
+            ("console_scripts", "replay", "replay.cli:main")}
+        assert names(importlib.metadata.entry_points(group="no such group")) == set()
+    assert importlib.metadata.entry_points is standard
+
+
+class Idle(User):
+    @task
+    def wait(self):
+        gevent.sleep(1.0)
+
+
+def test_a_runner_stops_and_logs_its_caller_without_reading_source(monkeypatch, caplog):
+    def no_source(*args, **kwargs):
+        raise AssertionError("Runner.stop read a source file")
+
+    stop_caller.install()
+    stop_caller.install()  # idempotent: the plugin's import and a test's
+    monkeypatch.setattr(inspect, "findsource", no_source)
+    monkeypatch.setattr(inspect, "getmodule", no_source)
+    runner = Environment(user_classes=[Idle]).create_local_runner()
+    runner.start(1, spawn_rate=100)
+    runner.spawning_greenlet.join(timeout=10)
+    assert runner.user_count == 1
+    with caplog.at_level(logging.DEBUG, logger="locust.runners"):
+        runner.stop()
+    assert runner.user_count == 0 and runner.state == "stopped"
+    # Runner.stop's caller is LocalRunner.stop, which calls it with super()
+    assert re.search(rf"Stopping all users \(called from {re.escape(locust.runners.__file__)}:\d+\)", caplog.text)
+    runner.quit()
+    assert locust.runners.inspect is not inspect and inspect.stack.__module__ == "inspect"  # only Locust's runners
