@@ -65,7 +65,7 @@ def entry_points_read_once() -> Iterator[None]:
             everything = original()
         return everything.select(**params) if params else everything
 
-    importlib.metadata.entry_points = entry_points  # type: ignore[assignment]
+    importlib.metadata.entry_points = entry_points
     try:
         yield
     finally:
