@@ -121,7 +121,7 @@ class BodyBuilder:
         if tokenizer_path is None:
             assert options.tokenizer is not None  # options.check() refused a run without
             tokenizer_path = resolve_tokenizer(options.tokenizer)
-        tokenizer = ServerTokenizer.load(tokenizer_path, options.chat_template, lazy=True)
+        tokenizer = ServerTokenizer.load(tokenizer_path, options.chat_template, lazy=True, compiled=False)
         self._build_body = build_body
         self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=options.seed,
                                        token_ids=sends_token_ids(options.prompt_format))
