@@ -43,6 +43,33 @@ def test_importing_locust_reads_the_entry_points_once_and_restores_the_standard_
     assert reads == 1
 
 
+RUN_HELP = """
+import gc, io, sys
+from contextlib import redirect_stdout
+from replay.locust.cli import run
+loaded_at_first_collection = []
+gc.callbacks.append(lambda phase, info: loaded_at_first_collection or loaded_at_first_collection.append(
+    "replay.locust.plugin" in sys.modules))
+with redirect_stdout(io.StringIO()) as shown:
+    try:
+        run(["--help"])
+    except SystemExit as e:
+        assert e.code in (0, None), e.code
+assert "trace replay:" in shown.getvalue()
+print(gc.isenabled(), gc.get_freeze_count(), loaded_at_first_collection)
+"""
+
+
+def test_replay_run_imports_locust_and_the_plugin_without_a_collection_then_freezes_them():
+    """The objects of those imports live as long as the process: collections while importing
+    found next to none to free, and each frozen one is never walked again."""
+    done = subprocess.run([sys.executable, "-c", RUN_HELP], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    enabled, frozen, first_collection = done.stdout.strip().split(maxsplit=2)
+    assert enabled == "True" and int(frozen) > 0
+    assert first_collection in ("[]", "[True]")  # none before the plugin was imported
+
+
 def test_the_memo_answers_as_the_standard_function():
     def names(entry_points) -> set[tuple[str, str, str]]:
         return {(ep.group, ep.name, ep.value) for ep in entry_points}

@@ -75,13 +75,17 @@ def entry_points_read_once() -> Iterator[None]:
 def run(args: list[str]) -> int:
     """Run Locust's main with `locust_argv(args)`; Locust ends the process itself (sys.exit with its exit code)."""
     argv = locust_argv(args)
-    with entry_points_read_once():
-        import locust.main  # first: importing Locust monkey-patches the standard library with gevent
+    gc.disable()  # no collections while importing: the modules' objects live as long as the process
+    try:
+        with entry_points_read_once():
+            import locust.main  # first: importing Locust monkey-patches the standard library with gevent
 
-    if not names_a_locustfile(args):
-        gc.freeze()  # Locust's objects, before the replay's imports (see replay/locust/locustfile.py)
-        importlib.import_module("replay.locust.plugin")  # the replay options on Locust's parser, for --help too
-        locust.events.init_command_line_parser.add_listener(_usage)
+        if not names_a_locustfile(args):
+            importlib.import_module("replay.locust.plugin")  # the replay options on Locust's parser, for --help too
+            locust.events.init_command_line_parser.add_listener(_usage)
+            gc.freeze()  # Locust's objects and the replay's, out of every collection (see replay/locust/locustfile.py)
+    finally:
+        gc.enable()
     sys.argv = ["replay run", *argv]  # Locust's parsers read sys.argv; argv[0] names the command in errors
     locust.main.main()
     return 0
