@@ -419,8 +419,9 @@ class PartReplay:
 
     def _set_up(self) -> BodyBuilder:
         """The body builder, this worker's file and its clock's offset: what takes time or may fail."""
-        # in a thread: the tokenizer check against the master's, then the set-up
-        builder = build_off_loop(self.options, self.block_size, self.master_fingerprint)
+        # in a thread: the tokenizer check against the master's (none in the master's own process:
+        # its options and files are the master's), then the set-up
+        builder = build_off_loop(self.options, self.block_size, None if self.local else self.master_fingerprint)
         self.fingerprints = builder.fingerprints
         # open for the process's life (records come until a stop is over); each batch is flushed
         self.writer = RecordWriter(worker_path(self.output, self.index), self.output)
