@@ -111,3 +111,12 @@ def test_a_runner_stops_and_logs_its_caller_without_reading_source(monkeypatch, 
     assert re.search(rf"Stopping all users \(called from {re.escape(locust.runners.__file__)}:\d+\)", caplog.text)
     runner.quit()
     assert locust.runners.inspect is not inspect and inspect.stack.__module__ == "inspect"  # only Locust's runners
+
+
+def test_the_plugin_leaves_the_web_uis_modules_to_a_run_with_a_web_ui():
+    """A headless run imports neither the login nor the Replay view."""
+    code = ("import sys, locust, replay.locust.plugin; "
+            "print(sorted(m for m in ('replay.locust.webauth', 'replay.locust.webui') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
