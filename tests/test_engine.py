@@ -60,6 +60,26 @@ def test_coordinator_and_dispatcher_in_process(tmp_path, sim, toy_tokenizer_dir)
     assert [(w["index"], w["client_id"], w["rows_assigned"]) for w in meta["workers"]] == [(0, LOCAL_CLIENT, 30)]
 
 
+def test_the_masters_own_part_takes_its_tokenizer_unchecked(tmp_path, sim, toy_tokenizer_dir, monkeypatch):
+    """A part in the master's process has the master's options and files: fingerprinting them
+    again (reading and hashing tokenizer.json, compiling the template) would prove nothing."""
+    def no_fingerprint(*args, **kwargs):
+        raise AssertionError("the local part fingerprinted its tokenizer")
+
+    monkeypatch.setattr("replay.engine.same_tokenizer.tokenizer_fingerprint", no_fingerprint)
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=5, gap_ms=20)
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output))
+    link = LocalLink()
+    part = Dispatcher(link, local=True)
+    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=part)
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
+    gevent.spawn(coordinator.end).join(timeout=60)
+    assert len(check_records(output, trace)) == 5
+
+
 blocking_sleep = get_original("time", "sleep")
 
 

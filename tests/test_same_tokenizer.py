@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from replay.engine.dispatcher import BodyBuilder
+from replay.engine.options import ReplayOptions
 from replay.engine.same_tokenizer import check_worker_tokenizer, master_fingerprint, short
 from replay.errors import OptionError
 from replay.results.records import WORKER_FAILED, read_records
+from replay.synth.chat_template import _compiled
 from replay.synth.tokenizer import tokenizer_fingerprint
 from replay.synth.toy import build_toy_tokenizer
 from support.ports import free_port
@@ -59,6 +62,24 @@ def test_fingerprint_is_the_tokenizer_and_its_template(tmp_path, toy_tokenizer_d
     config["bos_token"] = "<|im_start|>" if config.get("bos_token") != "<|im_start|>" else "<|im_end|>"
     (respecialled / "tokenizer_config.json").write_text(json.dumps(config))
     assert tokenizer_fingerprint(respecialled) != mine
+
+
+def test_a_set_up_from_the_cache_compiles_no_template(tmp_path, toy_tokenizer_dir):
+    """The master's check and a worker's set-up from the cache render no template, so they do
+    not compile it (a compile costs as much as the rest of the set-up); a template that changed
+    since its set-up was cached is compiled again (and refused when it does not compile)."""
+    tok = copy_of(toy_tokenizer_dir, tmp_path / "tok")
+    master_fingerprint(str(tok), None, "openai-chat")  # makes the set-up, if this session had not
+    _compiled.cache_clear()
+    fingerprint = master_fingerprint(str(tok), None, "openai-chat")
+    builder = BodyBuilder(ReplayOptions(trace="unused", tokenizer=str(tok), api="openai-chat", model="m"), 16)
+    assert builder.synth.set_up_from_cache and _compiled.cache_info().misses == 0
+    assert fingerprint == tokenizer_fingerprint(tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["chat_template"] += "{% if"  # other bytes: no cached set-up vouches for them
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(OptionError, match="cannot load the chat template"):
+        master_fingerprint(str(tok), None, "openai-chat")
 
 
 def test_worker_check(toy_tokenizer_dir, other_tokenizer_dir):

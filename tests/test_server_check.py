@@ -21,7 +21,7 @@ import requests
 from replay.rules.run_files import meta_path
 from replay.sim.process import sim_process
 from replay.synth.prompts import PromptSynthesizer
-from replay.synth.server_check import MAX_SAMPLE_TOKENS, build_samples
+from replay.synth.server_check import MAX_SAMPLE_TOKENS, TOKENIZE, build_samples, check_server
 from replay.synth.tokenizer import ServerTokenizer
 from support.paths import REPO
 from support.ports import free_port
@@ -170,6 +170,21 @@ def test_the_sample_stays_under_its_cap_and_the_servers_context(toy_tokenizer_di
     assert under in lengths and over not in lengths and max(lengths) < MAX_SAMPLE_TOKENS
     small = build_samples(synth, (under,), max_len=512)
     assert max(len(s.ids) for s in small) < 512 and under not in {len(s.ids) for s in small}
+
+
+def test_the_check_asks_every_sample_on_one_connection(toy_tokenizer_dir, monkeypatch):
+    """A connect and a close per sample cost the master as much CPU as the question itself."""
+    import http.client
+
+    connects = []
+    real = http.client.socket.create_connection
+    monkeypatch.setattr(http.client.socket, "create_connection", lambda *a, **k: connects.append(a) or real(*a, **k))
+    synth = PromptSynthesizer(ServerTokenizer.load(toy_tokenizer_dir), "openai-completions", block_size=16)
+    samples = build_samples(synth, (300,))
+    with sim_with(toy_tokenizer_dir) as sim:
+        check = check_server(sim.url, samples, "openai-completions", "sim")
+    assert check.ok and check.method == TOKENIZE and check.prompts == len(samples) > 5
+    assert len(connects) == 1
 
 
 @pytest.mark.parametrize("limit_from", ["option", "server"])

@@ -121,7 +121,7 @@ class BodyBuilder:
         if tokenizer_path is None:
             assert options.tokenizer is not None  # options.check() refused a run without
             tokenizer_path = resolve_tokenizer(options.tokenizer)
-        tokenizer = ServerTokenizer.load(tokenizer_path, options.chat_template, lazy=True)
+        tokenizer = ServerTokenizer.load(tokenizer_path, options.chat_template, lazy=True, compiled=False)
         self._build_body = build_body
         self.synth = PromptSynthesizer(tokenizer, api=options.api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=options.seed,
                                        token_ids=sends_token_ids(options.prompt_format))
@@ -419,8 +419,9 @@ class PartReplay:
 
     def _set_up(self) -> BodyBuilder:
         """The body builder, this worker's file and its clock's offset: what takes time or may fail."""
-        # in a thread: the tokenizer check against the master's, then the set-up
-        builder = build_off_loop(self.options, self.block_size, self.master_fingerprint)
+        # in a thread: the tokenizer check against the master's (none in the master's own process:
+        # its options and files are the master's), then the set-up
+        builder = build_off_loop(self.options, self.block_size, None if self.local else self.master_fingerprint)
         self.fingerprints = builder.fingerprints
         # open for the process's life (records come until a stop is over); each batch is flushed
         self.writer = RecordWriter(worker_path(self.output, self.index), self.output)

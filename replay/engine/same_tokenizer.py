@@ -50,17 +50,23 @@ def master_fingerprint(tokenizer: str, chat_template: str | None = None, api: st
     The load is proved by making the set-up a worker will need (_prove_loadable), which this
     host's workers and the server check then read from the cache; it is skipped when this
     host's set-up cache holds an entry for these exact bytes, this `tokenizers` version and
-    `api`: it loaded here before. Raises OptionError naming the option, also for a chat `api`
+    `api`: it loaded here before, and so did the template compile. Raises OptionError naming the option, also for a chat `api`
     with no template or with one that raises on the set-up's messages: the workers would fail
     every row on them, whatever --verify-server says.
     """
     try:
-        fingerprint, template = fingerprint_with_template(tokenizer, chat_template)
+        fingerprint, template = fingerprint_with_template(tokenizer, chat_template, compiled=False)
         failure = None
     except Exception as e:  # reported below, after a load error (which says more) if there is one
         fingerprint, template, failure = None, None, e
-    if fingerprint is None or api is None or not setup_cache.loaded_before(
-            fingerprint, template.special_tokens if template else {}, api):
+    loaded_before = fingerprint is not None and api is not None and setup_cache.loaded_before(
+        fingerprint, template.special_tokens if template else {}, api)
+    if not loaded_before:
+        try:  # these bytes compiled before when they loaded before: then no one here renders them
+            if template is not None:
+                template.compile()
+        except Exception as e:
+            fingerprint, template, failure = None, None, e
         _prove_loadable(tokenizer, chat_template, None if failure is not None else api)
     if failure is None and api is not None:
         _refuse_template_for(tokenizer, template, api)

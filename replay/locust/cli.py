@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import gc
 import importlib
+import importlib.metadata
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
@@ -44,15 +47,45 @@ def _usage(parser) -> None:
     parser.description = parser.description.replace("locust [options]", "replay run [options]")
 
 
+@contextmanager
+def entry_points_read_once() -> Iterator[None]:
+    """`importlib.metadata.entry_points` reads every installed distribution's entry points once
+    while the block runs, then is the standard function again.
+
+    Importing Locust runs gevent's `patch_all`, which looks up its plugin entry points before and
+    after patching each module, each time reading the metadata of every installed distribution;
+    the installed distributions do not change within that import, so one read answers all.
+    """
+    original = importlib.metadata.entry_points
+    everything = None
+
+    def entry_points(**params):
+        nonlocal everything
+        if everything is None:
+            everything = original()
+        return everything.select(**params) if params else everything
+
+    importlib.metadata.entry_points = entry_points
+    try:
+        yield
+    finally:
+        importlib.metadata.entry_points = original
+
+
 def run(args: list[str]) -> int:
     """Run Locust's main with `locust_argv(args)`; Locust ends the process itself (sys.exit with its exit code)."""
     argv = locust_argv(args)
-    import locust.main  # first: importing Locust monkey-patches the standard library with gevent
+    gc.disable()  # no collections while importing: the modules' objects live as long as the process
+    try:
+        with entry_points_read_once():
+            import locust.main  # first: importing Locust monkey-patches the standard library with gevent
 
-    if not names_a_locustfile(args):
-        gc.freeze()  # Locust's objects, before the replay's imports (see replay/locust/locustfile.py)
-        importlib.import_module("replay.locust.plugin")  # the replay options on Locust's parser, for --help too
-        locust.events.init_command_line_parser.add_listener(_usage)
+        if not names_a_locustfile(args):
+            importlib.import_module("replay.locust.plugin")  # the replay options on Locust's parser, for --help too
+            locust.events.init_command_line_parser.add_listener(_usage)
+            gc.freeze()  # Locust's objects and the replay's, out of every collection (see replay/locust/locustfile.py)
+    finally:
+        gc.enable()
     sys.argv = ["replay run", *argv]  # Locust's parsers read sys.argv; argv[0] names the command in errors
     locust.main.main()
     return 0

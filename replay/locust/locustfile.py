@@ -6,8 +6,8 @@ Only wiring: the options, the placeholder user and the shape live in replay.locu
 executes this file to start a run, so it does one thing of the start's first: Locust's own objects
 (~50k, alive as long as the process) are frozen out of the garbage collector before the replay's
 modules are imported, or those imports' allocations set off a full collection that walks them all
-(the plugin freezes again at init, once the replay's are loaded too). `replay run` does the same
-before it imports the plugin (replay.locust.cli.run).
+(the plugin freezes again at init, once the replay's are loaded too). `replay run` imports Locust
+and the plugin with the collector off, then freezes both (replay.locust.cli.run).
 """
 
 import gc

@@ -30,7 +30,7 @@ from replay.engine.options import add_arguments
 from replay.engine.progress import ProgressLine
 from replay.engine.spec import RunSpec
 from replay.errors import OptionError
-from replay.locust import webauth, webui
+from replay.locust import stop_caller
 from replay.locust.link import RunnerLink, flush_on_exit
 from replay.locust.outputs import config_input, locust_outputs
 from replay.protocol.urls import shown
@@ -48,6 +48,7 @@ from replay.run.config import replay_options
 from replay.trace.record import TraceError
 
 logger = logging.getLogger(__name__)
+stop_caller.install()  # Runner.stop's debug line without reading every frame's source
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each stops a run (SIGHUP: its terminal closed)
 MASTER_STOP_GRACE_S = 10.0  # a worker in the master's process group waits this long for the master's stop
@@ -84,7 +85,9 @@ def _coordinator(environment, link: transport.Link, part: Dispatcher | None = No
             raise OptionError("--run-time: not with --capacity-search (the search ends when its answer is known)")
         web_user = getattr(environment.parsed_options, "web_user", None)
         if web_user:  # refused as the web UI refuses it, with or without one (--headless)
-            webauth.parse_web_user(web_user)
+            from replay.locust.webauth import parse_web_user
+
+            parse_web_user(web_user)
         spec = preflight.load(options, _hide_host_credentials(environment),  # Locust's files with the run's
                               locust_outputs(environment.parsed_options), config_input(environment.parsed_options))
         _show_endpoints(environment, spec)
@@ -230,8 +233,12 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
         environment.replay = Replay()
     # In this order, after environment.replay is set: the login first, then the Replay view,
     # whose test_stop listener, added now, runs after this module's (the coordinator has finalized).
-    webauth.register(environment, runner, web_ui)
-    webui.register(environment, runner, web_ui)
+    # Imported only for a web UI: a headless run needs neither, nor flask_login.
+    if web_ui is not None:
+        from replay.locust import webauth, webui
+
+        webauth.register(environment, runner, web_ui)
+        webui.register(environment, runner, web_ui)
     _progress(environment, runner, web_ui)
 
 

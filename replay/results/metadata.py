@@ -67,7 +67,7 @@ def template_sha256(tokenizer: str | None, chat_template: str | None) -> str | N
     from replay.synth.tokenizer import load_chat_template
 
     try:
-        template = load_chat_template(tokenizer, chat_template)
+        template = load_chat_template(tokenizer, chat_template, compiled=False)  # its bytes: no compile
     except (OSError, ValueError):
         return None
     return template.sha256 if template is not None else None

@@ -136,20 +136,31 @@ class ChatTemplate:
     """One chat template, or several named ones, rendered the way apply_chat_template renders.
 
     `source` is a template string, or {name: template} (tokenizer_config.json's list form).
-    All are compiled here, so a template that does not compile fails at load, not mid-run.
+    All are compiled here, so a template that does not compile fails at load, not mid-run; with
+    `compiled=False`, when first rendered (or by `compile()`): a caller whose prompts come from
+    the set-up cache renders none, and a compile costs as much as the rest of its set-up.
     """
 
-    def __init__(self, source: str | dict[str, str], special_tokens: dict[str, Any] | None = None, origin: str = ""):
+    def __init__(self, source: str | dict[str, str], special_tokens: dict[str, Any] | None = None, origin: str = "",
+                 compiled: bool = True):
         self.source = source
         self.origin = origin
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
-        named = {DEFAULT: source} if isinstance(source, str) else dict(source)
-        self._templates = {name: self._compile(name, text) for name, text in named.items()}
+        self._texts = {DEFAULT: source} if isinstance(source, str) else dict(source)
+        self._templates: dict[str, jinja2.Template] = {}
+        if compiled:
+            self.compile()
+
+    def compile(self) -> None:
+        """Compile every template now; ChatTemplateError for one that does not compile."""
+        for name, text in self._texts.items():
+            if name not in self._templates:
+                self._templates[name] = self._compile(name, text)
 
     @property
     def names(self) -> list[str]:
         """The template names (["default"] for a single template)."""
-        return list(self._templates)
+        return list(self._texts)
 
     @property
     def sha256(self) -> str:
@@ -176,12 +187,12 @@ class ChatTemplate:
     def pick(self, tools: list | None) -> str:
         """transformers' get_chat_template: "tool_use" when tools are passed and it exists,
         else "default"; several templates and neither is an error."""
-        if tools is not None and TOOL_USE in self._templates:
+        if tools is not None and TOOL_USE in self._texts:
             return TOOL_USE
-        if DEFAULT in self._templates:
+        if DEFAULT in self._texts:
             return DEFAULT
         raise ChatTemplateError(
-            f"several chat templates and none named 'default' ({', '.join(sorted(self._templates))})",
+            f"several chat templates and none named 'default' ({', '.join(sorted(self._texts))})",
             self.origin or "(inline)",
         )
 
@@ -196,6 +207,8 @@ class ChatTemplate:
         """The prompt text. `kwargs` are chat_template_kwargs: extra variables, which replace
         special tokens of the same name (transformers' rule)."""
         name = self.pick(tools)
+        if name not in self._templates:
+            self._templates[name] = self._compile(name, self._texts[name])
         variables = {**self.special_tokens, **kwargs}
         try:
             return self._templates[name].render(

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 
-from replay.protocol.ask import Unanswered, ask_json
+from replay.protocol.ask import Asker, Unanswered
 from replay.protocol.table import Api, get_api
 from replay.protocol.urls import shown
 from replay.rules.tokens import are_token_ids
@@ -172,30 +172,31 @@ def check_server(url: str, samples: list[Sample], api: str, model: str | None = 
     spec = get_api(api)
     started = time.perf_counter()
     try:
-        for sample in samples:
-            answer = _count(url, sample.prompt, spec, model or None, headers, result)
-            if answer is None:
-                break
-            ids, count, strs = answer
-            result.prompts += 1
-            result.tokens += count
-            same = ids == sample.ids if ids is not None else count == len(sample.ids)
-            if not same:
-                result.mismatches += 1
-                if result.mismatch is None:
-                    result.mismatch = Mismatch(sample, ids, count, strs)
+        with Asker() as asker:  # one connection for all the samples
+            for sample in samples:
+                answer = _count(asker, url, sample.prompt, spec, model or None, headers, result)
+                if answer is None:
+                    break
+                ids, count, strs = answer
+                result.prompts += 1
+                result.tokens += count
+                same = ids == sample.ids if ids is not None else count == len(sample.ids)
+                if not same:
+                    result.mismatches += 1
+                    if result.mismatch is None:
+                        result.mismatch = Mismatch(sample, ids, count, strs)
     except Unanswered as e:
         result.method, result.note = None, f"no answer: {e}"
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _count(url: str, prompt: Prompt, api: Api, model: str | None, headers: dict | None,
+def _count(asker: Asker, url: str, prompt: Prompt, api: Api, model: str | None, headers: dict | None,
            result: ServerCheck) -> tuple[list[int] | None, int, list[str] | None] | None:
     """(ids or None, count, the server's token texts or None) by the endpoint's way, found on its
     first prompt; None when it offers none (`result.note` says why). `model` None: no model field."""
     if result.method in (None, TOKENIZE):
-        status, answer = ask_json(url.rstrip("/") + "/tokenize", api.tokenize_body(prompt, model), headers)
+        status, answer = asker.ask_json(url.rstrip("/") + "/tokenize", api.tokenize_body(prompt, model), headers)
         ids, strs = _tokenize_ids(answer) if status == 200 else (None, None)
         if ids is not None:
             result.method = TOKENIZE
@@ -208,7 +209,7 @@ def _count(url: str, prompt: Prompt, api: Api, model: str | None, headers: dict 
         return None
     # the run's own body for one output token, not streamed: its usage counts the prompt as the run's are
     path, body = api.body_path, api.body(prompt, model=model, max_tokens=1, stream=False, ignore_eos=False)
-    status, answer = ask_json(url.rstrip("/") + path, body, headers)
+    status, answer = asker.ask_json(url.rstrip("/") + path, body, headers)
     usage = answer.get("usage") if isinstance(answer, dict) else None
     count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     if status != 200 or not isinstance(count, int):

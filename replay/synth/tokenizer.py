@@ -103,43 +103,44 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _explicit_template(p: Path, special: dict) -> ChatTemplate:
+def _explicit_template(p: Path, special: dict, compiled: bool = True) -> ChatTemplate:
     """--chat-template: a .jinja file (as vLLM's --chat-template), or a tokenizer_config.json,
     whose set special tokens win over the tokenizer folder's."""
     if not p.exists():
         raise FileNotFoundError(f"chat template not found: {p}")
     if p.suffix != ".json":
-        return ChatTemplate(p.read_text(), special, origin=str(p))
+        return ChatTemplate(p.read_text(), special, origin=str(p), compiled=compiled)
     config = _read_config(p)
     source = _template_from_config(config, p)
     if source is None:
         raise ValueError(f"{p}: no 'chat_template' field")
-    return ChatTemplate(source, {**special, **_special_tokens(config)}, origin=str(p))
+    return ChatTemplate(source, {**special, **_special_tokens(config)}, origin=str(p), compiled=compiled)
 
 
 def load_chat_template(
-    tokenizer_path: str | Path | None, chat_template_path: str | Path | None = None
+    tokenizer_path: str | Path | None, chat_template_path: str | Path | None = None, compiled: bool = True
 ) -> ChatTemplate | None:
     """The chat template: an explicit --chat-template (tokenizer_config.json or .jinja) wins
     over the tokenizer folder's own; in the folder, as transformers loads it,
     chat_template.jinja (+ additional_chat_templates/) wins over tokenizer_config.json's
-    chat_template. Special tokens come from tokenizer_config.json."""
+    chat_template. Special tokens come from tokenizer_config.json. `compiled=False`: compiled
+    when first rendered (ChatTemplate)."""
     config: dict = {}
     cfg = _config_path(Path(tokenizer_path)) if tokenizer_path is not None else None
     if cfg is not None:
         config = _read_config(cfg)
     special = _special_tokens(config)
     if chat_template_path is not None:
-        return _explicit_template(Path(chat_template_path), special)
+        return _explicit_template(Path(chat_template_path), special, compiled)
     if tokenizer_path is None:
         return None
     files = _folder_templates(_folder(Path(tokenizer_path)))
     if files is not None:
-        return ChatTemplate(files[0], special, origin=files[1])
+        return ChatTemplate(files[0], special, origin=files[1], compiled=compiled)
     source = _template_from_config(config, cfg) if cfg is not None else None
     if source is None:
         return None
-    return ChatTemplate(source, special, origin=str(cfg))
+    return ChatTemplate(source, special, origin=str(cfg), compiled=compiled)
 
 
 def tokenizer_json(path: str | Path) -> Path:
@@ -194,11 +195,11 @@ def tokenizer_fingerprint(tokenizer_path: str | Path, chat_template_path: str | 
     return fingerprint_with_template(tokenizer_path, chat_template_path)[0]
 
 
-def fingerprint_with_template(tokenizer_path: str | Path,
-                              chat_template_path: str | Path | None = None) -> tuple[str, ChatTemplate | None]:
+def fingerprint_with_template(tokenizer_path: str | Path, chat_template_path: str | Path | None = None,
+                              compiled: bool = True) -> tuple[str, ChatTemplate | None]:
     """(tokenizer_fingerprint, the template it covers), for a caller that needs the template too
-    (its special tokens): the files are read once."""
-    template = load_chat_template(tokenizer_path, chat_template_path)
+    (its special tokens): the files are read once. `compiled`: as load_chat_template's."""
+    template = load_chat_template(tokenizer_path, chat_template_path, compiled)
     return fingerprint_of(tokenizer_json(tokenizer_path).read_bytes(), template), template
 
 
@@ -235,11 +236,13 @@ class ServerTokenizer:
 
     @classmethod
     def load(cls, tokenizer_path: str | Path, chat_template_path: str | Path | None = None,
-             lazy: bool = False) -> ServerTokenizer:
+             lazy: bool = False, compiled: bool = True) -> ServerTokenizer:
+        """`lazy`: the tokenizer loaded when first used; `compiled=False`: the template compiled
+        when first rendered (ChatTemplate), for a caller whose set-up may come from the cache."""
         tokenizer_json(tokenizer_path)  # a missing file fails here, also when lazy
         tokenizer = None if lazy else load_tokenizer(tokenizer_path)
-        return cls(tokenizer, load_chat_template(tokenizer_path, chat_template_path), str(tokenizer_path), tokenizer_path,
-                   chat_template_path)
+        return cls(tokenizer, load_chat_template(tokenizer_path, chat_template_path, compiled), str(tokenizer_path),
+                   tokenizer_path, chat_template_path)
 
     @property
     def tokenizer(self) -> Tokenizer:
