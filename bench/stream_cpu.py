@@ -7,6 +7,10 @@ pinned to the other core; this process's user+system CPU over the run is divided
 requests and by the content tokens they streamed. Median of several runs.
 
     .venv/bin/python bench/stream_cpu.py [--rate 500] [--seconds 4] [--runs 3] [--output-tokens 100]
+
+The issue's case (a token a read: few streams, a 2 ms gap) is `--rate 40 --output-tokens 200
+--itl-ms 2`. `--against TREE` pairs each run with one of another checkout's client (e.g. main's),
+alternating, in fresh processes, and prints both medians and the per-token difference.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ import argparse
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+TREE_FLAG = "--tree"  # internal: time the client of this checkout instead (a run of --against)
+sys.path.insert(0, sys.argv[sys.argv.index(TREE_FLAG) + 1] if TREE_FLAG in sys.argv else str(REPO))
 
 import gevent  # noqa: E402
 import orjson  # noqa: E402
@@ -36,9 +42,10 @@ from replay.synth.toy import build_toy_tokenizer  # noqa: E402
 HEADERS = {"Content-Type": "application/json"}
 
 
-def cpu_seconds() -> float:
+def cpu_seconds() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process: system time is the recv and wake-up syscalls."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime, usage.ru_stime
 
 
 def one_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
@@ -64,12 +71,47 @@ def one_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
         sent = write(endpoint, api, body, True, HEADERS)
         group.spawn(collect, sent) if sent is not None else group.spawn(fallback)
     group.join()
-    cpu = cpu_seconds() - start_cpu
+    end_cpu = cpu_seconds()
+    user, system = end_cpu[0] - start_cpu[0], end_cpu[1] - start_cpu[1]
+    cpu = user + system
     endpoint.close()
     ok = sum(1 for o in outcomes if o.ok)
     tokens = sum(o.events_tokens for o in outcomes)
     return {"cpu_ms_per_req": cpu * 1000 / count, "us_per_token": cpu * 1e6 / max(tokens, 1),
+            "user_us_per_token": user * 1e6 / max(tokens, 1), "sys_us_per_token": system * 1e6 / max(tokens, 1),
             "ok": ok / count, "cpu_share": cpu / (time.time() - start)}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Median figures of args.runs runs against one sim, this process pinned to the client core."""
+    client_cpu, sim_cpu = split_cores()
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = build_toy_tokenizer(Path(tmp) / "tok")
+        with sim_process(tokenizer, "--ttft-ms", "20", "--itl-ms", str(args.itl_ms), "--prefill-ms-per-1k", "0",
+                         "--max-num-seqs", "100000", cpu=sim_cpu) as sim:
+            if client_cpu is not None:
+                os.sched_setaffinity(0, {client_cpu})
+            runs = [one_run(sim.url, args.rate, args.seconds, args.output_tokens) for _ in range(args.runs)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def paired(args: argparse.Namespace) -> dict[str, list[dict]]:
+    """args.runs single runs of each client, alternating this checkout's and args.against's."""
+    common = ["--rate", str(args.rate), "--seconds", str(args.seconds), "--output-tokens", str(args.output_tokens),
+              "--itl-ms", str(args.itl_ms), "--runs", "1", "--json"]
+    figures: dict[str, list[dict]] = {"this": [], "against": []}
+    for _ in range(args.runs):
+        for name, tree in (("against", args.against), ("this", str(REPO))):
+            out = subprocess.run([sys.executable, __file__, *common, TREE_FLAG, tree], check=True,
+                                 capture_output=True, text=True).stdout
+            figures[name].append(orjson.loads(out.splitlines()[-1]))
+    return figures
+
+
+def line(med: dict) -> str:
+    return (f"{med['cpu_ms_per_req']:.3f} CPU ms/request (= CPU s per 1,000 requests), {med['us_per_token']:.2f} "
+            f"us/token (user {med['user_us_per_token']:.2f}, system {med['sys_us_per_token']:.2f}), "
+            f"client core busy {med['cpu_share']:.0%}, ok {med['ok']:.1%}")
 
 
 def main() -> None:
@@ -79,21 +121,26 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--output-tokens", type=int, default=100)
     parser.add_argument("--itl-ms", type=float, default=5.0)
+    parser.add_argument("--against", metavar="TREE", help="another checkout whose client each run is paired with")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(TREE_FLAG, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    client_cpu, sim_cpu = split_cores()
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = build_toy_tokenizer(Path(tmp) / "tok")
-        with sim_process(tokenizer, "--ttft-ms", "20", "--itl-ms", str(args.itl_ms), "--prefill-ms-per-1k", "0",
-                         "--max-num-seqs", "100000", cpu=sim_cpu) as sim:
-            if client_cpu is not None:
-                os.sched_setaffinity(0, {client_cpu})
-            runs = [one_run(sim.url, args.rate, args.seconds, args.output_tokens) for _ in range(args.runs)]
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    print(f"stream cpu: {args.rate:g} req/s x {args.output_tokens} tokens (itl {args.itl_ms:g} ms), "
-          f"median of {args.runs} runs of {args.seconds:g} s: {med['cpu_ms_per_req']:.3f} CPU ms/request "
-          f"(= CPU s per 1,000 requests), {med['us_per_token']:.2f} us/token, "
-          f"client core busy {med['cpu_share']:.0%}, ok {med['ok']:.1%}; loadavg {open('/proc/loadavg').read().split()[0]}")
+    about = (f"stream cpu: {args.rate:g} req/s x {args.output_tokens} tokens (itl {args.itl_ms:g} ms), "
+             f"median of {args.runs} runs of {args.seconds:g} s")
+    load = f"loadavg {open('/proc/loadavg').read().split()[0]}"
+    if args.against:
+        figures = paired(args)
+        meds = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in figures.items()}
+        gaps = [a["us_per_token"] - t["us_per_token"] for a, t in zip(figures["against"], figures["this"])]
+        print(f"{about}, paired:\n  this:    {line(meds['this'])}\n  against: {line(meds['against'])} "
+              f"({args.against})\n  saved per token, median of the pairs: {statistics.median(gaps):.2f} us; {load}")
+        return
+    med = measure(args)
+    if args.json:
+        print(orjson.dumps(med).decode())
+        return
+    print(f"{about}: {line(med)}; {load}")
 
 
 if __name__ == "__main__":

@@ -213,3 +213,44 @@ def test_a_lost_abort_is_sent_again(tmp_path, sim, toy_tokenizer_dir):
     assert len(records) == 200
     labels = {r["error"] for r in records if not r["ok"]}
     assert labels <= {RUN_STOPPED, STOPPED_IN_FLIGHT}, labels
+
+
+def test_an_idle_worker_wakes_its_builder_and_connection_keeper_only_when_there_is_work(tmp_path, sim,
+                                                                                        toy_tokenizer_dir):
+    """Between two sends 14 s apart nothing is due: the body builder sleeps until the second row
+    is AHEAD_S from its send, the connection keeper until it comes within WARM_S. (They woke two
+    and one times a second: an idle run's CPU is mostly its wake-ups.) Then a stop ends both."""
+    import greenlet
+
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=2, gap_ms=14_000)
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output), server_metrics_interval=0)
+    link = LocalLink()
+    part = Dispatcher(link, local=True)
+    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=part)
+    woken: dict[str, int] = {"_build_ahead": 0, "_keep_connections": 0}
+
+    def count(event: str, args) -> None:
+        name = getattr(getattr(args[1], "_run", None), "__name__", None)
+        if event in ("switch", "throw") and name in woken and counting:
+            woken[name] += 1
+
+    counting = False
+    previous = greenlet.settrace(count)
+    try:
+        coordinator.begin([(LOCAL_CLIENT, 0)])
+        deadline = time.monotonic() + 30
+        while coordinator.recorded < 1:
+            assert time.monotonic() < deadline, "the first row was not answered"
+            gevent.sleep(0.05)
+        counting = True
+        gevent.sleep(3.0)  # the second row is 10 s or more from its send all along
+        counting = False
+    finally:
+        greenlet.settrace(previous)
+    part.abort(RUN_STOPPED)
+    assert coordinator.finished.wait(timeout=30)
+    gevent.spawn(coordinator.end).join(timeout=30)
+    assert woken == {"_build_ahead": 0, "_keep_connections": 0}, woken
+    assert {r["request_id"] for r in read_records(output)} == {0, 1}

@@ -196,6 +196,26 @@ def test_the_drain_timeout_ends_the_run(tmp_path):
     assert labels(records) == {"ok": 10, DRAIN_TIMEOUT: 40} and run.exit_codes == [1]
 
 
+def test_the_supervisor_ticks_once_a_second_after_the_go_of_a_plain_run(tmp_path):
+    """Once the rows went out, what the supervisor watches (a lost worker, the drain's deadline)
+    needs no quarter-second tick: an idle run wakes it once a second, and the drain still ends
+    the run within a tick of its deadline."""
+    link = LocalLink()
+    run = Run(spec_of(make_rows(50), tmp_path, drain_timeout=30.0), link)
+    FakeWorker(link, answer_first=10).hello()
+    sleeps: list[float] = []
+    sleep = run.clock.sleep
+    run.clock.sleep = lambda seconds: (sleeps.append(seconds), sleep(seconds))[1]
+    run.begin()
+    run.until(lambda: run.coordinator.last_due is not None and run.clock.t > run.coordinator.last_due)
+    before = len(sleeps)
+    run.finish()
+    assert run.coordinator.end_reason == DRAIN_TIMEOUT
+    deadline = run.coordinator.last_due + 30.0 + coordinator_module.DRAIN_GRACE_S
+    assert run.clock.t <= deadline + coordinator_module.QUIET_TICK_S + 0.5
+    assert len(sleeps) - before <= 30.0 + coordinator_module.DRAIN_GRACE_S + 3, sleeps[before:]
+
+
 def test_oversized_rows_are_recorded_never_sent(tmp_path):
     rows = [r if r.request_id % 5 else replace(r, input_length=500) for r in make_rows(25)]
     link = LocalLink()

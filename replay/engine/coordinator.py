@@ -79,6 +79,10 @@ ABORT_RESEND_S = 1.0  # at a stop, the abort is sent again this often while the 
 # its own (a process group's signal reaches both at once, and either may be handled first)
 SHARED_SIGNAL_GRACE_S = 2.0
 TICK_S = 0.25
+# The supervisor's tick once the go is given, in a run with no rounds to open: a lost worker
+# (Locust's heartbeats are a second apart) and the drain's deadline (DRAIN_GRACE_S beyond
+# --drain-timeout) need no finer one, and an idle run's CPU is mostly its wake-ups.
+QUIET_TICK_S = 1.0
 REFUSED_EXIT_CODE = 2  # a run refused before the first send (`refuse`), as any refusal of its input
 # The meta written as the run begins keeps this much room (spaces) for the end's, plus some per
 # worker: their clock figures and the incomplete files are only known later.
@@ -716,7 +720,7 @@ class Coordinator:
 
     def _supervise(self) -> None:
         while not self.finished.is_set():
-            self.clock.sleep(TICK_S)
+            self.clock.sleep(TICK_S if self.epoch is None or self.policy.more_rounds else QUIET_TICK_S)
             self._check_workers()
             if self.epoch is None and self.clock.now() - (self.started_at or 0.0) > READY_TIMEOUT_S:  # set by begin
                 logger.warning("not every worker got ready in %.0f s; starting anyway", READY_TIMEOUT_S)

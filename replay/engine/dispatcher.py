@@ -58,7 +58,7 @@ from replay.trace.record import TraceRow
 logger = logging.getLogger(__name__)
 
 AHEAD_S = 10.0  # build bodies up to this far (wall seconds) ahead of their send
-BUILD_IDLE_S = 0.5  # the builder's longest sleep when it is AHEAD_S ahead (a check costs CPU; 0.5 s of 10 nothing)
+BUILD_IDLE_S = 0.5  # the builder's longest sleep AHEAD_S ahead, before the go or in a search (a check costs CPU)
 AHEAD_ROWS = 2000  # and at most this many rows ahead
 FLUSH_S = 0.2  # records are written and shipped in batches this often
 FLUSH_GAP_S = 0.004  # each batch waits for this long a gap before the next send
@@ -68,7 +68,7 @@ WARM_S = 0.25  # idle connections kept for the sends due within this much time
 # How often the idle connections are sized to the sends due within WARM_S: well inside WARM_S, and
 # no more often, since an idle process's CPU is these ticks (docs/bench/2026-11-28-figures.md)
 WARM_TICK_S = 0.1
-QUIET_TICK_S = 1.0  # the longest tick when no send is due within WARM_S of the next tick
+QUIET_TICK_S = 1.0  # in a search, the longest tick when no send is due within WARM_S of the next tick
 MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
 MIN_SPARE = 8  # and this many more per endpoint
 
@@ -474,7 +474,11 @@ class PartReplay:
                 self.primed.set()
                 if ahead_rows >= AHEAD_ROWS or self.bodies.full:  # held back: sends free them at the trace's rate
                     gevent.sleep(0.05)
-                else:  # held back by time: nothing to build until the next row is AHEAD_S from its send
+                elif self.go.is_set() and not self.more:
+                    # held back by time, its send time fixed: nothing to build until the next row is
+                    # AHEAD_S from its send (an idle run's CPU is mostly wake-ups); the run's end wakes it
+                    self.finished.wait(max(ahead_s - AHEAD_S, 0.001))
+                else:  # before the go, or in a search (a round may be cut short): looked at again soon
                     gevent.sleep(min(BUILD_IDLE_S, max(ahead_s - AHEAD_S, 0.001)))
             steps.start(pos)
             try:
@@ -675,13 +679,14 @@ class PartReplay:
                 while pos < end and send_offset_s(self.rows[pos].timestamp_s, self.origin, scale) < now_s + WARM_S:
                     pos += 1
                 # the next row comes within WARM_S in `enters_s`: nothing changes before then, so
-                # the keeper sleeps until then (WARM_TICK_S at least, QUIET_TICK_S at most; aged
-                # connections are replaced by then, and never used meanwhile: the pool retires them
-                # when taken or pruned)
+                # the keeper sleeps until then (WARM_TICK_S at least; aged connections are replaced
+                # by then, and never used meanwhile: the pool retires them when taken or pruned)
                 enters_s = 0.0
                 if self.go.is_set() and pos < len(self.rows):
                     enters_s = send_offset_s(self.rows[pos].timestamp_s, self.origin, scale) - WARM_S - now_s
-                    tick = max(WARM_TICK_S, min(QUIET_TICK_S, enters_s))
+                    # a plain run's schedule is fixed: nothing to do until then (a search's next
+                    # round may move its rows: looked at again within QUIET_TICK_S)
+                    tick = max(WARM_TICK_S, min(QUIET_TICK_S, enters_s) if self.more else enters_s)
                 if pos > self.dispatch_pos or enters_s <= WARM_TICK_S:
                     # sends due soon (else a quiet spell: no connection is opened, nor reopened
                     # as the idle ones age out)

@@ -1,14 +1,16 @@
 """One driver user per worker, for as long as rows are still open.
 
 The user count never changes during a run; the shape only decides when the run is over:
-when every row has its record (or the master has given up on it).
+when every row has its record (or the master has given up on it), or at --run-time's end.
+Locust ticks a shape once a second; after the first tick, which starts the users, the next one
+waits for the run's end: an idle run is not woken each second (its CPU is mostly its wake-ups),
+and it stops as soon as the last row has its record. A stop kills the shape's greenlet (Locust's
+Runner.stop), wait or not.
 """
 
 from __future__ import annotations
 
 from locust import LoadTestShape
-
-END_WAIT_S = 0.95  # within Locust's tick of 1 s, which it shortens by the time a tick took
 
 
 class ReplayShape(LoadTestShape):
@@ -28,8 +30,5 @@ class ReplayShape(LoadTestShape):
             # fixed at the first tick: the workers that take part are those present at the start
             self._users = max(1, getattr(self.runner, "worker_count", 1))
             return (self._users, self._users)
-        # Locust ticks again a second after this tick began: the run's end is waited for meanwhile,
-        # so that it stops as soon as every row has its record, not up to a second later
-        if replay.coordinator.finished.wait(END_WAIT_S):
-            return None
-        return (self._users, self._users)
+        replay.coordinator.finished.wait(run_time - self.get_run_time() if run_time else None)
+        return None

@@ -57,6 +57,10 @@ HEAD_CACHE = 64  # request heads kept (per-request headers would otherwise grow 
 ERROR_TEXT_LIMIT = 300
 REQUEST_ID_HEADER = "X-Request-Id"  # "<run id>-<request_id>": servers and routers log it, `replay sim` counts it
 READ_SIZE = 16384  # one recv takes whatever has arrived (dozens of events when the loop is busy)
+# How every chunked body ends (the last chunk, with or without trailers, then a blank line); a read
+# that ends so may end the body, and the parser decides. A stream whose events end in CRLF ends
+# each read so: then the parser is fed at every read.
+CHUNKED_END = b"\r\n\r\n"
 
 
 def _nothing(now: float) -> None:
@@ -329,21 +333,30 @@ def _exception_text(e: Exception) -> str:
 class _BodyReader:
     """Reads a response body inside the event loop and wakes its greenlet when it is over.
 
-    A raw I/O watcher on the connection does one non-blocking recv and one call into the C
-    parser per read: a token costs no greenlet switch, hundreds of open streams keep each turn
-    of the loop short, and dispatch is not held up behind them. Each read appends an int and a
-    float, which the garbage collector does not track: one tuple per read made its young
-    generation tens of thousands of objects long, and each collection a millisecond-long pause.
+    A raw I/O watcher on the connection does one non-blocking recv per read and keeps the bytes
+    with the read's time: a token costs no greenlet switch and no call into the parser, hundreds
+    of open streams keep each turn of the loop short, and dispatch is not held up behind them.
+    The HTTP parser is fed only when the body may be over (a read that ends like a chunked body's
+    end, or that reaches the Content-Length): it then takes the reads since its last feed one by
+    one, so each read's body size is what it would have been, and decides whether the message is
+    complete. The lists hold bytes, ints and floats, which the garbage collector does not track:
+    one tuple per read made its young generation tens of thousands of objects long, and each
+    collection a millisecond-long pause.
     """
 
-    __slots__ = ("response", "buf", "sock", "on_read", "sizes", "times", "error", "watcher", "waiter")
+    __slots__ = ("response", "buf", "sock", "on_read", "reads", "fed", "left", "sizes", "times", "error",
+                 "watcher", "waiter")
 
     def __init__(self, response, on_read):
         self.response = response
         self.buf = PoolInternals.body(response)  # the de-chunked body, grown in place by feed()
         self.sock = PoolInternals.raw_socket(response)  # the non-blocking _socket.socket under gevent's
         self.on_read = on_read
-        self.sizes: list[int] = []  # body bytes so far after each read
+        self.reads: list[bytes] = []  # what each read took, as received
+        self.fed = 0  # how many of them the parser has had
+        length = response.content_length
+        self.left = length - len(self.buf) if length is not None else -1  # body bytes still due; -1: not said
+        self.sizes: list[int] = []  # body bytes so far after each read (filled as the parser is fed)
         self.times: list[float] = []  # and when that read arrived (unix seconds)
         self.error: str | None = None
         hub = gevent.get_hub()
@@ -359,6 +372,8 @@ class _BodyReader:
             self.waiter.get()
         finally:
             self.watcher.close()
+        if self.fed < len(self.reads):  # cut short: the body so far, as far as it parses
+            self._feed()
 
     def _end(self, error: str | None) -> None:
         self.watcher.stop()
@@ -373,18 +388,40 @@ class _BodyReader:
         except Exception as e:
             return self._end(_exception_text(e))
         now = time.time()
-        if not data:
-            return self._end("connection closed before the end of the response")
-        response = self.response
-        try:
-            response.feed(data)
-        except Exception as e:
-            return self._end(_exception_text(e))
-        self.sizes.append(len(self.buf))
+        if not data:  # closed: the reads before it still count, and may have ended the message
+            if self._feed() and self.error is None:
+                return self._end(None)
+            return self._end(self.error or "connection closed before the end of the response")
+        self.reads.append(data)
         self.times.append(now)
-        if response.message_complete:
-            return self._end(None)
+        if self.left >= 0:
+            self.left -= len(data)
+            ended = self.left <= 0
+        else:
+            ended = data.endswith(CHUNKED_END) or (len(data) < len(CHUNKED_END) and self._ends_chunked())
+        if ended and self._feed():
+            return self._end(self.error)
         self.on_read(now)
+
+    def _ends_chunked(self) -> bool:
+        """Whether the reads end like a chunked body's end, over short reads."""
+        return b"".join(self.reads[-len(CHUNKED_END):]).endswith(CHUNKED_END)
+
+    def _feed(self) -> bool:
+        """Give the parser the reads it has not had, one at a time; True when the message is over
+        (complete, or refused by the parser: then `error` says why)."""
+        response, buf, sizes = self.response, self.buf, self.sizes
+        reads = self.reads
+        try:
+            for i in range(self.fed, len(reads)):
+                response.feed(reads[i])
+                sizes.append(len(buf))
+        except Exception as e:
+            self.error = self.error or _exception_text(e)
+            return True
+        finally:
+            self.fed = len(reads)
+        return response.message_complete
 
 
 def _receive(response, on_read=_nothing) -> tuple[bytes, list[int], list[float], str | None]:
