@@ -151,7 +151,7 @@ def test_only_a_short_run_of_short_prompts_computes_it_in_its_own_process(monkey
 def test_a_failure_computing_it_in_the_runs_process_is_one_error(finished_run, monkeypatch):
     """Computed in the run's own process (a short single-process run's end), what would have
     crashed a child is one error (the run logs it and ends without the section), not the end's crash."""
-    def broken(job, checks_path=None):
+    def broken(job, checks_path=None, run_synth=None):
         raise RuntimeError("the computation broke\nsecond line")
 
     monkeypatch.setattr(cache_module, "compute", broken)

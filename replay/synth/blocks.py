@@ -120,6 +120,14 @@ class BlockSource:
             return text + self._texts[draws[1]]
         return text + "".join(itemgetter(*draws[1:count])(self._texts))
 
+    def copy(self, cache_blocks: int) -> BlockSource:
+        """A source of the same blocks that starts with this one's cache (the blocks themselves
+        shared: they are only read, and each one's ids, made when first asked, are the same
+        whoever makes them) and keeps its own from then on, of `cache_blocks`."""
+        other = BlockSource(self.vocab, self.block_size, self.seed, cache_blocks)
+        other._cache = OrderedDict(self._cache)
+        return other
+
     def hashed(self, hash_id: int) -> Block:
         cache = self._cache
         block = cache.get(hash_id)
