@@ -39,8 +39,9 @@ import tempfile
 import time
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -65,6 +66,10 @@ from replay.rules.prompt_fingerprint import agreed_tokens
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.prefix import IdealHits, hit_tokens
 from replay.trace.reader import TraceStream
+
+if TYPE_CHECKING:
+    from replay.synth.prompts import PromptSynthesizer
+    from replay.synth.tokenizer import ServerTokenizer
 
 CHECK_FORMAT = struct.Struct("<qdqqqqqq")  # request_id, sent_at, prompt_tokens, reported, expected, observed, low, high
 NONE = -1  # a number the record does not have
@@ -183,7 +188,8 @@ def _tokenizer(job: dict):
     return ServerTokenizer.load(job["tokenizer"], job["chat_template"], lazy=True)
 
 
-def _synthesizer(tokenizer, job: dict, api: str, token_ids: bool, block_size: int | None, run_synth=None):
+def _synthesizer(tokenizer: Callable[[], ServerTokenizer], job: dict, api: str, token_ids: bool,
+                 block_size: int | None, run_synth: PromptSynthesizer | None = None) -> PromptSynthesizer:
     """The run's PromptSynthesizer (the trace's block size is known from its first row on):
     `run_synth`'s blocks and set-up when it is the same job's (PromptSynthesizer.with_blocks_of:
     the run's end in the process whose worker made the prompts), else one of its own."""
@@ -196,7 +202,7 @@ def _synthesizer(tokenizer, job: dict, api: str, token_ids: bool, block_size: in
                              cache_blocks=CACHE_BLOCKS)
 
 
-def _same_synthesis(synth, job: dict, api: str, token_ids: bool, block_size: int) -> bool:
+def _same_synthesis(synth: PromptSynthesizer, job: dict, api: str, token_ids: bool, block_size: int) -> bool:
     """Whether `synth` makes the prompts `job` says the run made (its settings and tokenizer)."""
     tokenizer = synth.tokenizer
     return (synth.api == api and synth.token_ids == token_ids and synth.seed == job["seed"]
@@ -205,7 +211,7 @@ def _same_synthesis(synth, job: dict, api: str, token_ids: bool, block_size: int
             and _same_path(tokenizer.chat_template_path, job["chat_template"]))
 
 
-def _same_path(mine, theirs) -> bool:
+def _same_path(mine: str | Path | None, theirs: str | None) -> bool:
     return (mine is None) == (theirs is None) and (mine is None or str(mine) == str(theirs))
 
 
@@ -241,7 +247,7 @@ def _section(job: dict, api: str, token_ids: bool, tally: CacheTally, model: Cac
     return section
 
 
-def compute(job: dict, checks_path: str | None = None, run_synth=None) -> dict:
+def compute(job: dict, checks_path: str | None = None, run_synth: PromptSynthesizer | None = None) -> dict:
     """The cache section of `job` (CacheJob's fields) from its merged records file; the
     per-request checks to `checks_path`. `run_synth`: the PromptSynthesizer the run's worker
     made its prompts with, in this process (a single-process run's end): the spec's prompts

@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import orjson
 
@@ -38,6 +38,9 @@ from replay.results.metadata import file_sha256
 from replay.results.report import ReportError
 from replay.rules.run_files import metrics_path
 from replay.synth.tokenizer_source import resolve_tokenizer
+
+if TYPE_CHECKING:
+    from replay.synth.prompts import PromptSynthesizer
 
 CHILD_MODULE = "replay.results.cache_child"
 
@@ -181,7 +184,7 @@ def _model_servers(results: str | Path, caches: dict, cache_blocks: int | None) 
     return servers, ""
 
 
-def cache_section_here(job: CacheJob, run_synth=None) -> dict:
+def cache_section_here(job: CacheJob, run_synth: PromptSynthesizer | None = None) -> dict:
     """The cache section of `job` computed in this process, for a process that already holds the
     run's tokenizer and set-up (a single-process run's end: its worker made the same prompts
     here): a child would load them a second time, and its memory would add to this process's,

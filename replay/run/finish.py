@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from replay.engine.capacity import with_server_timing
 from replay.engine.spec import RunFacts, RunSpec
@@ -44,6 +45,9 @@ from replay.rules.capacity_result import NO_ANSWER, quotable_line
 from replay.rules.run_files import meta_path, tmp_path
 from replay.run.spans import join_spans
 
+if TYPE_CHECKING:
+    from replay.synth.prompts import PromptSynthesizer
+
 logger = logging.getLogger(__name__)
 CACHE_FOLLOW_ENV = "TRACEREPLAY_CACHE_FOLLOW"
 # A single-process run of at most this many rows computes its cache section at its end, in its
@@ -56,7 +60,7 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
            on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[Record], None]] = (),
            summary_listeners: Iterable[Callable[[dict], None]] = (), least_code: int = 0,
            capacity: dict | None = None, cache_stream: CacheStream | None = None, cache_here: bool = False,
-           run_synth=None) -> int:
+           run_synth: PromptSynthesizer | None = None) -> int:
     """End the run whose every row has a record in `store`; returns the exit code: 1 when any
     row failed for a reason other than the user's stop, or a file of the run is not whole, else 0;
     never under `least_code` (2: a run refused before the first send, whose rows all fail).
@@ -182,7 +186,7 @@ def start_cache_stream(spec: RunSpec, facts: RunFacts, first_request_id: int) ->
 
 
 def _cache_section(spec: RunSpec, facts: RunFacts, stream: CacheStream | None = None,
-                   here: bool = False, run_synth=None) -> dict | None:
+                   here: bool = False, run_synth: PromptSynthesizer | None = None) -> dict | None:
     """The Prefix Cache Fidelity section, with the cache model's miss attribution, as `replay
     report` makes it, from the merged file in a child process (replay.results.cache_section:
     this process never loads the tokenizer, and the event loop turns meanwhile), whenever the

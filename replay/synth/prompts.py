@@ -241,7 +241,9 @@ class PromptSynthesizer:
                 return [*frame.before, *content, *frame.after], fingerprint
             ids = self.server_ids(row)  # shorter than the frame: an empty content (_too_short)
             return ids, whole_fingerprint(b"", len(ids) if self.token_ids else (self.short_frame or self.frame).empty_tokens)
-        return self.server_ids(row), self.prompt(row).fingerprint
+        prompt = self.prompt(row)
+        assert prompt.fingerprint is not None  # prompt() sets it on every prompt
+        return self.server_ids(row), prompt.fingerprint
 
     def text_prompt(self, text: str, expected: int) -> Prompt:
         """`text` as the api's prompt: the user message of a chat, or a completions/tgi text."""
@@ -334,9 +336,9 @@ class PromptSynthesizer:
         size, prefix_text, block_ids = blocks.block_size, blocks.prefix_text, blocks.ids
         parts: list[str] = []
         ids = array(TOKEN_ID)
-        lead = None
+        lead = 0
         for block, used in self._row_blocks(row, n):
-            if lead is None:
+            if not parts:
                 lead = blocks.lead_id(block)
             parts.append(block.text if used == size else prefix_text(block, used))
             ids += block_ids(block, used)
