@@ -93,11 +93,8 @@ class BlockSource:
         """The ids of the block's first `count` tokens (all by default), as they sit inside a prompt."""
         if block.ids is None:
             draws = block.draws
-            block.ids = array(TOKEN_ID, [self._lead_ids[draws[0]]])
-            if len(draws) > 2:
-                block.ids.extend(itemgetter(*draws[1:])(self._ids))
-            elif len(draws) == 2:
-                block.ids.append(self._ids[draws[1]])
+            block.ids = array(TOKEN_ID, map(self._ids.__getitem__, draws))  # one C-level pass
+            block.ids[0] = self._lead_ids[draws[0]]
         return block.ids if count is None or count >= len(block.ids) else block.ids[:count]
 
     def lead_id(self, block: Block) -> int:
