@@ -151,7 +151,7 @@ def test_only_a_short_run_of_short_prompts_computes_it_in_its_own_process(monkey
 def test_a_failure_computing_it_in_the_runs_process_is_one_error(finished_run, monkeypatch):
     """Computed in the run's own process (a short single-process run's end), what would have
     crashed a child is one error (the run logs it and ends without the section), not the end's crash."""
-    def broken(job, checks_path=None):
+    def broken(job, checks_path=None, run_synth=None):
         raise RuntimeError("the computation broke\nsecond line")
 
     monkeypatch.setattr(cache_module, "compute", broken)
@@ -190,3 +190,20 @@ def test_a_run_whose_child_fails_ends_without_the_section(tmp_path, toy_tokenize
     summary = json.loads(Path(f"{output}.summary.json").read_text())
     assert summary["requests_ok"] == 40 and summary.get("cache") is None
     assert "Prefix Cache Fidelity" not in text
+
+
+@pytest.mark.parametrize("seed, broken", [(0, True), (5, False)])
+def test_the_sections_prompts_come_from_the_spec_not_from_the_run_synthesizer(finished_run, seed, broken):
+    """The synthesizer the end is handed (the worker's) lends only its blocks: one whose test hook
+    breaks a block (the worker's bug the check is there to see) is not used as it is, and one of
+    another spec (seed 5) not at all; the section is `replay report`'s either way."""
+    from replay.synth.prompts import PromptSynthesizer
+    from replay.synth.tokenizer import ServerTokenizer
+
+    job = cache_job(finished_run, read_run_metadata(finished_run), server_block_size=SERVER_BLOCK)
+    worker = PromptSynthesizer(ServerTokenizer.load(job.tokenizer, job.chat_template, lazy=True), api=job.api,
+                               block_size=job.block_size, seed=seed)
+    if broken:
+        worker.break_block(0)
+    section = cache_child.compute(dataclasses.asdict(job), None, worker)
+    assert section == json.loads(Path(f"{finished_run}.summary.json").read_text())["cache"]

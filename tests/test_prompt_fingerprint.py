@@ -267,3 +267,51 @@ def test_a_server_whose_usage_says_no_hits_and_other_lengths_blames_no_prompt(tm
     assert causes(cert) == {"server-missed": 1}, cert["cache"]["misses"]
     assert not any(line.startswith("cache") for line in cert["failing"]), cert["failing"]
     assert not any("a replay bug" in note for note in cert["cache"]["misses"]["notes"])
+
+
+@pytest.mark.parametrize("api, prompt_format", [("openai-chat", "text"), ("openai-completions", "text"),
+                                                ("openai-completions", "token-ids")])
+def test_the_runs_end_makes_the_spec_prompts_from_the_workers_blocks(tmp_path, slow_sim, toy_tokenizer_dir,
+                                                                     monkeypatch, api, prompt_format):
+    """A single-process run's end computes the cache section in its own process from the blocks
+    its worker made (PromptSynthesizer.with_blocks_of): no block of a hash id is made a second
+    time, each prompt is walked once, and the section is the one `replay report` computes apart,
+    for rows that share prefixes and a row shorter than the template."""
+    from replay.run import finish as finish_module
+    from replay.synth import blocks as blocks_module
+    from replay.synth import prompts as prompts_module
+
+    trace = shared_block_trace(tmp_path / "trace.jsonl")
+    with open(trace, "a") as f:
+        f.write(json.dumps({"timestamp": 12 * 50.0, "input_length": 2, "output_length": 4, "hash_ids": [31]}) + "\n")
+    output = tmp_path / "run.jsonl"
+    at_end: list[str] = []
+    make, prompt, cache_section = (blocks_module.BlockSource.make, prompts_module.PromptSynthesizer.prompt,
+                                   finish_module._cache_section)
+
+    def counted_make(self, namespace, key):
+        if at_end and namespace == blocks_module.HASHED:
+            at_end.append(f"block {key.decode()} made again")
+        return make(self, namespace, key)
+
+    def counted_prompt(self, row, pause=None):
+        if at_end:
+            at_end.append(f"row {row.request_id} made whole again")
+        return prompt(self, row, pause)
+
+    def ending(*args):
+        at_end.append("the end")
+        return cache_section(*args)
+
+    monkeypatch.setattr(blocks_module.BlockSource, "make", counted_make)
+    monkeypatch.setattr(prompts_module.PromptSynthesizer, "prompt", counted_prompt)
+    monkeypatch.setattr(finish_module, "_cache_section", ending)
+    run_in_process(trace, output, slow_sim.url, toy_tokenizer_dir, api=api, prompt_format=prompt_format)
+    assert at_end == ["the end"]
+    summary = json.loads(output.with_name(output.name + ".summary.json").read_text())
+    assert summary["cache"]["requests_compared"] == 13 and summary["cache"]["fingerprints"]["checked"] == 13
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--json", str(report)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert summary["cache"] == json.loads(report.read_text())["cache"]

@@ -337,3 +337,35 @@ def test_block_cache_evicts_least_recently_used_and_regenerates_the_same(toy):
     assert blocks.misses == 4
     blocks.clear()
     assert blocks.hashed(1).text == first
+
+
+@pytest.mark.parametrize(
+    "api,token_ids",
+    [("openai-chat", False), ("openai-completions", False), ("openai-completions", True), ("tgi", False)],
+)
+def test_server_ids_and_fingerprint_are_one_walk_of_the_same_prompt(toy, api, token_ids):
+    """What the cache section takes of each sent prompt, made in one walk over its blocks: the
+    same server ids and fingerprint as `server_ids` and `prompt` make apart, for rows that share
+    prefixes, rows shorter than the template, rows without hash ids and rows of their own messages."""
+    synth = PromptSynthesizer(toy, api, block_size=16, token_ids=token_ids)
+    rows = random_rows(120, 16, seed=3) + [row(500, 0, messages=[{"role": "user", "content": "Hello there"}])]
+    for r in rows:
+        assert synth.server_ids_and_fingerprint(r) == (synth.server_ids(r), synth.prompt(r).fingerprint), r
+
+
+def test_a_synthesizer_with_the_blocks_of_another_makes_the_spec_prompts(toy):
+    """The run's end makes the spec's prompts again with the blocks the worker's synthesizer made
+    (`with_blocks_of`): none made a second time, none of the worker's test hook (a broken block is
+    the worker's bug the check must see), and its own cache from then on."""
+    worker = PromptSynthesizer(toy, "openai-chat", block_size=16)
+    rows = random_rows(60, 16, seed=5, tiny=False)
+    spec = [worker.prompt(r).fingerprint for r in rows]
+    worker.break_block(2)
+    broken = [worker.prompt(r).fingerprint for r in rows]
+    assert broken != spec
+    end = worker.with_blocks_of(cache_blocks=1 << 16)
+    misses = end.blocks.misses
+    assert [end.prompt(r).fingerprint for r in rows] == spec and end.blocks.misses == misses
+    assert [worker.prompt(r).fingerprint for r in rows] == broken  # the worker's own stays as it was
+    end.blocks.hashed(99_999)
+    assert 99_999 in end.blocks._cache and 99_999 not in worker.blocks._cache

@@ -443,3 +443,38 @@ def test_the_ideal_cache_tells_every_64_bit_hash_id_apart():
     rows = [TraceRow(i, float(i), 32, 1, hash_ids=h) for i, h in enumerate(ids)]
     assert list(prefix_hits(rows)) == [0, 0, 1, 1, 0, 0, 2]
     assert trace_stats(Trace("t", "mooncake", 32, rows))["distinct_hash_ids"] == 5
+
+
+def test_the_pair_index_adds_in_one_call_as_pair_by_pair():
+    """PairIndex.add_new and add_chain (one call per row, the ideal cache's and the cache checks'
+    hot loops) number and find the same pairs as find-then-add one pair at a time, through the
+    table's growths and for ids of the top half of 64 bits."""
+    import random
+
+    from replay.trace.pairs import PairIndex
+
+    rng = random.Random(7)
+    ids = [rng.choice([rng.randrange(50), rng.randrange(2**63, 2**64), -rng.randrange(2**63)]) for _ in range(6000)]
+    one_call, pair_by_pair = PairIndex(), PairIndex()
+    pairs = []
+    for start in range(0, len(ids), 30):
+        a, chunk = start % 3, ids[start:start + 30]
+        one_call.add_new(a, chunk)
+        for b in chunk:
+            pairs.append((a, b))
+            if not pair_by_pair.find(a, b):
+                pair_by_pair.add(a, b)
+    assert len(one_call) == len(pair_by_pair) > 2000
+    assert all(one_call.find(a, b) == pair_by_pair.find(a, b) != 0 for a, b in pairs)
+    assert one_call.find(3, ids[0]) == 0
+    chained, linked = PairIndex(), PairIndex()
+    for start in range(0, len(ids), 40):
+        chunk = ids[start:start + 40]
+        hits, node = chained.walk(0, chunk)
+        last = chained.add_chain(node, chunk[hits:])
+        hits_too, node_too = linked.walk(0, chunk)
+        for b in chunk[hits_too:]:
+            node_too = linked.add(node_too, b)
+        assert (hits, last) == (hits_too, node_too)
+        assert chained.walk(0, chunk) == (len(chunk), last)
+    assert [chained.second(n) for n in range(1, len(chained) + 1)] == [linked.second(n) for n in range(1, len(linked) + 1)]

@@ -19,6 +19,7 @@ import platform
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gevent
 from gevent.event import Event
@@ -54,6 +55,9 @@ from replay.rules.send_time import send_offset_s, send_time
 from replay.synth.chat_template import ChatTemplateError
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.record import TraceRow
+
+if TYPE_CHECKING:
+    from replay.synth.prompts import PromptSynthesizer
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +280,12 @@ class Dispatcher:
         """In the master's process group on its host: a signal here may have reached it too."""
         return self.replay is not None and self.replay.with_master
 
+    @property
+    def synth(self) -> PromptSynthesizer | None:
+        """Its body builder's prompt synthesizer, once set up: a single-process run's end makes
+        the cache section's prompts again from its blocks (replay.run.driver)."""
+        return None if self.replay is None else self.replay.synth
+
 
 class PartReplay:
     """One worker's replay of its part, built whole from the master's plan: receives the rows,
@@ -318,6 +328,7 @@ class PartReplay:
         self.bodies = Bodies()  # by position; a row that could not be built: why
         # request id -> its prompt's fingerprint, until its record takes it: the body builder's, once set up
         self.fingerprints: dict[int, list | None] = {}
+        self.synth: PromptSynthesizer | None = None  # the body builder's, once set up
         self.dispatch_pos = 0  # index (in self.rows) of the next row to send
         self.next_due = float("inf")  # local time of the next send, for the builder to keep clear of
         # request id -> (row, scheduled, due, endpoint url, sent_at, reader)
@@ -423,6 +434,7 @@ class PartReplay:
         # its options and files are the master's), then the set-up
         builder = build_off_loop(self.options, self.block_size, None if self.local else self.master_fingerprint)
         self.fingerprints = builder.fingerprints
+        self.synth = builder.synth  # a single-process run's end makes the cache section's prompts from its blocks
         # open for the process's life (records come until a stop is over); each batch is flushed
         self.writer = RecordWriter(worker_path(self.output, self.index), self.output)
         if not self.local:

@@ -39,8 +39,9 @@ import tempfile
 import time
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -65,6 +66,10 @@ from replay.rules.prompt_fingerprint import agreed_tokens
 from replay.trace.fields import DEFAULT_BLOCK_SIZE
 from replay.trace.prefix import IdealHits, hit_tokens
 from replay.trace.reader import TraceStream
+
+if TYPE_CHECKING:
+    from replay.synth.prompts import PromptSynthesizer
+    from replay.synth.tokenizer import ServerTokenizer
 
 CHECK_FORMAT = struct.Struct("<qdqqqqqq")  # request_id, sent_at, prompt_tokens, reported, expected, observed, low, high
 NONE = -1  # a number the record does not have
@@ -151,14 +156,15 @@ def _sent_prompt(record: dict, hashes: list[int], prompt_tokens: int, ideal: int
                        starts.started_at(endpoint, sent_at, record.get("ttft_ms")), answered_at(record), agreed)
 
 
-def _agreed(record: dict, synth, row) -> float | None:
-    """Up to where the prompt `record` says was sent is the one the run's spec makes of `row`
-    (replay.rules.prompt_fingerprint.agreed_tokens); None: the record has no fingerprint."""
+def _agreed(record: dict, spec_fingerprint) -> float | None:
+    """Up to where the prompt `record` says was sent is the one the run's spec makes of its row,
+    whose fingerprint is `spec_fingerprint` (replay.rules.prompt_fingerprint.agreed_tokens);
+    None: the record has no fingerprint."""
     sent = record.get("prompt_fingerprint")
     if sent is None:
         return None
     try:
-        return agreed_tokens(sent, synth.prompt(row).fingerprint)
+        return agreed_tokens(sent, spec_fingerprint)
     except ValueError as e:
         raise ValueError(f"request_id {record['request_id']}: {e}") from None
 
@@ -182,12 +188,31 @@ def _tokenizer(job: dict):
     return ServerTokenizer.load(job["tokenizer"], job["chat_template"], lazy=True)
 
 
-def _synthesizer(tokenizer, job: dict, api: str, token_ids: bool, block_size: int | None):
-    """The run's PromptSynthesizer (the trace's block size is known from its first row on)."""
+def _synthesizer(tokenizer: Callable[[], ServerTokenizer], job: dict, api: str, token_ids: bool,
+                 block_size: int | None, run_synth: PromptSynthesizer | None = None) -> PromptSynthesizer:
+    """The run's PromptSynthesizer (the trace's block size is known from its first row on):
+    `run_synth`'s blocks and set-up when it is the same job's (PromptSynthesizer.with_blocks_of:
+    the run's end in the process whose worker made the prompts), else one of its own."""
     from replay.synth.prompts import PromptSynthesizer
 
-    return PromptSynthesizer(tokenizer, api=api, block_size=block_size or DEFAULT_BLOCK_SIZE, seed=job["seed"],
-                             token_ids=token_ids, cache_blocks=CACHE_BLOCKS)
+    block_size = block_size or DEFAULT_BLOCK_SIZE
+    if run_synth is not None and _same_synthesis(run_synth, job, api, token_ids, block_size):
+        return run_synth.with_blocks_of(CACHE_BLOCKS)
+    return PromptSynthesizer(tokenizer(), api=api, block_size=block_size, seed=job["seed"], token_ids=token_ids,
+                             cache_blocks=CACHE_BLOCKS)
+
+
+def _same_synthesis(synth: PromptSynthesizer, job: dict, api: str, token_ids: bool, block_size: int) -> bool:
+    """Whether `synth` makes the prompts `job` says the run made (its settings and tokenizer)."""
+    tokenizer = synth.tokenizer
+    return (synth.api == api and synth.token_ids == token_ids and synth.seed == job["seed"]
+            and synth.block_size == block_size and tokenizer.path is not None
+            and str(tokenizer.path) == job["tokenizer"]
+            and _same_path(tokenizer.chat_template_path, job["chat_template"]))
+
+
+def _same_path(mine: str | Path | None, theirs: str | None) -> bool:
+    return (mine is None) == (theirs is None) and (mine is None or str(mine) == str(theirs))
 
 
 def _checked(prompts, job: dict, checks_path: str | None) -> tuple[CacheTally, CacheModel | None]:
@@ -222,14 +247,15 @@ def _section(job: dict, api: str, token_ids: bool, tally: CacheTally, model: Cac
     return section
 
 
-def compute(job: dict, checks_path: str | None = None) -> dict:
+def compute(job: dict, checks_path: str | None = None, run_synth: PromptSynthesizer | None = None) -> dict:
     """The cache section of `job` (CacheJob's fields) from its merged records file; the
-    per-request checks to `checks_path`."""
+    per-request checks to `checks_path`. `run_synth`: the PromptSynthesizer the run's worker
+    made its prompts with, in this process (a single-process run's end): the spec's prompts
+    are made again from its blocks (`_synthesizer`), never from what it sent."""
     sent = _Sent(job["results"])
     api = job["api"] or (sent.apis.most_common(1)[0][0] if sent.apis else "openai-chat")
     token_ids, server_block = _settings(job, api)
     model_on = job.get("servers") is not None
-    tokenizer = _tokenizer(job)
     n = len(sent.request_id)
     offset, blocks, length = array("q", [0]) * n, array("q", [0]) * n, array("q", [NONE]) * n
     ideal_tokens = array("q", [NONE]) * n if model_on else None  # the trace's own expectation
@@ -244,16 +270,18 @@ def compute(job: dict, checks_path: str | None = None) -> dict:
         written = 0
         for row, row_ideal in trace.rows():
             if synth is None:  # the trace's block size is known from its first row on
-                synth = _synthesizer(tokenizer, job, api, token_ids, stream.block_size)
+                synth = _synthesizer(lambda: _tokenizer(job), job, api, token_ids, stream.block_size, run_synth)
             k = position[row.request_id] if row.request_id < len(position) else NONE
             if k == NONE:
                 continue
             if ideal_tokens is not None and row_ideal is not None:
                 ideal_tokens[k] = row_ideal
-            ids = synth.server_ids(row)
             if sent.fingerprinted[k] and fingerprints.compared:
+                ids, fingerprint = synth.server_ids_and_fingerprint(row)
                 record = orjson.loads(os.pread(records.fileno(), sent.length[k], sent.offset[k]))
-                agreed[k] = _agreed(record, synth, row)
+                agreed[k] = _agreed(record, fingerprint)
+            else:
+                ids = synth.server_ids(row)
             fingerprints.add(row.request_id, None if math.isnan(agreed[k]) else agreed[k])
             hashes = array("q", block_hashes(ids, server_block))
             offset[k], blocks[k], length[k] = written, len(hashes), len(ids)
@@ -479,9 +507,12 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
         nonlocal synth
         row, ideal = cursor.take(record["request_id"])
         if synth is None:
-            synth = _synthesizer(_tokenizer(job), job, api, token_ids, stream.block_size)
-        ids = synth.server_ids(row)
-        agreed = _agreed(record, synth, row) if fingerprints.compared else None
+            synth = _synthesizer(lambda: _tokenizer(job), job, api, token_ids, stream.block_size)
+        if fingerprints.compared and record.get("prompt_fingerprint") is not None:
+            ids, fingerprint = synth.server_ids_and_fingerprint(row)
+            agreed = _agreed(record, fingerprint)
+        else:
+            ids, agreed = synth.server_ids(row), None
         fingerprints.add(record["request_id"], agreed)
         return record, array("q", block_hashes(ids, server_block)), len(ids), ideal, agreed
 

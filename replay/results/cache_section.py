@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import orjson
 
@@ -38,6 +38,9 @@ from replay.results.metadata import file_sha256
 from replay.results.report import ReportError
 from replay.rules.run_files import metrics_path
 from replay.synth.tokenizer_source import resolve_tokenizer
+
+if TYPE_CHECKING:
+    from replay.synth.prompts import PromptSynthesizer
 
 CHILD_MODULE = "replay.results.cache_child"
 
@@ -181,18 +184,20 @@ def _model_servers(results: str | Path, caches: dict, cache_blocks: int | None) 
     return servers, ""
 
 
-def cache_section_here(job: CacheJob) -> dict:
+def cache_section_here(job: CacheJob, run_synth: PromptSynthesizer | None = None) -> dict:
     """The cache section of `job` computed in this process, for a process that already holds the
     run's tokenizer and set-up (a single-process run's end: its worker made the same prompts
     here): a child would load them a second time, and its memory would add to this process's,
-    alive at the same time. The section is `cache_section`'s (the same `compute`). Raises
-    ReportError for a bad input, CacheChildError for any other failure (a child's crash)."""
+    alive at the same time. `run_synth`: the worker's PromptSynthesizer, whose blocks the
+    spec's prompts are made again from (cache_child.compute). The section is `cache_section`'s
+    (the same `compute`). Raises ReportError for a bad input, CacheChildError for any other
+    failure (a child's crash)."""
     prompts_log = logging.getLogger("replay.synth.prompts")
     level = prompts_log.level
     prompts_log.setLevel(logging.ERROR)  # the run already warned about rows too short for the template
     started = time.thread_time()
     try:
-        section = compute(dataclasses.asdict(job))
+        section = compute(dataclasses.asdict(job), None, run_synth)
     except (ValueError, OSError) as e:  # as the child says it (cache_child.main)
         raise ReportError(str(e)) from None
     except Exception as e:  # what would have ended a child ends only the section, as a child's end does

@@ -28,7 +28,8 @@ def start(spec: RunSpec, link: Link, clock: Clock = SYSTEM_CLOCK, **runner: Any)
     `runner`: what the Coordinator takes of its runner (local_part, heard, worker_gone,
     worker_host, on_exit_code, worker_cpu)."""
     followers: list[CacheStream] = []
-    here = cache_here(spec, single_process=runner.get("local_part") is not None)
+    local = runner.get("local_part")  # a single-process run's Dispatcher
+    here = cache_here(spec, single_process=local is not None)
 
     def follow_cache(facts: RunFacts, first_request_id: int) -> None:
         stream = start_cache_stream(spec, facts, first_request_id)
@@ -39,7 +40,7 @@ def start(spec: RunSpec, link: Link, clock: Clock = SYSTEM_CLOCK, **runner: Any)
         return finish(outcome.spec, outcome.store, outcome.facts, outcome.incomplete, coordinator.on_output_error,
                       coordinator.final_listeners, coordinator.summary_listeners, least_code=outcome.least_code,
                       capacity=outcome.capacity, cache_stream=followers[0] if followers else None,
-                      cache_here=here)
+                      cache_here=here, run_synth=local.synth if local is not None else None)
 
     coordinator = Coordinator(spec, link, clock, on_end=end, **runner)
     if not spec.options.capacity_search and not here:  # a search's probes are rows of their own, which no trace holds

@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from replay.engine.capacity import with_server_timing
 from replay.engine.spec import RunFacts, RunSpec
@@ -44,6 +45,9 @@ from replay.rules.capacity_result import NO_ANSWER, quotable_line
 from replay.rules.run_files import meta_path, tmp_path
 from replay.run.spans import join_spans
 
+if TYPE_CHECKING:
+    from replay.synth.prompts import PromptSynthesizer
+
 logger = logging.getLogger(__name__)
 CACHE_FOLLOW_ENV = "TRACEREPLAY_CACHE_FOLLOW"
 # A single-process run of at most this many rows computes its cache section at its end, in its
@@ -55,7 +59,8 @@ CACHE_HERE_TOKENS = 1_000_000  # and of at most this many prompt tokens (rows x 
 def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str],
            on_fault: Callable[[OutputError], None], listeners: Iterable[Callable[[Record], None]] = (),
            summary_listeners: Iterable[Callable[[dict], None]] = (), least_code: int = 0,
-           capacity: dict | None = None, cache_stream: CacheStream | None = None, cache_here: bool = False) -> int:
+           capacity: dict | None = None, cache_stream: CacheStream | None = None, cache_here: bool = False,
+           run_synth: PromptSynthesizer | None = None) -> int:
     """End the run whose every row has a record in `store`; returns the exit code: 1 when any
     row failed for a reason other than the user's stop, or a file of the run is not whole, else 0;
     never under `least_code` (2: a run refused before the first send, whose rows all fail).
@@ -68,7 +73,8 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
     capacity found: below LO, client-limited, workers lost, outage, server errors, stopped), not
     its rows' (a failing probe's rows fail by design). With --require-faithful, a certificate
     not faithful makes it 1 too. `cache_here`: the cache section is computed in this process
-    (`cache_here` below), not in a child."""
+    (`cache_here` below), not in a child, from the blocks of `run_synth` (the worker's
+    PromptSynthesizer) when given."""
     builder = ReportBuilder(parse_slo(spec.options.slo))
     fidelity = CertificateBuilder(ignore_eos=not spec.options.no_ignore_eos)
     failed = 0
@@ -96,7 +102,7 @@ def finish(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[
         capacity = with_server_timing(capacity, {probe: b.section() for probe, b in probe_times.items()})
     spec.schedule.close()
     whole = not incomplete and not store.unwritten  # every record in the appended file the stream read
-    report = builder.report(_cache_section(spec, facts, cache_stream if whole else None, cache_here))
+    report = builder.report(_cache_section(spec, facts, cache_stream if whole else None, cache_here, run_synth))
     if cache_stream is not None:
         cache_stream.stop()
     if spans is not None:
@@ -180,7 +186,7 @@ def start_cache_stream(spec: RunSpec, facts: RunFacts, first_request_id: int) ->
 
 
 def _cache_section(spec: RunSpec, facts: RunFacts, stream: CacheStream | None = None,
-                   here: bool = False) -> dict | None:
+                   here: bool = False, run_synth: PromptSynthesizer | None = None) -> dict | None:
     """The Prefix Cache Fidelity section, with the cache model's miss attribution, as `replay
     report` makes it, from the merged file in a child process (replay.results.cache_section:
     this process never loads the tokenizer, and the event loop turns meanwhile), whenever the
@@ -195,7 +201,7 @@ def _cache_section(spec: RunSpec, facts: RunFacts, stream: CacheStream | None = 
         if stream is not None and (section := off_loop(stream.section, job)) is not None:
             return section
         if here:
-            return off_loop(cache_section_here, job)
+            return off_loop(cache_section_here, job, run_synth)
         return off_loop(cache_section, job)[0]
     except (ValueError, OSError) as e:
         logger.error("cache fidelity: %s", e)

@@ -12,6 +12,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -44,22 +45,24 @@ def _draws(seed: int, namespace: bytes, key: bytes, block_size: int) -> array:
     return draws
 
 
-_last_tables: tuple[SafeVocab, tuple[list, ...]] | None = None  # a process's BlockSources share one vocabulary
+_last_tables: tuple[SafeVocab, tuple[Sequence, ...]] | None = None  # a process's BlockSources share one vocabulary
 
 
-def _tables(vocab: SafeVocab) -> tuple[list, ...]:
+def _tables(vocab: SafeVocab) -> tuple[Sequence, ...]:
     """Draw -> word tables (ids, texts, lead ids, lead texts, lead server ids), built by C-level
     gathers (per-element Python over every draw of 5 tables cost a BlockSource's set-up most
     of its time: docs/bench/2026-11-28-figures.md) and
     shared by the BlockSources of one vocabulary (the run's and the server check's, reseeded).
-    The tables are only read, so sharing them is safe."""
+    The tables are only read, so sharing them is safe. The ids' table is an array: a block's
+    ids (`BlockSource.ids`, every block a run's end checks) read contiguous numbers from it,
+    not int objects strewn over the heap, which the CPU's caches no longer hold by then."""
     global _last_tables
     if _last_tables is not None and _last_tables[0] is vocab:
         return _last_tables[1]
     size, leads = len(vocab), vocab.lead_count
     words = itemgetter(*[(r * size) >> 16 for r in range(DRAWS)])
     lead_words = itemgetter(*[(r * leads) >> 16 for r in range(DRAWS)])
-    tables = (list(words(vocab.ids)), list(words(vocab.texts)), list(lead_words(vocab.ids)),
+    tables = (array(TOKEN_ID, words(vocab.ids)), list(words(vocab.texts)), list(lead_words(vocab.ids)),
               list(lead_words(vocab.texts)), list(lead_words(vocab.lead_ids)))
     _last_tables = (vocab, tables)
     return tables
@@ -93,11 +96,8 @@ class BlockSource:
         """The ids of the block's first `count` tokens (all by default), as they sit inside a prompt."""
         if block.ids is None:
             draws = block.draws
-            block.ids = array(TOKEN_ID, [self._lead_ids[draws[0]]])
-            if len(draws) > 2:
-                block.ids.extend(itemgetter(*draws[1:])(self._ids))
-            elif len(draws) == 2:
-                block.ids.append(self._ids[draws[1]])
+            block.ids = array(TOKEN_ID, map(self._ids.__getitem__, draws))  # one C-level pass
+            block.ids[0] = self._lead_ids[draws[0]]
         return block.ids if count is None or count >= len(block.ids) else block.ids[:count]
 
     def lead_id(self, block: Block) -> int:
@@ -119,6 +119,14 @@ class BlockSource:
         if count == 2:
             return text + self._texts[draws[1]]
         return text + "".join(itemgetter(*draws[1:count])(self._texts))
+
+    def copy(self, cache_blocks: int) -> BlockSource:
+        """A source of the same blocks that starts with this one's cache (the blocks themselves
+        shared: they are only read, and each one's ids, made when first asked, are the same
+        whoever makes them) and keeps its own from then on, of `cache_blocks`."""
+        other = BlockSource(self.vocab, self.block_size, self.seed, cache_blocks)
+        other._cache = OrderedDict(self._cache)
+        return other
 
     def hashed(self, hash_id: int) -> Block:
         cache = self._cache

@@ -31,7 +31,7 @@ import orjson
 
 from replay.protocol.prompt import Prompt
 from replay.protocol.table import API_NAMES, APIS, prompt_format_problem
-from replay.rules.prompt_fingerprint import ids_fingerprint, text_fingerprint, whole_fingerprint
+from replay.rules.prompt_fingerprint import Fingerprint, ids_fingerprint, text_fingerprint, whole_fingerprint
 from replay.synth import setup_cache
 from replay.synth.blocks import TOKEN_ID, BlockSource
 from replay.synth.frames import EMPTY_SYSTEM, USER_ONLY, Frame, Measured, PromptError, chat_messages, measure
@@ -154,6 +154,17 @@ class PromptSynthesizer:
         other.warnings = 0
         return other
 
+    def with_blocks_of(self, cache_blocks: int) -> PromptSynthesizer:
+        """The same set-up, seed and blocks, starting from a copy of the blocks this one made
+        (BlockSource.copy), without this one's test hook (break_block): a run's end makes the
+        spec's prompts again with it, to check the sent ones against, without making every
+        block a second time."""
+        other = copy.copy(self)
+        other.__dict__.pop("_row_blocks", None)  # break_block's swap
+        other.blocks = self.blocks.copy(cache_blocks)
+        other.warnings = 0
+        return other
+
     def _layout(self, row: TraceRow) -> tuple[Frame, tuple[str, ...], int]:
         """The frame and message layout a row is built with, and its content tokens (<= 0: the
         row is shorter than any frame). The empty-system layout only serves rows too short for
@@ -212,6 +223,27 @@ class PromptSynthesizer:
                 return list(self._empty_text_ids)
             return list((self.short_frame or self.frame).empty_ids)
         return encode_prompt(self.tokenizer, self.prompt(row))
+
+    def server_ids_and_fingerprint(self, row: TraceRow) -> tuple[list[int], Fingerprint]:
+        """(`server_ids(row)`, `prompt(row).fingerprint`): where prompts are made from the
+        proven frame, the row's blocks are walked once for both (the cache section checks every
+        sent prompt so)."""
+        if row.messages is None and not self.verified:
+            frame, layout, n = self._layout(row)
+            if n > 0:
+                offset = len(frame.before)
+                if layout is EMPTY_SYSTEM or not self.token_ids:
+                    parts, content = self._content_parts_and_ids(row, n)
+                    fingerprint = text_fingerprint(parts, offset, self.blocks.block_size, n)
+                else:
+                    content = self._content_ids(row, n)
+                    fingerprint = ids_fingerprint(content, offset, self.blocks.block_size)
+                return [*frame.before, *content, *frame.after], fingerprint
+            ids = self.server_ids(row)  # shorter than the frame: an empty content (_too_short)
+            return ids, whole_fingerprint(b"", len(ids) if self.token_ids else (self.short_frame or self.frame).empty_tokens)
+        prompt = self.prompt(row)
+        assert prompt.fingerprint is not None  # prompt() sets it on every prompt
+        return self.server_ids(row), prompt.fingerprint
 
     def text_prompt(self, text: str, expected: int) -> Prompt:
         """`text` as the api's prompt: the user message of a chat, or a completions/tgi text."""
@@ -297,6 +329,22 @@ class PromptSynthesizer:
             ids += self.blocks.ids(block, used)
         ids[0] = lead
         return ids
+
+    def _content_parts_and_ids(self, row: TraceRow, n: int) -> tuple[list[str], array]:
+        """`_content_parts` and `_content_ids` of one walk over the blocks."""
+        blocks = self.blocks
+        size, prefix_text, block_ids = blocks.block_size, blocks.prefix_text, blocks.ids
+        parts: list[str] = []
+        ids = array(TOKEN_ID)
+        lead = 0
+        for block, used in self._row_blocks(row, n):
+            if not parts:
+                lead = blocks.lead_id(block)
+            parts.append(block.text if used == size else prefix_text(block, used))
+            ids += block_ids(block, used)
+        parts[0] = parts[0][1:]
+        ids[0] = lead
+        return parts, ids
 
     def _too_short(self, row: TraceRow) -> Prompt:
         frame, layout = self.frame, USER_ONLY

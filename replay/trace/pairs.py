@@ -80,20 +80,49 @@ class PairIndex:
         return found
 
     def add_new(self, a: int, bs) -> None:
-        """Add each (a, b) of `bs` not held yet: `find` then `add` in one call."""
+        """Add each (a, b) of `bs` not held yet: `find` then `add` in one call (a new pair
+        goes to the empty slot its search ended at)."""
+        first, second = self._first, self._second
         for b in bs:
             key = 2 * a
-            folded = b - _TWO_64 if b >= _TWO_63 else b
-            if folded != b:
+            if b >= _TWO_63:
+                b -= _TWO_64
                 key += 1
-            slots, first, second, mask = self._slots, self._first, self._second, self._mask
-            slot = hash((key, folded)) & mask
+            slots, mask = self._slots, self._mask
+            slot = hash((key, b)) & mask
             while number := slots[slot]:
-                if second[number] == folded and first[number] == key:
+                if second[number] == b and first[number] == key:
                     break
                 slot = (slot + 1) & mask
             else:
-                self.add(a, b)
+                self._place(key, b, slot)
+
+    def add_chain(self, a: int, bs) -> int:
+        """Number the pairs of a chain `walk` stopped short of: bs[0] with `a`, each next one
+        with the number of the pair before (so none of them is held yet); the last number (`a`
+        when `bs` is empty). `add` a pair at a time, in one call."""
+        for b in bs:
+            key = 2 * a
+            if b >= _TWO_63:
+                b -= _TWO_64
+                key += 1
+            slots, mask = self._slots, self._mask
+            slot = hash((key, b)) & mask
+            while slots[slot]:
+                slot = (slot + 1) & mask
+            a = self._place(key, b, slot)
+        return a
+
+    def _place(self, key: int, b: int, slot: int) -> int:
+        """Number the pair (key, b), held as stored, in the empty `slot` its search ended at."""
+        number = len(self._first)
+        self._first.append(key)
+        self._second.append(b)
+        if 2 * number > self._mask:
+            self._grow()
+        else:
+            self._slots[slot] = number
+        return number
 
     def second(self, number: int) -> int:
         """The b of pair `number` (1, 2, ...), as it was added."""

@@ -30,9 +30,8 @@ class IdealCache:
     def hits(self, hash_ids: tuple[int, ...]) -> int:
         """How many leading blocks of `hash_ids` the cache holds; then it holds them all."""
         hits, node = self._children.walk(0, hash_ids)
-        add = self._children.add
-        for hash_id in hash_ids[hits:]:
-            node = add(node, hash_id)
+        if hits < len(hash_ids):
+            self._children.add_chain(node, hash_ids[hits:])
         return hits
 
 
