@@ -13,7 +13,8 @@ import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
+from operator import itemgetter, rshift
 
 from replay.synth.vocab import SafeVocab
 
@@ -44,23 +45,24 @@ def _draws(seed: int, namespace: bytes, key: bytes, block_size: int) -> array:
     return draws
 
 
-_last_tables: tuple[SafeVocab, tuple[list, ...]] | None = None  # a process's BlockSources share one vocabulary
+_last_tables: tuple[SafeVocab, tuple[tuple, ...]] | None = None  # a process's BlockSources share one vocabulary
 
 
-def _tables(vocab: SafeVocab) -> tuple[list, ...]:
+def _tables(vocab: SafeVocab) -> tuple[tuple, ...]:
     """Draw -> word tables (ids, texts, lead ids, lead texts, lead server ids), built by C-level
     gathers (per-element Python over every draw of 5 tables cost a BlockSource's set-up most
     of its time: docs/bench/2026-11-28-figures.md) and
     shared by the BlockSources of one vocabulary (the run's and the server check's, reseeded).
-    The tables are only read, so sharing them is safe."""
+    The tables are only read, so sharing them is safe, and tuples: the gathers' own results.
+    Draw r picks word (r * size) >> 16, each computed by `map` over C functions, not a Python loop."""
     global _last_tables
     if _last_tables is not None and _last_tables[0] is vocab:
         return _last_tables[1]
     size, leads = len(vocab), vocab.lead_count
-    words = itemgetter(*[(r * size) >> 16 for r in range(DRAWS)])
-    lead_words = itemgetter(*[(r * leads) >> 16 for r in range(DRAWS)])
-    tables = (list(words(vocab.ids)), list(words(vocab.texts)), list(lead_words(vocab.ids)),
-              list(lead_words(vocab.texts)), list(lead_words(vocab.lead_ids)))
+    words = itemgetter(*map(rshift, range(0, DRAWS * size, size), repeat(16)))
+    lead_words = itemgetter(*map(rshift, range(0, DRAWS * leads, leads), repeat(16)))
+    tables = (words(vocab.ids), words(vocab.texts), lead_words(vocab.ids), lead_words(vocab.texts),
+              lead_words(vocab.lead_ids))
     _last_tables = (vocab, tables)
     return tables
 
