@@ -15,7 +15,7 @@
    The first run starts with an empty cache (cold), the others reuse it (warm).
 
 3. Fixed costs (--costs; issue 40): for each of --cost-tokenizers and --cost-apis, --cost-runs
-   replays of the same trace (the first cold, the others' median is the figure), their process
+   replays (`replay run`, as in 2.) of the same trace (the first cold, the others' median is the figure), their process
    tree sampled from /proc (common.TreeWatch): the tree's CPU before the first send, its CPU and
    the wall time from the last answer to the exit, the cache-fidelity follower's CPU (and the
    end's own cache child's), the tree's CPU a request and its peak RSS as the sum of the
