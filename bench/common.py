@@ -42,18 +42,21 @@ def compile_bytecode(tree: Path = REPO) -> None:
 
 
 # `python -c LOCUST USAGE_FILE ARGS` is `python -m locust ARGS` that writes, as it exits, its own CPU
-# seconds and its reaped children's (e.g. the end-of-run cache child) to USAGE_FILE.
-LOCUST = """
+# seconds and its reaped children's (e.g. the end-of-run cache child) to USAGE_FILE; `python -c
+# REPLAY USAGE_FILE run ARGS` is `python -m replay run ARGS` (the user's command) that does the same.
+RUN_MODULE = """
 import resource, runpy, sys
 usage_file = sys.argv.pop(1)
-sys.argv[0] = "locust"
+sys.argv[0] = "{module}"
 try:
-    runpy.run_module("locust", run_name="__main__", alter_sys=True)
+    runpy.run_module("{module}", run_name="__main__", alter_sys=True)
 finally:
     own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     with open(usage_file, "w") as f:
-        f.write(f"{own.ru_utime + own.ru_stime} {children.ru_utime + children.ru_stime}")
+        f.write(f"{{own.ru_utime + own.ru_stime}} {{children.ru_utime + children.ru_stime}}")
 """
+LOCUST = RUN_MODULE.format(module="locust")
+REPLAY = RUN_MODULE.format(module="replay")
 
 
 def locust_cpu(usage_file: Path) -> tuple[float, float]:

@@ -5,17 +5,17 @@
    (the cache the cold run wrote). Wall and CPU seconds of the set-up itself (a cold set-up's
    child process counted in), and the peak RSS of the process (imports included) or of that
    child, whichever is larger.
-2. Replay: a real `locust -f locustfile.py --headless` (one process: master and worker parts)
-   replays a --rows-row, --seconds-s trace against `replay sim` (each on a core of its own),
+2. Replay: the user's command, `replay run --headless` (as `python -m replay run`, the replay
+   package of the checkout measured on PYTHONPATH; one process: master and worker parts) replays a --rows-row, --seconds-s trace against `replay sim` (each on a core of its own),
    to completion; CPU seconds (user + system) and peak RSS from wait4 on the reaped child,
    start-up included: both count its own children, the set-up child of a cold start
-   (replay/synth/setup_child.py) too; the locust process's own peak is read from its VmHWM.
-   CPU per request = that CPU / rows, then split into the locust process's own and its child
+   (replay/synth/setup_child.py) too; the replay process's own peak is read from its VmHWM.
+   CPU per request = that CPU / rows, then split into the replay process's own and its child
    processes' (the cold set-up child, the end-of-run cache child), from its getrusage at exit.
    The first run starts with an empty cache (cold), the others reuse it (warm).
 
 3. Fixed costs (--costs; issue 40): for each of --cost-tokenizers and --cost-apis, --cost-runs
-   replays of the same trace (the first cold, the others' median is the figure), their process
+   replays (`replay run`, as in 2.) of the same trace (the first cold, the others' median is the figure), their process
    tree sampled from /proc (common.TreeWatch): the tree's CPU before the first send, its CPU and
    the wall time from the last answer to the exit, the cache-fidelity follower's CPU (and the
    end's own cache child's), the tree's CPU a request and its peak RSS as the sum of the
@@ -31,7 +31,7 @@ with PYTHONDONTWRITEBYTECODE set, as on CI machines and in the Dockerfile, each 
 otherwise compile the whole package again, ~0.05 s CPU, which is not set-up.
 
 With --against TREE (another checkout, e.g. `git worktree add /tmp/base COMMIT`), the replays
-are made alternately by this checkout and TREE (its locustfile and replay on PYTHONPATH, a set-up
+are made alternately by this checkout and TREE (its replay package on PYTHONPATH, a set-up
 cache of its own), run for run, on the same trace and sim, and the medians of each and the ratio
 of their own CPU are printed: two sets of runs minutes apart differ by more than a few percent.
 
@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 from common import (  # noqa: E402
-    LOCUST,
+    REPLAY,
     TreeWatch,
     compile_bytecode,
     high_water_kib,
@@ -164,10 +164,11 @@ def write_trace(path: Path, rows: int, seconds: float, seed: int = 0) -> None:
 
 def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, cpu: int | None,
                 extra: list[str], tree: Path = REPO, api: str = "openai-completions", watch: bool = False) -> dict:
-    """One replay of `trace` by `tree`'s locustfile and replay package. `watch`: its process tree
-    is sampled (common.TreeWatch) for the fixed costs (`fixed_costs`)."""
+    """One replay of `trace` by `replay run` (the user's command: its entry points read, its
+    collector and imports as a user's run has them) with `tree`'s replay package. `watch`: its
+    process tree is sampled (common.TreeWatch) for the fixed costs (`fixed_costs`)."""
     usage_file = out.with_name(out.name + ".cpu")
-    cmd = [sys.executable, "-c", LOCUST, str(usage_file), "-f", str(tree / "locustfile.py"), "--headless", "--host", url,
+    cmd = [sys.executable, "-c", REPLAY, str(usage_file), "run", "--headless", "--host", url,
            "--trace", str(trace), "--block-size", str(BLOCK), "--tokenizer", str(tokenizer), "--model", "sim",
            "--api", api, "--output", str(out), "--overwrite", "--loglevel", "WARNING",
            "--only-summary", *extra]
@@ -175,7 +176,7 @@ def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, 
     env = {**tree_env(tree), CACHE_ENV: str(cache)}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, preexec_fn=preexec, env=env, cwd=tree)
-        own_peak_kib = 0  # the locust process's own high-water mark (wait4's is its children's too)
+        own_peak_kib = 0  # the replay process's own high-water mark (wait4's is its children's too)
         tree_watch = TreeWatch(proc.pid) if watch else None
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -192,7 +193,7 @@ def replay_once(tokenizer: Path, url: str, trace: Path, out: Path, cache: Path, 
     records = list(read_records(out)) if out.exists() else []
     problems = []
     if proc.returncode != 0:
-        problems.append(f"locust exit {proc.returncode}: {text[-1500:]}")
+        problems.append(f"replay run exit {proc.returncode}: {text[-1500:]}")
     # a row shorter than the template's frame is sent as an empty content (replay/synth/prompts.py): not exact
     bad = [r for r in records if not r["ok"] or (r["prompt_tokens"] != r["input_length"] and r["input_length"] >= 64)]
     if bad:
@@ -232,11 +233,11 @@ def fixed_costs(watch: TreeWatch, records: list[dict], cpu_s: float, exited_at: 
 
 
 def _short(cmd: str) -> str:
-    """A member's command line, told apart in a few words: the module it runs, or locust."""
+    """A member's command line, told apart in a few words: the module it runs, or replay run."""
     words = cmd.split()
     if "-m" in words[:-1]:
         return " ".join(words[words.index("-m") + 1:][:2])
-    return "locust" if "locust" in cmd else " ".join(words[:2])[-40:]
+    return "replay run" if "runpy.run_module" in cmd else " ".join(words[:2])[-40:]
 
 
 def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | None, server: int | None,
@@ -246,7 +247,7 @@ def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | 
         print(f"replay skipped: {tokenizer} is absent")
         return []
     trees = [REPO] if against is None else [REPO, against]
-    print(f"replay: {rows} rows over {seconds:g} s, {name}, openai-completions, locust --headless on cpu {client}, "
+    print(f"replay: {rows} rows over {seconds:g} s, {name}, openai-completions, replay run --headless on cpu {client}, "
           f"sim on cpu {server}; run 1 cold (empty cache), then warm{'; ' + ' '.join(extra) if extra else ''}"
           f"{'; alternately with ' + str(against) if against else ''}")
     problems = []
@@ -267,7 +268,7 @@ def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | 
                           f"CPU {r['cpu_s']:.2f} s ({r['user_s']:.2f} user + {r['sys_s']:.2f} sys) "
                           f"= {r['cpu_ms_per_req']:.2f} ms/request (own {r['own_ms_per_req']:.2f} + children "
                           f"{r['children_ms_per_req']:.2f}), peak RSS {r['peak_rss_mib']:.0f} MiB "
-                          f"(the largest process; locust's own {r['own_peak_rss_mib']:.0f} MiB)  "
+                          f"(the largest process; replay run's own {r['own_peak_rss_mib']:.0f} MiB)  "
                           f"loadavg {open('/proc/loadavg').read().split()[0]}", flush=True)
     own = {}
     for tree in trees:
@@ -278,7 +279,7 @@ def bench_replay(name: str, rows: int, seconds: float, runs: int, client: int | 
               f"+ children {statistics.median(r['children_ms_per_req'] for r in warm):.2f}), peak RSS "
               f"{statistics.median(r['peak_rss_mib'] for r in warm):.0f} MiB (target <= 200 MB); "
               f"cold run: {cold['cpu_ms_per_req']:.2f} ms/request, {cold['peak_rss_mib']:.0f} MiB "
-              f"(locust's own {cold['own_peak_rss_mib']:.0f} MiB; the rest is the set-up's child process)")
+              f"(replay run's own {cold['own_peak_rss_mib']:.0f} MiB; the rest is the set-up's child process)")
     if against is not None:
         print(f"own CPU a request of the warm runs, this checkout / {against}: {own[REPO] / own[against]:.3f}")
     return problems
@@ -306,7 +307,7 @@ def bench_costs(names: list[str], apis: list[str], rows: int, seconds: float, ru
     `seconds`-s trace, the first with an empty set-up cache (cold), the others warm; the warm runs'
     median is the figure. Then one replay of two rows `idle_seconds` apart for the idle CPU."""
     problems = []
-    print(f"fixed costs: {rows} rows over {seconds:g} s, streamed, locust --headless on cpu {client}, sim on cpu "
+    print(f"fixed costs: {rows} rows over {seconds:g} s, streamed, replay run --headless on cpu {client}, sim on cpu "
           f"{server}; warm set-up cache (median of {runs - 1} runs after a cold one); idle: 2 rows "
           f"{idle_seconds:g} s apart; host load {os.getloadavg()[0]:.2f}")
     for name in names:
@@ -369,7 +370,7 @@ def bench_burst(name: str, client: int | None, server: int | None, rows: int = 8
     lag, and the other rows' p99 and max."""
     tokenizer = tokenizer_dir(name)
     problems = []
-    print(f"burst: {rows} rows of {tokens} tokens due at {at_s:g} s, {name}, openai-chat, locust on cpu {client}")
+    print(f"burst: {rows} rows of {tokens} tokens due at {at_s:g} s, {name}, openai-chat, replay run on cpu {client}")
     with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp, \
             sim_process(tokenizer, "--block-size", str(BLOCK), "--ttft-ms", "20", "--itl-ms", "2",
                         "--prefill-ms-per-1k", "0", "--max-num-seqs", "100000", cpu=server) as sim:
@@ -405,7 +406,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--replay-runs", type=int, default=3, help="warm replays (after one cold)")
     parser.add_argument("--no-replay", action="store_true")
-    parser.add_argument("--replay-args", default="", help="more locust flags for the replay, e.g. "
+    parser.add_argument("--replay-args", default="", help="more `replay run` flags for the replay, e.g. "
                         "'--verify-server off --server-metrics-interval 0' to leave those parts out")
     parser.add_argument("--no-set-up", action="store_true")
     parser.add_argument("--costs", action="store_true",

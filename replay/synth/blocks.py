@@ -14,7 +14,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
+from operator import itemgetter, rshift
 
 from replay.synth.vocab import SafeVocab
 
@@ -53,17 +54,19 @@ def _tables(vocab: SafeVocab) -> tuple[Sequence, ...]:
     gathers (per-element Python over every draw of 5 tables cost a BlockSource's set-up most
     of its time: docs/bench/2026-11-28-figures.md) and
     shared by the BlockSources of one vocabulary (the run's and the server check's, reseeded).
-    The tables are only read, so sharing them is safe. The ids' table is an array: a block's
+    The tables are only read, so sharing them is safe. Draw r picks word (r * size) >> 16, each
+    computed by `map` over C functions, not a Python loop. The ids' table is an array: a block's
     ids (`BlockSource.ids`, every block a run's end checks) read contiguous numbers from it,
-    not int objects strewn over the heap, which the CPU's caches no longer hold by then."""
+    not int objects strewn over the heap, which the CPU's caches no longer hold by then; the
+    others are the gathers' own tuples."""
     global _last_tables
     if _last_tables is not None and _last_tables[0] is vocab:
         return _last_tables[1]
     size, leads = len(vocab), vocab.lead_count
-    words = itemgetter(*[(r * size) >> 16 for r in range(DRAWS)])
-    lead_words = itemgetter(*[(r * leads) >> 16 for r in range(DRAWS)])
-    tables = (array(TOKEN_ID, words(vocab.ids)), list(words(vocab.texts)), list(lead_words(vocab.ids)),
-              list(lead_words(vocab.texts)), list(lead_words(vocab.lead_ids)))
+    words = itemgetter(*map(rshift, range(0, DRAWS * size, size), repeat(16)))
+    lead_words = itemgetter(*map(rshift, range(0, DRAWS * leads, leads), repeat(16)))
+    tables = (array(TOKEN_ID, words(vocab.ids)), words(vocab.texts), lead_words(vocab.ids), lead_words(vocab.texts),
+              lead_words(vocab.lead_ids))
     _last_tables = (vocab, tables)
     return tables
 
