@@ -1,6 +1,7 @@
 """What `replay run` spares Locust's start and stop: one read of the installed distributions'
 entry points while importing Locust (replay.locust.cli.entry_points_read_once), and a stop whose
-debug line names its caller without reading source files (replay.locust.stop_caller)."""
+debug line names its caller without reading source files (replay.locust.stop_caller); and a
+run's metadata that names the platform without a child process (replay.results.metadata)."""
 
 import importlib.metadata
 import inspect
@@ -120,3 +121,40 @@ def test_the_plugin_leaves_the_web_uis_modules_to_a_run_with_a_web_ui():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+PLATFORM_WITHOUT_A_CHILD = """
+import os, subprocess, sys
+import gevent.monkey
+import gevent.subprocess
+gevent.monkey.patch_all()  # as a replay runs: gevent's subprocess forks the whole process
+
+
+children = []
+
+
+def refused(*args, **kwargs):
+    children.append(args)
+    raise OSError("no child process here")
+
+
+subprocess.Popen = gevent.subprocess.Popen = os.fork = os.posix_spawn = refused
+from replay.results.metadata import versions
+print(versions()["platform"])
+assert not children, f"a child process was asked for: {children}"
+"""
+
+
+def test_the_runs_metadata_names_the_platform_without_a_child_process():
+    """platform.platform() runs `uname -p`: a fork of the replaying process, counted twice in the
+    host's memory while it lives. Linux's own uname says the same without one."""
+    import platform
+
+    done = subprocess.run([sys.executable, "-c", PLATFORM_WITHOUT_A_CHILD], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    named = done.stdout.strip()
+    processor = platform.uname().processor
+    if sys.platform == "linux" and processor in ("", "unknown"):
+        assert named == platform.platform()
+    assert named.startswith(f"{platform.system()}-{platform.release()}-{platform.machine()}")

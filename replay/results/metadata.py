@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -34,16 +36,29 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def platform_name() -> str:
+    """platform.platform()'s string without its `uname -p` child on Linux: that child is a fork
+    of the whole replaying process (gevent's subprocess), whose memory the host holds twice
+    while it lives, for a processor name that Linux's uname mostly reports as unknown. Here the
+    system, release, machine and C library, as platform.platform() writes them."""
+    if sys.platform != "linux":
+        return platform.platform()
+    name = os.uname()
+    libc, libc_version = platform.libc_ver()
+    return "-".join(part for part in (name.sysname, name.release, name.machine, "with", libc + libc_version) if part)
+
+
 @functools.cache
 def versions() -> dict[str, str | None]:
-    """Once per process: platform.platform() runs `uname -p` in a subprocess, which under
-    gevent yields to the event loop (replay.run.preflight asks, not the run's start)."""
+    """Once per process: where platform_name falls back to platform.platform(), that runs
+    `uname -p` in a subprocess, which under gevent yields to the event loop
+    (replay.run.preflight asks, not the run's start)."""
     return {
         "tracereplay": _version("tracereplay"),
         "locust": _version("locust"),
         "tokenizers": _version("tokenizers"),
         "python": platform.python_version(),
-        "platform": platform.platform(),
+        "platform": platform_name(),
     }
 
 
