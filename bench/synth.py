@@ -1,11 +1,15 @@
 """Synthesis speed on one core: prompt tokens/s and requests/s, body included, warm and cold.
 
 Warm = every block already in the cache (a worker replaying a trace's hot prefixes); cold =
-an empty cache (each block drawn and its text joined once). Prints the median of --runs.
+an empty cache (each block drawn and its text joined once). Prints the median of --runs, in
+the thread's CPU time (other processes on the core do not count).
 
-    .venv/bin/python bench/synth.py [--tokenizer DIR] [--trace FILE] [--block-size N] [--rows N] [--api A] [--runs 5]
+    .venv/bin/python bench/synth.py [--tokenizer DIR] [--trace FILE] [--block-size N] [--rows N] [--api A] [--runs 5] [--evict-mb N]
 
 Prompts are made as a worker makes them, with a `pause` between steps (a no-op here).
+--evict-mb N writes N MB of other memory before each prompt, untimed: in a run, sends, reads
+and other processes evict the CPU's caches between two bodies, and a prompt then pays a
+memory fetch for most of its words' table entries and texts, which a tight loop never shows.
 
 Without --tokenizer it uses ../shared/tokenizers/qwen2 when present, else the toy tokenizer;
 without --trace ../shared/traces/mooncake_synthetic_trace.jsonl when present, else rows
@@ -67,12 +71,16 @@ def _no_pause() -> None:
     """A worker's pause between a prompt's steps (replay.engine.lookahead), with no send to let go."""
 
 
-def _pass(synth: PromptSynthesizer, rows: list[TraceRow], api: str) -> float:
-    started = time.perf_counter()
+def _pass(synth: PromptSynthesizer, rows: list[TraceRow], api: str, evict: bytearray | None = None) -> float:
+    spent = 0.0
     for row in rows:
+        if evict is not None:
+            evict[::64] = bytes(len(evict) // 64)  # a byte of every cache line
+        started = time.thread_time()
         prompt = synth.prompt(row, _no_pause)
         build_body(api, prompt, model="m", output_length=row.output_length, stream=True)
-    return time.perf_counter() - started
+        spent += time.thread_time() - started
+    return spent
 
 
 def main() -> None:
@@ -84,6 +92,7 @@ def main() -> None:
     parser.add_argument("--api", choices=API_NAMES, default="openai-chat")
     parser.add_argument("--token-ids", action="store_true")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--evict-mb", type=int, default=0, help="MB written before each prompt (caches as in a run)")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -95,10 +104,11 @@ def main() -> None:
     print(f"tokenizer {tokenizer.name}, api {args.api}{' (token ids)' if args.token_ids else ''}, "
           f"{len(rows)} rows, {tokens:,} prompt tokens, {distinct:,} distinct blocks of {block_size}")
     cold, warm = [], []
+    evict = bytearray(args.evict_mb << 20) if args.evict_mb else None
     for _ in range(args.runs):
         synth.blocks.clear()
-        cold.append(_pass(synth, rows, args.api))
-        warm.append(_pass(synth, rows, args.api))
+        cold.append(_pass(synth, rows, args.api, evict))
+        warm.append(_pass(synth, rows, args.api, evict))
     for name, times in (("cold", cold), ("warm", warm)):
         t = statistics.median(times)
         print(f"{name}: {tokens / t / 1e6:8.2f} M prompt tokens/s  {len(rows) / t:10,.0f} requests/s  "
