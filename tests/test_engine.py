@@ -215,6 +215,41 @@ def test_a_lost_abort_is_sent_again(tmp_path, sim, toy_tokenizer_dir):
     assert labels <= {RUN_STOPPED, STOPPED_IN_FLIGHT}, labels
 
 
+def test_a_builder_makes_its_bodies_in_batches_not_one_at_each_rows_turn(tmp_path, sim, toy_tokenizer_dir,
+                                                                         monkeypatch):
+    """Rows 0.1 s apart with a window of 1 s: the builder sleeps until the next row is
+    BUILD_WAKE of the window from its send and then builds every row within the window, back to
+    back while the tables are in the CPU's caches; it used to sleep until each row came within the
+    window and make each body alone, after sends had evicted them."""
+    import sys
+
+    from replay.engine import dispatcher
+
+    sleeps = []  # the builder's sleeps until a row is near enough
+
+    class CountedEvent(dispatcher.Event):
+        def wait(self, timeout=None):
+            if sys._getframe(1).f_code.co_name == "_build_ahead":
+                sleeps.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(dispatcher, "Event", CountedEvent)
+    monkeypatch.setattr(dispatcher, "AHEAD_S", 1.0)
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=100)
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output), server_metrics_interval=0)
+    link = LocalLink()
+    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=Dispatcher(link, local=True))
+    coordinator.begin([(LOCAL_CLIENT, 0)])
+    assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
+    gevent.spawn(coordinator.end).join(timeout=30)
+    records = list(read_records(output))
+    assert len(records) == 40 and all(r["ok"] for r in records)
+    # 30 rows come within the window after the go: a sleep each before, one each half window now
+    assert 0 < len(sleeps) <= 12, sleeps
+
+
 def test_an_idle_worker_wakes_its_builder_and_connection_keeper_only_when_there_is_work(tmp_path, sim,
                                                                                         toy_tokenizer_dir):
     """Between two sends 14 s apart nothing is due: the body builder sleeps until the second row

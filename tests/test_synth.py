@@ -339,6 +339,31 @@ def test_block_cache_evicts_least_recently_used_and_regenerates_the_same(toy):
     assert blocks.hashed(1).text == first
 
 
+def test_a_blocks_draws_are_shake_of_its_material_with_the_prefix_hashed_once(toy, monkeypatch):
+    """A block's draws are SHAKE-256 of b"tracereplay-block-v1|seed|namespace|key|block_size"
+    (what every machine derives alike), and making a block hashes only its own key: the constant
+    part before it is hashed once per source, not again for every block of a run."""
+    from array import array
+
+    from replay.synth import blocks as blocks_module
+
+    source = PromptSynthesizer(toy, "openai-completions", block_size=16, seed=3).blocks
+    made = {(namespace, key): source.make(namespace, key).draws
+            for namespace, key in ((blocks_module.HASHED, b"5"), (blocks_module.HASHED, b"123456789"),
+                                   (blocks_module.UNIQUE, b"7.2"))}
+    for (namespace, key), draws in made.items():
+        material = b"tracereplay-block-v1|3|%s|%s|16" % (namespace, key)
+        expected = array("H", hashlib.shake_256(material).digest(32))
+        if sys.byteorder == "big":
+            expected.byteswap()
+        assert draws == expected, (namespace, key)
+    started, shake_256 = [], hashlib.shake_256
+    monkeypatch.setattr(blocks_module.hashlib, "shake_256", lambda *a: started.append(a) or shake_256(*a))
+    source.make(blocks_module.HASHED, b"6")
+    source.unique(9, 0)
+    assert started == []
+
+
 @pytest.mark.parametrize(
     "api,token_ids",
     [("openai-chat", False), ("openai-completions", False), ("openai-completions", True), ("tgi", False)],

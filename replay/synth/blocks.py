@@ -23,6 +23,7 @@ HASHED = b"h"  # blocks named by a trace hash id: shared by every row that carri
 UNIQUE = b"u"  # blocks of one row only (rows without hash ids, or too few of them)
 TOKEN_ID = "I" if array("I").itemsize == 4 else "L"  # array typecode of token ids
 DRAWS = 1 << 16  # each token is one 16-bit draw, mapped through a table onto the vocabulary
+BIG_ENDIAN = sys.byteorder == "big"
 
 
 @dataclass(slots=True)
@@ -38,12 +39,25 @@ class Block:
     ids: array | None = None
 
 
-def _draws(seed: int, namespace: bytes, key: bytes, block_size: int) -> array:
-    material = b"tracereplay-block-v1|%d|%s|%s|%d" % (seed, namespace, key, block_size)
-    draws = array("H", hashlib.shake_256(material).digest(2 * block_size))
-    if sys.byteorder == "big":
-        draws.byteswap()
-    return draws
+class _Draws:
+    """A block's draws: SHAKE-256 of b"tracereplay-block-v1|seed|namespace|key|block_size", read
+    as little-endian 16-bit numbers. The hash state of the material before the key is made
+    once per namespace and copied for each block: formatting and hashing that constant prefix
+    again for every block was a large share of a cold block's cost."""
+
+    def __init__(self, seed: int, block_size: int) -> None:
+        self._before_key = {namespace: hashlib.shake_256(b"tracereplay-block-v1|%d|%s|" % (seed, namespace))
+                            for namespace in (HASHED, UNIQUE)}
+        self._after_key = b"|%d" % block_size
+        self._length = 2 * block_size
+
+    def __call__(self, namespace: bytes, key: bytes) -> array:
+        state = self._before_key[namespace].copy()
+        state.update(key + self._after_key)
+        draws = array("H", state.digest(self._length))
+        if BIG_ENDIAN:
+            draws.byteswap()
+        return draws
 
 
 _last_tables: tuple[SafeVocab, tuple[Sequence, ...]] | None = None  # a process's BlockSources share one vocabulary
@@ -86,13 +100,14 @@ class BlockSource:
         self.seed = seed
         self.cache_blocks = cache_blocks
         self._cache: OrderedDict[int, Block] = OrderedDict()
+        self._draws = _Draws(seed, block_size)
         self._ids, self._texts, self._lead_ids, self._lead_texts, self._lead_server_ids = _tables(vocab)
         self.hits = 0
         self.misses = 0
 
     def make(self, namespace: bytes, key: bytes) -> Block:
         """A fresh block (no cache): the first word from the lead-capable words, the rest from all."""
-        draws = _draws(self.seed, namespace, key, self.block_size)
+        draws = self._draws(namespace, key)
         return Block(self.prefix_text_of(draws, len(draws)), draws)
 
     def ids(self, block: Block, count: int | None = None) -> array:

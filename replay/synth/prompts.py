@@ -25,7 +25,7 @@ import copy
 import logging
 import weakref
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import orjson
 
@@ -50,17 +50,6 @@ BREAK_BLOCK_ENV = "TRACEREPLAY_TEST_BREAK_BLOCK"
 
 log = logging.getLogger(__name__)
 PAUSE_BLOCKS = 32  # a long content is made in runs of this many blocks (~0.5 ms), `pause` called between
-
-
-def _paused(blocks: Iterator[tuple], pause: Callable[[], None] | None) -> Iterator[tuple]:
-    """`blocks`, with `pause()` called after every PAUSE_BLOCKS of them (none: as they are)."""
-    if pause is None:
-        yield from blocks
-        return
-    for k, block in enumerate(blocks, 1):
-        yield block
-        if k % PAUSE_BLOCKS == 0:
-            pause()
 
 
 _vocab_cache: weakref.WeakKeyDictionary[ServerTokenizer, SafeVocab] = weakref.WeakKeyDictionary()
@@ -281,33 +270,37 @@ class PromptSynthesizer:
         catch: prompt-differs). Costs nothing unless called: it swaps the method."""
         plain = self._row_blocks
 
-        def broken(row: TraceRow, n: int):
+        def broken(row: TraceRow, n: int, pause: Callable[[], None] | None = None):
             hash_ids = row.hash_ids or ()
-            for index, (block, used) in enumerate(plain(row, n)):
+            for index, (block, used) in enumerate(plain(row, n, pause)):
                 if index < len(hash_ids) and hash_ids[index] == hash_id:
                     block = self.blocks.unique(row.request_id, index)
                 yield block, used
 
         self._row_blocks = broken
 
-    def _row_blocks(self, row: TraceRow, n: int):
-        """(block, tokens used) for the blocks covering n content tokens; the last may be partial."""
+    def _row_blocks(self, row: TraceRow, n: int, pause: Callable[[], None] | None = None):
+        """(block, tokens used) for the blocks covering n content tokens; the last may be partial.
+        `pause()` is called after every PAUSE_BLOCKS blocks (a prompt's steps: `prompt`)."""
         hash_ids = row.hash_ids or ()
-        size = self.blocks.block_size
+        blocks = self.blocks
+        size = blocks.block_size
         full, part = divmod(n, size)
         for index in range(full + (1 if part else 0)):
             if index < len(hash_ids):
-                block = self.blocks.hashed(hash_ids[index])
+                block = blocks.hashed(hash_ids[index])
             else:
-                block = self.blocks.unique(row.request_id, index)
+                block = blocks.unique(row.request_id, index)
             yield block, size if index < full else part
+            if pause is not None and (index + 1) % PAUSE_BLOCKS == 0:
+                pause()
 
     def _content_parts(self, row: TraceRow, n: int, pause: Callable[[], None] | None = None) -> list[str]:
         """The content's text, one part per trace block."""
         size = self.blocks.block_size
         prefix_text = self.blocks.prefix_text
         parts = [block.text if used == size else prefix_text(block, used)
-                 for block, used in _paused(self._row_blocks(row, n), pause)]
+                 for block, used in self._row_blocks(row, n, pause)]
         parts[0] = parts[0][1:]  # the first word goes bare: templates strip, sentencepiece re-adds the space
         return parts
 
@@ -323,7 +316,7 @@ class PromptSynthesizer:
     def _content_ids(self, row: TraceRow, n: int, pause: Callable[[], None] | None = None) -> array:
         ids = array(TOKEN_ID)
         lead = None
-        for block, used in _paused(self._row_blocks(row, n), pause):
+        for block, used in self._row_blocks(row, n, pause):
             if lead is None:
                 lead = self.blocks.lead_id(block)
             ids += self.blocks.ids(block, used)
