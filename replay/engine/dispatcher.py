@@ -58,6 +58,7 @@ from replay.trace.record import TraceRow
 logger = logging.getLogger(__name__)
 
 AHEAD_S = 10.0  # build bodies up to this far (wall seconds) ahead of their send
+BUILD_BATCH_S = 1.0  # once woken for a row AHEAD_S from its send, build this much more of the trace with it
 BUILD_IDLE_S = 0.5  # the builder's longest sleep AHEAD_S ahead, before the go or in a search (a check costs CPU)
 AHEAD_ROWS = 2000  # and at most this many rows ahead
 FLUSH_S = 0.2  # records are written and shipped in batches this often
@@ -68,6 +69,7 @@ WARM_S = 0.25  # idle connections kept for the sends due within this much time
 # How often the idle connections are sized to the sends due within WARM_S: well inside WARM_S, and
 # no more often, since an idle process's CPU is these ticks (docs/bench/2026-11-28-figures.md)
 WARM_TICK_S = 0.1
+WARM_AGAIN_S = 1.0  # the longest tick after connections were made ready (they are kept IDLE_MAX_S)
 QUIET_TICK_S = 1.0  # in a search, the longest tick when no send is due within WARM_S of the next tick
 MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
 MIN_SPARE = 8  # and this many more per endpoint
@@ -447,6 +449,9 @@ class PartReplay:
         pos = 0
         steps = BuildSteps(lambda: self.next_due, lambda: self.dispatch_pos)
         scale = self.options.scale
+        # A plain run's send times are fixed after the go: woken for one row, the builder takes
+        # the rows of the next BUILD_BATCH_S with it, rather than waking once a row.
+        batch_s = 0.0
         while True:
             row = self._row(pos)
             if row is None:
@@ -463,7 +468,7 @@ class PartReplay:
                     ahead_s = self.due(row) - self.offset - time.time()
                 else:
                     ahead_s = send_offset_s(row.timestamp_s, self.origin, scale)
-                if ahead_rows < AHEAD_ROWS and ahead_s < AHEAD_S and not self.bodies.full:
+                if ahead_rows < AHEAD_ROWS and ahead_s < AHEAD_S + batch_s and not self.bodies.full:
                     gap = self.next_due - time.time()
                     # Near a send: let it go out first. "Near" is a few steps of a build
                     # (replay.engine.lookahead), so dense traces still get built.
@@ -478,6 +483,7 @@ class PartReplay:
                     # held back by time, its send time fixed: nothing to build until the next row is
                     # AHEAD_S from its send (an idle run's CPU is mostly wake-ups); the run's end wakes it
                     self.finished.wait(max(ahead_s - AHEAD_S, 0.001))
+                    batch_s = BUILD_BATCH_S
                 else:  # before the go, or in a search (a round may be cut short): looked at again soon
                     gevent.sleep(min(BUILD_IDLE_S, max(ahead_s - AHEAD_S, 0.001)))
             steps.start(pos)
@@ -696,6 +702,16 @@ class PartReplay:
                             endpoint.warm(per_endpoint)
                         except Exception as e:  # the endpoint backs off; the sends will report it
                             logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
+                    if self.go.is_set() and (pos < len(self.rows) or len(self.rows) >= self.total and not self.more):
+                        # the MIN_SPARE spare connections just made ready serve the next few rows
+                        # (or the last ones, all due within WARM_S): looked at again once a few
+                        # more came, or after WARM_AGAIN_S (its spares are then still well within
+                        # IDLE_MAX_S)
+                        later_s = WARM_AGAIN_S
+                        if pos < len(self.rows):
+                            later = self.rows[min(pos + MIN_SPARE // 2, len(self.rows) - 1)]
+                            later_s = send_offset_s(later.timestamp_s, self.origin, scale) - WARM_S - now_s
+                        tick = max(tick, min(later_s, WARM_AGAIN_S))
             self.warmed.set()
             self.finished.wait(tick)
         for endpoint in self.endpoints:  # nothing is in flight any more (drained, or cancelled)
