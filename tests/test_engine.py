@@ -289,3 +289,41 @@ def test_an_idle_worker_wakes_its_builder_and_connection_keeper_only_when_there_
     gevent.spawn(coordinator.end).join(timeout=30)
     assert woken == {"_build_ahead": 0, "_keep_connections": 0}, woken
     assert {r["request_id"] for r in read_records(output)} == {0, 1}
+
+
+def test_a_steady_run_wakes_its_builder_and_connection_keeper_once_for_several_rows(tmp_path, sim, toy_tokenizer_dir,
+                                                                                     monkeypatch):
+    """Rows 200 ms apart: the builder builds every row up to AHEAD_S when it wakes (BUILD_WAKE),
+    and the connection keeper, holding MIN_SPARE spare connections, wakes only when a few
+    more rows come within WARM_S; each woke once a row (a timed wait's expiry is thrown into the
+    waiting greenlet: it costs more than the row's own look). The window is made 1 s here, so that rows are built while the
+    run sends. Every row is still sent and recorded."""
+    import greenlet
+
+    from replay.engine import dispatcher
+
+    monkeypatch.setattr(dispatcher, "AHEAD_S", 1.0)
+    rows = 30
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=rows, gap_ms=200)
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
+                            output=str(output), server_metrics_interval=0)
+    link = LocalLink()
+    part = Dispatcher(link, local=True)
+    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=part)
+    woken: dict[str, int] = {"_build_ahead": 0, "_keep_connections": 0}
+
+    def count(event: str, args) -> None:
+        name = getattr(getattr(args[1], "_run", None), "__name__", None)
+        if event == "throw" and name in woken and part.go.is_set():  # a timed wait's expiry
+            woken[name] += 1
+
+    previous = greenlet.settrace(count)
+    try:
+        coordinator.begin([(LOCAL_CLIENT, 0)])
+        assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
+    finally:
+        greenlet.settrace(previous)
+    gevent.spawn(coordinator.end).join(timeout=30)
+    assert {r["request_id"] for r in read_records(output)} == set(range(rows))
+    assert woken["_build_ahead"] <= rows // 3 and woken["_keep_connections"] <= rows // 3, woken

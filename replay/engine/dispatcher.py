@@ -76,6 +76,7 @@ WARM_S = 0.25  # idle connections kept for the sends due within this much time
 # How often the idle connections are sized to the sends due within WARM_S: well inside WARM_S, and
 # no more often, since an idle process's CPU is these ticks (docs/bench/2026-11-28-figures.md)
 WARM_TICK_S = 0.1
+WARM_AGAIN_S = 1.0  # the longest tick after connections were made ready (they are kept IDLE_MAX_S)
 QUIET_TICK_S = 1.0  # in a search, the longest tick when no send is due within WARM_S of the next tick
 MAX_SPARE = 512  # at most this many idle per endpoint (sends beyond it connect as they go)
 MIN_SPARE = 8  # and this many more per endpoint
@@ -712,6 +713,16 @@ class PartReplay:
                             endpoint.warm(per_endpoint)
                         except Exception as e:  # the endpoint backs off; the sends will report it
                             logger.debug("cannot open a connection to %s: %s", endpoint.url, e)
+                    if self.go.is_set() and (pos < len(self.rows) or len(self.rows) >= self.total and not self.more):
+                        # the MIN_SPARE spare connections just made ready serve the next few rows
+                        # (or the last ones, all due within WARM_S): looked at again once a few
+                        # more came, or after WARM_AGAIN_S (its spares are then still well within
+                        # IDLE_MAX_S)
+                        later_s = WARM_AGAIN_S
+                        if pos < len(self.rows):
+                            later = self.rows[min(pos + MIN_SPARE // 2, len(self.rows) - 1)]
+                            later_s = send_offset_s(later.timestamp_s, self.origin, scale) - WARM_S - now_s
+                        tick = max(tick, min(later_s, WARM_AGAIN_S))
             self.warmed.set()
             self.finished.wait(tick)
         for endpoint in self.endpoints:  # nothing is in flight any more (drained, or cancelled)
