@@ -131,22 +131,7 @@ class PairIndex:
 
     def add(self, a: int, b: int) -> int:
         """Number a pair that `find` did not find (adding a pair twice numbers it twice)."""
-        key = 2 * a
-        if b >= _TWO_63:
-            b -= _TWO_64
-            key += 1
-        number = len(self._first)
-        self._first.append(key)
-        self._second.append(b)
-        if 2 * number > self._mask:
-            self._grow()
-            return number
-        slots, mask = self._slots, self._mask
-        slot = hash((key, b)) & mask
-        while slots[slot]:
-            slot = (slot + 1) & mask
-        slots[slot] = number
-        return number
+        return self.add_chain(a, (b,))
 
     def _grow(self) -> None:
         """Twice the slots, every pair placed again (numbers do not change)."""

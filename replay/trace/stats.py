@@ -78,9 +78,7 @@ def trace_stats(trace: Trace | TraceStream) -> dict:
         hits = ideal.add(row, block) if block is not None else 0
         if row.hash_ids is not None:
             with_hashes += 1
-            for hash_id in row.hash_ids[hits:]:  # a block the ideal cache held has an id seen before
-                if not distinct.find(0, hash_id):
-                    distinct.add(0, hash_id)
+            distinct.add_new(0, row.hash_ids[hits:])  # a block the ideal cache held has an id seen before
         if row.messages is not None:
             with_messages += 1
         if row.session_id is not None:
