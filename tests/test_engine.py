@@ -4,9 +4,11 @@ hand in is given here as plain callbacks."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import gevent
 import orjson
@@ -23,6 +25,38 @@ from replay.rules.run_files import meta_path, summary_path, worker_path
 from replay.run import driver, preflight
 from support.records import check_records
 from support.traces import BLOCK, mooncake_trace
+
+
+def _local_run(tmp_path, sim_url: str, tokenizer_dir, rows: int, gap_ms: float):
+    """(coordinator, its local part, the output) of a `rows`-row trace `gap_ms` apart, started in
+    this process against `sim_url` (not begun)."""
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=rows, gap_ms=gap_ms)
+    output = tmp_path / "run.jsonl"
+    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(tokenizer_dir), model="sim",
+                            output=str(output), server_metrics_interval=0)
+    link = LocalLink()
+    part = Dispatcher(link, local=True)
+    return driver.start(preflight.load(options, sim_url), link, local_part=part), part, output
+
+
+@contextlib.contextmanager
+def _wakes(events: tuple[str, ...], counting: Callable[[], bool]) -> Iterator[dict[str, int]]:
+    """How often the body builder's and the connection keeper's greenlets are switched into (or
+    have a timed wait's expiry thrown into them: `events`) while `counting()` holds."""
+    import greenlet
+
+    woken = {"_build_ahead": 0, "_keep_connections": 0}
+
+    def count(event: str, args) -> None:
+        name = getattr(getattr(args[1], "_run", None), "__name__", None)
+        if event in events and name in woken and counting():
+            woken[name] += 1
+
+    previous = greenlet.settrace(count)
+    try:
+        yield woken
+    finally:
+        greenlet.settrace(previous)
 
 
 def test_engine_imports_without_locust():
@@ -235,12 +269,7 @@ def test_a_builder_makes_its_bodies_in_batches_not_one_at_each_rows_turn(tmp_pat
 
     monkeypatch.setattr(dispatcher, "Event", CountedEvent)
     monkeypatch.setattr(dispatcher, "AHEAD_S", 1.0)
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=40, gap_ms=100)
-    output = tmp_path / "run.jsonl"
-    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
-                            output=str(output), server_metrics_interval=0)
-    link = LocalLink()
-    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=Dispatcher(link, local=True))
+    coordinator, _, output = _local_run(tmp_path, sim.url, toy_tokenizer_dir, rows=40, gap_ms=100)
     coordinator.begin([(LOCAL_CLIENT, 0)])
     assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
     gevent.spawn(coordinator.end).join(timeout=30)
@@ -255,25 +284,9 @@ def test_an_idle_worker_wakes_its_builder_and_connection_keeper_only_when_there_
     """Between two sends 14 s apart nothing is due: the body builder sleeps until the second row
     is AHEAD_S from its send, the connection keeper until it comes within WARM_S. (They woke two
     and one times a second: an idle run's CPU is mostly its wake-ups.) Then a stop ends both."""
-    import greenlet
-
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=2, gap_ms=14_000)
-    output = tmp_path / "run.jsonl"
-    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
-                            output=str(output), server_metrics_interval=0)
-    link = LocalLink()
-    part = Dispatcher(link, local=True)
-    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=part)
-    woken: dict[str, int] = {"_build_ahead": 0, "_keep_connections": 0}
-
-    def count(event: str, args) -> None:
-        name = getattr(getattr(args[1], "_run", None), "__name__", None)
-        if event in ("switch", "throw") and name in woken and counting:
-            woken[name] += 1
-
+    coordinator, part, output = _local_run(tmp_path, sim.url, toy_tokenizer_dir, rows=2, gap_ms=14_000)
     counting = False
-    previous = greenlet.settrace(count)
-    try:
+    with _wakes(("switch", "throw"), lambda: counting) as woken:
         coordinator.begin([(LOCAL_CLIENT, 0)])
         deadline = time.monotonic() + 30
         while coordinator.recorded < 1:
@@ -282,8 +295,6 @@ def test_an_idle_worker_wakes_its_builder_and_connection_keeper_only_when_there_
         counting = True
         gevent.sleep(3.0)  # the second row is 10 s or more from its send all along
         counting = False
-    finally:
-        greenlet.settrace(previous)
     part.abort(RUN_STOPPED)
     assert coordinator.finished.wait(timeout=30)
     gevent.spawn(coordinator.end).join(timeout=30)
@@ -298,32 +309,14 @@ def test_a_steady_run_wakes_its_builder_and_connection_keeper_once_for_several_r
     more rows come within WARM_S; each woke once a row (a timed wait's expiry is thrown into the
     waiting greenlet: it costs more than the row's own look). The window is made 1 s here, so that rows are built while the
     run sends. Every row is still sent and recorded."""
-    import greenlet
-
     from replay.engine import dispatcher
 
     monkeypatch.setattr(dispatcher, "AHEAD_S", 1.0)
     rows = 30
-    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=rows, gap_ms=200)
-    output = tmp_path / "run.jsonl"
-    options = ReplayOptions(trace=str(trace), block_size=BLOCK, tokenizer=str(toy_tokenizer_dir), model="sim",
-                            output=str(output), server_metrics_interval=0)
-    link = LocalLink()
-    part = Dispatcher(link, local=True)
-    coordinator = driver.start(preflight.load(options, sim.url), link, local_part=part)
-    woken: dict[str, int] = {"_build_ahead": 0, "_keep_connections": 0}
-
-    def count(event: str, args) -> None:
-        name = getattr(getattr(args[1], "_run", None), "__name__", None)
-        if event == "throw" and name in woken and part.go.is_set():  # a timed wait's expiry
-            woken[name] += 1
-
-    previous = greenlet.settrace(count)
-    try:
+    coordinator, part, output = _local_run(tmp_path, sim.url, toy_tokenizer_dir, rows=rows, gap_ms=200)
+    with _wakes(("throw",), part.go.is_set) as woken:  # a timed wait's expiry
         coordinator.begin([(LOCAL_CLIENT, 0)])
         assert coordinator.finished.wait(timeout=60), f"{coordinator.recorded} of {coordinator.total} rows recorded"
-    finally:
-        greenlet.settrace(previous)
     gevent.spawn(coordinator.end).join(timeout=30)
     assert {r["request_id"] for r in read_records(output)} == set(range(rows))
     assert woken["_build_ahead"] <= rows // 3 and woken["_keep_connections"] <= rows // 3, woken
