@@ -493,7 +493,8 @@ class PartReplay:
                     gevent.sleep(0.05)
                 elif self.go.is_set() and not self.more:
                     # held back by time, its send time fixed: nothing to build until the next row is
-                    # AHEAD_S from its send (an idle run's CPU is mostly wake-ups); the run's end wakes it
+                    # BUILD_WAKE of AHEAD_S from its send, then a batch (an idle run's CPU is mostly
+                    # wake-ups); the run's end wakes it
                     self.finished.wait(max(ahead_s - AHEAD_S * BUILD_WAKE, 0.001))
                 else:  # before the go, or in a search (a round may be cut short): looked at again soon
                     gevent.sleep(min(BUILD_IDLE_S, max(ahead_s - AHEAD_S, 0.001)))
