@@ -40,7 +40,15 @@ from replay.rules.run_files import capacity_path, summary_path
 from replay.sim.process import sim_process
 from support.paths import REPO, shared_path
 from support.ports import free_port
-from support.processes import finish, master_and_workers, replay_args, run_locust, spawn_locust, spawn_worker
+from support.processes import (
+    finish,
+    master_and_workers,
+    replay_args,
+    run_locust,
+    spawn_locust,
+    spawn_master,
+    spawn_worker,
+)
 from support.records import check_records
 from support.traces import BLOCK, bailian_trace, mooncake_trace, trace_ids
 from support.waiting import wait_for, wait_for_text
@@ -374,9 +382,7 @@ def test_signal_while_waiting_for_workers(tmp_path, toy_tokenizer_dir, fast_sim,
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
     output = tmp_path / "run.jsonl"
     port = free_port()
-    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
-                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
-                           str(port)], tmp_path, tmp_path / "master.log")
+    master = spawn_master(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), port)
     worker = spawn_worker(tmp_path, port, "worker0")
     try:
         wait_for_text(tmp_path / "master.log", "1 workers connected", master)
@@ -460,9 +466,8 @@ def test_a_worker_whose_master_vanishes_before_the_plan_quits(tmp_path, toy_toke
     connected, with no plan, exits 1 within seconds, not after Locust's 60 s check."""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=20, gap_ms=40)
     port = free_port()
-    args = replay_args(trace, toy_tokenizer_dir, fast_sim.url, tmp_path / "run.jsonl") + [
-        "--master", "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port)]
-    master = spawn_locust(args, tmp_path, tmp_path / "run.log")
+    master = spawn_master(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, tmp_path / "run.jsonl"), port,
+                          log="run.log")
     worker = spawn_worker(tmp_path, port, "worker0")
     try:
         wait_for_text(tmp_path / "run.log", "1 workers connected", master)
@@ -553,9 +558,7 @@ def test_plan_waits_until_the_worker_can_hear(tmp_path, toy_tokenizer_dir, fast_
     slow = tmp_path / "slow_init.py"
     slow.write_text(SLOW_INIT)
     port = free_port()
-    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
-                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
-                           str(port)], tmp_path, tmp_path / "master.log")
+    master = spawn_master(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), port)
     command = [sys.executable, "-m", "locust", "-f", f"{slow},{REPO / 'locustfile.py'}"]
     workers = [spawn_worker(tmp_path, port, f"worker{i}", locustfile=command) for i in range(2)]
     finish([master, *workers], timeout=90)
@@ -575,9 +578,7 @@ def test_sigterm_to_one_worker(tmp_path, toy_tokenizer_dir, fast_sim, moment):
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=250, gap_ms=40)  # 10 s: rows are left after the signal
     output = tmp_path / "run.jsonl"
     port = free_port()
-    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), "--master",
-                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
-                           str(port)], tmp_path, tmp_path / "master.log")
+    master = spawn_master(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output), port)
     workers = [spawn_worker(tmp_path, port, f"worker{i}", new_session=True) for i in range(2)]
     try:
         if moment == "before the go":
@@ -756,9 +757,7 @@ def test_a_worker_gone_before_its_plan_ends_the_run(tmp_path, toy_tokenizer_dir,
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=50, gap_ms=40)
     output = tmp_path / "run.jsonl"
     port = free_port()
-    master = spawn_locust([*replay_args(trace, toy_tokenizer_dir, fast_sim.url, output, *extra), "--master",
-                           "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port",
-                           str(port)], tmp_path, tmp_path / "master.log")
+    master = spawn_master(tmp_path, replay_args(trace, toy_tokenizer_dir, fast_sim.url, output, *extra), port)
     worker = spawn_worker(tmp_path, port, "worker0", new_session=True)
     try:
         wait_for_text(tmp_path / "master.log", "1 workers connected", master)

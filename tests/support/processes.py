@@ -185,11 +185,17 @@ def spawn_worker(tmp_path: Path, port: int, name: str, env: dict[str, str] | Non
                         tmp_path / f"{name}.log", env, **kwargs)
 
 
+def spawn_master(tmp_path: Path, master_args: list[str], port: int, workers: int = 2,
+                 log: str = "master.log") -> subprocess.Popen | ForkedRun:
+    """A `locust --master` expecting `workers` workers on 127.0.0.1:`port`, log `tmp_path/log`."""
+    return spawn_locust([*master_args, "--master", "--expect-workers", str(workers), "--master-bind-host",
+                         "127.0.0.1", "--master-bind-port", str(port)], tmp_path, tmp_path / log)
+
+
 def master_and_workers(tmp_path: Path, master_args: list[str], workers: int = 2, port: int | None = None):
     """A `locust --master` (log: master.log) and `workers` workers (worker0.log, ...)."""
     port = port or free_port()
-    master = spawn_locust([*master_args, "--master", "--expect-workers", str(workers), "--master-bind-host",
-                           "127.0.0.1", "--master-bind-port", str(port)], tmp_path, tmp_path / "master.log")
+    master = spawn_master(tmp_path, master_args, port, workers)
     return master, [spawn_worker(tmp_path, port, f"worker{i}") for i in range(workers)]
 
 
