@@ -54,7 +54,8 @@ SERIAL_GROUPS = {
 
 
 # Alone tests that run last among the alone tests: the capacity search calls a probe whose sends
-# run 10 ms late (p99) client-limited, and 60 rows make its p99 one stall. `make test` runs the
+# run 10 ms late (p99) client-limited, and 60 rows make its p99 one stall (it repeats such a
+# probe once: two stalls, one in the probe and one in its repeat). `make test` runs the
 # alone tests beside the parallel ones, whose starts (vLLM servers loading, a fresh checkout's
 # files still being written out) are the busiest time of the run.
 ALONE_LAST = ("tests/test_capacity_sim.py",)

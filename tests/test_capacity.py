@@ -149,11 +149,11 @@ def test_the_range_parses():
 def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold: int | None = None,
                rows_of=lambda n: make_rows(n, gap_s=1.0 / n), late_from: float | None = None,
                answer_first: dict[int, int] | None = None, cpu_from: float | None = None,
-               fault: dict[int, int] | None = None, cpu_lag_s: float = CPU_MONITOR_INTERVAL, **options):
+               late_probes: frozenset[int] = frozenset(), fault: dict[int, int] | None = None, cpu_lag_s: float = CPU_MONITOR_INTERVAL, **options):
     """A search over `rows` rows (1 s of trace; `rows_of(rows)` makes them) against fake workers
     whose endpoint fails every row of a probe above `capacity` with HTTP 429 (too many requests:
     the load's failure), and which send every row of a probe at `late_from` or above 50 ms late
-    (a client that cannot keep up); worker i answers only its first `answer_first[i]` rows (a
+    (a client that cannot keep up), and those of the probes numbered in `late_probes` (a stall); worker i answers only its first `answer_first[i]` rows (a
     worker to be lost holds the rest); from the probe at `cpu_from` on, every worker reports 95%
     CPU use; probe n's rows all get status `fault[n]` (0: no answer, as from a server gone)."""
     options = {"capacity_search": True, "slo": "ttft_ms=100", "probe_duration": 1.0, "cooldown": 1.0,
@@ -171,7 +171,8 @@ def search_run(tmp_path, capacity: float, workers: int = 1, rows: int = 40, hold
 
     def late(row) -> float:
         probes = holder["run"].coordinator.policy
-        return 0.05 if late_from is not None and probes.probes[probes.probe_of(row.request_id)].factor >= late_from else 0.0
+        probe = probes.probes[probes.probe_of(row.request_id)]
+        return 0.05 if (late_from is not None and probe.factor >= late_from) or probe.number in late_probes else 0.0
 
     def cpu(client_id: str) -> float:
         probes = holder["run"].coordinator.policy.probes
@@ -264,20 +265,41 @@ def test_a_probe_the_client_sent_late_is_client_limited_and_ends_the_search(tmp_
                                                                              late_from):
     """Probes from `late_from` on are sent 50 ms late (drift p99 over 10 ms): whether the server
     would have passed it (3x) or failed it (1.5x), the probe is client-limited, not a server
-    failure, and the search ends there with exit code 1 and a line saying to add workers."""
+    failure; it is repeated once, late again, and the search ends there with exit code 1 and a
+    line saying to add workers."""
     run, _ = search_run(tmp_path, capacity=capacity, late_from=late_from)
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     probes = report["probes"]
-    assert [p["factor"] for p in probes] == [1.0, 2.0, 4.0][: 2 + (late_from == 4.0)]
-    assert [p["verdict"] for p in probes[:-1]] == [PASS] * (len(probes) - 1)
-    assert probes[-1]["verdict"] == CLIENT_LIMITED and probes[-1]["drift_p99_ms"] > 10
+    assert [p["factor"] for p in probes] == [1.0, 2.0, 4.0][: 2 + (late_from == 4.0)] + [late_from]
+    assert [p["verdict"] for p in probes[:-2]] == [PASS] * (len(probes) - 2)
+    assert [p["verdict"] for p in probes[-2:]] == [CLIENT_LIMITED] * 2 and probes[-1]["drift_p99_ms"] > 10
+    assert [p["repeat_of"] for p in probes[-2:]] == [None, probes[-2]["probe"]]
     assert report["result"] == CLIENT_LIMITED and report["bracket"] == [late_from / 2, None]
     assert run.exit_codes == [1]
     assert "add workers" in capsys.readouterr().out
-    # the message names the limit that held, the drift, and no CPU figure that did not
+    # the messages name the limit that held, the drift, and no CPU figure that did not
     said = [r.getMessage() for r in caplog.records if "limited by the client" in r.getMessage()]
-    assert len(said) == 1 and "dispatch drift p99" in said[0] and "CPU" not in said[0], said
+    assert len(said) == 2 and "repeated once" in said[0] and "add workers" in said[1], said
+    assert all("dispatch drift p99" in line and "CPU" not in line for line in said), said
+
+
+def test_a_probe_sent_late_once_is_repeated_and_the_search_goes_on(tmp_path):
+    """A stall of the host during one probe (number 1, 2x, sent 50 ms late) is no client's
+    limit: the probe is repeated at its factor, on time, and the search finds what it finds
+    without the stall."""
+    plain, _ = search_run(tmp_path / "plain", capacity=3.0)
+    plain.finish()
+    run, _ = search_run(tmp_path / "stall", capacity=3.0, late_probes=frozenset({1}))
+    run.finish()
+    expected = orjson.loads(capacity_path(plain.spec.output).read_bytes())
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    probes = report["probes"]
+    assert [(p["factor"], p["verdict"], p["repeat_of"]) for p in probes[:3]] == \
+        [(1.0, PASS, None), (2.0, CLIENT_LIMITED, None), (2.0, PASS, 1)]
+    assert report["result"] == FOUND and report["bracket"] == expected["bracket"]
+    assert [p["factor"] for p in probes[3:]] == [p["factor"] for p in expected["probes"][2:]]
+    assert run.exit_codes == [0]
 
 
 def test_a_probe_shorter_than_the_runners_cpu_sampling_has_no_cpu_figure(tmp_path):
@@ -299,7 +321,7 @@ def test_a_probe_during_which_a_worker_was_busy_is_client_limited(tmp_path, caps
     run.finish()
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert [(p["factor"], p["verdict"], p["cpu_peak_pct"]) for p in report["probes"]] == \
-        [(1.0, PASS, 20.0), (2.0, PASS, 20.0), (4.0, CLIENT_LIMITED, 95.0)]
+        [(1.0, PASS, 20.0), (2.0, PASS, 20.0), (4.0, CLIENT_LIMITED, 95.0), (4.0, CLIENT_LIMITED, 95.0)]
     assert report["result"] == CLIENT_LIMITED and run.exit_codes == [1]
     assert "CPU at 90%" in capsys.readouterr().out
 

@@ -212,8 +212,8 @@ def test_replay_report_reads_what_a_real_search_wrote(folder, search_run, tmp_pa
 @pytest.mark.heavy
 def test_a_client_that_cannot_keep_up_is_client_limited_not_a_server_failure(tmp_path, toy_tokenizer_dir, sim):
     """One process asked for thousands of requests a second (the window x 16, x 32, ...) cannot
-    send them on time: a probe is client-limited, and the search ends there (exit 1) saying to
-    add workers, whatever the server could have done."""
+    send them on time: a probe is client-limited, and so is its repeat, and the search ends there
+    (exit 1) saying to add workers, whatever the server could have done."""
     trace = mooncake_trace(tmp_path / "fast.jsonl", 201, 10, output_length=(1, 1))
     output = tmp_path / "fast-search.jsonl"
     proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--slo", "e2e_ms=60000",
@@ -222,5 +222,6 @@ def test_a_client_that_cannot_keep_up_is_client_limited_not_a_server_failure(tmp
     report = orjson.loads(capacity_path(output).read_bytes())
     verdicts = [p["verdict"] for p in report["probes"]]
     assert report["result"] == "client-limited", report["probes"]
-    assert verdicts[-1] == "client-limited" and set(verdicts[:-1]) <= {"pass"}, report["probes"]
+    assert verdicts[-2:] == ["client-limited"] * 2 and set(verdicts[:-2]) <= {"pass", "client-limited"}, verdicts
+    assert report["probes"][-1]["repeat_of"] == report["probes"][-2]["probe"], report["probes"]
     assert "add workers" in proc.stdout + proc.stderr

@@ -264,6 +264,11 @@ class Probes:
             self._finish()
             return
         if verdict == CLIENT_LIMITED:
+            if probe.repeat_of is None:  # a stall of the host is no limit of the client: once more
+                logger.warning("capacity search: probe %d at %gx was limited by the client (%s): it is repeated "
+                               "once at the same factor", probe.number, probe.factor, "; ".join(probe.client_limits))
+                self._next = gevent.spawn(self._after_cooldown, probe.factor, probe.number)
+                return
             self.ended = CLIENT_LIMITED
             logger.error("capacity search: probe %d at %gx was limited by the client (%s): add workers and search "
                          "again", probe.number, probe.factor, "; ".join(probe.client_limits))
