@@ -4,12 +4,14 @@ A sampling profiler sees gevent's hub as always busy and a tracing one inflates 
 this reads the main thread's CPU clock at each greenlet switch (greenlet.settrace) and charges
 the slice to the greenlet that ran it, named by its function. "Hub.run" is the event loop
 itself, with every I/O callback run inside it (a stream's reads: replay.protocol.client._BodyReader);
-"main" is start-up and the end of the run. The threadpool's thread (set-ups, server check's
-sample) is not counted. Costs one clock read per switch.
+"main" is start-up and the end of the run. The process's other threads (gevent's threadpool:
+the set-up, the server check's prompts, a single-process run's cache section) are one line,
+the process's CPU less the main thread's. Costs one clock read per switch.
 
-    .venv/bin/python bench/greenlet_cpu.py -f locustfile.py --headless --host URL --trace T ...
+    .venv/bin/python bench/greenlet_cpu.py --headless --host URL --trace T ...
 
-(the arguments are locust's), then at exit, on stderr: seconds of CPU and switches per greenlet.
+(the arguments are `replay run`'s: the user's command, with its own start-up), then at exit,
+on stderr: seconds of CPU and switches per greenlet.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def on_switch(event: str, args) -> None:
 
 def report() -> None:
     on_switch("switch", (greenlet.getcurrent(), greenlet.getcurrent()))  # the last slice
-    print(f"CPU by greenlet (main thread): {sum(cpu.values()):.3f} s", file=sys.stderr)
+    main_thread = sum(cpu.values())
+    print(f"CPU by greenlet (main thread): {main_thread:.3f} s; the process's other threads "
+          f"{max(time.process_time() - time.thread_time(), 0.0):.3f} s", file=sys.stderr)
     for who, seconds in cpu.most_common(25):
         print(f"  {seconds:7.3f} s {switches[who]:7d} switches  {who}", file=sys.stderr)
 
@@ -68,7 +72,6 @@ def report() -> None:
 if __name__ == "__main__":
     greenlet.settrace(on_switch)
     atexit.register(report)
-    from locust.main import main
+    from replay.cli import main
 
-    sys.argv = ["locust", *sys.argv[1:]]
-    main()
+    sys.exit(main(["run", *sys.argv[1:]]))
