@@ -183,3 +183,35 @@ def test_the_parser_is_fed_when_the_body_may_be_over_not_at_every_read(scripted,
     assert outcome.ok and outcome.events_tokens == 20, outcome.error
     assert len(fed_at_reads) >= len(events) - 1 and set(fed_at_reads) == {1}  # only the head so far
     assert len(fed) == 1 + len(events) + 1  # the head's read, then each read once
+
+
+def test_a_body_that_ends_with_the_connection(scripted):
+    """An answer with neither a Content-Length nor chunked framing (an HTTP/1.0-style server, some
+    proxies) is over when the server closes the connection (RFC 9112, 6.3): a whole answer, not a
+    cut one; the connection is not kept."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+    server = scripted([head, *EVENTS, None], [head, *EVENTS, None])
+    endpoint = Endpoint(server.url)
+    for _ in range(2):
+        outcome = ask(endpoint)
+        assert_whole(outcome)
+        assert all(gap > GAP_S * 1000 * 0.5 for gap in outcome.itl_ms), outcome.itl_ms
+    assert server.connections == 2 and endpoint.in_flight == 0 and endpoint.idle() == 0
+
+
+def test_a_body_that_ends_with_the_connection_cut_mid_event(scripted):
+    """Such a body cut in the middle of an event: what came before counts, the half event is the
+    stream's error."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+    server = scripted([head, *EVENTS[:2], EVENTS[2][:9], None])
+    outcome = ask(Endpoint(server.url))
+    assert not outcome.ok and outcome.events_tokens == 2, outcome
+
+
+def test_an_unstreamed_answer_that_ends_with_the_connection(scripted):
+    body = orjson.dumps({"choices": [{"message": {"content": "a b c"}}],
+                         "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+    server = scripted([head, body[:10], body[10:], None])
+    outcome = send(Endpoint(server.url), API, b"{}", False, {"Content-Type": "application/json"})
+    assert outcome.ok and outcome.output_tokens == 3 and outcome.prompt_tokens == 4, outcome

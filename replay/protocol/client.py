@@ -389,7 +389,7 @@ class _BodyReader:
             return self._end(_exception_text(e))
         now = time.time()
         if not data:  # closed: the reads before it still count, and may have ended the message
-            if self._feed() and self.error is None:
+            if (self._feed() or self._ends_with_close()) and self.error is None:
                 return self._end(None)
             return self._end(self.error or "connection closed before the end of the response")
         self.reads.append(data)
@@ -402,6 +402,21 @@ class _BodyReader:
         if ended and self._feed():
             return self._end(self.error)
         self.on_read(now)
+
+    def _ends_with_close(self) -> bool:
+        """Whether the close just read ends the message: a body with neither a Content-Length nor
+        chunked framing is delimited by the connection's close (RFC 9112, 6.3), which the parser
+        is told as an empty feed. A chunked body's close before its last chunk is a cut."""
+        response = self.response
+        framing = response.get("transfer-encoding") or ""  # a list when the header came more than once
+        if self.left >= 0 or "chunked" in (",".join(framing) if isinstance(framing, list) else framing).lower():
+            return False
+        try:
+            response.feed(b"")
+        except Exception as e:
+            self.error = self.error or _exception_text(e)
+            return True
+        return response.message_complete
 
     def _ends_chunked(self) -> bool:
         """Whether the reads end like a chunked body's end, over short reads."""
