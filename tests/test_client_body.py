@@ -101,13 +101,19 @@ def assert_whole(outcome) -> None:
     assert len(outcome.token_times) == 3
 
 
+def timed_apart(outcome) -> bool:
+    """The tokens' times are their own reads', not one time at the body's end: the pieces came
+    GAP_S apart (a busy host may join some reads, not all of them)."""
+    return any(gap > GAP_S * 1000 * 0.5 for gap in outcome.itl_ms)
+
+
 def test_events_are_timed_by_their_own_reads_and_the_connection_is_kept(scripted):
     server = scripted(chunked(EVENTS), chunked(EVENTS))
     endpoint = Endpoint(server.url)
     for _ in range(2):  # the second answer comes on the same connection: the first ended cleanly
         outcome = ask(endpoint)
         assert_whole(outcome)
-        assert all(gap > GAP_S * 1000 * 0.5 for gap in outcome.itl_ms), outcome.itl_ms
+        assert timed_apart(outcome), outcome.itl_ms
     assert server.connections == 1 and endpoint.in_flight == 0 and endpoint.idle() == 1
 
 
@@ -145,7 +151,7 @@ def test_a_content_length_body_read_in_pieces(scripted):
     for _ in range(2):
         outcome = ask(endpoint)
         assert_whole(outcome)
-        assert all(gap > GAP_S * 1000 * 0.5 for gap in outcome.itl_ms), outcome.itl_ms
+        assert timed_apart(outcome), outcome.itl_ms
     assert server.connections == 1
 
 
@@ -181,8 +187,10 @@ def test_the_parser_is_fed_when_the_body_may_be_over_not_at_every_read(scripted,
     endpoint.on_read = lambda now: fed_at_reads.append(len(fed))
     outcome = ask(endpoint)
     assert outcome.ok and outcome.events_tokens == 20, outcome.error
-    assert len(fed_at_reads) >= len(events) - 1 and set(fed_at_reads) == {1}  # only the head so far
-    assert len(fed) == 1 + len(events) + 1  # the head's read, then each read once
+    # reads that came apart (a busy host may join a few: not all) found only the head fed so far
+    assert len(fed_at_reads) >= 2 and set(fed_at_reads) == {1}, fed_at_reads
+    # then each read once, as it came: those that did not end the body, and the one that did
+    assert len(fed) == 1 + len(fed_at_reads) + 1 and b"".join(fed).endswith(b"".join(chunked(events)[1:])), fed
 
 
 def test_a_body_that_ends_with_the_connection(scripted):
@@ -195,7 +203,7 @@ def test_a_body_that_ends_with_the_connection(scripted):
     for _ in range(2):
         outcome = ask(endpoint)
         assert_whole(outcome)
-        assert all(gap > GAP_S * 1000 * 0.5 for gap in outcome.itl_ms), outcome.itl_ms
+        assert timed_apart(outcome), outcome.itl_ms
     assert server.connections == 2 and endpoint.in_flight == 0 and endpoint.idle() == 0
 
 

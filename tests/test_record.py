@@ -367,6 +367,46 @@ class NaglingUpstream:
         self.listener.close()
 
 
+class ClosingUpstream(NaglingUpstream):
+    """A streaming server of the HTTP/1.0 kind: its answer has neither a length nor chunks, and
+    ends when it closes the connection (RFC 9112, 6.3); it has no /tokenize."""
+
+    def __init__(self):
+        super().__init__(ttft_s=0.0)
+
+    def _answer(self, conn: socket.socket) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            more = conn.recv(65536)
+            if not more:
+                return
+            data += more
+        if not data.startswith(b"POST /v1/chat/completions "):  # the recorder's /tokenize: not here
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        for word in (b"a", b"b"):
+            conn.sendall(b'data: {"choices": [{"index": 0, "delta": {"content": "%s"}}]}\n\n' % word)
+            time.sleep(0.01)
+        conn.sendall(b"data: [DONE]\n\n")
+
+
+def test_an_answer_that_ends_with_the_upstream_s_close_is_whole(toy_tokenizer_dir, tmp_path):
+    """An upstream answer with neither a length nor chunks is over when the upstream closes: the
+    client gets it whole, and its row has no error."""
+    upstream = ClosingUpstream()
+    out = tmp_path / "t.jsonl"
+    try:
+        with RecordProcess(upstream.url, out, "--tokenizer", str(toy_tokenizer_dir)) as proxy:
+            answer = requests.post(proxy.url + CHAT, json={"model": "m", "stream": True,
+                                   "messages": [{"role": "user", "content": "go"}]}, timeout=30)
+    finally:
+        upstream.close()
+    assert answer.status_code == 200 and answer.content.endswith(b"data: [DONE]\n\n"), answer.content
+    (row,) = rows(out)
+    assert "error" not in row and row["output_length"] == 2, row
+
+
 @pytest.mark.alone  # times the first event to a few ms
 def test_the_proxy_acknowledges_at_once_so_an_upstream_s_nagle_adds_nothing(tmp_path):
     """Requests one after another on one kept-alive connection, through the proxy to a server

@@ -404,19 +404,14 @@ class _BodyReader:
         self.on_read(now)
 
     def _ends_with_close(self) -> bool:
-        """Whether the close just read ends the message: a body with neither a Content-Length nor
-        chunked framing is delimited by the connection's close (RFC 9112, 6.3), which the parser
-        is told as an empty feed. A chunked body's close before its last chunk is a cut."""
-        response = self.response
-        framing = response.get("transfer-encoding") or ""  # a list when the header came more than once
-        if self.left >= 0 or "chunked" in (",".join(framing) if isinstance(framing, list) else framing).lower():
+        """Whether the close just read ends the message (PoolInternals.ended_by_close)."""
+        if self.left >= 0:
             return False
         try:
-            response.feed(b"")
+            return PoolInternals.ended_by_close(self.response)
         except Exception as e:
             self.error = self.error or _exception_text(e)
             return True
-        return response.message_complete
 
     def _ends_chunked(self) -> bool:
         """Whether the reads end like a chunked body's end, over short reads."""

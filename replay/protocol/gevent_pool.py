@@ -145,6 +145,19 @@ class PoolInternals:
         return response._sock._sock
 
     @staticmethod
+    def ended_by_close(response) -> bool:
+        """The server closed the connection mid-body: whether that ended the message. A body with
+        neither a Content-Length nor chunked framing is delimited by the close (RFC 9112, 6.3),
+        which the parser is told as an empty feed; any other body was cut. Raises the parser's
+        error for a message the close leaves malformed."""
+        framing = response.get("transfer-encoding") or ""  # a list when the header came more than once
+        if response.content_length is not None or "chunked" in (
+                ",".join(framing) if isinstance(framing, list) else framing).lower():
+            return False
+        response.feed(b"")
+        return response.message_complete
+
+    @staticmethod
     def detach(response) -> tuple:
         """Take the (pool, socket) off a response, so it neither returns nor closes them."""
         pool, sock = response._pool, response._sock

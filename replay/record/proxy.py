@@ -166,6 +166,8 @@ class Forwarder:
                 _acknowledge_now(sock)
                 data = sock.recv(READ_SIZE)
                 if not data:
+                    if PoolInternals.ended_by_close(response):  # a body delimited by the close: whole
+                        continue
                     raise ConnectionError("the upstream closed the connection before the end of the answer")
                 response.feed(data)
         finally:
