@@ -369,10 +369,12 @@ class NaglingUpstream:
 
 class ClosingUpstream(NaglingUpstream):
     """A streaming server of the HTTP/1.0 kind: its answer has neither a length nor chunks, and
-    ends when it closes the connection (RFC 9112, 6.3); it has no /tokenize."""
+    ends when it closes the connection (RFC 9112, 6.3); it has no /tokenize. `cut`: it closes in
+    the middle of its second event."""
 
-    def __init__(self):
+    def __init__(self, cut: bool = False):
         super().__init__(ttft_s=0.0)
+        self.cut = cut
 
     def _answer(self, conn: socket.socket) -> None:
         data = b""
@@ -386,15 +388,19 @@ class ClosingUpstream(NaglingUpstream):
             return
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
         for word in (b"a", b"b"):
-            conn.sendall(b'data: {"choices": [{"index": 0, "delta": {"content": "%s"}}]}\n\n' % word)
+            event = b'data: {"choices": [{"index": 0, "delta": {"content": "%s"}}]}\n\n' % word
+            conn.sendall(event[:20] if self.cut and word == b"b" else event)
             time.sleep(0.01)
-        conn.sendall(b"data: [DONE]\n\n")
+        if not self.cut:
+            conn.sendall(b"data: [DONE]\n\n")
 
 
-def test_an_answer_that_ends_with_the_upstream_s_close_is_whole(toy_tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("cut", [False, True])
+def test_an_answer_that_ends_with_the_upstream_s_close_is_whole(cut, toy_tokenizer_dir, tmp_path):
     """An upstream answer with neither a length nor chunks is over when the upstream closes: the
-    client gets it whole, and its row has no error."""
-    upstream = ClosingUpstream()
+    client gets it whole, and its row has no error. Closed in the middle of an event, it is whole
+    to HTTP, but its row says the stream ended mid-event, its count not trusted silently."""
+    upstream = ClosingUpstream(cut)
     out = tmp_path / "t.jsonl"
     try:
         with RecordProcess(upstream.url, out, "--tokenizer", str(toy_tokenizer_dir)) as proxy:
@@ -402,9 +408,14 @@ def test_an_answer_that_ends_with_the_upstream_s_close_is_whole(toy_tokenizer_di
                                    "messages": [{"role": "user", "content": "go"}]}, timeout=30)
     finally:
         upstream.close()
-    assert answer.status_code == 200 and answer.content.endswith(b"data: [DONE]\n\n"), answer.content
+    assert answer.status_code == 200
     (row,) = rows(out)
-    assert "error" not in row and row["output_length"] == 2, row
+    if cut:
+        assert answer.content.endswith(b'data: {"choices": [{') and row["output_length"] == 1, row
+        assert row["error"] == 'the answer\'s stream ended mid-event: {"choices": [{', row
+    else:
+        assert answer.content.endswith(b"data: [DONE]\n\n") and "error" not in row, row
+        assert row["output_length"] == 2, row
 
 
 @pytest.mark.alone  # times the first event to a few ms

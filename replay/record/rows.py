@@ -121,6 +121,7 @@ def read_answer(api: str, response: bytes, streamed: bool) -> Answer:
     """The answer's usage (or its content events counted), and its first choice's content."""
     spec = get_api(api)
     objects = []
+    broken = None  # the stream's last data line, when it did not parse
     if streamed:
         for line in response.split(b"\n"):
             data = sse_data(line.rstrip(b"\r"))
@@ -128,8 +129,9 @@ def read_answer(api: str, response: bytes, streamed: bool) -> Answer:
                 continue
             try:
                 objects.append(orjson.loads(data))
+                broken = None
             except orjson.JSONDecodeError:
-                continue
+                broken = data
     elif response:
         try:
             objects.append(orjson.loads(response))
@@ -156,6 +158,8 @@ def read_answer(api: str, response: bytes, streamed: bool) -> Answer:
             elif isinstance(part, dict):
                 content.append(str(part.get("content") or ""))
                 calls.extend(part.get("tool_calls") or ())
+    if broken is not None and not response.endswith(b"\n"):  # an event cut off where the answer ended
+        error = error or f"the answer's stream ended mid-event: {broken[:80].decode(errors='replace')}"
     text = "".join(content)
     message: dict[str, str | list[dict]] = {"role": "assistant", "content": text}
     if calls:
