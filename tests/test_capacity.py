@@ -31,13 +31,14 @@ from replay.engine.probes import max_probes
 from replay.engine.rounds import Part, Round
 from replay.engine.transport import LocalLink
 from replay.errors import OptionError
-from replay.results.records import PROBE_CUT, PROBE_INVALID, WORKER_STOPPED
+from replay.results.records import PROBE_CUT, PROBE_INVALID, REFUSED, WORKER_STOPPED
 from replay.rules.capacity_result import (
     AT_LEAST_HI,
     BELOW_LO,
     CLIENT_LIMITED,
     FOUND,
     OUTAGE,
+    REFUSED_BEFORE_SEND,
     SERVER_ERRORS,
     STOPPED,
     WORKER_SIGNALLED,
@@ -333,6 +334,34 @@ def test_a_stop_during_a_search_records_every_row_of_its_probes(tmp_path):
     report = orjson.loads(capacity_path(run.spec.output).read_bytes())
     assert len(records) == 40 * len(report["probes"])
     assert report["result"] == "stopped"
+
+
+def test_a_search_stopped_with_a_bracket_claims_no_capacity(tmp_path):
+    """Stopped after probes that bracket the capacity but before the search's precision: the
+    line says the bracket so far, never "Capacity: Nx this trace's load"; no capacity, exit 1."""
+    run, _ = search_run(tmp_path, capacity=3.0)
+    run.until(lambda: len(run.coordinator.policy.finished) >= 4)  # 1x, 2x, 4x, 2.83x: a bracket
+    run.end()
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert report["result"] == "stopped" and report["capacity"] is None and report["ended_because"] is None
+    best, worst = report["bracket"]
+    assert best is not None and worst is not None, report["bracket"]
+    line = quotable_line(report)
+    assert line.startswith("Capacity: not known (the search was stopped; the bracket so far: ") and "passes" in line, line
+    assert run.exit_codes == [1]
+
+
+def test_a_search_the_servers_refused_is_refused_not_stopped(tmp_path):
+    """Servers the preflight refuses: no probe ran, and the result says so with the reason, not
+    that the search was stopped; exit 2, as any refused run."""
+    run = Run(spec_of(make_rows(40), tmp_path, capacity_search=True, slo="ttft_ms=100"), LocalLink())
+    why = "http://127.0.0.1:9 did not answer GET /v1/models (connection refused)"
+    run.coordinator.refuse(why)
+    report = orjson.loads(capacity_path(run.spec.output).read_bytes())
+    assert report["result"] == REFUSED_BEFORE_SEND and report["probes"] == [] and report["capacity"] is None
+    assert report["ended_because"] == f"{REFUSED}: {why}"
+    assert quotable_line(report) == f"Capacity: not measured: {REFUSED}: {why}"
+    assert run.exit_codes == [2]
 
 
 def test_a_probe_a_stop_cut_off_is_stopped_not_a_fail(tmp_path):

@@ -181,8 +181,9 @@ class RunPolicy(Protocol):
     def worker_stopped(self, index: int) -> None:
         """A worker got a stop signal of its own."""
 
-    def stop(self) -> None:
-        """The run ends (by itself or stopped)."""
+    def stop(self, fault: str | None) -> None:
+        """The run ends (by itself or stopped); `fault`: the label of the fault that stopped it
+        (a refusal before the first send, an output error), None for its own end or the user's stop."""
 
     def report(self) -> dict | None:
         """The run's capacity result (OUTPUT.capacity.json); None: not a search."""
@@ -232,7 +233,7 @@ class PlainRun:
     def worker_stopped(self, index: int) -> None:
         pass
 
-    def stop(self) -> None:
+    def stop(self, fault: str | None) -> None:
         pass
 
     def report(self) -> None:
@@ -821,7 +822,7 @@ class Coordinator:
         logger.info("the run ends (%s): %d of %d rows recorded, writing the rest and the results",
                     self.end_reason or "stopped", self.records.count, self.total)
         never_sent = RUN_STOPPED if user_stopped else self.fault_label or NO_RECORD
-        self.policy.stop()
+        self.policy.stop(self.fault_label)
         if self.records.count < self.total or self.policy.more_rounds:  # its workers wait for rounds
             self._collect_held_records(RUN_STOPPED if user_stopped else self.fault_label or DRAIN_TIMEOUT)
         for state in self.workers.values():

@@ -35,13 +35,15 @@ from replay.engine.capacity import (
 from replay.engine.rounds import Round
 from replay.protocol.headers import parse_headers
 from replay.protocol.readiness import ready_problem
-from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID, Record
+from replay.results.records import OVERSIZED, PROBE_CUT, PROBE_INVALID, REFUSED, Record
 from replay.results.report import parse_slo
 from replay.results.server_metrics import GAUGES
 from replay.rules.capacity_result import (
     CLIENT_LIMITED,
     OUTAGE,
+    REFUSED_BEFORE_SEND,
     SERVER_ERRORS,
+    STOPPED,
     WORKER_SIGNALLED,
     WORKERS_LOST,
 )
@@ -132,6 +134,7 @@ class Probes:
         self._sessions: Sessions | None = None  # the window's (amplify), found once
         self.probes: list[Probe] = []
         self.ended: str | None = None  # CLIENT_LIMITED, WORKERS_LOST: what ended the search without an answer
+        self.fault: str | None = None  # the label of a fault that stopped the run (stop())
         self.over = False
         self.finished: list[dict] = []  # the judged probes' figures (Probe.to_dict), for the Replay view
         self.busy: float | None = None  # the servers' running + waiting at their last scrape; None: not known
@@ -377,8 +380,10 @@ class Probes:
         self.over = True
         self.c.search_over()
 
-    def stop(self) -> None:
-        """The run ends (by itself or stopped): no further probe; one under way is stopped, not judged."""
+    def stop(self, fault: str | None = None) -> None:
+        """The run ends (by itself or stopped): no further probe; one under way is stopped, not judged.
+        `fault`: what stopped it, if not the user (RunPolicy.stop), which the report names."""
+        self.fault = fault
         if self._next is not None:
             self._next.kill(block=False)
         if self.probes and self.probes[-1].ended_at is None:
@@ -401,9 +406,13 @@ class Probes:
         """OUTPUT.capacity.json's content."""
         last = self.probes[-1] if self.probes else None
         seconds = ((last.ended_at or self.c.clock.now()) - self.started_at) if last and self.started_at else None
+        ended = self.ended
+        if ended is None and not self.probes and self.fault is not None and self.fault.startswith(REFUSED):
+            ended = REFUSED_BEFORE_SEND  # the servers' check refused the run: an outage is no stop
         report = capacity_report(self.search, self.probes, slo=self.slo, target=self.target,
                                  search_by=self.c.options.search_by, precision=self.search.precision,
-                                 seconds=seconds, ended=self.ended)
+                                 seconds=seconds, ended=ended)
+        report["ended_because"] = self.fault if report["result"] in (STOPPED, REFUSED_BEFORE_SEND) else None
         report["id_stride"] = self.stride
         report["on_outage"] = self.on_outage
         return report

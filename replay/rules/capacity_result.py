@@ -16,13 +16,15 @@ FOUND, BELOW_LO, AT_LEAST_HI = "found", "below LO", "at least HI"
 WORKERS_LOST = "workers lost"  # a probe and its repeat were both invalid: the search ended there
 STOPPED = "stopped"  # the user (or a fault) stopped the run before the search had its answer; also the probe's verdict
 WORKER_SIGNALLED = "worker stopped"  # a worker got a stop signal of its own (not the user's stop): the search ended there
+REFUSED_BEFORE_SEND = "refused"  # the run was refused before its first send (servers down, a model not served): no probe ran
 # Why a failing probe failed, when the servers tell their own times (replay.engine.capacity.why_failed):
 # the server's part that grew most from the largest passing probe, or GREW_REST: none of them did.
 GREW_REST = "neither: client or network"
 WHY_FAILED = {"queue": "the servers' queue", "prefill": "their prefill", "decode": "their decode",
               "server_other": "their time outside queue, prefill and decode",
               GREW_REST: "none of the servers' parts but the rest (the client, the network or a router)"}
-NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED, WORKER_SIGNALLED, OUTAGE, SERVER_ERRORS)  # results whose exit code is 1
+NO_ANSWER = (BELOW_LO, CLIENT_LIMITED, WORKERS_LOST, STOPPED, WORKER_SIGNALLED, OUTAGE, SERVER_ERRORS,
+             REFUSED_BEFORE_SEND)  # results whose exit code is at least 1
 
 
 def quotable_line(report: dict) -> str:
@@ -50,11 +52,15 @@ def quotable_line(report: dict) -> str:
         retry = "" if report.get("on_outage") == "retry" else ", or with --on-outage retry"  # not when it was
         return (f"Capacity: not measured: {what} during the probe at {probe['factor']:.3g}x ({reasons}; the bracket "
                 f"so far: {_side(best)} passes, {_side(worst)} fails); search again once they serve{retry}")
+    if result == REFUSED_BEFORE_SEND:
+        return f"Capacity: not measured: {report.get('ended_because') or 'the run was refused before the first send'}"
     if result == WORKER_SIGNALLED:
         return (f"Capacity: not measured: a worker was stopped by a signal of its own during the search "
                 f"(the bracket so far: {_side(best)} passes, {_side(worst)} fails); run the search again")
-    if best is None or worst is None:
-        return f"Capacity: not known (the search was {result}) {at}"
+    if result != FOUND:  # stopped (by the user, or a fault it names): a bracket so far is no answer
+        fault = report.get("ended_because")
+        so_far = "" if best is None and worst is None else f"; the bracket so far: {_side(best)} passes, {_side(worst)} fails"
+        return f"Capacity: not known (the search was {result}{': ' + fault if fault else ''}{so_far}) {at}"
     return f"Capacity: {best:.3g}x this trace's load ({best:.3g}x passes, {worst:.3g}x fails) {at}{_because(report)}"
 
 
