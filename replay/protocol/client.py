@@ -61,6 +61,10 @@ READ_SIZE = 16384  # one recv takes whatever has arrived (dozens of events when 
 # that ends so may end the body, and the parser decides. A stream whose events end in CRLF ends
 # each read so: then the parser is fed at every read.
 CHUNKED_END = b"\r\n\r\n"
+# The parser is fed at the latest once this many reads wait for it: fed in a batch, reads cost
+# less than one by one, and a bounded batch at the body's end holds a due send back for no
+# more than a few reads' parse (a whole stream's, ~100 reads, added ~0.15 ms to drift p99).
+FEED_BATCH = 8
 
 
 def _nothing(now: float) -> None:
@@ -336,10 +340,10 @@ class _BodyReader:
     A raw I/O watcher on the connection does one non-blocking recv per read and keeps the bytes
     with the read's time: a token costs no greenlet switch and no call into the parser, hundreds
     of open streams keep each turn of the loop short, and dispatch is not held up behind them.
-    The HTTP parser is fed only when the body may be over (a read that ends like a chunked body's
-    end, or that reaches the Content-Length): it then takes the reads since its last feed one by
-    one, so each read's body size is what it would have been, and decides whether the message is
-    complete. The lists hold bytes, ints and floats, which the garbage collector does not track:
+    The HTTP parser is fed when the body may be over (a read that ends like a chunked body's
+    end, or that reaches the Content-Length), and otherwise once FEED_BATCH reads wait: it then
+    takes the reads since its last feed one by one, so each read's body size is what it would
+    have been, and decides whether the message is complete (or malformed). The lists hold bytes, ints and floats, which the garbage collector does not track:
     one tuple per read made its young generation tens of thousands of objects long, and each
     collection a millisecond-long pause.
     """
@@ -399,9 +403,9 @@ class _BodyReader:
             ended = self.left <= 0
         else:
             ended = data.endswith(CHUNKED_END) or (len(data) < len(CHUNKED_END) and self._ends_chunked())
-        if ended and self._feed():
+        self.on_read(now)  # first: a send that fell due goes out before the parser's batch below
+        if (ended or len(self.reads) - self.fed >= FEED_BATCH) and self._feed():
             return self._end(self.error)
-        self.on_read(now)
 
     def _ends_with_close(self) -> bool:
         """Whether the close just read ends the message (PoolInternals.ended_by_close)."""
