@@ -583,6 +583,8 @@ def test_sigterm_to_one_worker(tmp_path, toy_tokenizer_dir, fast_sim, moment):
     try:
         if moment == "before the go":
             wait_for_text(tmp_path / "master.log", "rows across 2 worker", master)
+            # a signal before the worker's replay is set up is the OS's to handle (a lost worker)
+            wait_for_text(tmp_path / "worker0.log", "waiting for its part of the run", workers[0])
         else:
             wait_for_text(tmp_path / "master.log", "replay starts at", master)
             time.sleep(2.0)  # the scenario: 2 s into the run

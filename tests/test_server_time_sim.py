@@ -31,7 +31,7 @@ from support.traces import BLOCK, mooncake_trace
 
 TTFT_MS = 40.0
 ITL_MS = 5.0
-LATE_MS = 30.0  # the sim's timers and its slot hand-over, late on a loaded host
+LATE_MS = 60.0  # the sim's timers and its slot hand-over, late on a loaded host (SCHED_IDLE beside 4 test processes: 32 ms seen)
 
 
 def sim_args(*extra: str) -> list[str]:

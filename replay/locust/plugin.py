@@ -223,6 +223,10 @@ def _on_init(environment, runner=None, web_ui=None, **kwargs) -> None:
         _stop_worker_on_signals(environment, link, part)
         environment.events.quit.add_listener(lambda **kwargs: flush_on_exit(runner))  # the last messages leave
         link.to_master(messages.HELLO, messages.Hello())
+        # From here a stop signal is this worker's own (before it, the OS's default ends the
+        # process, and the master records its rows as a lost worker's)
+        logger.info("replay: worker connected to the master at %s:%s, waiting for its part of the run",
+                    runner.master_host, runner.master_port)
         gevent.spawn(_watch_master, environment, runner, part)
         gevent.spawn(live.report_loop, part)  # the master's live view: one small message a second
     elif isinstance(runner, LocalRunner):
