@@ -409,8 +409,6 @@ class _BodyReader:
 
     def _ends_with_close(self) -> bool:
         """Whether the close just read ends the message (PoolInternals.ended_by_close)."""
-        if self.left >= 0:
-            return False
         try:
             return PoolInternals.ended_by_close(self.response)
         except Exception as e:
