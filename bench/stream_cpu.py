@@ -11,18 +11,28 @@ requests and by the content tokens they streamed. Median of several runs.
 The issue's case (a token a read: few streams, a 2 ms gap) is `--rate 40 --output-tokens 200
 --itl-ms 2`. `--against TREE` pairs each run with one of another checkout's client (e.g. main's),
 alternating, in fresh processes, and prints both medians and the per-token difference.
+
+`--client` times another reader of the same streams, the yardsticks for the replay's own:
+`epoll`, the least a Python client can pay to time each token (one epoll loop, a recv and a
+clock read a wake-up, no parsing); `threads`, the standard library's way (http.client, a thread a
+request, a line a token), as the stdlib reference replayer reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import resource
+import select
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from urllib.parse import urlsplit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,11 +58,22 @@ def cpu_seconds() -> tuple[float, float]:
     return usage.ru_utime, usage.ru_stime
 
 
-def one_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
-    api = get_api("openai-chat")
-    body = orjson.dumps({"model": "sim", "messages": [{"role": "user", "content": "bada kelo misu ra"}],
+def request_body(output_tokens: int) -> bytes:
+    return orjson.dumps({"model": "sim", "messages": [{"role": "user", "content": "bada kelo misu ra"}],
                          "max_tokens": output_tokens, "min_tokens": output_tokens, "ignore_eos": True,
                          "stream": True, "stream_options": {"include_usage": True}})
+
+
+def figures(user: float, system: float, count: int, tokens: int, ok: int, seconds: float) -> dict:
+    cpu = user + system
+    return {"cpu_ms_per_req": cpu * 1000 / count, "us_per_token": cpu * 1e6 / max(tokens, 1),
+            "user_us_per_token": user * 1e6 / max(tokens, 1), "sys_us_per_token": system * 1e6 / max(tokens, 1),
+            "ok": ok / count, "cpu_share": cpu / seconds}
+
+
+def one_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
+    api = get_api("openai-chat")
+    body = request_body(output_tokens)
     endpoint = Endpoint(url)
     count = int(rate * seconds)
     endpoint.warm(min(count, int(rate * 0.6) + 50))
@@ -72,14 +93,81 @@ def one_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
         group.spawn(collect, sent) if sent is not None else group.spawn(fallback)
     group.join()
     end_cpu = cpu_seconds()
-    user, system = end_cpu[0] - start_cpu[0], end_cpu[1] - start_cpu[1]
-    cpu = user + system
     endpoint.close()
     ok = sum(1 for o in outcomes if o.ok)
     tokens = sum(o.events_tokens for o in outcomes)
-    return {"cpu_ms_per_req": cpu * 1000 / count, "us_per_token": cpu * 1e6 / max(tokens, 1),
-            "user_us_per_token": user * 1e6 / max(tokens, 1), "sys_us_per_token": system * 1e6 / max(tokens, 1),
-            "ok": ok / count, "cpu_share": cpu / (time.time() - start)}
+    return figures(end_cpu[0] - start_cpu[0], end_cpu[1] - start_cpu[1], count, tokens, ok, time.time() - start)
+
+
+def epoll_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
+    """The floor: non-blocking sockets in one epoll loop; each wake-up reads what came and the
+    clock, and counts the events by their `data: ` prefix (less the role's, the usage's and [DONE])."""
+    parts = urlsplit(url)
+    body = request_body(output_tokens)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    count = int(rate * seconds)
+    poller, sockets, events, stamps, counts = select.epoll(), {}, {}, [], []
+    sent = done = 0
+    start_cpu, start = cpu_seconds(), time.time() + 0.05
+    while done < count:
+        wait = start + sent / rate - time.time() if sent < count else 1.0
+        if sent < count and wait <= 0:
+            sock = socket.create_connection((parts.hostname, parts.port))
+            sock.setblocking(False)
+            sock.sendall(head + body)
+            poller.register(sock.fileno(), select.EPOLLIN)
+            sockets[sock.fileno()], events[sock.fileno()] = sock, 0
+            sent += 1
+            continue
+        for fd, _ in poller.poll(max(wait, 0.0)):
+            data = sockets[fd].recv(65536)
+            stamps.append(time.perf_counter())
+            events[fd] += data.count(b"data: ")
+            if not data:
+                poller.unregister(fd)
+                sockets.pop(fd).close()
+                counts.append(events.pop(fd) - 3)  # before the next socket takes its number
+                done += 1
+    end_cpu = cpu_seconds()
+    tokens = sum(counts)
+    ok = sum(1 for n in counts if n >= output_tokens)
+    return figures(end_cpu[0] - start_cpu[0], end_cpu[1] - start_cpu[1], count, tokens, ok, time.time() - start)
+
+
+def threads_run(url: str, rate: float, seconds: float, output_tokens: int) -> dict:
+    """The standard library's way: a thread a request, http.client, a line read (and timed) at a time."""
+    parts = urlsplit(url)
+    body = request_body(output_tokens)
+    counts: list[int] = []
+
+    def one() -> None:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port)
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        answer, tokens, stamps = connection.getresponse(), 0, []
+        while line := answer.fp.readline():
+            stamps.append(time.perf_counter())
+            if line.startswith(b"data: [DONE]"):
+                break
+            tokens += line.startswith(b"data: {")
+        connection.close()
+        counts.append(tokens - 2)  # the role's event and the usage's
+
+    count = int(rate * seconds)
+    threads = []
+    start_cpu, start = cpu_seconds(), time.time() + 0.05
+    for i in range(count):
+        time.sleep(max(0.0, start + i / rate - time.time()))
+        threads.append(threading.Thread(target=one))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+    end_cpu = cpu_seconds()
+    ok = sum(1 for n in counts if n >= output_tokens)
+    return figures(end_cpu[0] - start_cpu[0], end_cpu[1] - start_cpu[1], count, sum(counts), ok, time.time() - start)
+
+
+CLIENTS = {"replay": one_run, "epoll": epoll_run, "threads": threads_run}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -91,7 +179,8 @@ def measure(args: argparse.Namespace) -> dict:
                          "--max-num-seqs", "100000", cpu=sim_cpu) as sim:
             if client_cpu is not None:
                 os.sched_setaffinity(0, {client_cpu})
-            runs = [one_run(sim.url, args.rate, args.seconds, args.output_tokens) for _ in range(args.runs)]
+            client = CLIENTS[args.client]
+            runs = [client(sim.url, args.rate, args.seconds, args.output_tokens) for _ in range(args.runs)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
@@ -121,12 +210,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--output-tokens", type=int, default=100)
     parser.add_argument("--itl-ms", type=float, default=5.0)
+    parser.add_argument("--client", choices=sorted(CLIENTS), default="replay",
+                        help="whose reader: the replay's (default), or a yardstick (epoll: the floor; threads: stdlib)")
     parser.add_argument("--against", metavar="TREE", help="another checkout whose client each run is paired with")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(TREE_FLAG, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    about = (f"stream cpu: {args.rate:g} req/s x {args.output_tokens} tokens (itl {args.itl_ms:g} ms), "
+    about = (f"stream cpu ({args.client}): {args.rate:g} req/s x {args.output_tokens} tokens (itl {args.itl_ms:g} ms), "
              f"median of {args.runs} runs of {args.seconds:g} s")
     load = f"loadavg {open('/proc/loadavg').read().split()[0]}"
     if args.against:
