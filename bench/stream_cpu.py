@@ -32,8 +32,8 @@ import sys
 import tempfile
 import threading
 import time
-from urllib.parse import urlsplit
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 TREE_FLAG = "--tree"  # internal: time the client of this checkout instead (a run of --against)
