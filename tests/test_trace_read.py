@@ -141,12 +141,30 @@ def test_azure_datetimes_keep_100ns_and_are_relative_to_the_first_row(tmp_path):
     assert all(r.hash_ids is None for r in trace.rows)
 
 
-def test_parse_datetime_rejects_zones_and_garbage():
+def test_parse_datetime_reads_zones_as_utc_and_rejects_garbage():
     assert parse_datetime("1970-01-01 00:00:01.5", "T") == 1_500_000_000
     assert parse_datetime("2023-11-16 18:15:46.6805901", "T") % 1_000_000_000 == 680_590_100
-    for text in ("2023-11-16T18:15:46+01:00", "yesterday", "2023-11-16 18:15:46.12x"):
+    utc = parse_datetime("2024-05-10 00:00:00", "T")
+    for text in ("2024-05-10 00:00:00+00:00", "2024-05-10T00:00:00Z", "2024-05-10 02:00:00+02:00",
+                 "2024-05-09 19:00:00-0500"):
+        assert parse_datetime(text, "T") == utc, text
+    for text in ("yesterday", "2023-11-16 18:15:46.12x", "2023-11-16", "2023-11-16 18:15:46+25:00"):
         with pytest.raises(Exception, match="unparsable datetime"):
             parse_datetime(text, "T")
+
+
+def test_azure_2024_traces_mix_zoned_times_with_and_without_decimals(tmp_path):
+    """As Azure's week-long 2024 traces write them: a UTC offset, six decimals or none."""
+    path = tmp_path / "AzureLLMInferenceTrace_code_1week.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
+        "2024-05-10 00:00:00+00:00,2162,5\r\n"
+        "2024-05-10 00:00:00.009930+00:00,2399,6\r\n"
+        "2024-05-10 00:00:01.5+00:00,100,7\r\n"
+    )
+    trace = read_trace(path)
+    assert trace.format == "azure"
+    assert [r.timestamp_s for r in trace.rows] == [0.0, 0.00993, 1.5]
 
 
 def test_burstgpt(tmp_path):

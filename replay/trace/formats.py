@@ -9,9 +9,10 @@ later rows changed ({request_id: session}), so that rows need not be held to be 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from replay.trace.fields import (
@@ -265,20 +266,28 @@ _EPOCH = datetime(1970, 1, 1)
 
 
 def parse_datetime(text: str, key: str) -> int:
-    """Nanoseconds since 1970 of a zone-less 'YYYY-MM-DD HH:MM:SS[.fffffff]'.
+    """Nanoseconds since 1970 (UTC) of 'YYYY-MM-DD HH:MM:SS[.fffffffff][zone]'.
 
+    Azure's 2023 traces write no zone and seven decimals; its 2024 traces write a UTC offset
+    (`+00:00`), with six decimals or none, in one file. A zone-less time is taken as UTC, so the
+    two read alike; a zoned one is moved to UTC, so rows in different zones keep their order.
     An integer, because a float of seconds since 1970 only resolves about 240 ns.
     """
-    whole, _, fraction = text.strip().partition(".")
+    found = _DATETIME.fullmatch(text.strip())
+    if found is None:
+        raise RowError(key, f"unparsable datetime {text!r} (expected 'YYYY-MM-DD HH:MM:SS[.fff][+HH:MM]')")
+    date, clock, fraction, zone = found.groups()
     try:
-        moment = datetime.fromisoformat(whole)
+        moment = datetime.fromisoformat(f"{date} {clock}")
+        offset = 0 if zone in (None, "Z") else datetime.strptime(zone.replace(":", ""), "%z").utcoffset()
     except ValueError:
         raise RowError(key, f"unparsable datetime {text!r}") from None
-    if moment.tzinfo is not None or (fraction and not fraction.isdigit()):
-        raise RowError(key, f"unparsable datetime {text!r} (expected no time zone)")
-    since = moment - _EPOCH
+    since = moment - _EPOCH - (offset or timedelta(0))
     seconds = since.days * 86400 + since.seconds
-    return seconds * 1_000_000_000 + int((fraction + "000000000")[:9])
+    return seconds * 1_000_000_000 + int(((fraction or "") + "000000000")[:9])
+
+
+_DATETIME = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2})(?:\.(\d{1,9})\d*)?\s*(Z|[+-]\d{2}:?\d{2})?")
 
 
 class BurstGptRows:
