@@ -192,6 +192,32 @@ def test_a_run_whose_child_fails_ends_without_the_section(tmp_path, toy_tokenize
     assert "Prefix Cache Fidelity" not in text
 
 
+@pytest.mark.parametrize("follow", [False, True], ids=["at the end", "followed"])
+def test_a_run_that_skipped_bad_lines_has_the_section_and_so_does_its_report(tmp_path, toy_tokenizer_dir,
+                                                                              monkeypatch, follow):
+    """The section reads the trace again: with the run's --on-bad-line skip (from its metadata),
+    so a bad line that the run skipped is skipped again and the request ids line up, at the
+    run's end, in the follower while the run replays, and in `replay report`."""
+    if follow:
+        monkeypatch.setenv(CACHE_FOLLOW_ENV, "1")
+    trace = mooncake_trace(tmp_path / "trace.jsonl", rows=12, gap_ms=20)
+    lines = trace.read_text().splitlines()
+    trace.write_text("\n".join([*lines[:5], '{"timestamp": 100, "input_len', *lines[5:]]) + "\n")
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, *SIM_ARGS) as sim:
+        proc = run_locust(replay_args(trace, toy_tokenizer_dir, sim.url, output, "--server-block-size",
+                                      str(SERVER_BLOCK), "--only-summary", "--on-bad-line", "skip"), tmp_path)
+    assert "cache fidelity:" not in proc.stderr, proc.stderr[-3000:]
+    assert ("while the run replayed" in proc.stderr) == follow, proc.stderr[-3000:]
+    cache = json.loads(Path(f"{output}.summary.json").read_text())["cache"]
+    assert cache["requests_compared"] == 12 and cache["requests_matching"] == 12, cache
+    out = tmp_path / "report.json"
+    report = subprocess.run([sys.executable, "-m", "replay", "report", str(output), "--json", str(out)],
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert json.loads(out.read_text())["cache"] == cache
+
+
 @pytest.mark.parametrize("seed, broken", [(0, True), (5, False)])
 def test_the_sections_prompts_come_from_the_spec_not_from_the_run_synthesizer(finished_run, seed, broken):
     """The synthesizer the end is handed (the worker's) lends only its blocks: one whose test hook

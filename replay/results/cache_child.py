@@ -261,7 +261,7 @@ def compute(job: dict, checks_path: str | None = None, run_synth: PromptSynthesi
     ideal_tokens = array("q", [NONE]) * n if model_on else None  # the trace's own expectation
     agreed = array("d", [math.nan]) * n  # the tokens each fingerprint proves the trace's (nan: none)
     fingerprints = FingerprintTally(job.get("fingerprints_unchecked"))
-    stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
+    stream = TraceStream(job["trace"], job["trace_format"], job["block_size"], job.get("on_bad_line", "fail"))
     trace = TraceCursor(stream)
     synth = None
     position = sent.position
@@ -496,7 +496,7 @@ def follow(job: dict, end_marker: Path, horizon_s: float = HORIZON_S, poll_s: fl
     api = job["api"]
     token_ids, server_block = _settings(job, api)
     synth = None  # the tokenizer is loaded when the first request is checked: not at the run's go, when it sends
-    stream = TraceStream(job["trace"], job["trace_format"], job["block_size"])
+    stream = TraceStream(job["trace"], job["trace_format"], job["block_size"], job.get("on_bad_line", "fail"))
     cursor = TraceCursor(stream, job.get("first_request_id", 0))
     tail = RecordTail(job["results"], end_marker, horizon_s, poll_s, on_unscheduled=cursor.drop, parent=parent)
     starts = StartEstimates() if job.get("servers") is not None else None

@@ -59,6 +59,7 @@ class CacheJob:
     trace: str
     trace_format: str | None
     block_size: int | None  # the trace's (None: its format's or the file's own)
+    on_bad_line: str  # the run's --on-bad-line: rows it skipped are skipped again, so the ids line up
     tokenizer: str
     chat_template: str | None
     api: str | None  # None: the api most records name
@@ -137,6 +138,7 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
         trace=str(trace_path),
         trace_format=_pick(trace_format, meta_trace.get("format") if same_trace else None),
         block_size=_pick(block_size, meta_trace.get("block_size") if same_trace else None),
+        on_bad_line=_pick(None, (meta.get("options") or {}).get("on_bad_line"), "fail"),
         tokenizer=str(resolve_tokenizer(tokenizer_path)),  # a Hugging Face id: its snapshot, for the child
         chat_template=_pick(chat_template, meta.get("chat_template")),
         api=api or meta.get("api"),
