@@ -12,6 +12,7 @@ import subprocess
 import sys
 from array import array
 from bisect import bisect_right
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -72,7 +73,7 @@ def test_an_honest_run_is_faithful():
     assert s["count_gap_s"] == pytest.approx(max(r["drift_ms"] for r in records) / 1000, abs=2e-3)
     assert s["count_gap_requests"] == 1  # 0.1 s apart, sent within 3 ms: never two behind
     assert cert["prompts"] == {"ok_rows": 500, "counted": 500, "exact": 500, "exact_share": 1.0, "mismatches": 0,
-                               "mismatch_worst": [], "uncounted": 0}
+                               "mismatch_worst": [], "uncounted": 0, "unsaid": 0}
     assert cert["outputs"]["exact_share"] == 1.0 and set(cert["outputs"]["others"].values()) == {0}
     assert cert["verdict"] == UNFAITHFUL and cert["failing"][0].startswith("schedule: ")
     on_time = certify(sends([0.2] * 200))
@@ -124,6 +125,28 @@ def test_prompt_mismatches_and_rows_without_a_count():
         r["prompt_tokens"] = None
     cert = certify(no_usage)
     assert cert["verdict"] == FAITHFUL and "prompts: the server counted no prompt (no usage)" in cert["unchecked"]
+
+
+def test_rows_of_their_own_messages_have_no_length_to_match():
+    """A row that gives its messages and no input_length (AIPerf's `text_input`, `messages`) is
+    recorded with input_length null: its prompt is counted apart, never a mismatch; a run of
+    only such rows has its prompts unchecked, not unfaithful."""
+    row = TraceRow(request_id=0, timestamp_s=0.0, input_length=0, output_length=5,
+                   messages=[{"role": "user", "content": "hi"}])
+    assert row.said_input_length is None and replace(row, messages=None).said_input_length == 0
+    records = sends([0.1] * 10)
+    for r in records[:4]:
+        r["input_length"] = None
+    cert = certify(records)
+    p = cert["prompts"]
+    assert (p["ok_rows"], p["counted"], p["exact"], p["mismatches"], p["unsaid"]) == (10, 6, 6, 0, 4)
+    assert cert["verdict"] == FAITHFUL, cert["failing"]
+    assert "  ok rows of their own messages (no length): 4" in "\n".join(format_certificate(cert, 50))
+    for r in records:
+        r["input_length"] = None
+    cert = certify(records)
+    assert cert["verdict"] == FAITHFUL and cert["failing"] == []
+    assert "prompts: every row gave its own messages and no input_length to match" in cert["unchecked"]
 
 
 def test_output_reasons():

@@ -94,3 +94,20 @@ def test_a_row_the_template_refuses_exits_2_naming_row_and_template(tmp_path, to
     done = run_check("--trace", str(trace), "--tokenizer", str(toy_tokenizer_dir), "--chat-template", str(template))
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr == f"error: row 1 (trace line 2): chat template {template}, template line 2: no tool turns\n"
+
+
+def test_rows_of_their_own_messages_and_no_length_are_not_compared(tmp_path, toy_tokenizer_dir):
+    """AIPerf's `text_input` and `messages` rows give their prompt and no input_length: there is
+    no length to match, so they are rendered (a template that refuses one still fails) and
+    counted apart, and the check passes; a row that says its length is still compared."""
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "text_input": "What is the capital of France?", "output_length": 5},
+            {"timestamp": 1, "messages": [{"role": "user", "content": "hi there"}], "output_length": 5},
+            {"timestamp": 2, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}]
+    trace.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    done = run_check("--trace", str(trace), "--tokenizer", str(toy_tokenizer_dir), "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = orjson.loads(done.stdout)
+    assert (result["requests"], result["exact"], result["unsaid"], result["mismatches"]) == (3, 1, 2, [])
+    text = run_check("--trace", str(trace), "--tokenizer", str(toy_tokenizer_dir))
+    assert "own messages     2 (rows that give their prompt and no input_length: not compared)" in text.stdout

@@ -30,6 +30,7 @@ def test_disagreements_flag_only_what_cannot_be_true():
     assert disagreements(**{**honest, "output_tokens": 99_999}) == ["output_tokens 99999 > max_tokens 40"]
     assert disagreements(**{**honest, "prompt_tokens": 1, "cached_tokens": 0}) == ["prompt_tokens 1 != input_length 66"]
     assert disagreements(**{**honest, "cached_tokens": 67}) == ["cached_tokens 67 > prompt_tokens 66"]
+    assert disagreements(**{**honest, "input_length": None}) == []  # a row of its own messages says no length
     assert disagreements(**{**honest, "received_tokens": None, "output_tokens": 2000}) == \
         ["output_tokens 2000 > max_tokens 40"]  # fmt: skip
     assert max_tokens_asked(0) == 1 and disagreements(**{**honest, "output_length": 0, "output_tokens": 1,

@@ -33,7 +33,7 @@ import gevent
 from replay.engine import messages
 from replay.engine.gpu_view import GpuView
 from replay.protocol.urls import shown
-from replay.results.records import Record, output_tokens_of
+from replay.results.records import Record, output_tokens_of, prompt_tokens_of, prompt_tokens_said
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile
 from replay.rules.send_time import trace_seconds_reached
@@ -149,7 +149,7 @@ class LiveStats:
                 self.cached += r["cached_tokens"]
                 self.prompt += r["prompt_tokens"]
                 self.ideal_cached += ideal
-                self.ideal_prompt += r["input_length"]
+                self.ideal_prompt += prompt_tokens_said(r)
                 self.servers.add_record(r, ideal)
 
     def on_summary(self, summary: dict) -> None:
@@ -195,7 +195,7 @@ class LiveStats:
             "tpot_p50_ms": _round(percentile(values("tpot_ms", ok), 50)),
             "e2e_p50_ms": _round(percentile(e2e, 50)), "e2e_p99_ms": _round(percentile(e2e, 99)),
             "output_tokens_per_s": round(sum(output_tokens_of(r) for r in ok) / span, 3),
-            "input_tokens_per_s": round(sum(r["prompt_tokens"] or r["input_length"] for r in ok) / span, 3),
+            "input_tokens_per_s": round(sum(prompt_tokens_of(r) for r in ok) / span, 3),
             "in_flight": self._in_flight(),
             "drift_p50_ms": _round(percentile(drift, 50)), "drift_p99_ms": _round(percentile(drift, 99)),
             "cache_hit_ratio": _round(_ratio(self.cached, self.prompt), 4),
@@ -348,7 +348,7 @@ class ServerView:
         counts[0] += r["cached_tokens"] or 0  # both known: add_records adds only such records
         counts[1] += r["prompt_tokens"] or 0
         counts[2] += ideal
-        counts[3] += r["input_length"]
+        counts[3] += prompt_tokens_said(r)
 
     def latest(self) -> list[dict]:
         out = []

@@ -33,7 +33,7 @@ from typing import Any, TypedDict, cast
 from replay.results.arrivals import ArrivalComparison
 from replay.results.fidelity import scheduled
 from replay.results.host_load import busy_host, client_limited, describe
-from replay.results.records import Record
+from replay.results.records import Record, prompt_tokens_said
 from replay.rules.server_timing import (
     FROM_ANSWER,
     FROM_SPAN,
@@ -135,7 +135,7 @@ class CertificateBuilder:
         self.rows = self.sends = self.on_time = self.late = 0
         self._late: list = []
         self.arrivals = ArrivalComparison()
-        self.ok = self.prompt_exact = self.prompt_mismatch = self.prompt_uncounted = 0
+        self.ok = self.prompt_exact = self.prompt_mismatch = self.prompt_uncounted = self.prompt_unsaid = 0
         self._mismatches: list = []
         self.outputs = {"exact": 0, "early stop allowed": 0, "server cut": 0, "error": 0, "no count": 0}
         self.sent_tokens: dict[str, int] = {}  # per endpoint: input_length of the requests the server took in
@@ -158,7 +158,7 @@ class CertificateBuilder:
             self._add_prompt(record)
         if scheduled(record) and record.get("endpoint"):
             endpoint = record["endpoint"]
-            self.sent_tokens[endpoint] = self.sent_tokens.get(endpoint, 0) + record["input_length"]
+            self.sent_tokens[endpoint] = self.sent_tokens.get(endpoint, 0) + prompt_tokens_said(record)
 
     def _add_send(self, record: Record, due: float, sent: float) -> None:
         self.sends += 1
@@ -195,7 +195,9 @@ class CertificateBuilder:
         self.ok += 1
         self.cached_counted += record.get("cached_tokens") is not None
         counted = record.get("prompt_tokens")
-        if counted is None:
+        if record["input_length"] is None:  # its own messages: no length to match
+            self.prompt_unsaid += 1
+        elif counted is None:
             self.prompt_uncounted += 1
         elif counted == record["input_length"]:
             self.prompt_exact += 1
@@ -254,6 +256,7 @@ class CertificateBuilder:
             "mismatches": self.prompt_mismatch,
             "mismatch_worst": _worst(self._mismatches),
             "uncounted": self.prompt_uncounted,
+            "unsaid": self.prompt_unsaid,
         }
         answered = sum(self.outputs.values())
         outputs = {
@@ -418,6 +421,8 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
     p = cert["prompts"]
     if "prompt_tokens" in untrusted:
         pass  # the counter counted exactly the tokens sent (what `disagrees` means): the prompts are exact
+    elif not p["counted"] and p["ok_rows"] and p.get("unsaid") == p["ok_rows"]:
+        unchecked.append("prompts: every row gave its own messages and no input_length to match")
     elif not p["counted"]:
         unchecked.append("prompts: the server counted no prompt (no usage)")
     elif p["exact_share"] < PROMPTS_EXACT_MIN:
@@ -565,6 +570,8 @@ def format_certificate(cert: dict, width: int) -> list[str]:
                        f"{w['input_length']} ({w['difference']:+d})")
     if p["uncounted"]:
         out.append(line("  ok rows without a server count:", p["uncounted"]))
+    if p.get("unsaid"):
+        out.append(line("  ok rows of their own messages (no length):", p["unsaid"]))
     fingerprints = (c["infinite"] or {}).get("fingerprints")
     if fingerprints and (fingerprints["checked"] or fingerprints["without"]):
         out.append(line("Prompts as sent (fingerprints):", f"{fingerprints['checked'] - fingerprints['differ']} of "

@@ -42,7 +42,7 @@ class Record(TypedDict):
     status: int
     ok: bool
     error: str | None  # a failure's reason, or why the row has no answer (the labels below)
-    input_length: int  # the trace's counts
+    input_length: int | None  # the trace's counts (null: a row of its own messages, which says no length)
     output_length: int
     prompt_tokens: int | None  # the server's counts (usage), when it gave them
     output_tokens: int | None
@@ -103,6 +103,13 @@ def prompt_tokens_of(record: Record) -> int:
     return record.get("prompt_tokens") or record.get("input_length") or 0
 
 
+def prompt_tokens_said(record: Record) -> int:
+    """A record's prompt tokens as the trace said them (its `input_length`); for a row that gave
+    its own messages and no length, the server's count (0 when it gave none)."""
+    said = record.get("input_length")
+    return said if said is not None else record.get("prompt_tokens") or 0
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
@@ -116,7 +123,7 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         due_at = scheduled_at
     received = outcome.events_tokens if outcome.streamed else None
     found = [*(outcome.usage_notes or ()),
-             *disagreements(input_length=row.input_length, output_length=row.output_length, received_tokens=received,
+             *disagreements(input_length=row.said_input_length, output_length=row.output_length, received_tokens=received,
                             prompt_tokens=outcome.prompt_tokens, output_tokens=outcome.output_tokens,
                             cached_tokens=outcome.cached_tokens)]
     believed = output_tokens_believed(output_tokens=outcome.output_tokens, received_tokens=received,
@@ -140,7 +147,7 @@ def sent_record(row, *, worker: int, endpoint: str, api: str, scheduled_at: floa
         "status": outcome.status,
         "ok": outcome.ok,
         "error": outcome.error,
-        "input_length": row.input_length,
+        "input_length": row.said_input_length,
         "output_length": row.output_length,
         "prompt_tokens": outcome.prompt_tokens,
         "output_tokens": outcome.output_tokens,
@@ -166,7 +173,7 @@ def unsent_record(row, *, worker: int | None, api: str, scheduled_at: float | No
     record.update(
         request_id=row.request_id, session_id=row.session_id, worker=worker, endpoint=endpoint, api=api,
         scheduled_at=scheduled_at, due_at=due_at, status=0, ok=False, error=reason,
-        input_length=row.input_length, output_length=row.output_length,
+        input_length=row.said_input_length, output_length=row.output_length,
     )
     if due_at is not None and scheduled_at is not None:
         record["waited_ms"] = _ms((due_at - scheduled_at) * 1000.0)

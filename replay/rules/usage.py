@@ -34,12 +34,12 @@ def is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def disagreements(*, input_length: int, output_length: int, received_tokens: int | None, prompt_tokens: int | None,
+def disagreements(*, input_length: int | None, output_length: int, received_tokens: int | None, prompt_tokens: int | None,
                   output_tokens: int | None, cached_tokens: int | None) -> list[str]:
     """The claims of a request's usage that disagree with what was asked or received (see the
     module's docstring), each as one short phrase; `received_tokens` None: not streamed."""
     found = []
-    if prompt_tokens is not None and prompt_tokens != input_length:
+    if prompt_tokens is not None and input_length is not None and prompt_tokens != input_length:
         found.append(f"prompt_tokens {prompt_tokens} != input_length {input_length}")
     if output_tokens is not None:
         asked = max_tokens_asked(output_length)

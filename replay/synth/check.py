@@ -21,10 +21,11 @@ def rescale_rows(rows: Iterable[TraceRow], block_from: int, block_to: int) -> li
 
 
 def check_prompts(synth: PromptSynthesizer, rows: Iterable[TraceRow]) -> dict:
-    """Totals and the mismatching rows; `exact` counts rows whose server count == input_length.
-    A row the chat template fails on raises ChatTemplateError naming the row."""
+    """Totals and the mismatching rows; `exact` counts rows whose server count == input_length;
+    `unsaid` the rows that give their own messages and no length (rendered, not compared). A row
+    the chat template fails on raises ChatTemplateError naming the row."""
     started = time.perf_counter()
-    requests = exact = max_abs_error = 0
+    requests = exact = max_abs_error = unsaid = 0
     claims_wrong = 0
     mismatches = []
     for row in rows:
@@ -34,6 +35,9 @@ def check_prompts(synth: PromptSynthesizer, rows: Iterable[TraceRow]) -> dict:
         except ChatTemplateError as err:  # a row's own messages the template refuses: a bad input, named
             raise err.about(f"row {row.request_id} (trace line {row.line})") from None
         requests += 1
+        if row.said_input_length is None:
+            unsaid += 1
+            continue
         error = counted - row.input_length
         if prompt.expected_tokens != counted:
             claims_wrong += 1
@@ -54,6 +58,7 @@ def check_prompts(synth: PromptSynthesizer, rows: Iterable[TraceRow]) -> dict:
     return {
         "requests": requests,
         "exact": exact,
+        "unsaid": unsaid,
         "max_abs_error": max_abs_error,
         "expected_wrong": claims_wrong,
         "tokenizer": synth.tokenizer.name,

@@ -82,7 +82,7 @@ def run_check(args: argparse.Namespace) -> int:
         return _fail(str(err))
     try:
         result = check_prompts(synth, rows)
-        code = 0 if result["exact"] == result["requests"] else 1
+        code = 0 if result["exact"] + result["unsaid"] == result["requests"] else 1
         if args.server:
             code = max(code, _check_servers(args, synth, rows, result))
     except ChatTemplateError as err:
@@ -130,6 +130,8 @@ def _format(result: dict, verbose: bool) -> str:
         f"template tokens  {result['template_overhead_tokens']}",
         f"requests         {result['requests']}",
         f"exact            {result['exact']}",
+        *([f"own messages     {result['unsaid']} (rows that give their prompt and no input_length: not compared)"]
+          if result["unsaid"] else []),
         f"max abs error    {result['max_abs_error']}",
         f"warnings         {result['warnings']} (rows shorter than the template)",
         f"elapsed          {result['elapsed_s']:.2f} s",

@@ -279,10 +279,10 @@ def parse_datetime(text: str, key: str) -> int:
     date, clock, fraction, zone = found.groups()
     try:
         moment = datetime.fromisoformat(f"{date} {clock}")
-        offset = 0 if zone in (None, "Z") else datetime.strptime(zone.replace(":", ""), "%z").utcoffset()
+        zoned = None if zone in (None, "Z") else datetime.strptime(zone.replace(":", ""), "%z").utcoffset()
     except ValueError:
         raise RowError(key, f"unparsable datetime {text!r}") from None
-    since = moment - _EPOCH - (offset or timedelta(0))
+    since = moment - _EPOCH - (zoned or timedelta(0))
     seconds = since.days * 86400 + since.seconds
     return seconds * 1_000_000_000 + int(((fraction or "") + "000000000")[:9])
 

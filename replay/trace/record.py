@@ -29,6 +29,13 @@ class TraceRow:
     # `replay record` measures it (jsonl's `gap_ms`); None where the trace does not say.
     gap_s: float | None = None
 
+    @property
+    def said_input_length(self) -> int | None:
+        """The prompt length the trace says, None where it says none: a row that gives its own
+        `messages` (or `text_input`) and no `input_length` is sent as it is, and only the server
+        can count it (its `input_length` is 0, which no such prompt is)."""
+        return None if self.messages is not None and self.input_length == 0 else self.input_length
+
 
 @dataclass(slots=True)
 class BadLine:
