@@ -5,7 +5,9 @@ holds its answer; check_servers refuses it), --max-prompt-tokens is given."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+import orjson
 import pytest
 
 from replay.engine.options import ReplayOptions
@@ -42,6 +44,22 @@ def test_a_refusal_releases_the_output(tmp_path, toy_tokenizer_dir):
     with pytest.raises(ValueError, match="no rows to replay in the window"):
         preflight.load(options, "http://127.0.0.1:9")
     assert not lock_path(tmp_path / "run.jsonl").exists()
+
+
+def test_a_duration_alone_is_the_first_seconds_of_a_trace_of_epoch_times(tmp_path, toy_tokenizer_dir):
+    """--duration counts from --start, else from the first row: a run (and a search's probe) of
+    a trace whose times are since 1970 replays its first seconds, not nothing."""
+    options = options_for(tmp_path, toy_tokenizer_dir, duration=0.55)
+    trace = Path(options.trace)
+    rows = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
+    trace.write_bytes(b"".join(orjson.dumps({**r, "timestamp": r["timestamp"] + 1_715_299_200_000}) + b"\n"
+                               for r in rows))
+    spec = preflight.load(options, "http://127.0.0.1:9")
+    try:
+        assert spec.total == 6 and spec.schedule.origin == 1_715_299_200.0  # rows every 0.1 s
+    finally:
+        spec.schedule.close()
+        spec.claim.release()
 
 
 def test_a_search_whose_probe_window_is_empty_names_the_probe_duration(tmp_path, toy_tokenizer_dir):

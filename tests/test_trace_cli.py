@@ -396,6 +396,22 @@ def test_convert_window_and_time_scale(tmp_path, capsys):
     assert (tmp_path / "none.jsonl").read_text() == ""
 
 
+def test_a_duration_without_a_start_counts_from_the_first_row(tmp_path, capsys):
+    """A trace of epoch times (or cut from a longer one) does not start at 0: `--duration 1`
+    alone is its first second, not the second after 1970."""
+    rows = mooncake_rows(8)  # every 0.25 s
+    for r in rows:
+        r["timestamp"] += 1_715_299_200_000
+    source = write_jsonl(tmp_path / "epoch.jsonl", rows)
+    out = tmp_path / "w.jsonl"
+    assert main(["trace", "convert", str(source), str(out), "--duration", "1"]) == 0
+    assert "wrote 4 of 8 rows" in capsys.readouterr().out
+    assert [json.loads(line)["timestamp"] for line in out.read_text().splitlines()] == \
+        [r["timestamp"] for r in rows[:4]]  # fmt: skip
+    assert [r.timestamp_s for r in select_rows(read_trace(source).rows, duration=0.5)] == \
+        [1_715_299_200.0, 1_715_299_200.25]  # fmt: skip
+
+
 def test_convert_rescale_keeps_the_block_rule_and_the_hit_ratio(tmp_path, capsys):
     source = shared_path(*MOONCAKE)
     out = tmp_path / "small.jsonl.gz"

@@ -20,6 +20,7 @@ from replay.errors import OptionError
 from replay.rules.send_time import replay_seconds
 from replay.trace.reader import TraceStream
 from replay.trace.record import TraceRow
+from replay.trace.window import window
 
 
 def check_replay_length(window_s: float, scale: float, start: float | None) -> None:
@@ -53,8 +54,7 @@ class Schedule:
         self.trace_rows = 0  # good rows in the file
         self._session_numbers: dict[str, int] = {}
         self._sessions = array("q")  # per position: a number for the row's session, -1 for none
-        begin = float("-inf") if start is None else start
-        end = float("inf") if duration is None else (start or 0.0) + duration  # start defaults to 0 for the end
+        rows, begin, end = window(stream, start, duration)
         cap = float("inf") if max_requests is None else max_requests
         limit = max_prompt_tokens or float("inf")
         in_order, last_time, offset, chosen = True, float("-inf"), 0, 0
@@ -64,7 +64,7 @@ class Schedule:
         add_id, add_time, add_offset, add_length, add_session = (
             self.request_ids.append, self.times.append, self._offsets.append, self._lengths.append,
             self._sessions.append)
-        for row in stream:  # the hot loop of a big trace's start-up: names bound, one test per rule
+        for row in rows:  # the hot loop of a big trace's start-up: names bound, one test per rule
             self.trace_rows += 1
             time_s = row.timestamp_s
             if time_s > latest:

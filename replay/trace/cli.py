@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("output", type=OUTPUT, metavar="OUT", help="jsonl file; gzipped when it ends in .gz")
     _format_options(convert, "--from")
     convert.add_argument("--start", type=START, help="window start, trace seconds")
-    convert.add_argument("--duration", type=DURATION, help="window length, trace seconds")
+    convert.add_argument("--duration", type=DURATION, help="window length, trace seconds from --start, else from the first row")
     convert.add_argument("--max-rows", type=COUNT, help="keep only the first N rows (after the window)")
     convert.add_argument("--time-scale", type=SCALE, default=1.0, help="divide times by X (2 = twice as fast)")
     convert.add_argument("--block-size-to", type=block_size_arg, metavar="N",
