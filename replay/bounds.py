@@ -116,8 +116,9 @@ PROMPT_TOKENS = Bound(0, MAX_INT, integer=True, unit="tokens")  # a --max-prompt
 # trace takes hours, or a day of trace is sent within a few seconds.
 SCALE = Bound(0.001, 10_000.0)
 # A point on a trace's own time axis: its origin is free (a unix-epoch timestamp is a trace
-# second), but beyond this no trace has rows.
-START = Bound(-1e13, 1e13, unit="trace seconds")
+# second), but beyond this no trace has rows (the readers refuse one: trace.fields.span_message).
+MAX_TRACE_TIME_S = 1e13
+START = Bound(-MAX_TRACE_TIME_S, MAX_TRACE_TIME_S, unit="trace seconds")
 DURATION = Bound(0.001, MAX_TRACE_SPAN_S, unit="trace seconds")  # a window: 1 ms to the longest trace span
 # Times a trace's load (`trace amplify --factor`, a capacity search's --search-range): beyond
 # it the output is ten thousand times the file, below it no session is kept.

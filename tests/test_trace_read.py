@@ -5,11 +5,12 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import os
 
 import pytest
 
 from replay.bounds import DEFAULT_MAX_PROMPT_TOKENS
-from replay.trace import FORMATS, BadLine, TraceError, detect_format, prefix_hits, read_trace
+from replay.trace import FORMATS, BadLine, TraceError, detect_format, prefix_hits, read_trace, source
 from replay.trace.formats import parse_datetime
 from replay.trace.record import Trace, TraceRow
 from replay.trace.stats import trace_stats
@@ -496,3 +497,44 @@ def test_the_pair_index_adds_in_one_call_as_pair_by_pair():
         assert (hits, last) == (hits_too, node_too)
         assert chained.walk(0, chunk) == (len(chunk), last)
     assert [chained.second(n) for n in range(1, len(chained) + 1)] == [linked.second(n) for n in range(1, len(linked) + 1)]
+
+
+def test_jsonl_keys_past_the_detected_lines_are_read_not_dropped(tmp_path):
+    """The format is told from the first lines; a session, a delay or a prompt of its own further
+    down makes the rest read as jsonl instead of being dropped in silence."""
+    plain = mooncake_rows(25)
+    late = [*plain, {"delay": 100, "input_length": 700, "output_length": 3, "hash_ids": [0, 1], "session_id": "s"},
+            {"timestamp": 9000, "messages": [{"role": "user", "content": "hi"}], "output_length": 3}]
+    trace = read_trace(write_jsonl(tmp_path / "late.jsonl", late))
+    assert detect_format(tmp_path / "late.jsonl") == "mooncake"
+    assert [(r.session_id, r.timestamp_s) for r in trace.rows[-2:]] == [("s", 100 / 1000.0), (None, 9.0)]
+    assert trace.rows[-1].messages == [{"role": "user", "content": "hi"}]
+    assert trace.rows[:25] == read_trace(write_jsonl(tmp_path / "plain.jsonl", plain)).rows
+
+
+def test_a_row_with_both_a_timestamp_and_a_delay_is_refused(tmp_path):
+    rows = [{"timestamp": 0, "delay": 5, "input_length": 10, "output_length": 1, "session_id": "a"}]
+    with pytest.raises(TraceError) as err:
+        read_trace(write_jsonl(tmp_path / "both.jsonl", rows))
+    assert (err.value.bad.field, err.value.bad.message) == ("delay", "a row gives a timestamp or a delay, not both")
+
+
+def test_a_time_past_any_traces_is_a_bad_row(tmp_path):
+    rows = [{"timestamp": 123456789012345678901234567890, "input_length": 5, "output_length": 3}]
+    with pytest.raises(TraceError, match="past any trace's time"):
+        read_trace(write_jsonl(tmp_path / "far.jsonl", rows))
+
+
+def test_only_a_regular_file_is_a_trace_and_a_line_has_a_bound(tmp_path, monkeypatch):
+    """A FIFO would give its bytes to the first of the trace's reads and block the next; a
+    device never ends: both are refused, named. A file of no newlines is not read whole."""
+    fifo = tmp_path / "t.jsonl"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), ("/dev/zero", "a device or socket")):
+        with pytest.raises(TraceError, match=f"is {kind}, not a regular file"):
+            read_trace(path)
+    monkeypatch.setattr(source, "MAX_LINE_BYTES", 1000)
+    blob = tmp_path / "blob.jsonl"
+    blob.write_bytes(b"x" * 5000)
+    with pytest.raises(TraceError, match="longer than"):
+        read_trace(blob)

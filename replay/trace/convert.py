@@ -90,6 +90,9 @@ def convert_trace(
     except OSError as e:  # a full disk: no half trace is left to be replayed by mistake
         remove_written(out_path)
         raise OutputError(out_path, e) from None
+    except BaseException:  # nor by any other stop (a bug, Ctrl-C)
+        remove_written(out_path)
+        raise
     written = read_trace(out_path, format="jsonl")  # named: an empty window gives an empty file
     if len(written.rows) != len(rows) or written.block_size != (block_out if block_out is not None else JSONL_BLOCK):
         raise RuntimeError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from replay.bounds import MAX_BLOCK_SIZE, MAX_INT, MAX_TRACE_SPAN_S
+from replay.bounds import MAX_BLOCK_SIZE, MAX_INT, MAX_TRACE_SPAN_S, MAX_TRACE_TIME_S
 
 DEFAULT_BLOCK_SIZE = 512
 """Tokens per hash id when a trace does not say (Mooncake's published traces): the formats'
@@ -151,6 +151,8 @@ def span_message(time_s: float, earliest: float, latest: float) -> str:
     earliest and latest times of the rows before it."""
     if not math.isfinite(time_s):
         return f"must be finite, got {time_s!r}"
+    if abs(time_s) > MAX_TRACE_TIME_S:
+        return f"{time_s:g} s is past any trace's time (at most {MAX_TRACE_TIME_S:g} s from 0, in either direction)"
     other = earliest if time_s > latest else latest
     return (f"{time_s:g} s is {abs(time_s - other):g} s from an earlier row's {other:g} s; a trace spans at most "
             f"{MAX_TRACE_SPAN_S:.0f} s (10 years)")

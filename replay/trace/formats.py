@@ -29,6 +29,8 @@ from replay.trace.fields import (
 )
 from replay.trace.record import TraceRow
 
+EXTENDED_KEYS = frozenset({"messages", "text_input", "delay", "session_id", "tools", "gap_ms"})  # jsonl's, not mooncake's
+
 
 class JsonRows:
     """mooncake and jsonl (AIPerf mooncake_trace) rows; timestamps in milliseconds.
@@ -40,6 +42,10 @@ class JsonRows:
     every session at once), `messages`/`text_input` (+`tools`) instead of input_length,
     `session_id`, and `gap_ms` (a turn's think time after its previous turn's answer, which
     `--turn-timing after-answer` keeps).
+
+    A mooncake row that carries one of jsonl's keys makes the rest of the file read as jsonl:
+    the format is told from the first lines, and a session or a prompt of its own further down
+    must not be dropped in silence (a plain row reads the same either way).
     """
 
     def __init__(self, block_size: int | None, default_block: int | None, extended: bool):
@@ -73,6 +79,9 @@ class JsonRows:
         session_id = None
         messages = tools = None
         gap_s = None
+        if not self.extended and (len(record) != 4 or "timestamp" not in record) \
+                and not EXTENDED_KEYS.isdisjoint(record):  # a plain mooncake row: two quick tests
+            self.extended = True
         if self.extended:
             session_id = _session(record.get("session_id"))
             if record.get("gap_ms") is not None:
@@ -80,7 +89,7 @@ class JsonRows:
             messages, tools = _messages(record)
             timestamp_s = self._time(record, session_id)
         else:
-            timestamp_s = required_time(record, "timestamp") / 1000.0
+            timestamp_s = self.last_time = required_time(record, "timestamp") / 1000.0
         declared_length = record.get("input_length")
         if messages is not None and declared_length is None:
             input_length = 0  # the prompt is the messages; only a tokenizer can count it
@@ -100,6 +109,8 @@ class JsonRows:
 
     def _time(self, record: dict, session_id: str | None) -> float:
         if record.get("timestamp") is not None:
+            if record.get("delay") is not None:
+                raise RowError("delay", "a row gives a timestamp or a delay, not both")
             self.time_field = "timestamp"
             timestamp_s = to_time(record["timestamp"], "timestamp") / 1000.0
         else:

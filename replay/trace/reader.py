@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import orjson
 
-from replay.bounds import MAX_TRACE_SPAN_S
+from replay.bounds import MAX_TRACE_SPAN_S, MAX_TRACE_TIME_S
 from replay.trace.fields import RowError, block_size_problem, check_prompt_limit, span_message
 from replay.trace.formats import FORMATS, Format
 from replay.trace.record import BadLine, Trace, TraceError, TraceRow
@@ -121,7 +121,7 @@ class TraceStream:
                 if not earliest <= time_s <= latest:  # only a row that widens the span can break it
                     low = time_s if time_s < earliest else earliest
                     high = time_s if time_s > latest else latest
-                    if not high - low <= MAX_TRACE_SPAN_S or time_s != time_s:  # (nan: a time no reader gives)
+                    if not (high - low <= MAX_TRACE_SPAN_S and -MAX_TRACE_TIME_S <= time_s <= MAX_TRACE_TIME_S):  # or nan
                         raise RowError(parser.time_field, span_message(time_s, earliest, latest))
                     earliest, latest = low, high
                 yield row

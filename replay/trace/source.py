@@ -18,8 +18,17 @@ GZIP_MAGIC = b"\x1f\x8b"
 GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)  # what a damaged gzip stream raises
 
 
+MAX_LINE_BYTES = 64 << 20  # a row of a million tokens' messages is ~4 MB; past this it is no text file
+
+
 def open_binary(path: str | Path) -> IO[bytes]:
-    """The file's bytes, decompressed when it is gzip whatever its name."""
+    """The file's bytes, decompressed when it is gzip whatever its name. A trace is read more
+    than once (its format, its rows, its hash), so only a regular file is: a FIFO would give
+    its bytes to the first read and block the next, a device never end."""
+    mode = os.stat(path).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a directory: open's own error names it
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise TraceError(BadLine(str(path), 1, "(file)", f"is {kind}, not a regular file: give the trace as a file"))
     with open(path, "rb") as f:
         magic = f.read(2)
     if magic == GZIP_MAGIC:
@@ -43,8 +52,13 @@ def numbered_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
     """
     number = 0
     with open_binary(path) as f:
+        read = f.readline
         try:
-            for number, line in enumerate(f, start=1):
+            while line := read(MAX_LINE_BYTES):
+                number += 1
+                if len(line) == MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    raise TraceError(BadLine(str(path), number, "(line)", f"longer than {MAX_LINE_BYTES >> 20} MiB: "
+                                                                          "not a trace's row (a binary file?)"))
                 if not line.isspace():  # the same test as strip(), without copying the line
                     yield number, line
         except GZIP_ERRORS as err:
