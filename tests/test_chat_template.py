@@ -159,6 +159,19 @@ def test_a_template_that_does_not_compile_fails_at_load(make):
         make("{% for m in messages %}\n{% generation %}{{ m.content }}{% endfor %}")
 
 
+@pytest.mark.parametrize("template, said", [
+    (42, "chat_template: expected a template string or a list of named ones, got int"),
+    ([{"name": "default", "template": 7}], "chat_template 'default': expected a template string, got int"),
+    ({"default": ["x"]}, "chat_template 'default': expected a template string, got list"),
+])
+def test_a_chat_template_that_is_no_text_is_one_error_naming_the_file(make, template, said):
+    """A tokenizer_config.json whose chat_template is a number (or a list of one) was a
+    TypeError's traceback in `prompts check` and `replay sim`."""
+    with pytest.raises(ChatTemplateError) as err:
+        make(template)
+    assert str(err.value).endswith(f"tokenizer_config.json: {said}")
+
+
 def test_the_sim_answers_a_refused_chat_with_the_templates_words(tmp_path, toy_tokenizer_dir):
     folder = tokenizer_with(tmp_path / "tok", toy_tokenizer_dir, BAD_ROLE)
     engine = Engine(SimOptions(tokenizer=str(folder)))
