@@ -15,6 +15,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from replay.engine.dispatcher import BodyBuilder
 from replay.engine.options import ReplayOptions
@@ -23,6 +24,7 @@ from replay.synth import setup_cache
 from replay.synth.bodies import build_body
 from replay.synth.prompts import PromptSynthesizer, encode_prompt, server_count
 from replay.synth.tokenizer import ServerTokenizer, load_chat_template, tokenizer_fingerprint
+from replay.synth.toy import toy_words
 from replay.trace.record import TraceRow
 from support.paths import REPO, shared_path
 
@@ -363,3 +365,26 @@ def test_a_warm_worker_never_imports_the_tokenizers_library(cache, toy_tokenizer
                           env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["[]"]
+
+
+def test_a_unigram_tokenizers_entry_is_read_back(cache, tmp_path, caplog):
+    """A Unigram model (T5, ALBERT, XLNet) keeps its vocabulary as [[piece, score], ...], the id
+    the position: the spot check found no `"piece": id` there and rebuilt the set-up on every
+    start, with a warning each time."""
+    words = toy_words(800)
+    corpus = [" ".join(words[(i * 7 + k) % len(words)] for k in range(30)) for i in range(600)]
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(corpus, trainers.UnigramTrainer(vocab_size=1200, special_tokens=["<unk>"],
+                                                            unk_token="<unk>", show_progress=False))
+    folder = tmp_path / "unigram"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    assert json.loads((folder / "tokenizer.json").read_text())["model"]["type"] == "Unigram"
+    cold = synth(folder, "openai-completions")
+    with caplog.at_level(logging.INFO, logger=setup_cache.__name__):
+        warm = synth(folder, "openai-completions")
+    assert not cold.set_up_from_cache and warm.set_up_from_cache, cache_warnings(caplog)
+    assert cache_warnings(caplog) == [] and bodies(warm) == bodies(cold)
+    assert_exact(warm)

@@ -338,15 +338,35 @@ def _in_vocab(data: bytes, tokens: list[str], token_id: int) -> bool:
     return False
 
 
+def _unigram_pieces(data: bytes) -> list | None:
+    """A Unigram model's vocabulary, [[piece, score], ...] whose position is the id (T5, ALBERT,
+    XLNet write it so, with no `"piece": id` for _in_vocab to find); None for another model."""
+    if b'"Unigram"' not in data:
+        return None
+    try:
+        model = orjson.loads(data).get("model") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    vocab = model.get("vocab") if model.get("type") == "Unigram" else None
+    return vocab if isinstance(vocab, list) else None
+
+
 def spot_check(vocab: SafeVocab, tokenizer_bytes: bytes) -> None:
     """SPOT_CHECKS words spread over the cached vocabulary are this tokenizer.json's tokens
     under the cached ids (a look at the file, much cheaper than loading the tokenizer)."""
     count = len(vocab)
+    pieces = _unigram_pieces(tokenizer_bytes)
+    if pieces is not None:
+        def has(tokens: list[str], token_id: int) -> bool:
+            entry = pieces[token_id] if 0 <= token_id < len(pieces) else None
+            return isinstance(entry, list) and bool(entry) and entry[0] in tokens
+    else:
+        def has(tokens: list[str], token_id: int) -> bool:
+            return _in_vocab(tokenizer_bytes, tokens, token_id)
     for k in range(SPOT_CHECKS):
         i = k * (count - 1) // max(1, SPOT_CHECKS - 1)
         word = vocab.texts[i][1:]
-        if not _in_vocab(tokenizer_bytes, [m + word for m in SPACE_MARKERS], vocab.ids[i]):
+        if not has([m + word for m in SPACE_MARKERS], vocab.ids[i]):
             raise CacheError(f"spot check: {vocab.texts[i]!r} is not token {vocab.ids[i]} of this tokenizer.json")
-        if i < vocab.lead_count and not _in_vocab(tokenizer_bytes, [word, *(m + word for m in SPACE_MARKERS)],
-                                                  vocab.lead_ids[i]):
+        if i < vocab.lead_count and not has([word, *(m + word for m in SPACE_MARKERS)], vocab.lead_ids[i]):
             raise CacheError(f"spot check: {word!r} is not token {vocab.lead_ids[i]} of this tokenizer.json")
