@@ -11,11 +11,13 @@ from dataclasses import replace
 
 import orjson
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from replay.synth.bodies import build_body
 from replay.synth.check import rescale_rows
 from replay.synth.prompts import Prompt, PromptError, PromptSynthesizer, safe_vocab, server_count
 from replay.synth.tokenizer import ServerTokenizer
+from replay.synth.vocab import VocabularyError, build_safe_vocab
 from replay.trace.reader import read_trace
 from replay.trace.record import TraceRow
 from support.paths import REPO, shared_path
@@ -394,3 +396,13 @@ def test_a_synthesizer_with_the_blocks_of_another_makes_the_spec_prompts(toy):
     assert [worker.prompt(r).fingerprint for r in rows] == broken  # the worker's own stays as it was
     end.blocks.hashed(99_999)
     assert 99_999 in end.blocks._cache and 99_999 not in worker.blocks._cache
+
+
+def test_a_wordpiece_tokenizer_is_refused_naming_its_model():
+    """WordPiece (BERT) has no space marker on whole words: no prompt can be made of its
+    words as the synthesis makes them, and the error says which model this is."""
+    vocab = {"[UNK]": 0, "the": 1, "cat": 2, "##s": 3}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    with pytest.raises(VocabularyError, match="vocabulary of this WordPiece model: prompts are synthesized for"):
+        build_safe_vocab(tokenizer, "bert")

@@ -81,7 +81,10 @@ def build_safe_vocab(tokenizer: Tokenizer, name: str = "tokenizer") -> SafeVocab
     """
     candidates = word_tokens(tokenizer)
     if not candidates:
-        raise VocabularyError(f"{name}: no whole-word tokens (space marker + ASCII letters) in the vocabulary")
+        model = type(tokenizer.model).__name__  # WordPiece (BERT): words carry no space marker, pieces a '##'
+        raise VocabularyError(f"{name}: no whole-word tokens (space marker + ASCII letters) in the vocabulary of "
+                              f"this {model} model: prompts are synthesized for byte-level BPE, SentencePiece BPE "
+                              "and Unigram tokenizers, as LLM servers use")
     # Inside a prompt a word is preceded by another word; encode each as 'a word' to see it in context.
     probe = _encode_batch(tokenizer, ["a" + text for text in (t for _, t in candidates)])
     bare = _encode_batch(tokenizer, [text[1:] for _, text in candidates])
