@@ -90,6 +90,9 @@ def server_count(tokenizer: ServerTokenizer, prompt: Prompt) -> int:
     return len(encode_prompt(tokenizer, prompt))
 
 
+_FRAME_WARNED: set[str] = set()  # the frame problems this process has warned of
+
+
 class PromptSynthesizer:
     """Prompts for trace rows, for one tokenizer, api and trace block size.
 
@@ -124,9 +127,10 @@ class PromptSynthesizer:
         self.frame = measured.frame
         # verified: the frame could not be proven, so each prompt is encoded and fixed up (slow)
         self.verified = measured.frame_error is not None
-        if self.verified:
-            log.warning("%s; each prompt will be encoded and fixed up instead (about 300k tokens/s)",
-                        measured.frame_error)
+        if self.verified and measured.frame_error not in _FRAME_WARNED:  # once a process (a run sets up twice)
+            _FRAME_WARNED.add(measured.frame_error)
+            log.warning("%s by reusing one frame; prompts stay exact: each is encoded and fixed up instead "
+                        "(slower, about 300k tokens/s)", measured.frame_error)
         self.short_frame = measured.short_frame
         self._empty_text_ids = list(measured.empty_text_ids)
         self.template_overhead_tokens = self.frame.overhead
