@@ -71,6 +71,15 @@ def test_bailian_sessions_are_the_root_of_the_parent_chain(tmp_path):
     assert [r.timestamp_s for r in trace.rows] == [0.0, 0.5, 1.25, 2.0, 3.5]  # seconds, not ms
 
 
+def test_a_bailian_row_without_a_parent_is_a_first_turn(tmp_path):
+    """AIPerf reads a missing or null parent_chat_id as -1: the row starts its own session."""
+    rows = bailian_rows()
+    del rows[0]["parent_chat_id"]
+    rows[1]["parent_chat_id"] = None
+    trace = read_trace(write_jsonl(tmp_path / "b.jsonl", rows))
+    assert [r.session_id for r in trace.rows] == ["10", "20", "10", "20", "10"]
+
+
 def test_bailian_children_before_parents_and_deep_chains(tmp_path):
     depth = 3000
     records = [

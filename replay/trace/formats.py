@@ -178,7 +178,8 @@ class BailianRows:
 
     def parse(self, record: dict, index: int, line: int) -> TraceRow:
         chat_id = required_int(record, "chat_id")
-        parent = to_int(require(record, "parent_chat_id"), "parent_chat_id", minimum=-1)
+        said = record.get("parent_chat_id")  # none or null: a first turn, as AIPerf reads it (-1)
+        parent = -1 if said is None else to_int(said, "parent_chat_id", minimum=-1)
         if chat_id in self.line_of:
             raise RowError("chat_id", f"duplicate of line {self.line_of[chat_id]}")
         if parent == chat_id:
