@@ -547,3 +547,9 @@ def test_only_a_regular_file_is_a_trace_and_a_line_has_a_bound(tmp_path, monkeyp
     blob.write_bytes(b"x" * 5000)
     with pytest.raises(TraceError, match="longer than"):
         read_trace(blob)
+
+
+def test_aiperfs_single_and_multi_turn_datasets_are_named_as_not_a_trace(tmp_path):
+    for rows in ([{"text": "What is 2 + 2?"}], [{"session_id": "a", "turns": [{"text": "hi"}]}]):
+        with pytest.raises(TraceError, match="AIPerf's single_turn and multi_turn datasets, not a trace"):
+            read_trace(write_jsonl(tmp_path / "aiperf.jsonl", rows))

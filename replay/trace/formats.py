@@ -93,8 +93,10 @@ class JsonRows:
         declared_length = record.get("input_length")
         if messages is not None and declared_length is None:
             input_length = 0  # the prompt is the messages; only a tokenizer can count it
-        else:
+        elif "input_length" in record:
             input_length = required_int(record, "input_length")
+        else:
+            raise RowError("input_length", _missing_length(record))
         output_length = required_int(record, "output_length")
         hash_ids = record.get("hash_ids")
         if hash_ids is not None:
@@ -137,6 +139,15 @@ def _session(value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise RowError("session_id", f"expected a string or integer, got {value!r}")
     return str(value)
+
+
+def _missing_length(record: dict) -> str:
+    """What a row with neither input_length nor a prompt of its own is missing, in the words of
+    the file it most likely is."""
+    if not {"text", "texts", "turns"}.isdisjoint(record):
+        return ("missing (required): `text`, `texts` and `turns` are AIPerf's single_turn and multi_turn "
+                "datasets, not a trace; give `text_input` or `messages` (jsonl), or input_length")
+    return "missing (required)"
 
 
 def _messages(record: dict) -> tuple[list | None, list | None]:
