@@ -29,7 +29,8 @@ from replay.trace.fields import (
 )
 from replay.trace.record import TraceRow
 
-EXTENDED_KEYS = frozenset({"messages", "text_input", "delay", "session_id", "tools", "gap_ms"})  # jsonl's, not mooncake's
+# jsonl's keys, not mooncake's (with AIPerf's single/multi-turn ones, which jsonl refuses by name)
+EXTENDED_KEYS = frozenset({"messages", "text_input", "delay", "session_id", "tools", "gap_ms", "text", "texts", "turns"})
 
 
 class JsonRows:

@@ -15,13 +15,15 @@ import orjson
 
 from replay.bounds import MAX_TRACE_SPAN_S, MAX_TRACE_TIME_S
 from replay.trace.fields import RowError, block_size_problem, check_prompt_limit, span_message
-from replay.trace.formats import FORMATS, Format
+from replay.trace.formats import EXTENDED_KEYS, FORMATS, Format
 from replay.trace.record import BadLine, Trace, TraceError, TraceRow
 from replay.trace.source import GZIP_ERRORS, gzip_error, numbered_lines, open_text
 
 ON_BAD_LINE = ("fail", "skip")
 DETECT_LINES = 20
-JSONL_KEYS = {"messages", "text_input", "delay", "session_id", "tools", "block_size"}
+# what tells jsonl from mooncake (AIPerf's single/multi-turn `text`, `texts`, `turns` too: read as
+# jsonl, their rows are refused saying what they are)
+JSONL_KEYS = EXTENDED_KEYS | {"block_size"}
 BAILIAN_KEYS = {"chat_id", "parent_chat_id"}
 UTF8_BOM = b"\xef\xbb\xbf"
 
