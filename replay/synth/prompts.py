@@ -126,11 +126,12 @@ class PromptSynthesizer:
         self.blocks = BlockSource(self.vocab, block_size, seed, cache_blocks)
         self.frame = measured.frame
         # verified: the frame could not be proven, so each prompt is encoded and fixed up (slow)
-        self.verified = measured.frame_error is not None
-        if self.verified and measured.frame_error not in _FRAME_WARNED:  # once a process (a run sets up twice)
-            _FRAME_WARNED.add(measured.frame_error)
+        problem = measured.frame_error
+        self.verified = problem is not None
+        if problem is not None and problem not in _FRAME_WARNED:  # once a process (a run sets up twice)
+            _FRAME_WARNED.add(problem)
             log.warning("%s by reusing one frame; prompts stay exact: each is encoded and fixed up instead "
-                        "(slower, about 300k tokens/s)", measured.frame_error)
+                        "(slower, about 300k tokens/s)", problem)
         self.short_frame = measured.short_frame
         self._empty_text_ids = list(measured.empty_text_ids)
         self.template_overhead_tokens = self.frame.overhead
