@@ -181,6 +181,14 @@ def test_bad_factor_is_one_line_naming_the_option(tmp_path, conversations, capsy
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_a_trace_of_no_rows_is_one_line_naming_it(tmp_path, capsys):
+    header_only = tmp_path / "azure.csv"
+    header_only.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    assert main(["trace", "amplify", str(header_only), str(tmp_path / "o.jsonl"), "--factor", "2"]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {header_only}: no rows to amplify"
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_out_that_is_in_is_refused(tmp_path, conversations, capsys):
     before = conversations.read_bytes()
     assert main(["trace", "amplify", str(conversations), str(conversations), "--factor", "2"]) == 2

@@ -211,6 +211,8 @@ def amplify_trace(
                 counts.append(n)
                 most, total = max(most, n), total + n
             clones = Clones(sessions, factor, seed, (files.mapped(counts).view, most))
+            if not sessions:
+                raise ValueError(f"{stream_of().path}: no rows to amplify")
             if not clones.most:
                 raise ValueError(f"--factor {factor:g} keeps none of the trace's {len(sessions)} sessions "
                                  f"(at least {1 / max(len(sessions), 1):.3g} keeps one)")
