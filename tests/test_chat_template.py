@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -180,6 +182,25 @@ def test_the_sim_answers_a_refused_chat_with_the_templates_words(tmp_path, toy_t
     assert caught.value.message == "chat template failed on these messages: Unsupported role: tool"
     assert caught.value.status == 400
     assert str(tmp_path) not in str(caught.value)  # no server paths in what a client reads
+
+
+def test_a_template_that_does_not_compile_stops_chats_only(tmp_path, toy_tokenizer_dir):
+    """Only a chat renders the template: as vLLM, the sim serves completions with one that does
+    not compile and refuses chats (400, its words); `prompts check` passes for completions and
+    refuses chat, naming the template."""
+    folder = tokenizer_with(tmp_path / "tok", toy_tokenizer_dir, "{% for m in messages %}{{ m.content }")
+    engine = Engine(SimOptions(tokenizer=str(folder)))
+    with pytest.raises(ApiError) as caught:
+        chat_prompt(engine, {"messages": [USER]})
+    assert (caught.value.status, caught.value.message) == (400, "chat template failed on these messages: "
+                                                                 "unexpected '}'")
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b'{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n')
+    check = [sys.executable, "-m", "replay", "prompts", "check", "--trace", str(trace), "--tokenizer", str(folder)]
+    completions = subprocess.run([*check, "--api", "openai-completions"], capture_output=True, text=True, timeout=60)
+    assert completions.returncode == 0, completions.stderr
+    chat = subprocess.run([*check, "--api", "openai-chat"], capture_output=True, text=True, timeout=60)
+    assert chat.returncode == 2 and "template line 1: unexpected '}'" in chat.stderr, chat.stderr
 
 
 def test_the_sim_renders_chat_template_kwargs(tmp_path, toy_tokenizer_dir):

@@ -104,7 +104,7 @@ def _prove_loadable(tokenizer: str, chat_template: str | None, api: str | None) 
     here, as the workers would fail on it whatever the server check says."""
     if api is not None:
         try:
-            loaded = ServerTokenizer.load(tokenizer, chat_template, lazy=True)
+            loaded = ServerTokenizer.load(tokenizer, chat_template, lazy=True, compiled=_is_chat(api))
             if loaded.chat_template is not None or not _is_chat(api):  # else: master_fingerprint refuses it
                 set_up(loaded, api)
                 return

@@ -82,7 +82,10 @@ class Engine:
         self.options = options
         self.false_usage = false_usage(options) if options.false_usage is not None else None
         self.false_metrics = false_metrics(options) if options.false_metrics is not None else None
-        self.tokenizer = tokenizer or ServerTokenizer.load(resolve_tokenizer(options.tokenizer), options.chat_template)
+        # the template compiled when a chat first renders it: as vLLM, a template that does not
+        # compile refuses chats (400, its words) and leaves completions served
+        self.tokenizer = tokenizer or ServerTokenizer.load(resolve_tokenizer(options.tokenizer), options.chat_template,
+                                                           compiled=False)
         self.vocab = OutputVocabulary(self.tokenizer)
         self.cache = BlockPool(options.block_size, options.cache_blocks)
         self.counters = Counters()

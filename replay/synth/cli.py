@@ -12,7 +12,7 @@ from replay.output_claim import INPUT
 from replay.protocol.ask import check_url
 from replay.protocol.headers import parse_headers
 from replay.protocol.models import ask_served, prompt_limit
-from replay.protocol.table import API_NAMES, TOKEN_ID_APIS
+from replay.protocol.table import API_NAMES, TOKEN_ID_APIS, get_api
 from replay.synth.chat_template import ChatTemplateError
 from replay.synth.check import check_prompts, rescale_rows
 from replay.synth.prompts import PromptError, PromptSynthesizer
@@ -76,7 +76,9 @@ def run_check(args: argparse.Namespace) -> int:
             if trace.block_size is not None:
                 rows = rescale_rows(rows, trace.block_size, args.block_size_to)
             block_size = args.block_size_to
-        tokenizer = ServerTokenizer.load(resolve_tokenizer(args.tokenizer), args.chat_template)
+        # a template only a chat renders: a completions check is not stopped by one that fails to compile
+        tokenizer = ServerTokenizer.load(resolve_tokenizer(args.tokenizer), args.chat_template,
+                                         compiled=get_api(args.api).chat)
         synth = PromptSynthesizer(tokenizer, args.api, block_size, args.seed, token_ids=args.token_ids)
     except (TraceError, PromptError, VocabularyError, ValueError, OSError) as err:
         return _fail(str(err))

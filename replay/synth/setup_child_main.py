@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from replay.protocol.table import get_api
 from replay.synth import setup_cache
 from replay.synth.frames import measure
 from replay.synth.tokenizer import ServerTokenizer, tokenizer_json
@@ -18,7 +19,7 @@ from replay.synth.vocab import build_safe_vocab
 def main(argv: list[str]) -> int:
     """Build the set-up of TOKENIZER (with TEMPLATE, "" for its own) for API and write it to OUT."""
     tokenizer_path, template, api, out = argv
-    tokenizer = ServerTokenizer.load(tokenizer_path, template or None)
+    tokenizer = ServerTokenizer.load(tokenizer_path, template or None, compiled=get_api(api).chat)
     measured = measure(tokenizer, api, build_safe_vocab(tokenizer.tokenizer, tokenizer.name))
     key = setup_cache.key_of(tokenizer, tokenizer_json(tokenizer_path).read_bytes(), api)
     Path(out).write_bytes(setup_cache.encode_entry(key, measured))
