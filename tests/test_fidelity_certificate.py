@@ -141,12 +141,12 @@ def test_rows_of_their_own_messages_have_no_length_to_match():
     p = cert["prompts"]
     assert (p["ok_rows"], p["counted"], p["exact"], p["mismatches"], p["unsaid"]) == (10, 6, 6, 0, 4)
     assert cert["verdict"] == FAITHFUL, cert["failing"]
-    assert "  ok rows of their own messages (no length): 4" in "\n".join(format_certificate(cert, 50))
+    assert "  ok rows of their own prompts (not compared): 4" in "\n".join(format_certificate(cert, 50))
     for r in records:
         r["input_length"] = None
     cert = certify(records)
     assert cert["verdict"] == FAITHFUL and cert["failing"] == []
-    assert "prompts: every row gave its own messages and no input_length to match" in cert["unchecked"]
+    assert "prompts: every row gave its own prompt, sent as it is: no length to match" in cert["unchecked"]
 
 
 def test_output_reasons():
@@ -315,6 +315,26 @@ def test_a_server_lying_about_prompt_tokens_is_found_out_by_its_counters(tmp_pat
     server_notes = [e["note"] for e in (*summary["server"]["endpoints"].values(), summary["server"]["total"])]
     assert any("usage is false" in (n or "") for n in server_notes), server_notes
     assert not any("other traffic" in (n or "") for n in server_notes), server_notes
+
+
+def test_a_lying_server_is_not_the_replays_fault_on_rows_of_their_own_prompts(tmp_path, toy_tokenizer_dir):
+    """Rows that give their own text (AIPerf's text_input) say no length the run can set against
+    the server's counters: the usage cannot be proven false, so the misses its false
+    cached_tokens make are not blamed on the replay, and no prompt is judged."""
+    trace = tmp_path / "own.jsonl"
+    words = "bada kelo misu ra tove lin pemo"
+    trace.write_text("".join(json.dumps({"timestamp": 20 * i, "text_input": f"{words} {i}", "output_length": 3}) + "\n"
+                             for i in range(8)))
+    output = tmp_path / "run.jsonl"
+    with sim_process(toy_tokenizer_dir, "--block-size", str(BLOCK), "--ttft-ms", "2", "--itl-ms", "1",
+                     "--false-usage", json.dumps({"prompt_tokens": 60, "cached_tokens": 40})) as lying:
+        run_locust(replay_args(trace, toy_tokenizer_dir, lying.url, output, "--verify-server", "off",
+                               "--reset-server-cache"), tmp_path)
+    cert = json.loads(fidelity_path(output).read_text())
+    assert cert["usage"]["prompt_tokens"]["sent"] is None and cert["usage"]["prompt_tokens"]["status"] == "unknown"
+    assert cert["verdict"] != UNFAITHFUL and not any(f.startswith(("prompts", "cache")) for f in cert["failing"]), \
+        cert["failing"]  # fmt: skip
+    assert cert["prompts"]["unsaid"] == 8
 
 
 def test_a_broken_prompt_is_prompt_differs_and_unfaithful(tmp_path, toy_tokenizer_dir, monkeypatch):

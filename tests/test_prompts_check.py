@@ -110,4 +110,4 @@ def test_rows_of_their_own_messages_and_no_length_are_not_compared(tmp_path, toy
     result = orjson.loads(done.stdout)
     assert (result["requests"], result["exact"], result["unsaid"], result["mismatches"]) == (3, 1, 2, [])
     text = run_check("--trace", str(trace), "--tokenizer", str(toy_tokenizer_dir))
-    assert "own messages     2 (rows that give their prompt and no input_length: not compared)" in text.stdout
+    assert "own messages     2 (rows that give their own prompt: sent as they are, not compared)" in text.stdout

@@ -33,7 +33,7 @@ import gevent
 from replay.engine import messages
 from replay.engine.gpu_view import GpuView
 from replay.protocol.urls import shown
-from replay.results.records import Record, output_tokens_of, prompt_tokens_of, prompt_tokens_said
+from replay.results.records import Record, output_tokens_of, prompt_tokens_of
 from replay.results.server_metrics import COUNTERS, GAUGES, pick
 from replay.results.summary import failure_reason, percentile
 from replay.rules.send_time import trace_seconds_reached
@@ -149,7 +149,7 @@ class LiveStats:
                 self.cached += r["cached_tokens"]
                 self.prompt += r["prompt_tokens"]
                 self.ideal_cached += ideal
-                self.ideal_prompt += prompt_tokens_said(r)
+                self.ideal_prompt += r["input_length"] or 0  # a row of its own prompt: no ideal
                 self.servers.add_record(r, ideal)
 
     def on_summary(self, summary: dict) -> None:
@@ -348,7 +348,7 @@ class ServerView:
         counts[0] += r["cached_tokens"] or 0  # both known: add_records adds only such records
         counts[1] += r["prompt_tokens"] or 0
         counts[2] += ideal
-        counts[3] += prompt_tokens_said(r)
+        counts[3] += r["input_length"] or 0
 
     def latest(self) -> list[dict]:
         out = []

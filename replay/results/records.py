@@ -103,13 +103,6 @@ def prompt_tokens_of(record: Record) -> int:
     return record.get("prompt_tokens") or record.get("input_length") or 0
 
 
-def prompt_tokens_said(record: Record) -> int:
-    """A record's prompt tokens as the trace said them (its `input_length`); for a row that gave
-    its own messages and no length, the server's count (0 when it gave none)."""
-    said = record.get("input_length")
-    return said if said is not None else record.get("prompt_tokens") or 0
-
-
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 

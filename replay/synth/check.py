@@ -22,7 +22,7 @@ def rescale_rows(rows: Iterable[TraceRow], block_from: int, block_to: int) -> li
 
 def check_prompts(synth: PromptSynthesizer, rows: Iterable[TraceRow]) -> dict:
     """Totals and the mismatching rows; `exact` counts rows whose server count == input_length;
-    `unsaid` the rows that give their own messages and no length (rendered, not compared). A row
+    `unsaid` the rows that give their own messages (rendered, not compared). A row
     the chat template fails on raises ChatTemplateError naming the row."""
     started = time.perf_counter()
     requests = exact = max_abs_error = unsaid = 0

@@ -132,7 +132,7 @@ def _format(result: dict, verbose: bool) -> str:
         f"template tokens  {result['template_overhead_tokens']}",
         f"requests         {result['requests']}",
         f"exact            {result['exact']}",
-        *([f"own messages     {result['unsaid']} (rows that give their prompt and no input_length: not compared)"]
+        *([f"own messages     {result['unsaid']} (rows that give their own prompt: sent as they are, not compared)"]
           if result["unsaid"] else []),
         f"max abs error    {result['max_abs_error']}",
         f"warnings         {result['warnings']} (rows shorter than the template)",

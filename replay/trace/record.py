@@ -31,10 +31,10 @@ class TraceRow:
 
     @property
     def said_input_length(self) -> int | None:
-        """The prompt length the trace says, None where it says none: a row that gives its own
-        `messages` (or `text_input`) and no `input_length` is sent as it is, and only the server
-        can count it (its `input_length` is 0, which no such prompt is)."""
-        return None if self.messages is not None and self.input_length == 0 else self.input_length
+        """The prompt length the replay answers for, None for a row that gives its own `messages`
+        (or `text_input`): that text is sent as it is, so only the server counts it, and an
+        `input_length` beside it is the trace's claim about its own text, not the replay's to keep."""
+        return None if self.messages is not None else self.input_length
 
 
 @dataclass(slots=True)
