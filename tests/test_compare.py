@@ -28,6 +28,7 @@ from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, 
 from replay.results.report import build_report
 from replay.results.summary import percentile
 from replay.sim.process import sim_process
+from replay.synth.toy import build_toy_tokenizer
 from support.browser import need
 from support.ports import free_port
 from support.records import ok_record
@@ -318,7 +319,8 @@ def replay(tmp: Path, tokenizer: Path, trace: Path, name: str, sim_seed: int, *e
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, toy_tokenizer_dir) -> dict[str, str]:
     """Real runs of one trace: two on equal sims (A/A), one on a sim stalling every first token
-    by 20 ms (TTFT about doubled), one with another synthesis seed, one of another trace; and of
+    by 20 ms (TTFT about doubled), one with another synthesis seed, one of another trace, one
+    whose answers may end early (--no-ignore-eos), one of another tokenizer; and of
     a longer trace (5 s at --scale 20): a whole run, one stopped midway by --run-time, one
     by two workers."""
     tmp = tmp_path_factory.mktemp("compare")
@@ -338,8 +340,11 @@ def runs(tmp_path_factory, toy_tokenizer_dir) -> dict[str, str]:
     }  # fmt: skip
     # The refused runs' latencies are never judged, so they run side by side (greenlets: the
     # module runs under gevent's monkey-patching, tests/conftest.py), after the judged ones.
+    other_tokenizer = build_toy_tokenizer(tmp / "other-tokenizer", seed=1)  # other words: other prompts
     refused = {"seed": gevent.spawn(replay, tmp, toy_tokenizer_dir, trace, "seed.jsonl", 4, "--seed", "7"),
-               "trace": gevent.spawn(replay, tmp, toy_tokenizer_dir, other, "run-other.jsonl", 5)}
+               "trace": gevent.spawn(replay, tmp, toy_tokenizer_dir, other, "run-other.jsonl", 5),
+               "eos": gevent.spawn(replay, tmp, toy_tokenizer_dir, trace, "eos.jsonl", 9, "--no-ignore-eos"),
+               "tokenizer": gevent.spawn(replay, tmp, other_tokenizer, trace, "tokenizer.jsonl", 10)}
     gevent.joinall(list(refused.values()), raise_error=True)
     return judged | {name: job.value for name, job in refused.items()}
 
@@ -358,7 +363,9 @@ def test_a_regression_fails_the_gate_and_noise_does_not(runs, tmp_path, capsys):
 
 
 @pytest.mark.alone  # real runs whose latencies the verdicts judge: another test's load shifts one run
-@pytest.mark.parametrize("other, named", [("seed", "seed: "), ("trace", "trace fingerprint")])
+@pytest.mark.parametrize("other, named", [("seed", "seed: "), ("trace", "trace fingerprint"),
+                                          ("eos", "ignore_eos (--no-ignore-eos"),
+                                          ("tokenizer", "tokenizer and chat template (fingerprint)")])
 def test_runs_of_another_trace_or_seed_are_refused(runs, other, named, capsys):
     assert main(["compare", runs["a1"], runs[other]]) == 2
     err = capsys.readouterr().err

@@ -94,6 +94,7 @@ class RunSpec:
             tokenizer_path=self.tokenizer_path,
             server_cache=self.server_cache,
             host_load=facts.host_load,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
         )
 
 

@@ -104,7 +104,15 @@ COMPARED_META: tuple[tuple[str, Callable[[dict], object]], ...] = (
     ("prompt format", lambda m: (m.get("options") or {}).get("prompt_format")),
     ("scale", lambda m: m.get("scale")),
     ("stream", lambda m: m.get("stream")),
+    # the prompts' text: another tokenizer or template synthesizes other prompts (a run from before
+    # the field: not known, not told apart)
+    ("tokenizer and chat template (fingerprint)", lambda m: m.get("tokenizer_fingerprint")),
+    ("ignore_eos (--no-ignore-eos lets answers end early)", lambda m: (m.get("options") or {}).get("no_ignore_eos")),
 )  # fmt: skip
+
+
+# Figures a run may not have (older metadata, no tokenizer check): not known there, so not a difference.
+UNKNOWN_WHEN_NONE = ("tokenizer and chat template (fingerprint)",)
 
 
 # What a run recorded from another (replay.results.recorded_pair) need not share with it.
@@ -137,7 +145,7 @@ def differences(runs: list[RunRows], recorded: Mapping[int, int] | None = None) 
             if (recorded.get(k) == 0 or recorded.get(0) == k) and name in RECORDED_DIFFER:
                 continue
             a, b = get(first.meta), get(run.meta)
-            if a != b:
+            if a != b and not (name in UNKNOWN_WHEN_NONE and None in (a, b)):
                 out.append(f"{name}: {first.path} has {a!r}, {run.path} has {b!r}")
     return out
 

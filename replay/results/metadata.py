@@ -112,6 +112,7 @@ def run_metadata(
     tokenizer_path: str | None = None,
     server_cache: dict | None = None,
     host_load: dict | None = None,
+    tokenizer_fingerprint: str | None = None,
 ) -> dict:
     """The metadata document. `options` are the replay options (ReplayOptions.to_dict());
     `workers` are [{index, host, clock_offset_ms, rtt_ms, rows_assigned, lost}]; `skipped` the
@@ -152,6 +153,9 @@ def run_metadata(
         "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None,  # a path replay report can load
         "chat_template": str(Path(options["chat_template"]).resolve()) if options.get("chat_template") else None,
         "template_sha256": template_sha256(tokenizer, options.get("chat_template")),
+        # what prompts are made of (replay.synth.tokenizer.tokenizer_fingerprint: the tokenizer.json
+        # bytes, the template, its special tokens), wherever the files lie: what `replay compare` matches
+        "tokenizer_fingerprint": tokenizer_fingerprint,
         "api": options.get("api"),
         "model": options.get("model"),
         "stream": options.get("stream"),
