@@ -60,6 +60,11 @@ def test_a_duration_alone_is_the_first_seconds_of_a_trace_of_epoch_times(tmp_pat
     finally:
         spec.schedule.close()
         spec.claim.release()
+    epoch = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
+    trace.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [epoch[3], *epoch[:3], *epoch[4:]]))
+    with pytest.raises(ValueError, match=r"--duration 0.55 without --start counts from the trace's first row .* not in "
+                                         r"time order\): give --start"):
+        preflight.load(options, "http://127.0.0.1:9")
 
 
 def test_a_search_whose_probe_window_is_empty_names_the_probe_duration(tmp_path, toy_tokenizer_dir):

@@ -415,6 +415,12 @@ def test_a_duration_without_a_start_counts_from_the_first_row(tmp_path, capsys):
         [r["timestamp"] for r in rows[:4]]  # fmt: skip
     assert [r.timestamp_s for r in select_rows(read_trace(source).rows, duration=0.5)] == \
         [1_715_299_200.0, 1_715_299_200.25]  # fmt: skip
+    unsorted = write_jsonl(tmp_path / "unsorted.jsonl", [rows[5], *rows[:5], *rows[6:]])  # the first is not the earliest
+    assert main(["trace", "convert", str(unsorted), str(tmp_path / "u.jsonl"), "--duration", "1"]) == 1
+    assert ("--duration 1 without --start counts from the trace's first row (at 1.7153e+09 s), but an earlier row is "
+            "at 1.7153e+09 s (the rows are not in time order): give --start") in capsys.readouterr().err
+    assert main(["trace", "convert", str(unsorted), str(tmp_path / "u.jsonl"), "--duration", "1", "--start",
+                 "1715299200"]) == 0  # fmt: skip
 
 
 def test_convert_rescale_keeps_the_block_rule_and_the_hit_ratio(tmp_path, capsys):

@@ -106,7 +106,7 @@ class ReplayOptions:
     stream: bool = _option(True, "stream responses (default on)")
     scale: float = _option(1.0, "time scale: 2 replays twice as fast", bound=SCALE)
     start: float | None = _option(help="start of the trace window, trace seconds (default: the trace's beginning)", bound=START)
-    duration: float | None = _option(help="length of the trace window, trace seconds from --start, else from the first row's time", bound=DURATION)
+    duration: float | None = _option(help="length of the trace window, trace seconds from --start, else from the first row's time (a trace not in time order needs --start)", bound=DURATION)
     max_requests: int | None = _option(help="replay at most N rows of the window", bound=COUNT)
     seed: int = _option(0, "prompt synthesis seed", bound=SEED)
     output: str | None = _option(help="merged per-request JSONL (default results/replay-<time>.jsonl)", type=RUN_OUTPUT)

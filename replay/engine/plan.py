@@ -20,7 +20,7 @@ from replay.errors import OptionError
 from replay.rules.send_time import replay_seconds
 from replay.trace.reader import TraceStream
 from replay.trace.record import TraceRow
-from replay.trace.window import window
+from replay.trace.window import check_window, window
 
 
 def check_replay_length(window_s: float, scale: float, start: float | None) -> None:
@@ -58,7 +58,7 @@ class Schedule:
         cap = float("inf") if max_requests is None else max_requests
         limit = max_prompt_tokens or float("inf")
         in_order, last_time, offset, chosen = True, float("-inf"), 0, 0
-        latest = float("-inf")  # the trace's last time, in the window or not
+        latest, earliest = float("-inf"), float("inf")  # the trace's last and first times, in the window or not
         shortest, longest = 1 << 62, 0
         write, dumps = self._spool.write, orjson.dumps
         add_id, add_time, add_offset, add_length, add_session = (
@@ -69,6 +69,8 @@ class Schedule:
             time_s = row.timestamp_s
             if time_s > latest:
                 latest = time_s
+            if time_s < earliest:
+                earliest = time_s
             if chosen >= cap or not begin <= time_s < end:
                 continue  # read on all the same: every row is validated before anything is sent
             chosen += 1
@@ -92,6 +94,7 @@ class Schedule:
                 add_session(-1 if row.session_id is None else self._session_number(row.session_id))
             offset += len(line)
         self._spool.flush()
+        check_window(start, duration, end, earliest)
         self.latest = latest
         # the window's extremes among sent rows, for the server check's sample (replay.synth.server_check)
         self.input_lengths = (shortest, longest) if longest else ()

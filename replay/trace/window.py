@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 
+from replay.errors import OptionError
 from replay.trace.record import TraceRow
 
 
@@ -28,6 +29,16 @@ def window(rows: Iterable[TraceRow], start: float | None, duration: float | None
     return itertools.chain((first,), rows), begin, first.timestamp_s + duration
 
 
+def check_window(start: float | None, duration: float | None, end: float, earliest: float) -> None:
+    """Refuse a `--duration` without `--start` over a trace whose earliest row comes before its
+    first (rows not in time order): the window counts from the first row, and rows before it
+    would be replayed too, a window no one asked for. Known only once every row was read."""
+    if start is None and duration is not None and earliest < end - duration:
+        raise OptionError(f"--duration {duration:g} without --start counts from the trace's first row (at "
+                          f"{end - duration:g} s), but an earlier row is at {earliest:g} s (the rows are not in time "
+                          f"order): give --start, e.g. --start {earliest:g}")
+
+
 def select_rows(
     rows: Iterable[TraceRow],
     start: float | None = None,
@@ -38,9 +49,12 @@ def select_rows(
     window as `window` sets it."""
     remaining, begin, end = window(rows, start, duration)
     chosen: list[TraceRow] = []
+    earliest = float("inf")
     for row in remaining:
-        if max_rows is not None and len(chosen) >= max_rows:
-            break
-        if begin <= row.timestamp_s < end:
+        time_s = row.timestamp_s
+        if time_s < earliest:
+            earliest = time_s
+        if begin <= time_s < end and (max_rows is None or len(chosen) < max_rows):
             chosen.append(row)
+    check_window(start, duration, end, earliest)
     return chosen
