@@ -76,6 +76,17 @@ def test_a_search_whose_probe_window_is_empty_names_the_probe_duration(tmp_path,
         preflight.load(options, "http://127.0.0.1:9")
 
 
+def test_a_search_whose_lowest_probe_keeps_too_few_rows_is_refused(tmp_path, toy_tokenizer_dir):
+    """Below 1x an amplify probe keeps a sample of whole sessions: at 0.05x of 12 rows, none. Such
+    a probe waited for answers that never came, then the search said it was stopped."""
+    options = options_for(tmp_path, toy_tokenizer_dir, capacity_search=True, slo="ttft_ms=100", probe_duration=1.0,
+                          search_range="0.05:4")
+    with pytest.raises(ValueError, match=r"--search-range 0.05:4: at 0.05x a probe replays \d rows of the window "
+                                         r"\(--probe-duration 1\); judging its goodput takes at least 10"):
+        preflight.load(options, "http://127.0.0.1:9")
+    assert not lock_path(tmp_path / "run.jsonl").exists()
+
+
 def test_the_server_check_off_asks_nothing(tmp_path, toy_tokenizer_dir):
     """--verify-server off asks no server to count; what each serves is checked all the same."""
     spec = preflight.load(options_for(tmp_path, toy_tokenizer_dir, verify_server="off"), "http://127.0.0.1:9")

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from replay.engine.capacity import MIN_PROBE_ROWS
+from replay.engine.capacity import MIN_PROBE_ROWS, parse_range
 from replay.engine.dispatcher import build_off_loop
 from replay.engine.options import ReplayOptions, prompt_token_limit
 from replay.engine.plan import Schedule, check_replay_length
@@ -50,7 +50,9 @@ from replay.results.output import claim_output
 from replay.results.records import OVERSIZED
 from replay.rules.run_files import spans_path
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
+from replay.trace.amplify import Clones
 from replay.trace.reader import TraceStream
+from replay.trace.sessions import find_sessions
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,8 @@ def _load(options: ReplayOptions, host: str | None, urls: list[str], claim, span
         if options.capacity_search and spec.total < MIN_PROBE_ROWS:
             raise OptionError(f"--probe-duration {options.probe_duration:g}: a probe would replay {spec.total} rows of "
                               f"the trace; judging its goodput takes at least {MIN_PROBE_ROWS}")
+        if options.capacity_search and options.search_by == "amplify":
+            check_lowest_probe(options, schedule)
     except BaseException:
         schedule.close()
         raise
@@ -165,6 +169,20 @@ def _nothing_under_the_limit(options: ReplayOptions, schedule: Schedule, limit: 
         where = f"the default prompt limit, {limit} (--max-prompt-tokens sets another)"
     return OptionError(f"{where}: every one of the {len(schedule.oversized)} rows in the window has a longer prompt "
                        f"(the shortest: {shortest} tokens); nothing would be sent")
+
+
+def check_lowest_probe(options: ReplayOptions, schedule: Schedule) -> None:
+    """A search by amplify samples whole sessions below 1x: at the range's low end a probe may
+    keep too few rows to judge, or none (a probe that would wait for answers that never come).
+    Refused here, naming the options, rather than found by the search."""
+    low = parse_range(options.search_range)[0]
+    if low >= 1:
+        return
+    rows = Clones(find_sessions(lambda: schedule.rows(range(len(schedule)))), low, options.seed).rows()
+    if rows < MIN_PROBE_ROWS:
+        raise OptionError(f"--search-range {options.search_range}: at {low:g}x a probe replays {rows} rows of the "
+                          f"window (--probe-duration {options.probe_duration:g}); judging its goodput takes at least "
+                          f"{MIN_PROBE_ROWS}: raise the range's low end or lengthen --probe-duration")
 
 
 def check_turn_timing(options: ReplayOptions, schedule: Schedule, trace: TraceStream) -> None:
