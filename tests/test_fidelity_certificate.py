@@ -21,6 +21,7 @@ from replay.results.arrivals import BINS_PER_DECADE, FLOOR_S, GapHistogram, gap_
 from replay.results.certificate import (
     BUSY_HOST,
     FAITHFUL,
+    NOTHING_SENT,
     REMEDIES,
     SHARED_SERVER,
     UNFAITHFUL,
@@ -177,7 +178,8 @@ def test_the_cache_hook_decides_the_cache_line():
 def test_number_edges():
     """Zero rows, one row, every row failed or never sent, equal times: no division by zero, no NaN."""
     empty = certify([])
-    assert empty["verdict"] == UNFAITHFUL and empty["failing"] == ["schedule: no request was sent"]
+    assert empty["verdict"] == NOTHING_SENT and empty["failing"] == ["schedule: no request was sent"]
+    assert empty["remedies"][0].startswith("the run sent no request")  # no one's fault named: not the replay's
     assert empty["schedule"]["inter_arrival_ks"] is None and empty["schedule"]["count_gap_s"] is None
     assert empty["prompts"]["exact_share"] is None and empty["outputs"]["exact_share"] is None
     one = certify(sends([0.3]))

@@ -58,7 +58,8 @@ FAITHFUL, UNFAITHFUL = "faithful", "unfaithful"
 WARM_CACHE = "warm-cache"  # hits came from prompts the server's cache held before the run
 SHARED_SERVER = "shared-server"  # hits came from other clients' prompts the server served during the run
 BUSY_HOST = "busy-host"  # sends were late while other work had the host's CPUs
-VERDICTS = (FAITHFUL, UNFAITHFUL, WARM_CACHE, SHARED_SERVER, BUSY_HOST)  # a failure's kind: the first found wins
+NOTHING_SENT = "nothing-sent"  # no request left: nothing of the replay to judge, and no one's fault to name here
+VERDICTS = (FAITHFUL, NOTHING_SENT, UNFAITHFUL, WARM_CACHE, SHARED_SERVER, BUSY_HOST)  # the first found wins
 REMEDIES = {
     WARM_CACHE: "the server's cache held prompts from before this run, so its hits are not the trace's: replay with "
                 "--reset-server-cache (vLLM with VLLM_SERVER_DEV_MODE=1, replay sim) or against a freshly started "
@@ -67,6 +68,8 @@ REMEDIES = {
                    "against a server no one else uses",
     BUSY_HOST: "the sends were late while the host was busy with other work: rerun on a quiet host (or give the "
                "replay cores of its own); the replay itself kept up",
+    NOTHING_SENT: "the run sent no request: its records say why (refused before the first send: the servers' "
+                  "answer to the preflight; stopped: the stop)",
 }
 
 # The causes of a request's cache miss (observed cached tokens below the infinite-cache
@@ -409,7 +412,7 @@ def verdict(cert: dict) -> tuple[str, list[str], list[str], list[str]]:
     unchecked: list[str] = []
     s = cert["schedule"]
     if not s["sends"]:
-        failing.append((UNFAITHFUL, "schedule: no request was sent"))
+        failing.append((NOTHING_SENT, "schedule: no request was sent"))
     elif s["on_time_share"] < ON_TIME_SHARE_MIN:
         text = (f"schedule: {100 * s['on_time_share']:.2f}% of sends within {ON_TIME_MS:g} ms of their time "
                 f"(needs >= {100 * ON_TIME_SHARE_MIN:g}%); {s['late']} late by > {LATE_MS:g} ms")
