@@ -23,7 +23,7 @@ from replay.results import bootstrap
 from replay.results.bootstrap import Weighted, block_sums, draw
 from replay.results.compare import SAME, CompareError, compare
 from replay.results.compare_runs import RunRows, run_of_records
-from replay.results.gates import parse_gate
+from replay.results.gates import evaluate, parse_gate
 from replay.results.records import RUN_STOPPED, STOPPED_IN_FLIGHT, WORKER_LOST, read_records
 from replay.results.report import build_report
 from replay.results.summary import percentile
@@ -301,6 +301,12 @@ def test_good_gates_parse():
     gate = parse_gate("goodput<-1pt")
     assert (gate.metric, gate.above, gate.bound) == ("goodput", False, pytest.approx(-0.01))
     assert parse_gate(" e2e_p50 > +20ms ").bound == 20.0 and parse_gate("ttft_p99>+5%").bound == pytest.approx(0.05)
+
+
+def test_a_goodput_gate_without_an_slo_says_so():
+    """No --slo: compare has no goodput row, and the refusal says why (not the servers' times)."""
+    with pytest.raises(CompareError, match="goodput needs an SLO"):
+        evaluate(parse_gate("goodput<-1pt"), {"metrics": [], "slo": None})
 
 
 def replay(tmp: Path, tokenizer: Path, trace: Path, name: str, sim_seed: int, *extra: str, sim_args=()) -> str:

@@ -50,6 +50,8 @@ def parse_gate(text: str) -> Gate:
 def evaluate(gate: Gate, result: dict) -> dict:
     """{gate, held, why}: whether the gate held on the comparison `result` (compare's document)."""
     entry = next((e for e in result["metrics"] if e["metric"] == gate.metric), None)
+    if entry is None and gate.metric == "goodput":  # no row of goodput without an SLO
+        raise CompareError(f"--fail-on {gate.text!r}: goodput needs an SLO (--slo, or the runs' own)")
     if entry is None:  # a server part's, and no run has the servers' own times
         raise CompareError(f"--fail-on {gate.text!r}: no run has the servers' own times (their records' server_* "
                            "fields are null: vLLM without --enable-per-request-metrics)")
