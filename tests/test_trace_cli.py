@@ -417,8 +417,9 @@ def test_a_duration_without_a_start_counts_from_the_first_row(tmp_path, capsys):
         [1_715_299_200.0, 1_715_299_200.25]  # fmt: skip
     unsorted = write_jsonl(tmp_path / "unsorted.jsonl", [rows[5], *rows[:5], *rows[6:]])  # the first is not the earliest
     assert main(["trace", "convert", str(unsorted), str(tmp_path / "u.jsonl"), "--duration", "1"]) == 1
-    assert ("--duration 1 without --start counts from the trace's first row (at 1.7153e+09 s), but an earlier row is "
-            "at 1.7153e+09 s (the rows are not in time order): give --start") in capsys.readouterr().err
+    assert ("--duration 1 without --start counts from the trace's first row (at 1715299201.25 s), but an earlier row "
+            "is at 1715299200 s (the rows are not in time order): give --start, e.g. --start 1715299200") \
+        in capsys.readouterr().err  # fmt: skip
     assert main(["trace", "convert", str(unsorted), str(tmp_path / "u.jsonl"), "--duration", "1", "--start",
                  "1715299200"]) == 0  # fmt: skip
 

@@ -34,9 +34,10 @@ def check_window(start: float | None, duration: float | None, end: float, earlie
     first (rows not in time order): the window counts from the first row, and rows before it
     would be replayed too, a window no one asked for. Known only once every row was read."""
     if start is None and duration is not None and earliest < end - duration:
+        first = end - duration  # in full: the time is one to give as --start
         raise OptionError(f"--duration {duration:g} without --start counts from the trace's first row (at "
-                          f"{end - duration:g} s), but an earlier row is at {earliest:g} s (the rows are not in time "
-                          f"order): give --start, e.g. --start {earliest:g}")
+                          f"{first:.15g} s), but an earlier row is at {earliest:.15g} s (the rows are not in time "
+                          f"order): give --start, e.g. --start {earliest:.15g}")
 
 
 def select_rows(
