@@ -294,10 +294,12 @@ def test_the_shared_mooncake_trace_with_after_answer(tmp_path, toy_tokenizer_dir
 
 
 def test_a_search_by_amplify_holds_the_sessions_it_infers(tmp_path, toy_tokenizer_dir):
-    """A capacity search's amplified probes carry the sessions inferred from hash ids: not refused."""
+    """A capacity search's amplified probes carry the sessions inferred from hash ids: not refused.
+    (From 1x: below it a probe samples whole sessions, and these 15 rows are too few sessions to
+    keep the 10 rows a probe needs at 0.25x, which preflight refuses.)"""
     trace = mooncake_trace(tmp_path / "trace.jsonl", rows=24, gap_ms=100)
     options = preflight_options(tmp_path, trace, toy_tokenizer_dir, turn_timing="after-answer", capacity_search=True,
-                                slo="ttft_ms=5000", probe_duration=1.5)
+                                slo="ttft_ms=5000", probe_duration=1.5, search_range="1:64")
     spec = preflight.load(options, "http://127.0.0.1:9")
     spec.schedule.close()
     spec.claim.release()
