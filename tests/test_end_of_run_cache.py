@@ -216,6 +216,7 @@ def test_a_run_that_skipped_bad_lines_has_the_section_and_so_does_its_report(tmp
                             capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
     assert json.loads(out.read_text())["cache"] == cache
+    assert "trace rows skipped as bad lines (--on-bad-line skip): 1" in report.stdout  # as the run's end said
 
 
 @pytest.mark.parametrize("seed, broken", [(0, True), (5, False)])

@@ -15,7 +15,7 @@ from replay.output_claim import INPUT, OUTPUT, OutputFolder
 from replay.protocol.table import PROMPT_FORMATS
 from replay.results.cache_section import cache_job, cache_section, cache_skipped
 from replay.results.certificate import CertificateBuilder
-from replay.results.metadata import RUN, read_run_metadata
+from replay.results.metadata import RUN, read_run_metadata, trace_notes
 from replay.results.outputs import write_outputs
 from replay.results.records import read_records
 from replay.results.report import ReportBuilder, ReportError, format_report, parse_slo
@@ -107,6 +107,9 @@ def run(args) -> int:
         print(f"{quotable_line(capacity)}\n{probe_table(capacity)}\n"
               "(a capacity search: the figures below pool every probe, and the pauses between them)")
     print(format_report(report))
+    said = (meta or {}).get("trace") or {}  # the rows the run left out, as its own end said them
+    print(trace_notes(said.get("rows_skipped") or 0, said.get("rows_over_max_prompt_tokens") or 0,
+                      said.get("max_prompt_tokens")), end="")
 
     def draw(path: str) -> None:
         from replay.results.html import write_html

@@ -77,6 +77,20 @@ def file_sha256(path: str | Path, limit: int = 1 << 30) -> str | None:
         return None
 
 
+def trace_notes(skipped: int, oversized: int, max_prompt_tokens: int | None, unwritten: int = 0) -> str:
+    """The rows of the trace a run left out, or whose record the disk did not take, as lines:
+    said under the summary by the run's end and by `replay report` (from the metadata), so no
+    row is left out in silence."""
+    notes = ""
+    if skipped:
+        notes += f"trace rows skipped as bad lines (--on-bad-line skip): {skipped}\n"
+    if oversized:
+        notes += f"trace rows over --max-prompt-tokens {max_prompt_tokens}, never sent: {oversized}\n"
+    if unwritten:
+        notes += f"rows whose record could not be written (not in the summary): {unwritten}\n"
+    return notes
+
+
 def template_sha256(tokenizer: str | None, chat_template: str | None) -> str | None:
     """ChatTemplate.sha256 of the template the run used, or None (no template, unreadable)."""
     from replay.synth.tokenizer import load_chat_template

@@ -34,7 +34,7 @@ from replay.results.cache_section import (
     cache_skipped,
 )
 from replay.results.certificate import FAITHFUL, CertificateBuilder
-from replay.results.metadata import write_capacity, write_fidelity, write_run_metadata, write_summary
+from replay.results.metadata import trace_notes, write_capacity, write_fidelity, write_run_metadata, write_summary
 from replay.results.records import Record, is_failure
 from replay.results.report import ReportBuilder, format_report, parse_slo
 from replay.results.server_metrics import judge_usage, read_server_section
@@ -210,15 +210,7 @@ def _cache_section(spec: RunSpec, facts: RunFacts, stream: CacheStream | None = 
 
 def _trace_notes(spec: RunSpec, store: RecordStore) -> str:
     """Rows of the trace the run left out, or whose record the disk did not take, said where the summary is read."""
-    notes = ""
-    if spec.trace.skipped:
-        notes += f"trace rows skipped as bad lines (--on-bad-line skip): {len(spec.trace.skipped)}\n"
-    if spec.schedule.oversized:
-        notes += (f"trace rows over --max-prompt-tokens {spec.max_prompt_tokens}, never sent: "
-                  f"{len(spec.schedule.oversized)}\n")
-    if store.unwritten:
-        notes += f"rows whose record could not be written (not in the summary): {store.unwritten}\n"
-    return notes
+    return trace_notes(len(spec.trace.skipped), len(spec.schedule.oversized), spec.max_prompt_tokens, store.unwritten)
 
 
 def _write_last_meta(spec: RunSpec, store: RecordStore, facts: RunFacts, incomplete: dict[str, str]) -> int:
