@@ -201,6 +201,7 @@ def test_a_capacity_search_is_not_compared_row_by_row_unasked(tmp_path, capsys):
         assert main(["compare", *pair]) == 2
         err = capsys.readouterr().err
         assert "not comparable" in err and f"{new} is a capacity search" in err and "--allow-different" in err
+        assert err.count(f"{new} is a capacity search") == 1, err  # said once, also of a run given twice
     assert main(["compare", base, new, "--allow-different", "--resamples", "100"]) == 0
     assert f"differs (--allow-different): {new} is a capacity search" in capsys.readouterr().out
 

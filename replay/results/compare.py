@@ -147,7 +147,7 @@ def differences(runs: list[RunRows], recorded: Mapping[int, int] | None = None) 
             a, b = get(first.meta), get(run.meta)
             if a != b and not (name in UNKNOWN_WHEN_NONE and None in (a, b)):
                 out.append(f"{name}: {first.path} has {a!r}, {run.path} has {b!r}")
-    return out
+    return list(dict.fromkeys(out))  # a run given twice (compared with itself) is said once
 
 
 def slo_of(metas: list[dict | None], given: dict[str, float] | None) -> dict[str, float] | None:
