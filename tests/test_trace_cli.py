@@ -15,6 +15,7 @@ import pytest
 from replay.cli import main
 from replay.trace import Trace, read_trace, select_rows
 from replay.trace.convert import rescale_length
+from replay.trace.record import TraceRow
 from replay.trace.stats import trace_stats
 from support.paths import shared_path
 from support.traces import (
@@ -415,6 +416,9 @@ def test_a_duration_without_a_start_counts_from_the_first_row(tmp_path, capsys):
         [r["timestamp"] for r in rows[:4]]  # fmt: skip
     assert [r.timestamp_s for r in select_rows(read_trace(source).rows, duration=0.5)] == \
         [1_715_299_200.0, 1_715_299_200.25]  # fmt: skip
+    first = 1036801.355976058  # (first + duration) - duration rounds above first: still in order
+    in_order = [TraceRow(i, first + i, 10, 1) for i in range(3)]
+    assert select_rows(in_order, duration=62568.33656514532) == in_order
     unsorted = write_jsonl(tmp_path / "unsorted.jsonl", [rows[5], *rows[:5], *rows[6:]])  # the first is not the earliest
     assert main(["trace", "convert", str(unsorted), str(tmp_path / "u.jsonl"), "--duration", "1"]) == 1
     assert ("--duration 1 without --start counts from the trace's first row (at 1715299201.25 s), but an earlier row "

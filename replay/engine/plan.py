@@ -54,7 +54,7 @@ class Schedule:
         self.trace_rows = 0  # good rows in the file
         self._session_numbers: dict[str, int] = {}
         self._sessions = array("q")  # per position: a number for the row's session, -1 for none
-        rows, begin, end = window(stream, start, duration)
+        rows, begin, end, first = window(stream, start, duration)
         cap = float("inf") if max_requests is None else max_requests
         limit = max_prompt_tokens or float("inf")
         in_order, last_time, offset, chosen = True, float("-inf"), 0, 0
@@ -94,7 +94,7 @@ class Schedule:
                 add_session(-1 if row.session_id is None else self._session_number(row.session_id))
             offset += len(line)
         self._spool.flush()
-        check_window(start, duration, end, earliest)
+        check_window(first, duration, earliest)
         self.latest = latest
         # the window's extremes among sent rows, for the server check's sample (replay.synth.server_check)
         self.input_lengths = (shortest, longest) if longest else ()

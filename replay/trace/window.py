@@ -10,8 +10,9 @@ from replay.trace.record import TraceRow
 
 
 def window(rows: Iterable[TraceRow], start: float | None, duration: float | None
-           ) -> tuple[Iterator[TraceRow], float, float]:
-    """(the rows, all of them still to come, and the window [begin, end) in trace seconds).
+           ) -> tuple[Iterator[TraceRow], float, float, float | None]:
+    """(the rows, all of them still to come, the window [begin, end) in trace seconds, and the
+    first row's time where the window counts from it, else None).
 
     No `start`: from the trace's beginning. `duration` counts from `start`, else from the first
     row's time (the file's first row: a trace of epoch times, or one cut from a longer one, does
@@ -20,21 +21,21 @@ def window(rows: Iterable[TraceRow], start: float | None, duration: float | None
     rows = iter(rows)
     begin = float("-inf") if start is None else start
     if duration is None:
-        return rows, begin, float("inf")
+        return rows, begin, float("inf"), None
     if start is not None:
-        return rows, begin, start + duration
+        return rows, begin, start + duration, None
     first = next(rows, None)
     if first is None:
-        return rows, begin, float("inf")
-    return itertools.chain((first,), rows), begin, first.timestamp_s + duration
+        return rows, begin, float("inf"), None
+    return itertools.chain((first,), rows), begin, first.timestamp_s + duration, first.timestamp_s
 
 
-def check_window(start: float | None, duration: float | None, end: float, earliest: float) -> None:
-    """Refuse a `--duration` without `--start` over a trace whose earliest row comes before its
-    first (rows not in time order): the window counts from the first row, and rows before it
-    would be replayed too, a window no one asked for. Known only once every row was read."""
-    if start is None and duration is not None and earliest < end - duration:
-        first = end - duration  # in full: the time is one to give as --start
+def check_window(first: float | None, duration: float | None, earliest: float) -> None:
+    """Refuse a `--duration` without `--start` (`first`: the first row's time the window counts
+    from, `window`'s) over a trace whose earliest row comes before its first (rows not in time
+    order): rows before it would be replayed too, a window no one asked for. Known only once
+    every row was read."""
+    if first is not None and earliest < first:
         raise OptionError(f"--duration {duration:g} without --start counts from the trace's first row (at "
                           f"{first:.15g} s), but an earlier row is at {earliest:.15g} s (the rows are not in time "
                           f"order): give --start, e.g. --start {earliest:.15g}")
@@ -48,7 +49,7 @@ def select_rows(
 ) -> list[TraceRow]:
     """Rows with begin <= timestamp_s < end (file order kept), then the first max_rows; the
     window as `window` sets it."""
-    remaining, begin, end = window(rows, start, duration)
+    remaining, begin, end, first = window(rows, start, duration)
     chosen: list[TraceRow] = []
     earliest = float("inf")
     for row in remaining:
@@ -57,5 +58,5 @@ def select_rows(
             earliest = time_s
         if begin <= time_s < end and (max_rows is None or len(chosen) < max_rows):
             chosen.append(row)
-    check_window(start, duration, end, earliest)
+    check_window(first, duration, earliest)
     return chosen
