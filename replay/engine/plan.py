@@ -20,6 +20,7 @@ from replay.errors import OptionError
 from replay.rules.send_time import replay_seconds
 from replay.trace.reader import TraceStream
 from replay.trace.record import TraceRow
+from replay.trace.sessions import Sessions, find_sessions
 from replay.trace.window import check_window, window
 
 
@@ -54,6 +55,7 @@ class Schedule:
         self.trace_rows = 0  # good rows in the file
         self._session_numbers: dict[str, int] = {}
         self._sessions = array("q")  # per position: a number for the row's session, -1 for none
+        self._found: Sessions | None = None  # found_sessions()
         rows, begin, end, first = window(stream, start, duration)
         cap = float("inf") if max_requests is None else max_requests
         limit = max_prompt_tokens or float("inf")
@@ -156,6 +158,13 @@ class Schedule:
     def rows(self, positions: Iterable[int]) -> Iterator[TraceRow]:
         for position in positions:
             yield decode_row(self.encoded(position))
+
+    def found_sessions(self) -> Sessions:
+        """The window's sessions, the trace's own or inferred from hash ids (what a search by
+        amplify copies), found once: preflight's look at the lowest probe and the probes share them."""
+        if self._found is None:
+            self._found = find_sessions(lambda: self.rows(range(len(self))))
+        return self._found
 
     def oversized_rows(self) -> Iterator[TraceRow]:
         for _, offset, length in self.oversized:

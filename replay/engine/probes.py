@@ -48,7 +48,6 @@ from replay.rules.capacity_result import (
     WORKERS_LOST,
 )
 from replay.trace.amplify import Clones
-from replay.trace.sessions import Sessions, find_sessions
 
 if TYPE_CHECKING:
     from replay.engine.clock import Clock
@@ -131,7 +130,6 @@ class Probes:
         self.slots = array("q")  # per probe: its first request-id slot
         self.next_slot = 0
         self.amplify = options.search_by == "amplify"
-        self._sessions: Sessions | None = None  # the window's (amplify), found once
         self.probes: list[Probe] = []
         self.ended: str | None = None  # CLIENT_LIMITED, WORKERS_LOST: what ended the search without an answer
         self.fault: str | None = None  # the label of a fault that stopped the run (stop())
@@ -149,10 +147,7 @@ class Probes:
         """The window's copies at `factor` (--search-by amplify), chosen by --seed; None: scale."""
         if not self.amplify:
             return None
-        if self._sessions is None:
-            schedule = self.c.schedule
-            self._sessions = find_sessions(lambda: schedule.rows(range(len(schedule))))
-        return Clones(self._sessions, factor, self.c.options.seed)
+        return Clones(self.c.schedule.found_sessions(), factor, self.c.options.seed)
 
     def probe_of(self, request_id: int) -> int:
         """The number of the probe a request id is of (-1: none)."""

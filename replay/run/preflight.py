@@ -52,7 +52,6 @@ from replay.rules.run_files import spans_path
 from replay.synth.server_check import Verdict, skip_reason, verify_servers
 from replay.trace.amplify import Clones
 from replay.trace.reader import TraceStream
-from replay.trace.sessions import find_sessions
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +177,7 @@ def check_lowest_probe(options: ReplayOptions, schedule: Schedule) -> None:
     low = parse_range(options.search_range)[0]
     if low >= 1:
         return
-    rows = Clones(find_sessions(lambda: schedule.rows(range(len(schedule)))), low, options.seed).rows()
+    rows = Clones(schedule.found_sessions(), low, options.seed).rows()
     if rows < MIN_PROBE_ROWS:
         raise OptionError(f"--search-range {options.search_range}: at {low:g}x a probe replays {rows} rows of the "
                           f"window (--probe-duration {options.probe_duration:g}); judging its goodput takes at least "
