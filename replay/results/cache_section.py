@@ -138,7 +138,7 @@ def cache_job(results: str | Path, meta: dict | None, *, server_block_size: int 
         trace=str(trace_path),
         trace_format=_pick(trace_format, meta_trace.get("format") if same_trace else None),
         block_size=_pick(block_size, meta_trace.get("block_size") if same_trace else None),
-        on_bad_line=_pick(None, (meta.get("options") or {}).get("on_bad_line"), "fail"),
+        on_bad_line=(meta.get("options") or {}).get("on_bad_line") or "fail",
         tokenizer=str(resolve_tokenizer(tokenizer_path)),  # a Hugging Face id: its snapshot, for the child
         chat_template=_pick(chat_template, meta.get("chat_template")),
         api=api or meta.get("api"),

@@ -142,7 +142,7 @@ class CertificateBuilder:
         self._mismatches: list = []
         self.outputs = {"exact": 0, "early stop allowed": 0, "server cut": 0, "error": 0, "no count": 0}
         self.sent_tokens: dict[str, int] = {}  # per endpoint: input_length of the requests the server took in
-        self.sent_unsaid: dict[str, int] = {}  # per endpoint: requests of their own prompts (no input_length)
+        self.sent_unsaid: set[str] = set()  # the endpoints that took rows of their own prompts (no input_length)
         self.cached_counted = 0  # ok records whose usage has cached_tokens
         self.ttft_compared: dict[str, int] = {}  # by server_timing_source: ok records with both TTFTs
         self.ttft_over: dict[str, int] = {}  # of those, the client's over the server's by > CLIENT_EXCESS_MS
@@ -163,7 +163,7 @@ class CertificateBuilder:
         if scheduled(record) and (endpoint := record.get("endpoint")):
             said = record["input_length"]
             if said is None:  # its own prompt: only the server counts what was sent
-                self.sent_unsaid[endpoint] = self.sent_unsaid.get(endpoint, 0) + 1
+                self.sent_unsaid.add(endpoint)
             self.sent_tokens[endpoint] = self.sent_tokens.get(endpoint, 0) + (said or 0)
 
     def _add_send(self, record: Record, due: float, sent: float) -> None:
@@ -300,7 +300,7 @@ AGREES, DISAGREES, ABSENT, UNKNOWN = "agrees", "disagrees", "absent", "unknown"
 
 
 def usage_check(server: dict | None, sent_tokens: dict[str, int], cached_present: bool,
-                sent_unsaid: dict[str, int] | None = None) -> dict | None:
+                sent_unsaid: set[str] | None = None) -> dict | None:
     """The server's usage (the records' prompt and cached tokens) against its own /metrics
     counters over the run, over the endpoints that have them; None without counters. Each
     figure's `status`: `agrees` (equal), `disagrees` (they differ while the prompt-token counter
@@ -312,8 +312,7 @@ def usage_check(server: dict | None, sent_tokens: dict[str, int], cached_present
     if not total:
         return None
     without = set(total.get("endpoints_without_metrics") or ())
-    unsaid = any(n for endpoint, n in (sent_unsaid or {}).items() if endpoint not in without)
-    sent = None if unsaid else sum(n for endpoint, n in sent_tokens.items() if endpoint not in without)
+    sent = None if (sent_unsaid or set()) - without else sum(n for endpoint, n in sent_tokens.items() if endpoint not in without)
     counted_prompts, usage_prompts = total.get("prompt_tokens"), total.get("records_prompt_tokens")
     hits, usage_hits = total.get("prefix_cache_hits"), total.get("records_cached_tokens")
     alone = counted_prompts == sent and not total.get("preemptions")  # the counters count this run's prompts only

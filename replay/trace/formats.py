@@ -29,8 +29,10 @@ from replay.trace.fields import (
 )
 from replay.trace.record import TraceRow
 
-# jsonl's keys, not mooncake's (with AIPerf's single/multi-turn ones, which jsonl refuses by name)
-EXTENDED_KEYS = frozenset({"messages", "text_input", "delay", "session_id", "tools", "gap_ms", "text", "texts", "turns"})
+# AIPerf's single_turn and multi_turn datasets' keys: no trace (no length, no hash ids), refused by name
+AIPERF_DATASET_KEYS = frozenset({"text", "texts", "turns"})
+# jsonl's keys, not mooncake's (with AIPerf's dataset keys, so such a file reads as jsonl and is refused)
+EXTENDED_KEYS = frozenset({"messages", "text_input", "delay", "session_id", "tools", "gap_ms"}) | AIPERF_DATASET_KEYS
 
 
 class JsonRows:
@@ -145,7 +147,7 @@ def _session(value: Any) -> str | None:
 def _missing_length(record: dict) -> str:
     """What a row with neither input_length nor a prompt of its own is missing, in the words of
     the file it most likely is."""
-    if not {"text", "texts", "turns"}.isdisjoint(record):
+    if not AIPERF_DATASET_KEYS.isdisjoint(record):
         return ("missing (required): `text`, `texts` and `turns` are AIPerf's single_turn and multi_turn "
                 "datasets, not a trace; give `text_input` or `messages` (jsonl), or input_length")
     return "missing (required)"
