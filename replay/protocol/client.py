@@ -343,9 +343,10 @@ class _BodyReader:
     The HTTP parser is fed when the body may be over (a read that ends like a chunked body's
     end, or that reaches the Content-Length), and otherwise once FEED_BATCH reads wait: it then
     takes the reads since its last feed one by one, so each read's body size is what it would
-    have been, and decides whether the message is complete (or malformed). The lists hold bytes, ints and floats, which the garbage collector does not track:
-    one tuple per read made its young generation tens of thousands of objects long, and each
-    collection a millisecond-long pause.
+    have been, and decides whether the message is complete (or malformed). The lists hold
+    bytes, ints and floats, which the garbage collector does not track: one tuple per read made
+    its young generation tens of thousands of objects long, and each collection a
+    millisecond-long pause.
     """
 
     __slots__ = ("response", "buf", "sock", "on_read", "reads", "fed", "left", "sizes", "times", "error",

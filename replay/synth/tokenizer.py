@@ -67,18 +67,15 @@ def _template_from_config(config: dict, where: Path) -> str | dict[str, str] | N
     """tokenizer_config.json's chat_template: a string, or a list of named templates
     ([{"name": "default", "template": ...}, {"name": "tool_use", ...}]) read as {name: template}."""
     tmpl = config.get("chat_template")
-    if isinstance(tmpl, (list, dict)):
-        if isinstance(tmpl, dict):  # {name: template}, as this module hands it on
-            named = tmpl
-        elif not all(isinstance(t, dict) and "name" in t and "template" in t for t in tmpl):
+    if isinstance(tmpl, list):
+        if not all(isinstance(t, dict) and "name" in t and "template" in t for t in tmpl):
             raise ChatTemplateError("chat_template list entries must be {\"name\": ..., \"template\": ...}", str(where))
-        else:
-            named = {t["name"]: t["template"] for t in tmpl}
-        if bad := next((name for name, t in named.items() if not isinstance(t, str)), None):
+        tmpl = {t["name"]: t["template"] for t in tmpl}
+    if isinstance(tmpl, dict):  # named templates (also as this module hands them on)
+        if bad := next((name for name, t in tmpl.items() if not isinstance(t, str)), None):
             raise ChatTemplateError(f"chat_template {bad!r}: expected a template string, got "
-                                    f"{type(named[bad]).__name__}", str(where))
-        return named
-    if tmpl is not None and not isinstance(tmpl, str):
+                                    f"{type(tmpl[bad]).__name__}", str(where))
+    elif tmpl is not None and not isinstance(tmpl, str):
         raise ChatTemplateError(f"chat_template: expected a template string or a list of named ones, got "
                                 f"{type(tmpl).__name__}", str(where))
     return tmpl
